@@ -1,0 +1,33 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="torch_wgpu_lora",
+    version="0.1.0",
+    description="Finetune LoRA adapters of BitNet b1.58 models with WebGPU compute kernels from PyTorch",
+    long_description=Path("README.md").read_text(encoding="utf-8") if Path("README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["torch_wgpu_lora", "torch_wgpu_lora.*"]) + ["torch_wgpu_lora.wgsl"],
+    # The shaders live in the top-level wgsl/ folder and ship inside the package.
+    package_dir={"torch_wgpu_lora.wgsl": "wgsl"},
+    package_data={"torch_wgpu_lora.wgsl": ["*.wgsl"], "torch_wgpu_lora": ["assets/*", "assets/**/*"]},
+    install_requires=[
+        "torch>=2.2",
+        "numpy>=1.24",
+        "wgpu>=0.32,<0.33",
+        "transformers>=4.52",
+        "accelerate>=0.26",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "plot": ["matplotlib>=3.7"],
+        "peft": ["peft>=0.19"],
+        "notebooks": ["jupyter", "ipykernel", "matplotlib>=3.7", "pandas>=2"],
+        "test": ["pytest>=8", "nbmake>=1.5", "ipykernel", "peft>=0.19", "matplotlib>=3.7", "pandas>=2"],
+    },
+    entry_points={"console_scripts": ["torch-wgpu-lora=torch_wgpu_lora.cli:main"]},
+)

@@ -1,0 +1,1 @@
+"""Integrations: transformers' BitNet models, adapter files, gradient checks."""

@@ -1,0 +1,113 @@
+"""``LoRALinear``: a frozen base layer plus a trainable low-rank update.
+
+>>> import torch.nn as nn
+>>> layer = LoRALinear(nn.Linear(64, 32), r=8, lora_alpha=16)
+>>> layer(torch.randn(3, 64)).shape
+torch.Size([3, 32])
+>>> layer.lora_A.shape, layer.lora_B.shape, layer.scaling
+(torch.Size([8, 64]), torch.Size([32, 8]), 2.0)
+
+output = base_layer(x) + scaling · lora_B(lora_A(dropout(x))), scaling = lora_alpha / r.
+Naming follows PEFT (``lora_A`` [r, in], ``lora_B`` [out, r]); they are Parameters
+rather than Linear modules, and adapter files map them to PEFT's ``lora_A.weight``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .init import init_lora_A
+from .ops.lora import lora, lora_reference
+
+BACKENDS = ("wgpu", "torch")
+
+
+class LoRALinear(nn.Module):
+    """Wraps a linear layer (``nn.Linear``, transformers' ``AutoBitLinear`` or packed
+    ``BitLinear``: anything with ``in_features``/``out_features``) with a LoRA adapter.
+
+    ``backend="wgpu"`` computes the adapter with the WebGPU kernels; ``"torch"`` with
+    plain torch ops (the reference). The adapter's parameters are float32 whatever the
+    base layer's dtype; its output is cast to the base output's dtype.
+    """
+
+    def __init__(self, base_layer: nn.Module, r: int = 8, lora_alpha: float = 8.0, lora_dropout: float = 0.0,
+                 init: str = "hesper", seed: int = 42, backend: str = "wgpu") -> None:
+        super().__init__()
+        in_features = getattr(base_layer, "in_features", None)
+        out_features = getattr(base_layer, "out_features", None)
+        if not isinstance(in_features, int) or not isinstance(out_features, int):
+            raise TypeError(f"LoRALinear wraps layers with integer in_features/out_features; "
+                            f"{type(base_layer).__name__} has none")
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"r must be a positive integer, got {r!r}")
+        if not 0.0 <= lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout!r}")
+        self.base_layer = base_layer.requires_grad_(False)
+        self.in_features, self.out_features = in_features, out_features
+        self.r = r
+        self.lora_alpha = float(lora_alpha)
+        self.scaling = self.lora_alpha / r
+        self.backend = backend
+        self.lora_dropout = nn.Dropout(lora_dropout) if lora_dropout > 0 else nn.Identity()
+        self.lora_A = nn.Parameter(init_lora_A((r, in_features), init, seed))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, r))
+        self.merged = False
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        if value not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {value!r}")
+        self._backend = value
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base layer's weight (what code that inspects ``proj.weight`` expects)."""
+        return self.base_layer.weight
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's contribution alone: scaling · (dropout(x)·Aᵀ)·Bᵀ, in float32."""
+        x = self.lora_dropout(x)
+        if self._backend == "wgpu":
+            return lora(x.float(), self.lora_A, self.lora_B, self.scaling)
+        return lora_reference(x.to(self.lora_A.dtype), self.lora_A, self.lora_B, self.scaling)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base_layer(x)
+        if self.merged:
+            return result
+        return result + self.delta(x).to(result.dtype)
+
+    def _plain_linear_weight(self) -> torch.Tensor:
+        if type(self.base_layer) is not nn.Linear:
+            raise TypeError(f"merge()/unmerge() need a plain nn.Linear base layer; this one is "
+                            f"{type(self.base_layer).__name__}, whose weights are quantised and "
+                            "cannot absorb the adapter")
+        return self.base_layer.weight
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold scaling·B·A into the base weight; forward then skips the adapter."""
+        weight = self._plain_linear_weight()
+        if self.merged:
+            raise RuntimeError("adapter is already merged")
+        weight += (self.scaling * self.lora_B @ self.lora_A).to(weight.dtype)
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Undo ``merge()`` (up to float rounding)."""
+        weight = self._plain_linear_weight()
+        if not self.merged:
+            raise RuntimeError("adapter is not merged")
+        weight -= (self.scaling * self.lora_B @ self.lora_A).to(weight.dtype)
+        self.merged = False
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
+                f"lora_alpha={self.lora_alpha}, backend={self._backend!r}")
