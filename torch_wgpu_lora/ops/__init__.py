@@ -1,5 +1,3 @@
-"""Ops: autograd Functions over the runtime's kernels, each beside its torch reference."""
-
-from .lora import LoRAFunction, LoRAWeights, lora, lora_reference, resident_weights
-
-__all__ = ["LoRAFunction", "LoRAWeights", "lora", "lora_reference", "resident_weights"]
+"""Ops: autograd Functions over the runtime's kernels, one module per kernel family,
+each with its torch reference beside it (``ops.lora``: ``LoRAFunction``, ``lora``,
+``lora_reference``)."""

@@ -103,7 +103,8 @@ def _down(rec: Recorder, X: Buffer, M: Buffer, rank: int, out: Buffer | None = N
     rb = _rank_block(rank)
     row_blocks = _cdiv(rows, t.down_rows)
     wg = 256 if row_blocks * _cdiv(rank, rb) >= t.target_workgroups else 64
-    splits = max(1, min(_cdiv(t.target_workgroups, row_blocks * _cdiv(rank, rb)), _cdiv(d4, wg)))
+    fit = rec.device.max_binding // (rows * rank * 4)
+    splits = max(1, min(_cdiv(t.target_workgroups, row_blocks * _cdiv(rank, rb)), _cdiv(d4, wg), fit))
     split_d4 = _cdiv(d4, splits)
     splits = _cdiv(d4, split_d4)
     result = out if out is not None else Buffer((rows, rank), device=rec.device)
@@ -139,7 +140,8 @@ def _outer(rec: Recorder, G: Buffer, X: Buffer, grad: Buffer, scale: float, accu
     t = tuning(rec.device)
     rb = _rank_block(rank)
     col_blocks = _cdiv(d4, t.outer_cols) * _cdiv(rank, rb)
-    splits = max(1, min(_cdiv(t.target_workgroups, col_blocks), _cdiv(rows, t.outer_lanes)))
+    fit = rec.device.max_binding // (rank * d4 * 16)  # the partials must fit one binding too
+    splits = max(1, min(_cdiv(t.target_workgroups, col_blocks), _cdiv(rows, t.outer_lanes), fit))
     split_rows = _cdiv(rows, splits)
     splits = _cdiv(rows, split_rows)
     P = Buffer((splits, rank, d4 * 4), device=rec.device)
@@ -184,11 +186,12 @@ def forward(rec: Recorder, x: Buffer, w: LoRAWeights, scaling: float) -> tuple[B
 
 def backward(rec: Recorder, dy: Buffer, x: Buffer, h: Buffer, w: LoRAWeights, scaling: float, *,
              dA: Buffer | None = None, dBt: Buffer | None = None, dx: Buffer | None = None,
-             accumulate: bool = False) -> None:
+             accumulate: bool = False, accumulate_dx: bool = False) -> None:
     """Record the LoRA gradients that have a destination buffer.
 
     dA [r, in4] and dBt [r, out4] get ``+=`` when ``accumulate`` (gradient accumulation
-    across micro-batches), else are overwritten; dx [N, in4] likewise.
+    across micro-batches), else are overwritten. dx [N, in4] gets ``+=`` when
+    ``accumulate_dx`` (adding into a residual stream's gradient), else is overwritten.
     """
     if dx is None and dA is None and dBt is None:
         return
@@ -198,12 +201,12 @@ def backward(rec: Recorder, dy: Buffer, x: Buffer, h: Buffer, w: LoRAWeights, sc
         return
     dh = _down(rec, dy, w.Bt, w.rank)
     if dA is not None and dx is not None and w.rank <= 16:
-        _outer(rec, dh, x, dA, scaling, accumulate, up=(w.A, dx, accumulate))
+        _outer(rec, dh, x, dA, scaling, accumulate, up=(w.A, dx, accumulate_dx))
         return
     if dA is not None:
         _outer(rec, dh, x, dA, scaling, accumulate)
     if dx is not None:
-        _up(rec, dh, w.A, dx, scaling, accumulate)
+        _up(rec, dh, w.A, dx, scaling, accumulate_dx)
 
 
 # -- torch staging -----------------------------------------------------------------------------

@@ -90,7 +90,7 @@ class Kernel:
     def bind_group(self, params: tuple[Any, int], buffers: tuple[Buffer, ...]) -> Any:
         """The bind group for (params, buffers), reused while those buffers repeat."""
         params, params_serial = params
-        key = (params_serial, *(b.serial for b in buffers))
+        key = (params_serial, *((b.serial, b.nbytes) for b in buffers))  # a pooled buffer may come back resized
         group = self._bind_groups.get(key)
         if group is None:
             for b in buffers:

@@ -1,0 +1,16 @@
+"""Suite-wide setup. WebGPU tests never skip: without an adapter the suite fails with
+the install hint (on CI and everywhere else), so a green run always means the
+kernels ran."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from torch_wgpu_lora.runtime import device_info
+
+    info = device_info()  # raises RuntimeError naming what to install when no adapter exists
+    return f"WebGPU adapter: {info['adapter']} [{info['backend']}, {info['adapter_type']}] (CI={os.environ.get('CI', '')!r})"

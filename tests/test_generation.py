@@ -1,0 +1,287 @@
+"""generate(): agreement with Hugging Face's generate and logits processors, KV cache,
+seeding, EOS, templates and argument checks, on a tiny BitNet with WebGPU LoRA adapters."""
+
+import json
+from importlib import resources
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoTokenizer, BitNetForCausalLM
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import torch_wgpu_lora
+from torch_wgpu_lora.generation import (
+    Generation,
+    _eos_ids,
+    apply_repetition_penalty,
+    generate,
+    process_logits,
+    top_k_filter,
+    top_p_filter,
+)
+from torch_wgpu_lora.integrations.bitnet import apply_lora, lora_modules
+from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
+from torch_wgpu_lora.prompts import format_prompt
+
+PROMPT = "Name a primary colour."
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generation")
+    records = json.loads((resources.files("torch_wgpu_lora") / "assets" / "alpaca_demo.json").read_text())
+    texts = [format_prompt(r["instruction"], r["input"]) + r["output"] for r in records]
+    return build_tiny_bitnet(root / "model", flavour="dense", seed=0), build_tiny_tokenizer(root / "tok", texts)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(paths):
+    return AutoTokenizer.from_pretrained(paths[1])
+
+
+@pytest.fixture(scope="module")
+def model(paths):
+    model = BitNetForCausalLM.from_pretrained(paths[0])
+    apply_lora(model, r=4, target_modules=("q_proj", "v_proj", "o_proj"), backend="wgpu")
+    generator = torch.Generator().manual_seed(1)
+    for module in lora_modules(model).values():
+        # lora_B starts at zero; random values make the adapters change every output.
+        module.lora_B.data = 0.5 * torch.randn(module.lora_B.shape, generator=generator)
+    return model.eval()
+
+
+def prompt_ids(tokenizer, text):
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def hf_new_ids(model, tokenizer, text, **kwargs):
+    ids = prompt_ids(tokenizer, text)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **kwargs)
+    return out[0, ids.shape[1]:].tolist()
+
+
+# -- agreement with Hugging Face's generate -----------------------------------------------------
+
+def test_adapters_change_the_model(model, paths, tokenizer):
+    ids = prompt_ids(tokenizer, PROMPT)
+    base = BitNetForCausalLM.from_pretrained(paths[0]).eval()
+    with torch.no_grad():
+        assert not torch.allclose(model(ids).logits, base(ids).logits, atol=1e-2)
+    assert {m.backend for m in lora_modules(model).values()} == {"wgpu"}
+
+
+def test_greedy_matches_hf_generate_token_for_token(model, tokenizer):
+    ours = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, repetition_penalty=1.3,
+                    use_template=True, return_ids=True)
+    theirs = hf_new_ids(model, tokenizer, format_prompt(PROMPT), do_sample=False, repetition_penalty=1.3)
+    assert ours.token_ids == theirs
+    assert len(set(theirs)) > 1  # a degenerate single-token output would prove little
+
+
+@pytest.mark.parametrize("strategy, hf_filters", [("top_k", dict(top_k=5, top_p=1.0)),
+                                                  ("top_p", dict(top_k=0, top_p=0.8))])
+def test_seeded_sampling_matches_hf_generate_under_the_same_seed(model, tokenizer, strategy, hf_filters):
+    # HF draws with torch.multinomial from the global generator; ours from a local one
+    # seeded alike, so the same processed logits give the same draws.
+    ours = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, strategy=strategy, temperature=0.8,
+                    top_k=5, top_p=0.8, repetition_penalty=1.2, seed=3, return_ids=True)
+    torch.manual_seed(3)
+    theirs = hf_new_ids(model, tokenizer, PROMPT, do_sample=True, temperature=0.8, repetition_penalty=1.2,
+                        **hf_filters)
+    assert ours.token_ids == theirs
+
+
+def test_kv_cache_matches_full_recomputation(model, tokenizer):
+    ours = generate(model, tokenizer, PROMPT, max_new_tokens=5, repetition_penalty=1.3, return_ids=True)
+    ids = prompt_ids(tokenizer, PROMPT)[0]
+    with torch.no_grad():
+        for _ in range(5):
+            logits = model(ids[None], use_cache=False).logits[0, -1]
+            token = int(torch.argmax(process_logits(logits, ids, "greedy", repetition_penalty=1.3)))
+            ids = torch.cat([ids, torch.tensor([token])])
+    assert ours.token_ids == ids[-5:].tolist()
+
+
+# -- logits processing against transformers' processors -----------------------------------------
+
+def test_repetition_penalty_follows_ctrl_rule_for_both_signs():
+    logits = torch.tensor([2.0, -2.0, 0.5, 3.0, -1.0])
+    seen = torch.tensor([0, 1, 1, 4])  # a repeated id is penalised once
+    assert torch.equal(apply_repetition_penalty(logits, seen, 2.0), torch.tensor([1.0, -4.0, 0.5, 3.0, -2.0]))
+    # penalty < 1 rewards repetition: the same rule with the factor inverted
+    assert torch.equal(apply_repetition_penalty(logits, seen, 0.5), torch.tensor([4.0, -1.0, 0.5, 3.0, -0.5]))
+    assert torch.equal(logits, torch.tensor([2.0, -2.0, 0.5, 3.0, -1.0]))  # input untouched
+
+
+@pytest.mark.parametrize("penalty", [0.7, 1.1, 1.5])
+def test_repetition_penalty_equals_hf(penalty):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=generator)
+    seen = torch.randint(0, 50, (30,), generator=generator)
+    expected = RepetitionPenaltyLogitsProcessor(penalty)(seen[None], logits[None].clone())[0]
+    assert torch.equal(apply_repetition_penalty(logits, seen, penalty), expected)
+
+
+def test_top_k_keeps_the_k_largest_and_ties():
+    logits = torch.tensor([1.0, 4.0, 3.0, 3.0, 0.0])
+    inf = float("-inf")
+    assert torch.equal(top_k_filter(logits, 1), torch.tensor([inf, 4.0, inf, inf, inf]))
+    assert torch.equal(top_k_filter(logits, 2), torch.tensor([inf, 4.0, 3.0, 3.0, inf]))
+    assert torch.equal(top_k_filter(logits, 10), logits)
+
+
+@pytest.mark.parametrize("k", [1, 3, 40, 100])
+def test_top_k_equals_hf(k):
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(k)).round(decimals=1)  # rounding makes ties
+    assert torch.equal(top_k_filter(logits, k), TopKLogitsWarper(k)(None, logits))
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()
+    inf = float("-inf")
+    expected = torch.tensor([logits[0], logits[1], inf, inf])
+    assert torch.allclose(top_p_filter(logits, 0.75), expected)  # 0.5 + 0.3 reaches 0.75
+    assert torch.equal(top_p_filter(logits, 0.01).isfinite(), torch.tensor([True, False, False, False]))
+    assert torch.equal(top_p_filter(logits, 1.0), logits)
+
+
+def test_top_p_keeps_the_top_token_when_rounding_leaves_less_than_one_minus_p():
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    total = torch.sort(logits).values.softmax(-1).cumsum(-1)[-1]
+    assert total <= 1 - 1e-9  # float32 cumsum of these probabilities ends just below 1
+    kept = top_p_filter(logits, 1e-9).isfinite()
+    assert kept.sum() == 1 and kept[logits.argmax()]
+
+
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 1.0])
+def test_top_p_equals_hf(p):
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(int(p * 100)))
+    assert torch.equal(top_p_filter(logits, p), TopPLogitsWarper(p)(None, logits))
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "top_k", "top_p"])
+def test_process_logits_equals_hf_chain(strategy):
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, generator=generator)
+    seen = torch.randint(0, 64, (20,), generator=generator)
+    chain = [RepetitionPenaltyLogitsProcessor(1.2)]
+    if strategy != "greedy":
+        chain.append(TemperatureLogitsWarper(0.7))
+        chain.append(TopKLogitsWarper(7) if strategy == "top_k" else TopPLogitsWarper(0.6))
+    expected = logits[None].clone()
+    for processor in chain:
+        expected = processor(seen[None], expected)
+    ours = process_logits(logits, seen, strategy, temperature=0.7, top_k=7, top_p=0.6, repetition_penalty=1.2)
+    assert torch.allclose(ours, expected[0], atol=1e-6)  # temperature division may round differently by 1 ulp
+
+
+# -- sampling, stopping, templates -----------------------------------------------------------------
+
+def test_seeded_sampling_is_reproducible_and_leaves_global_rng_alone(model, tokenizer):
+    state = torch.get_rng_state()
+    first = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, strategy="top_p", top_p=0.95, seed=7,
+                     return_ids=True)
+    assert torch.equal(torch.get_rng_state(), state)
+    again = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, strategy="top_p", top_p=0.95, seed=7,
+                     return_ids=True)
+    other = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, strategy="top_p", top_p=0.95, seed=8,
+                     return_ids=True)
+    assert first == again
+    assert first.token_ids != other.token_ids
+
+
+def test_top_k_of_one_samples_the_greedy_tokens(model, tokenizer):
+    greedy = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, return_ids=True)
+    sampled = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, strategy="top_k", top_k=1,
+                       temperature=0.5, seed=0, return_ids=True)
+    assert sampled.token_ids == greedy.token_ids
+
+
+def test_generation_stops_at_eos(model, tokenizer):
+    full = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, eos_token_id=-1, return_ids=True)
+    assert len(full.token_ids) == NEW_TOKENS and not full.finished_by_eos
+    third = full.token_ids[2]
+    stop = full.token_ids.index(third) + 1
+    stopped = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, eos_token_id=[-1, third],
+                       return_ids=True)
+    assert stopped.token_ids == full.token_ids[:stop] and stopped.finished_by_eos
+    assert stopped.text == tokenizer.decode(stopped.token_ids, skip_special_tokens=True)
+
+
+def test_eos_defaults_to_tokenizer_then_generation_config():
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[5, 6]))
+    assert _eos_ids(None, SimpleNamespace(eos_token_id=1), model) == {1}
+    assert _eos_ids(None, SimpleNamespace(eos_token_id=None), model) == {5, 6}
+    assert _eos_ids(9, SimpleNamespace(eos_token_id=1), model) == {9}
+    assert _eos_ids(None, SimpleNamespace(eos_token_id=None), SimpleNamespace()) == set()
+    with pytest.raises(ValueError, match="eos_token_id must be an int or a list of ints"):
+        _eos_ids(["1"], None, model)
+
+
+def test_text_is_the_decoded_new_tokens(model, tokenizer):
+    result = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, return_ids=True)
+    assert isinstance(result, Generation)
+    assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    assert generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS) == result.text
+    assert torch_wgpu_lora.generate is generate
+
+
+def test_zero_new_tokens_returns_empty_text(model, tokenizer):
+    result = generate(model, tokenizer, PROMPT, max_new_tokens=0, return_ids=True)
+    assert result.text == "" and result.token_ids == [] and not result.finished_by_eos
+
+
+def test_templates(model, tokenizer):
+    plain = generate(model, tokenizer, PROMPT, max_new_tokens=0, return_ids=True)
+    templated = generate(model, tokenizer, PROMPT, max_new_tokens=0, use_template=True, return_ids=True)
+    with_input = generate(model, tokenizer, {"instruction": "Add the numbers.", "input": "2 and 3"},
+                          max_new_tokens=0, return_ids=True)
+    assert plain.prompt_ids == prompt_ids(tokenizer, PROMPT)[0].tolist()
+    assert templated.prompt_ids == prompt_ids(tokenizer, format_prompt(PROMPT))[0].tolist()
+    assert with_input.prompt_ids == prompt_ids(tokenizer, format_prompt("Add the numbers.", "2 and 3"))[0].tolist()
+
+
+def test_training_flag_is_restored(model, tokenizer):
+    model.train()
+    try:
+        generate(model, tokenizer, PROMPT, max_new_tokens=2)
+        assert all(m.training for m in model.modules())
+    finally:
+        model.eval()
+    generate(model, tokenizer, PROMPT, max_new_tokens=2)
+    assert not any(m.training for m in model.modules())
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(strategy="beam"), ValueError, "strategy must be one of"),
+    (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\], got 1.5"),
+    (dict(top_k=0), ValueError, "top_k must be an integer >= 1, got 0"),
+    (dict(strategy="top_k", temperature=0.0), ValueError, "temperature must be > 0 for sampling"),
+    (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be an integer >= 0, got -1"),
+    (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be > 0"),
+    (dict(seed="1"), ValueError, "seed must be an integer or None"),
+    (dict(prompt=""), ValueError, "prompt is empty"),
+    (dict(prompt=3), TypeError, "prompt must be a string or a dict"),
+    (dict(prompt={"input": "x"}), ValueError, "a dict prompt has the keys 'instruction'"),
+    (dict(prompt={"instruction": ""}), ValueError, "instruction must be a non-empty string"),
+])
+def test_bad_arguments_are_rejected(model, tokenizer, kwargs, error, message):
+    kwargs = {"prompt": PROMPT, **kwargs}
+    with pytest.raises(error, match=message):
+        generate(model, tokenizer, max_new_tokens=kwargs.pop("max_new_tokens", 1), **kwargs)
+
+
+def test_greedy_ignores_temperature(model, tokenizer):
+    # HF ignores the sampling settings for greedy decoding too; temperature=0 is not an error there.
+    assert generate(model, tokenizer, PROMPT, max_new_tokens=2, temperature=0.0) == \
+        generate(model, tokenizer, PROMPT, max_new_tokens=2)

@@ -1,0 +1,239 @@
+"""Text generation with a KV cache: greedy, top-k or top-p sampling, repetition penalty.
+
+>>> # model = BitNetForCausalLM.from_pretrained(path); apply_lora(model); tokenizer = AutoTokenizer.from_pretrained(path)
+>>> # generate(model, tokenizer, "Name a primary colour.", use_template=True)  # the new text
+>>> # generate(model, tokenizer, {"instruction": "Add the numbers.", "input": "2 and 3"}, strategy="top_p", seed=0)
+>>> # result = generate(model, tokenizer, "Once upon a time", max_new_tokens=16, return_ids=True)
+>>> # result.text, result.token_ids, result.finished_by_eos
+
+Each step processes the next-token logits in Hugging Face's order: repetition penalty,
+then (sampling only) temperature, then top-k or top-p filtering; greedy takes the argmax,
+sampling draws from the softmax with a local ``torch.Generator``. The filters are
+re-implemented here on one sequence's logits (a few lines each, the same semantics as
+transformers' ``RepetitionPenaltyLogitsProcessor``, ``TopKLogitsWarper`` and
+``TopPLogitsWarper``, which the tests check) so they do not depend on those classes'
+changing signatures across transformers versions.
+
+Hugging Face's own ``model.generate()`` works too with ``LoRALinear`` modules in place.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .prompts import format_prompt
+
+STRATEGIES = ("greedy", "top_k", "top_p")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What ``generate(..., return_ids=True)`` returns.
+
+    ``token_ids`` are the new tokens only, ending with the EOS token when
+    ``finished_by_eos``; ``text`` is their decoding without special tokens.
+    """
+
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    finished_by_eos: bool
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's rule on the logits [vocab] of every token in ``seen_ids`` (each once):
+    positive logits are divided by ``penalty``, negative ones multiplied.
+
+    >>> apply_repetition_penalty(torch.tensor([2.0, -2.0, 2.0]), torch.tensor([0, 1, 1]), 2.0)
+    tensor([ 1., -4.,  2.])
+    """
+    ids = torch.unique(seen_ids)
+    picked = logits[ids]
+    out = logits.clone()
+    out[ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
+    return out
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Logits [..., vocab] with everything below the k-th largest set to -inf (ties kept).
+
+    >>> top_k_filter(torch.tensor([1.0, 3.0, 2.0]), 2)
+    tensor([-inf, 3., 2.])
+    """
+    kth_largest = torch.topk(logits, min(k, logits.shape[-1])).values[..., -1:]
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Logits [..., vocab] restricted to the smallest set of most likely tokens whose
+    probability adds up to at least ``p`` (the most likely token is always kept).
+
+    >>> top_p_filter(torch.tensor([0.0, 2.0, 1.0]), 0.5)
+    tensor([-inf, 2., -inf])
+    """
+    ascending, order = torch.sort(logits, descending=False)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= 1 - p
+    remove_sorted[..., -1] = False
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def process_logits(logits: torch.Tensor, seen_ids: torch.Tensor, strategy: str = "greedy",
+                   temperature: float = 1.0, top_k: int = 40, top_p: float = 0.9,
+                   repetition_penalty: float = 1.1) -> torch.Tensor:
+    """One step's next-token logits [vocab] as ``generate`` samples (or argmaxes) them.
+
+    ``seen_ids`` are the prompt and generated tokens so far. Greedy applies only the
+    repetition penalty; sampling then divides by ``temperature`` and applies top-k
+    (``strategy="top_k"``) or top-p (``strategy="top_p"``) filtering.
+    """
+    logits = logits.float()
+    if repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, seen_ids, repetition_penalty)
+    if strategy == "greedy":
+        return logits
+    logits = logits / temperature
+    return top_k_filter(logits, top_k) if strategy == "top_k" else top_p_filter(logits, top_p)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_arguments(max_new_tokens: int, strategy: str, temperature: float, top_k: int, top_p: float,
+                     repetition_penalty: float, seed: int | None) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
+    if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not _is_number(repetition_penalty) or not repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1.0 means no penalty), got {repetition_penalty!r}")
+    if strategy != "greedy" and (not _is_number(temperature) or not temperature > 0):
+        raise ValueError(f"temperature must be > 0 for sampling (strategy={strategy!r}), got {temperature!r}; "
+                         "use strategy='greedy' for deterministic decoding")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+
+
+def _prompt_text(prompt: str | Mapping[str, str], use_template: bool) -> str:
+    if isinstance(prompt, Mapping):
+        unknown = set(prompt) - {"instruction", "input"}
+        if "instruction" not in prompt or unknown:
+            raise ValueError(f"a dict prompt has the keys 'instruction' and optionally 'input', got {sorted(prompt)}")
+        return format_prompt(prompt["instruction"], prompt.get("input", ""))
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a string or a dict with 'instruction' (and 'input'), "
+                        f"got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("prompt is empty")
+    return format_prompt(prompt) if use_template else prompt
+
+
+def _eos_ids(eos_token_id: int | Iterable[int] | None, tokenizer: Any, model: nn.Module) -> set[int]:
+    if eos_token_id is None:
+        eos_token_id = getattr(tokenizer, "eos_token_id", None)
+    if eos_token_id is None:
+        config = getattr(model, "generation_config", None)
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    ids = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
+    return ids
+
+
+def _decode_loop(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, eos: set[int],
+                 generator: torch.Generator | None, **processing: Any) -> tuple[list[int], bool]:
+    """(new token ids, whether EOS ended them); greedy when ``generator`` is None, else sampling."""
+    parameters = inspect.signature(model.forward).parameters
+    # transformers 5 renamed forward's ``past_key_values`` (and the output field) to ``cache``.
+    cache_name = "cache" if "cache" in parameters else "past_key_values"
+    # Only the last position's logits are used: skip the LM head on the rest of the prompt.
+    keep_last = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+    seen = prompt_ids[0]
+    output = model(input_ids=prompt_ids, use_cache=True, **keep_last)
+    new_ids: list[int] = []
+    for step in range(max_new_tokens):
+        logits = process_logits(output.logits[0, -1], seen, **processing)
+        if generator is None:
+            token = int(torch.argmax(logits))
+        else:
+            token = int(torch.multinomial(logits.softmax(dim=-1), 1, generator=generator))
+        new_ids.append(token)
+        if token in eos:
+            return new_ids, True
+        if step + 1 == max_new_tokens:
+            break
+        next_input = torch.tensor([[token]], device=prompt_ids.device)
+        seen = torch.cat([seen, next_input[0]])
+        output = model(input_ids=next_input, use_cache=True, **{cache_name: getattr(output, cache_name)}, **keep_last)
+    return new_ids, False
+
+
+def generate(model: nn.Module, tokenizer: Any, prompt: str | Mapping[str, str], max_new_tokens: int = 128,
+             strategy: str = "greedy", temperature: float = 1.0, top_k: int = 40, top_p: float = 0.9,
+             repetition_penalty: float = 1.1, eos_token_id: int | Iterable[int] | None = None,
+             seed: int | None = None, use_template: bool = False, return_ids: bool = False) -> str | Generation:
+    """Continue ``prompt`` with up to ``max_new_tokens`` tokens; return the new text.
+
+    ``model`` is a transformers causal LM (LoRA adapters in place or not), ``tokenizer``
+    its tokenizer (the prompt is encoded with its default special tokens, e.g. BOS).
+    ``use_template=True`` wraps a string prompt in the Alpaca template as the instruction
+    (``prompts.format_prompt``); a dict ``{"instruction": ..., "input": ...}`` always is.
+
+    ``strategy``: ``"greedy"`` (argmax; ``temperature``, ``top_k``, ``top_p`` and ``seed``
+    unused), ``"top_k"`` or ``"top_p"`` (sampling from the ``top_k`` most likely tokens, or
+    from the nucleus of probability ``top_p``, after dividing the logits by ``temperature``).
+    ``repetition_penalty`` applies CTRL's rule to every prompt and generated token (1.0: off).
+    ``seed`` makes sampling reproducible (``None``: a fresh random seed each call).
+    Generation stops after an EOS token (``eos_token_id``, by default the tokenizer's, else
+    the model's generation config's; an int or several) or ``max_new_tokens``.
+
+    ``return_ids=True`` returns a ``Generation`` (text, new token ids, prompt ids, whether
+    EOS ended it) instead of the text. The model runs in eval mode without gradients; its
+    training flag is restored afterwards.
+    """
+    _check_arguments(max_new_tokens, strategy, temperature, top_k, top_p, repetition_penalty, seed)
+    text = _prompt_text(prompt, use_template)
+    eos = _eos_ids(eos_token_id, tokenizer, model)
+    device = next(model.parameters()).device
+    prompt_ids = torch.as_tensor(tokenizer(text)["input_ids"], dtype=torch.long, device=device).reshape(1, -1)
+    if prompt_ids.shape[1] == 0:
+        raise ValueError(f"prompt {text!r} encodes to no tokens")
+    generator = None
+    if strategy != "greedy":
+        generator = torch.Generator(device=device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+
+    new_ids: list[int] = []
+    finished_by_eos = False
+    if max_new_tokens > 0:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                new_ids, finished_by_eos = _decode_loop(
+                    model, prompt_ids, max_new_tokens, eos, generator, strategy=strategy,
+                    temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
+        finally:
+            model.train(was_training)
+    new_text = tokenizer.decode(new_ids, skip_special_tokens=True)
+    if not return_ids:
+        return new_text
+    return Generation(text=new_text, token_ids=new_ids, prompt_ids=prompt_ids[0].tolist(),
+                      finished_by_eos=finished_by_eos)
