@@ -155,7 +155,8 @@ def test_only_requested_gradients_are_computed(monkeypatch):
     calls.clear()
     y.sum().backward()
     assert x.grad is None and A.grad is None and B.grad is not None
-    assert calls == ["lora_outer.wgsl:outer", "reduce.wgsl:reduce_partials"]  # gradB only: no dh, dA or dx pass
+    assert "lora_outer.wgsl:outer" in calls  # gradB only: no dh (lora_down) or dx (lora_up) pass
+    assert not any(name.startswith(("lora_down", "lora_up")) for name in calls)
     _, _, _, dB_ref = reference(x, A, B, 1.0, torch.ones(6, 8))
     assert_close(B.grad, dB_ref, "dB")
 

@@ -5,9 +5,9 @@ The math, with x [N, in], A [r, in], B [out, r] and s = scaling::
     forward   h  = x·Aᵀ          lora_down.wgsl   (+ reduce.wgsl when split for small N)
               y  = s·h·Bᵀ        lora_up.wgsl     (B projection and scale fused)
     backward  dh = dY·B          lora_down.wgsl   gradDh
-              dB += s·dYᵀ·h      lora_outer.wgsl + reduce.wgsl   gradB (computed as dBᵀ)
-              dA += s·dhᵀ·x      lora_outer.wgsl + reduce.wgsl   gradA
-              dx += s·dh·A       fused into the gradA pass (outer_up), else lora_up.wgsl   inputGrad
+              dB += s·dYᵀ·h      lora_outer.wgsl (+ reduce.wgsl over row splits)   gradB, as dBᵀ
+              dA += s·dhᵀ·x      lora_outer.wgsl (+ reduce.wgsl over row splits)   gradA
+              dx += s·dh·A       lora_up.wgsl     inputGrad
 
 GPU layout: a matrix's long side (``in`` or ``out``) is contiguous and padded to a
 multiple of 4 floats so kernels load vec4s: x, dx [N, in4]; dY, y [N, out4]; A [r, in4];
@@ -56,14 +56,16 @@ def lora_reference(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: f
 
 @dataclass(frozen=True)
 class Tuning:
-    """Launch shapes. ``target_workgroups`` is how many workgroups a reduction over
-    rows or a split row is spread across; a CPU adapter wants few, a GPU many."""
+    """Launch shapes. ``target_workgroups``: how many workgroups a reduction over rows
+    (or over a split row, when rows are few) is spread across; a CPU adapter wants few,
+    a GPU many. ``down_lanes``: threads sharing one rank in lora_down. ``up_wg``:
+    threads per workgroup in lora_up. ``outer_cols``: vec4 columns per workgroup in
+    lora_outer."""
 
     target_workgroups: int
-    down_rows: int = 4
-    up_rows: int = 8
-    outer_cols: int = 64
-    outer_lanes: int = 4
+    down_lanes: int = 16
+    up_wg: int = 128
+    outer_cols: int = 16
 
 
 GPU_TUNING = Tuning(target_workgroups=256)
@@ -83,77 +85,72 @@ def set_tuning(value: Tuning | None) -> None:
     _tuning_override = value
 
 
-def _divisor(n: int, choices: tuple[int, ...] = (8, 4, 2, 1)) -> int:
-    return next(c for c in choices if n % c == 0)
-
-
-def _rank_block(rank: int) -> int:
-    return rank if rank <= 16 else 16
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _down(rec: Recorder, X: Buffer, M: Buffer, rank: int, out: Buffer | None = None) -> Buffer:
-    """P = X·Mᵀ as [rows, rank]; split along the row (and reduced) when rows are few."""
+def _ranks_per_group(rank: int, threads: int) -> int:
+    """Ranks one workgroup covers: the rank rounded up to a power of two, at most 16."""
+    k = 1
+    while k < min(rank, 16):
+        k *= 2
+    return min(k, threads)
+
+
+def _down(rec: Recorder, X: Buffer, M: Buffer, rank: int) -> Buffer:
+    """X·Mᵀ as [rows, rank]; split along the row (then reduced) when rows are few."""
     rows, width = X.shape
     d4 = width // 4
     t = tuning(rec.device)
-    rb = _rank_block(rank)
-    row_blocks = _cdiv(rows, t.down_rows)
-    wg = 256 if row_blocks * _cdiv(rank, rb) >= t.target_workgroups else 64
-    fit = rec.device.max_binding // (rows * rank * 4)
-    splits = max(1, min(_cdiv(t.target_workgroups, row_blocks * _cdiv(rank, rb)), _cdiv(d4, wg), fit))
+    k = _ranks_per_group(rank, 256 // t.down_lanes)
+    row_blocks, rank_blocks = _cdiv(rows, 4), _cdiv(rank, k)
+    fit = rec.device.max_binding // (rows * rank * 4)  # the partials must fit one binding too
+    splits = max(1, min(_cdiv(t.target_workgroups, row_blocks * rank_blocks), _cdiv(d4, 4 * t.down_lanes), fit))
     split_d4 = _cdiv(d4, splits)
     splits = _cdiv(d4, split_d4)
-    result = out if out is not None else Buffer((rows, rank), device=rec.device)
-    k = kernel("lora_down.wgsl", "down", "IIII", rec.device, WG=wg, ROWS=t.down_rows, RB=rb,
-               CHUNK=_divisor(t.down_rows * rb))
+    result = Buffer((rows, rank), device=rec.device)
     target = result if splits == 1 else Buffer((splits, rows, rank), device=rec.device)
-    rec.dispatch(k, (row_blocks, splits, _cdiv(rank, rb)), (X, M, target), (rows, d4, rank, split_d4))
+    kern = kernel("lora_down.wgsl", "down", "IIII", rec.device, LANES=t.down_lanes, K=k)
+    rec.dispatch(kern, (row_blocks, splits, rank_blocks), (X, M, target), (rows, d4, rank, split_d4))
     if splits > 1:
         _reduce(rec, target, result, splits, 1.0, accumulate=False)
     return result
 
 
 def _up(rec: Recorder, H: Buffer, M: Buffer, Y: Buffer, scale: float, accumulate: bool) -> None:
+    """Y (+)= scale·H·M."""
     rows, rank = H.shape
     d4 = M.shape[1] // 4
-    t = tuning(rec.device)
-    k = kernel("lora_up.wgsl", "up", "IIIIf", rec.device, WG=64 if d4 < 1024 else 256, ROWS=t.up_rows)
-    wg = k.constants["WG"]
-    rec.dispatch(k, (_cdiv(d4, wg), _cdiv(rows, t.up_rows), 1), (H, M, Y), (rows, d4, rank, int(accumulate), scale))
+    wg = tuning(rec.device).up_wg
+    kern = kernel("lora_up.wgsl", "up", "IIIIf", rec.device, WG=wg)
+    rec.dispatch(kern, (_cdiv(d4, wg), _cdiv(rows, 4), 1), (H, M, Y), (rows, d4, rank, int(accumulate), scale))
 
 
 def _reduce(rec: Recorder, P: Buffer, out: Buffer, splits: int, scale: float, accumulate: bool) -> None:
+    """out (+)= scale·Σ over splits of P."""
     length = out.numel
-    k = kernel("reduce.wgsl", "reduce_partials", "IIIf", rec.device, WG=256)
-    rec.dispatch(k, (_cdiv(length, 256), 1, 1), (P, out), (length, splits, int(accumulate), scale))
+    kern = kernel("reduce.wgsl", "reduce_partials", "IIIf", rec.device, WG=256)
+    rec.dispatch(kern, (_cdiv(length, 256), 1, 1), (P, out), (length, splits, int(accumulate), scale))
 
 
-def _outer(rec: Recorder, G: Buffer, X: Buffer, grad: Buffer, scale: float, accumulate: bool,
-           up: tuple[Buffer, Buffer, bool] | None = None) -> None:
-    """grad (+)= scale·Gᵀ·X, with ``up = (M, DX, dx_accumulate)`` also DX (+)= scale·G·M on the same pass."""
+def _outer(rec: Recorder, G: Buffer, X: Buffer, grad: Buffer, scale: float, accumulate: bool) -> None:
+    """grad (+)= scale·Gᵀ·X, over row splits summed by reduce.wgsl when there are several."""
     rows, rank = G.shape
     d4 = X.shape[1] // 4
     t = tuning(rec.device)
-    rb = _rank_block(rank)
-    col_blocks = _cdiv(d4, t.outer_cols) * _cdiv(rank, rb)
+    k = _ranks_per_group(rank, 256 // t.outer_cols)
+    col_blocks = _cdiv(d4, t.outer_cols) * _cdiv(rank, k)
     fit = rec.device.max_binding // (rank * d4 * 16)  # the partials must fit one binding too
-    splits = max(1, min(_cdiv(t.target_workgroups, col_blocks), _cdiv(rows, t.outer_lanes), fit))
+    splits = max(1, min(_cdiv(t.target_workgroups, col_blocks), _cdiv(rows, 16), fit))
     split_rows = _cdiv(rows, splits)
     splits = _cdiv(rows, split_rows)
+    kern = kernel("lora_outer.wgsl", "outer", "IIIIIf", rec.device, TD=t.outer_cols, K=k)
+    grid = (_cdiv(d4, t.outer_cols), splits, _cdiv(rank, k))
+    if splits == 1:
+        rec.dispatch(kern, grid, (G, X, grad), (rows, d4, rank, split_rows, int(accumulate), scale))
+        return
     P = Buffer((splits, rank, d4 * 4), device=rec.device)
-    consts = dict(TD=t.outer_cols, TR=t.outer_lanes, RB=rb, CH=_divisor(rb, (4, 2, 1)))
-    grid = (_cdiv(d4, t.outer_cols), splits, _cdiv(rank, rb))
-    if up is None:
-        k = kernel("lora_outer.wgsl", "outer", "IIIIIf", rec.device, **consts)
-        rec.dispatch(k, grid, (G, X, P), (rows, d4, rank, split_rows, 0, 0.0))
-    else:
-        M, DX, dx_accumulate = up
-        k = kernel("lora_outer.wgsl", "outer_up", "IIIIIf", rec.device, **consts)
-        rec.dispatch(k, grid, (G, X, P, M, DX), (rows, d4, rank, split_rows, int(dx_accumulate), scale))
+    rec.dispatch(kern, grid, (G, X, P), (rows, d4, rank, split_rows, 0, 1.0))
     _reduce(rec, P, grad, splits, scale, accumulate)
 
 
@@ -200,9 +197,6 @@ def backward(rec: Recorder, dy: Buffer, x: Buffer, h: Buffer, w: LoRAWeights, sc
     if dx is None and dA is None:
         return
     dh = _down(rec, dy, w.Bt, w.rank)
-    if dA is not None and dx is not None and w.rank <= 16:
-        _outer(rec, dh, x, dA, scaling, accumulate, up=(w.A, dx, accumulate_dx))
-        return
     if dA is not None:
         _outer(rec, dh, x, dA, scaling, accumulate)
     if dx is not None:

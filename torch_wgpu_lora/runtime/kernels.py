@@ -9,10 +9,17 @@ constants cannot do. Pipelines are cached by (file, entry, constants).
 Binding convention, shared by every kernel: ``@binding(0)`` is a uniform block of
 32-bit parameters, ``@binding(1..)`` are storage buffers in the order the host
 passes them.
+
+Runtime checks: by default wgpu adds bounds checks to every buffer access and a
+counter to every loop (so a bad shader cannot hang the GPU). ``TORCH_WGPU_LORA_SHADER_CHECKS``
+= ``bounds`` keeps the bounds checks but drops the loop counters, ``none`` drops both
+(wgpu-native's trusted shader modules). Our kernels clamp every index and bound every
+loop by its parameters, so both are safe for them; ``full`` stays the default.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 from collections import OrderedDict
@@ -34,6 +41,42 @@ def wgsl_path(name: str) -> Path:
         if path.is_file():
             return path
     raise FileNotFoundError(f"WGSL file {name!r} not found in {[str(d) for d in WGSL_DIRS]}")
+
+
+SHADER_CHECKS = ("full", "bounds", "none")
+_checks = os.environ.get("TORCH_WGPU_LORA_SHADER_CHECKS", "full")
+if _checks not in SHADER_CHECKS:
+    raise ValueError(f"TORCH_WGPU_LORA_SHADER_CHECKS must be one of {SHADER_CHECKS}, got {_checks!r}")
+
+
+def set_shader_checks(mode: str) -> None:
+    """Choose the runtime checks for kernels compiled from now on (see module docstring)."""
+    global _checks
+    if mode not in SHADER_CHECKS:
+        raise ValueError(f"shader checks must be one of {SHADER_CHECKS}, got {mode!r}")
+    _checks = mode
+
+
+def _shader_module(device: Device, source: str, label: str, checks: str) -> Any:
+    if checks == "full":
+        return device.wgpu.create_shader_module(code=source, label=label)
+    # wgpu-py does not wrap wgpuDeviceCreateShaderModuleTrusted; build the same descriptor it builds.
+    from wgpu.backends.wgpu_native import _api
+    from wgpu.backends.wgpu_native._ffi import ffi, lib
+
+    source_struct = _api.new_struct_p("WGPUShaderSourceWGSL *", code=_api.to_c_string_view(source))
+    source_struct[0].chain.next = ffi.NULL
+    source_struct[0].chain.sType = lib.WGPUSType_ShaderSourceWGSL
+    descriptor = _api.new_struct_p(
+        "WGPUShaderModuleDescriptor *",
+        nextInChain=ffi.cast("WGPUChainedStruct *", source_struct),
+        label=_api.to_c_string_view(label),
+    )
+    flags = lib.WGPUShaderRuntimeChecks_BoundsChecks if checks == "bounds" else lib.WGPUShaderRuntimeChecks_None
+    handle = lib.wgpuDeviceCreateShaderModuleTrusted(device.wgpu._internal, descriptor, flags)
+    if handle == ffi.NULL:
+        raise RuntimeError("shader module creation failed")
+    return _api.GPUShaderModule(label, handle, device.wgpu)
 
 
 def specialise(source: str, constants: dict[str, int | float | bool]) -> str:
@@ -69,7 +112,8 @@ class Kernel:
     the uniform block at binding 0.
     """
 
-    def __init__(self, device: Device, file: str, entry: str, params: str, constants: dict[str, Any]) -> None:
+    def __init__(self, device: Device, file: str, entry: str, params: str, constants: dict[str, Any],
+                 checks: str = "full") -> None:
         import wgpu
 
         self.device = device
@@ -78,7 +122,7 @@ class Kernel:
         self.constants = dict(constants)
         source = specialise(wgsl_path(file).read_text(), constants)
         try:
-            module = device.wgpu.create_shader_module(code=source, label=self.name)
+            module = _shader_module(device, source, self.name, checks)
             self.pipeline = device.wgpu.create_compute_pipeline(
                 layout=wgpu.AutoLayoutMode.auto, compute={"module": module, "entry_point": entry}, label=self.name
             )
@@ -129,10 +173,10 @@ def kernel(file: str, entry: str, params: str, device: Device | None = None, **c
     'reduce.wgsl:reduce_partials'
     """
     device = device or get_device()
-    key = (id(device), file, entry, params, tuple(sorted(constants.items())))
+    key = (id(device), file, entry, params, tuple(sorted(constants.items())), _checks)
     k = _kernels.get(key)
     if k is None:
-        k = _kernels[key] = Kernel(device, file, entry, params, constants)
+        k = _kernels[key] = Kernel(device, file, entry, params, constants, _checks)
     return k
 
 
