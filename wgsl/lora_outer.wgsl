@@ -6,9 +6,9 @@
 // `+=` of gradient accumulation; with several it writes unscaled partial sums and
 // reduce.wgsl finishes them.
 //
-// A thread owns one (rank, vec4 column) pair and walks its split's rows, four at a
-// time for memory-level parallelism; threads of one workgroup share TD columns, so
-// each X load is reused by the K ranks from cache. No workgroup memory, no barriers.
+// A thread owns 4 ranks of one vec4 column and walks its split's rows: each X load
+// feeds four accumulators. Threads of a workgroup cover TD consecutive columns (Q
+// rank quads each). No workgroup memory, no barriers.
 
 struct Params {
   rows: u32,
@@ -24,32 +24,42 @@ struct Params {
 @group(0) @binding(2) var<storage, read> X: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> OUT: array<vec4<f32>>;
 
-const TD: u32 = 16u;  // vec4 columns per workgroup
-const K: u32 = 16u;   // ranks per workgroup (grid.z covers the rest): TD * K threads
+const TD: u32 = 64u;  // vec4 columns per workgroup
+const Q: u32 = 4u;    // rank quads per workgroup (grid.z covers the rest): TD * Q threads
 
-@compute @workgroup_size(TD * K)
+fn store(split: u32, j: u32, d: u32, v: vec4<f32>) {
+  if (j < p.rank) {
+    let o = (split * p.rank + j) * p.d4 + d;
+    var out = p.scale * v;
+    if (p.accumulate != 0u) { out += OUT[o]; }
+    OUT[o] = out;
+  }
+}
+
+@compute @workgroup_size(TD * Q)
 fn outer(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let d = wg.x * TD + t % TD;
-  let j = wg.z * K + t / TD;
-  if (d >= p.d4 || j >= p.rank) { return; }
-  let n_begin = wg.y * p.split_rows;
-  let n_end = min(n_begin + p.split_rows, p.rows);
+  let j0 = (wg.z * Q + t / TD) * 4u;
+  if (d >= p.d4 || j0 >= p.rank) { return; }
+  let last_rank = p.rank - 1u;  // ranks past the edge repeat the last one; not stored
+  let g1 = min(j0 + 1u, last_rank);
+  let g2 = min(j0 + 2u, last_rank);
+  let g3 = min(j0 + 3u, last_rank);
+  let n_end = min((wg.y + 1u) * p.split_rows, p.rows);
   var a0 = vec4<f32>(0.0);
   var a1 = vec4<f32>(0.0);
   var a2 = vec4<f32>(0.0);
   var a3 = vec4<f32>(0.0);
-  var n = n_begin;
-  for (; n + 3u < n_end; n += 4u) {
-    a0 += G[n * p.rank + j] * X[n * p.d4 + d];
-    a1 += G[(n + 1u) * p.rank + j] * X[(n + 1u) * p.d4 + d];
-    a2 += G[(n + 2u) * p.rank + j] * X[(n + 2u) * p.d4 + d];
-    a3 += G[(n + 3u) * p.rank + j] * X[(n + 3u) * p.d4 + d];
+  for (var n = wg.y * p.split_rows; n < n_end; n++) {
+    let xv = X[n * p.d4 + d];
+    let g = n * p.rank;
+    a0 += G[g + j0] * xv;
+    a1 += G[g + g1] * xv;
+    a2 += G[g + g2] * xv;
+    a3 += G[g + g3] * xv;
   }
-  for (; n < n_end; n++) {
-    a0 += G[n * p.rank + j] * X[n * p.d4 + d];
-  }
-  let o = (wg.y * p.rank + j) * p.d4 + d;
-  var v = p.scale * ((a0 + a1) + (a2 + a3));
-  if (p.accumulate != 0u) { v += OUT[o]; }
-  OUT[o] = v;
+  store(wg.y, j0, d, a0);
+  store(wg.y, j0 + 1u, d, a1);
+  store(wg.y, j0 + 2u, d, a2);
+  store(wg.y, j0 + 3u, d, a3);
 }

@@ -1,14 +1,33 @@
 """Hugging Face BitNet models with LoRA adapters on their projections.
 
->>> # model = BitNetForCausalLM.from_pretrained(path)
+>>> # model = load_bitnet("path/to/bitnet-b1.58-2B-4T-bf16")
 >>> # apply_lora(model, r=8, target_modules=("q_proj", "v_proj"))
 >>> # optimizer = torch.optim.AdamW(lora_parameters(model))
+
+Gradients through packed layers. transformers' packed ``BitLinear`` (checkpoints whose
+``quantization_config`` says ``linear_class "bitlinear"``) casts its activations to
+int8 inside its forward, which cuts autograd's path to its input: an adapter in layer 0
+would get almost none of the gradient that flows back through the later layers'
+projections. ``apply_lora`` therefore gives every packed ``BitLinear`` of the model
+(wrapped or not) the straight-through backward that ``AutoBitLinear`` already has:
+activation quantisation counts as the identity, so with ``y ≈ x·Wᵀ / weight_scale``
+(``BitLinear`` divides by its scale; ``AutoBitLinear`` multiplies by its own)
+
+    dx = (dy / weight_scale) · W_ternary.
+
+The forward is transformers' own, unchanged.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import re
+import sys
 from collections import OrderedDict
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,10 +35,87 @@ from torch import nn
 from ..modules import LoRALinear
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_TRANSFORMERS_BITNET = "transformers.integrations.bitnet"
 
 
-def _linear_like(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int)
+def is_linear_like(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear layer in shape: integer ``in_features`` and ``out_features``."""
+    return all(isinstance(getattr(module, attr, None), int) for attr in ("in_features", "out_features"))
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a qualified module name lies in (``model.layers.3.mlp`` → 3), else None."""
+    match = _LAYER_INDEX.search(name + ".")
+    return int(match.group(1)) if match else None
+
+
+class _BitLinearSTE(torch.autograd.Function):
+    """transformers' ``BitLinear.forward`` with the straight-through backward
+    dx = (dy / weight_scale) · W_ternary (through the layer's optional RMSNorm)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        ctx.layer = layer
+        ctx.x_dtype = x.dtype
+        if layer.rms_norm is not None:
+            ctx.save_for_backward(x)
+        return _bitlinear_class().forward(layer, x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
+        layer = ctx.layer
+        weight = sys.modules[_TRANSFORMERS_BITNET].unpack_weights(layer.weight, dtype=layer.dtype)
+        dx = (dy / layer.weight_scale).to(weight.dtype) @ weight
+        if layer.rms_norm is not None:  # BitLinear normalises before quantising: chain through it
+            (x,) = ctx.saved_tensors
+            with torch.enable_grad():
+                x = x.detach().requires_grad_(True)
+                (dx,) = torch.autograd.grad(layer.rms_norm(x), x, dx)
+        return dx.to(ctx.x_dtype), None
+
+
+def _bitlinear_class() -> type | None:
+    """transformers' packed ``BitLinear`` if transformers' BitNet code is loaded (a model
+    that holds one has loaded it), else None; avoids importing transformers here."""
+    module = sys.modules.get(_TRANSFORMERS_BITNET)
+    return None if module is None else module.BitLinear
+
+
+@functools.cache
+def _ste_bitlinear_class() -> type:
+    BitLinear = _bitlinear_class()
+
+    class STEBitLinear(BitLinear):
+        """transformers' packed ``BitLinear`` with a straight-through backward (see
+        ``torch_wgpu_lora.integrations.bitnet``); forward, buffers and state dict unchanged."""
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            return _BitLinearSTE.apply(input, self)
+
+    return STEBitLinear
+
+
+def use_ste_backward(model: nn.Module) -> int:
+    """Give every packed ``BitLinear`` in ``model`` the straight-through backward, in place.
+
+    The layer keeps its forward (transformers' own, bit for bit), buffers and state-dict
+    keys; only its class changes, to a subclass whose backward is
+    dx = (dy / weight_scale) · W_ternary. ``apply_lora`` calls this. Returns how many
+    layers were changed (already changed ones are left alone).
+
+    >>> # use_ste_backward(load_bitnet(packed_folder))  # -> 7 × num_hidden_layers
+    """
+    BitLinear = _bitlinear_class()
+    if BitLinear is None:
+        return 0
+    ste_class = _ste_bitlinear_class()
+    changed = 0
+    for module in model.modules():
+        if type(module) is BitLinear:
+            module.__class__ = ste_class
+            changed += 1
+    return changed
 
 
 def apply_lora(model: nn.Module, r: int = 8, lora_alpha: float = 8.0,
@@ -30,7 +126,10 @@ def apply_lora(model: nn.Module, r: int = 8, lora_alpha: float = 8.0,
     Every other parameter is frozen. With ``init="hesper"``, the adapter of target t (its
     position in ``target_modules``) in layer i is seeded ``seed + len(target_modules)*i + t``:
     for the default Q/V targets, ``seed + 2i`` and ``seed + 2i + 1`` as in Hesper.
-    Returns ``model`` (changed in place).
+    Every packed ``BitLinear`` of the model, target or not, gets the straight-through
+    backward (``use_ste_backward``). Returns ``model`` (changed in place). Unknown
+    targets or invalid adapter arguments raise ValueError before any module is
+    replaced or patched.
     """
     if isinstance(target_modules, str):
         target_modules = (target_modules,)
@@ -39,20 +138,23 @@ def apply_lora(model: nn.Module, r: int = 8, lora_alpha: float = 8.0,
         raise ValueError("this model already has LoRA adapters (apply_lora was called before)")
     existing = OrderedDict()
     for name, module in model.named_modules():
-        if name and _linear_like(module):
+        if name and is_linear_like(module):
             existing.setdefault(name.rsplit(".", 1)[-1], []).append((name, module))
     unknown = [t for t in target_modules if t not in existing]
     if unknown:
         raise ValueError(f"target_modules {unknown} match no module; linear modules in this model: "
                          f"{sorted(existing)}")
+    # Build every adapter before changing the model, so bad arguments leave it untouched.
+    wrappers = [
+        (name, LoRALinear(module, r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, init=init,
+                          seed=seed + len(target_modules) * (layer_index(name) or 0) + t_index, backend=backend))
+        for t_index, target in enumerate(target_modules)
+        for name, module in existing[target]
+    ]
     model.requires_grad_(False)
-    for t_index, target in enumerate(target_modules):
-        for name, module in existing[target]:
-            match = _LAYER_INDEX.search(name + ".")
-            layer = int(match.group(1)) if match else 0
-            wrapped = LoRALinear(module, r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, init=init,
-                                 seed=seed + len(target_modules) * layer + t_index, backend=backend)
-            model.set_submodule(name, wrapped)
+    use_ste_backward(model)
+    for name, wrapped in wrappers:
+        model.set_submodule(name, wrapped)
     return model
 
 
@@ -80,3 +182,52 @@ def set_backend(model: nn.Module, backend: str) -> nn.Module:
     for m in lora_modules(model).values():
         m.backend = backend
     return model
+
+
+def load_bitnet(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load a ``BitNetForCausalLM`` checkpoint folder from local disk (never the Hub).
+
+    All three checkpoint flavours load; transformers picks the layer class from
+    ``config.json``'s ``quantization_config``:
+
+    * none: dense ``nn.Linear`` projections;
+    * ``linear_class "autobitlinear"``, ``quantization_mode "online"``: ``AutoBitLinear``
+      ternarising full-precision weights on the fly (microsoft/bitnet-b1.58-2B-4T-bf16);
+    * ``quantization_mode "offline"``: packed 2-bit weights with ``weight_scale``, as
+      ``BitLinear`` (divides by the scale) for ``linear_class "bitlinear"`` or unpacked
+      into ``AutoBitLinear`` (multiplies by it) for ``"autobitlinear"``
+      (microsoft/bitnet-b1.58-2B-4T).
+
+    Quantised checkpoints need ``accelerate`` installed. The real models, once
+    downloaded by the user (e.g. ``hf download microsoft/bitnet-b1.58-2B-4T-bf16
+    --local-dir bitnet-bf16``; the packed one likewise), load the same way::
+
+        model = load_bitnet("bitnet-bf16", dtype=torch.bfloat16)   # ~5 GB of weights
+        model = load_bitnet("bitnet-packed", dtype=torch.float32)  # unpacked to ~10 GB
+
+    >>> import tempfile
+    >>> from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet
+    >>> model = load_bitnet(build_tiny_bitnet(tempfile.mkdtemp(), flavour="dense"))
+    >>> type(model.model.layers[0].self_attn.q_proj).__name__
+    'Linear'
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.float32), got {dtype!r}")
+    folder = Path(path)
+    if not folder.exists():
+        raise FileNotFoundError(f"checkpoint folder {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise ValueError(f"{str(folder)!r} is not a folder; load_bitnet takes a checkpoint folder "
+                         "holding config.json and *.safetensors")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{str(folder)!r} has no config.json; is it a Hugging Face checkpoint folder?")
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{str(config_file)!r} is not a JSON object: {e}") from e
+    if model_type != "bitnet":
+        raise ValueError(f"{str(folder)!r} holds a {model_type!r} model; load_bitnet loads model_type 'bitnet'")
+    from transformers import BitNetForCausalLM
+
+    return BitNetForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)

@@ -34,7 +34,8 @@ __all__ = ["adamw_reference", "adamw_scalars", "adamw_step"]
 _WG = 256  # threads per workgroup of adamw.wgsl
 
 
-def adamw_scalars(step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> tuple[float, ...]:
+def adamw_scalars(step: int, lr: float, betas: tuple[float, float], eps: float,
+                  weight_decay: float) -> tuple[float, ...]:
     """The kernel's uniform values for step ``step`` (from 1), worked out in float64 as torch does.
 
     Returns (decay, w1, beta2, w2, neg_step_size, bc2_sqrt, eps).

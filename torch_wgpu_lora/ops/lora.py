@@ -58,17 +58,17 @@ def lora_reference(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: f
 class Tuning:
     """Launch shapes. ``target_workgroups``: how many workgroups a reduction over rows
     (or over a split row, when rows are few) is spread across; a CPU adapter wants few,
-    a GPU many. ``down_lanes``: threads sharing one rank in lora_down. ``up_wg``:
+    a GPU many. ``down_lanes``: threads sharing 4 ranks in lora_down. ``up_wg``:
     threads per workgroup in lora_up. ``outer_cols``: vec4 columns per workgroup in
     lora_outer."""
 
     target_workgroups: int
-    down_lanes: int = 16
+    down_lanes: int = 64
     up_wg: int = 128
-    outer_cols: int = 16
+    outer_cols: int = 64
 
 
-GPU_TUNING = Tuning(target_workgroups=256)
+GPU_TUNING = Tuning(target_workgroups=1024)
 CPU_TUNING = Tuning(target_workgroups=8)
 _tuning_override: Tuning | None = None
 
@@ -89,12 +89,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _ranks_per_group(rank: int, threads: int) -> int:
-    """Ranks one workgroup covers: the rank rounded up to a power of two, at most 16."""
-    k = 1
-    while k < min(rank, 16):
-        k *= 2
-    return min(k, threads)
+def _quads(rank: int) -> int:
+    """Rank quads one workgroup covers: all of them up to rank 16, else 4 (grid.z for the rest)."""
+    return _cdiv(min(rank, 16), 4)
 
 
 def _down(rec: Recorder, X: Buffer, M: Buffer, rank: int) -> Buffer:
@@ -102,15 +99,15 @@ def _down(rec: Recorder, X: Buffer, M: Buffer, rank: int) -> Buffer:
     rows, width = X.shape
     d4 = width // 4
     t = tuning(rec.device)
-    k = _ranks_per_group(rank, 256 // t.down_lanes)
-    row_blocks, rank_blocks = _cdiv(rows, 4), _cdiv(rank, k)
+    q = _quads(rank)
+    row_blocks, rank_blocks = _cdiv(rows, 4), _cdiv(rank, 4 * q)
     fit = rec.device.max_binding // (rows * rank * 4)  # the partials must fit one binding too
     splits = max(1, min(_cdiv(t.target_workgroups, row_blocks * rank_blocks), _cdiv(d4, 4 * t.down_lanes), fit))
     split_d4 = _cdiv(d4, splits)
     splits = _cdiv(d4, split_d4)
     result = Buffer((rows, rank), device=rec.device)
     target = result if splits == 1 else Buffer((splits, rows, rank), device=rec.device)
-    kern = kernel("lora_down.wgsl", "down", "IIII", rec.device, LANES=t.down_lanes, K=k)
+    kern = kernel("lora_down.wgsl", "down", "IIII", rec.device, LANES=t.down_lanes, Q=q)
     rec.dispatch(kern, (row_blocks, splits, rank_blocks), (X, M, target), (rows, d4, rank, split_d4))
     if splits > 1:
         _reduce(rec, target, result, splits, 1.0, accumulate=False)
@@ -138,14 +135,14 @@ def _outer(rec: Recorder, G: Buffer, X: Buffer, grad: Buffer, scale: float, accu
     rows, rank = G.shape
     d4 = X.shape[1] // 4
     t = tuning(rec.device)
-    k = _ranks_per_group(rank, 256 // t.outer_cols)
-    col_blocks = _cdiv(d4, t.outer_cols) * _cdiv(rank, k)
+    q = _quads(rank)
+    col_blocks = _cdiv(d4, t.outer_cols) * _cdiv(rank, 4 * q)
     fit = rec.device.max_binding // (rank * d4 * 16)  # the partials must fit one binding too
     splits = max(1, min(_cdiv(t.target_workgroups, col_blocks), _cdiv(rows, 16), fit))
     split_rows = _cdiv(rows, splits)
     splits = _cdiv(rows, split_rows)
-    kern = kernel("lora_outer.wgsl", "outer", "IIIIIf", rec.device, TD=t.outer_cols, K=k)
-    grid = (_cdiv(d4, t.outer_cols), splits, _cdiv(rank, k))
+    kern = kernel("lora_outer.wgsl", "outer", "IIIIIf", rec.device, TD=t.outer_cols, Q=q)
+    grid = (_cdiv(d4, t.outer_cols), splits, _cdiv(rank, 4 * q))
     if splits == 1:
         rec.dispatch(kern, grid, (G, X, grad), (rows, d4, rank, split_rows, int(accumulate), scale))
         return

@@ -1,0 +1,298 @@
+"""The Trainer on a tiny BitNet: loss and accumulation, outputs, resume, the non-finite guard,
+atomic checkpoints."""
+
+import json
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from torch_wgpu_lora import Trainer, train
+from torch_wgpu_lora.integrations.adapters import load_adapter
+from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet, lora_parameters, lora_state_dict
+from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
+from torch_wgpu_lora.prompts import format_prompt
+from torch_wgpu_lora.training import checkpoint as checkpoint_module
+from torch_wgpu_lora.training.data import collate, encode_records, read_records
+from torch_wgpu_lora.training.metrics import plot_loss
+from torch_wgpu_lora.training.optim import WgpuAdamW
+from torch_wgpu_lora.training.schedule import make_scheduler
+from torch_wgpu_lora.training.trainer import TrainingStopped, accumulate_gradients
+
+RECORDS = [
+    {"instruction": "Name a primary colour.", "output": "Red."},
+    {"instruction": "Translate the word into French.", "input": "cat", "output": "Chat."},
+    {"instruction": "Count to three.", "output": "One, two, three."},
+    {"instruction": "What is two plus two?", "output": "Four."},
+    {"instruction": "Give the opposite of the word.", "input": "hot", "output": "Cold."},
+    {"instruction": "Name a planet.", "output": "Mars is a planet."},
+    {"instruction": "Say hello in Spanish.", "output": "Hola."},
+    {"instruction": "Name a fruit that is yellow.", "output": "A banana."},
+]
+EVAL_RECORDS = [{"instruction": "Name a colour.", "output": "Blue."},
+                {"instruction": "Count to two.", "output": "One, two."}]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("tiny")
+    texts = [format_prompt(r["instruction"], r.get("input", "")) + r["output"] for r in RECORDS + EVAL_RECORDS]
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_tokenizer(root / "tok", texts))
+    return build_tiny_bitnet(root / "model", flavour="dense"), tokenizer
+
+
+def fresh_model(base, dropout=0.0):
+    return apply_lora(load_bitnet(base[0]), r=4, lora_alpha=8, lora_dropout=dropout)
+
+
+def options(tmp_path, **overrides):
+    # Small and quick: 8 records, batches of 2, no progress bar unless a test wants it.
+    return {"output_dir": tmp_path, "batch_size": 2, "lr": 5e-3, "max_length": 128, "progress": False,
+            "plot": False, **overrides}
+
+
+def adapter_tensors(model):
+    return {k: v.clone() for k, v in lora_state_dict(model).items()}
+
+
+def assert_same_adapter(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_accumulated_micro_batches_equal_one_batch(base):
+    model = fresh_model(base)
+    with torch.no_grad():  # B starts at zero, which would leave A's gradient zero
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(0))
+    examples = encode_records(base[1], read_records(RECORDS[:4]))
+    pad = base[1].pad_token_id
+    params = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
+
+    def grads_after(batches):
+        model.zero_grad(set_to_none=True)
+        loss = accumulate_gradients(model, batches)
+        return loss, {n: p.grad.clone() for n, p in params.items()}
+
+    one = collate(examples, pad)
+    halves = [collate(examples[:2], pad), collate(examples[2:], pad)]
+    loss_one, grads_one = grads_after([one])
+    loss_acc, grads_acc = grads_after(halves)
+    # The halves pad to other lengths, so matmuls group sums differently: float32 rounding only.
+    assert loss_acc == pytest.approx(loss_one, rel=1e-6)
+    for name in grads_one:
+        assert grads_one[name].abs().max() > 0, name
+        torch.testing.assert_close(grads_acc[name], grads_one[name], rtol=1e-4, atol=1e-6)
+    # Same loss as transformers' own (which shifts labels itself and averages over labelled tokens).
+    with torch.no_grad():
+        hf_loss = model(**one).loss.item()
+    assert loss_one == pytest.approx(hf_loss, rel=1e-5)  # float32 sums in another order
+    # The halves differ in token counts, so averaging per-micro-batch means would be wrong:
+    # this test can tell the two weightings apart.
+    tokens = [int((b["labels"][:, 1:] != -100).sum()) for b in halves]
+    assert tokens[0] != tokens[1]
+    mean_of_means = sum(accumulate_gradients(model, [h]) for h in halves) / 2
+    assert abs(mean_of_means - loss_one) > 1e-4
+
+
+def test_training_writes_metrics_checkpoints_adapter_plot_and_progress(base, tmp_path, capsys):
+    model = fresh_model(base)
+    before = adapter_tensors(model)
+    result = train(model, base[1], RECORDS[:6], eval_data=EVAL_RECORDS,
+                   **options(tmp_path, epochs=3, eval_every=3, save_every=3, progress=True, plot=True))
+    assert result.steps == 9  # 6 records / batches of 2 = 3 steps an epoch
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "loss" in r]
+    evals = [r for r in lines if "eval_loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 10))
+    assert [r["step"] for r in evals] == [3, 6, 9] and result.eval_loss == evals[-1]["eval_loss"]
+    assert steps[0]["lr"] == 0.0 and steps[1]["lr"] == 5e-3  # cosine, ceil(6% of 9) = 1 warmup step
+    assert steps[-1]["epoch"] == 3.0 and not any(r["skipped"] for r in steps)
+    assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in steps)
+    first_epoch, last_epoch = (sum(r["loss"] for r in steps[i:i + 3]) / 3 for i in (0, 6))
+    assert last_epoch < first_epoch  # it learns (same examples each epoch)
+    # Checkpoints at 3, 6, 9; the newest two kept.
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000006", "step-000009"]
+    # The adapter folder holds the trained adapter, and loads into a fresh model.
+    trained = adapter_tensors(model)
+    assert any(not torch.equal(trained[k], before[k]) for k in trained)
+    reloaded = load_adapter(fresh_model(base), result.adapter)
+    assert_same_adapter(adapter_tensors(reloaded), trained)
+    assert result.plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bar = capsys.readouterr().err
+    assert "loss=" in bar and "lr=" in bar and "tok/s=" in bar and "9/9" in bar
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_on_forward(model, call):
+    """Make the model's forward number ``call`` (from 1) raise, as a killed process would stop."""
+    calls = {"n": 0}
+
+    def hook(module, args, kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise Crash(f"forward {call}")
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_resume_continues_bit_identically(base, tmp_path):
+    # Dropout on: the resumed run must also restore torch's RNG. Two micro-batches a step.
+    settings = dict(max_steps=10, save_every=5, gradient_accumulation_steps=2, seed=3)
+    straight = fresh_model(base, dropout=0.1)
+    train(straight, base[1], RECORDS, **options(tmp_path / "straight", **settings))
+
+    interrupted = fresh_model(base, dropout=0.1)
+    crash_on_forward(interrupted, call=2 * 7 + 1)  # dies inside step 8, after the step-5 checkpoint
+    with pytest.raises(Crash):
+        train(interrupted, base[1], RECORDS, **options(tmp_path / "resumed", **settings))
+    torch.manual_seed(12345)  # whatever the RNGs hold now must not matter
+    resumed = fresh_model(base, dropout=0.1)
+    result = train(resumed, base[1], RECORDS, resume_from=True, **options(tmp_path / "resumed", **settings))
+
+    assert result.steps == 10
+    assert_same_adapter(adapter_tensors(resumed), adapter_tensors(straight))
+    logs = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+            for run in ("straight", "resumed")]
+    assert [r["step"] for r in logs[1]] == list(range(1, 11))  # steps 6-7 of the crashed run were dropped
+    assert [r["loss"] for r in logs[1]] == [r["loss"] for r in logs[0]]
+
+
+def nan_logits_from(model, step):
+    """Make every forward from optimiser step ``step`` on (one micro-batch a step) give NaN logits."""
+    calls = {"n": 0}
+
+    def hook(module, args, output):
+        calls["n"] += 1
+        if calls["n"] >= step:
+            output.logits = output.logits * float("nan")
+        return output
+
+    return model.register_forward_hook(hook)
+
+
+def test_a_non_finite_loss_skips_the_step(base, tmp_path):
+    model = fresh_model(base)
+    handle = nan_logits_from(model, step=3)
+    with pytest.warns(RuntimeWarning, match=r"non-finite loss at step 3: the step was skipped \(1 in a row"):
+        train(model, base[1], RECORDS, **options(tmp_path, max_steps=3, save_every=2))
+    handle.remove()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in lines] == [False, False, True] and lines[2]["loss"] is None
+    # Step 3 changed nothing: the final checkpoint equals step 2's, moments' step counts included.
+    state = json.loads((tmp_path / "checkpoints" / "step-000003" / "state.json").read_text())
+    assert set(state["optimizer"]["steps"].values()) == {2.0}
+    at_step_2 = load_adapter(fresh_model(base), tmp_path / "checkpoints" / "step-000002" / "adapter")
+    assert_same_adapter(adapter_tensors(model), adapter_tensors(at_step_2))
+
+
+def test_a_non_finite_gradient_skips_the_step_and_training_goes_on(base, tmp_path):
+    model = fresh_model(base)
+    calls = {"n": 0}
+
+    def poison(grad):  # the second step's gradient of one adapter matrix becomes infinite
+        calls["n"] += 1
+        return grad * float("inf") if calls["n"] == 2 else grad
+
+    model.model.layers[1].self_attn.q_proj.lora_B.register_hook(poison)
+    with pytest.warns(RuntimeWarning, match="non-finite gradient norm at step 2: the step was skipped"):
+        train(model, base[1], RECORDS, **options(tmp_path, max_steps=3, save_every=0))
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in lines] == [False, True, False]
+    state = json.loads((tmp_path / "checkpoints" / "step-000003" / "state.json").read_text())
+    assert set(state["optimizer"]["steps"].values()) == {2.0} and state["trainer"]["bad_streak"] == 0
+
+
+def test_non_finite_steps_in_a_row_stop_training_and_keep_the_last_good_adapter(base, tmp_path):
+    model = fresh_model(base)
+    nan_logits_from(model, step=3)
+    with pytest.warns(RuntimeWarning), pytest.raises(
+            TrainingStopped, match=r"training stopped at step 5: 3 steps in a row had a non-finite loss or gradient"
+    ) as stopped:
+        train(model, base[1], RECORDS, **options(tmp_path, max_steps=10, save_every=2))
+    assert f"the last good adapter is {tmp_path / 'adapter'} (step 4)" in str(stopped.value)
+    # Nothing after step 2 was an update; what is on disk is step 2's adapter, and no checkpoint after 4.
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    at_step_2 = adapter_tensors(load_adapter(fresh_model(base), tmp_path / "checkpoints" / "step-000002" / "adapter"))
+    assert_same_adapter(adapter_tensors(load_adapter(fresh_model(base), tmp_path / "adapter")), at_step_2)
+    assert_same_adapter(adapter_tensors(model), at_step_2)
+
+
+def test_a_checkpoint_is_complete_or_absent(base, tmp_path, monkeypatch):
+    write = checkpoint_module._write_synced
+    calls = {"n": 0}
+
+    def failing_write(path, data):  # the disk fills up inside the second checkpoint
+        calls["n"] += 1
+        if path.name == "rng.safetensors" and calls["n"] > 3:
+            raise OSError("No space left on device")
+        write(path, data)
+
+    monkeypatch.setattr(checkpoint_module, "_write_synced", failing_write)
+    with pytest.raises(OSError, match="No space left on device"):
+        train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=4, save_every=2))
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000002"]  # no half-written folder
+    monkeypatch.setattr(checkpoint_module, "_write_synced", write)
+    result = train(fresh_model(base), base[1], RECORDS, resume_from=True, **options(tmp_path, max_steps=4,
+                                                                                    save_every=2))
+    assert result.steps == 4
+
+
+def test_a_checkpoint_restores_optimizer_scheduler_and_every_rng(base, tmp_path):
+    model = fresh_model(base)
+    optimizer = WgpuAdamW(lora_parameters(model), lr=1e-2)
+    scheduler = make_scheduler(optimizer, "cosine", total_steps=10)
+    for p in lora_parameters(model):
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    scheduler.step()
+    checkpoint_module.save_checkpoint(tmp_path / "step-000001", model, optimizer, scheduler, {"step": 1})
+    saved = optimizer.state_dict()
+    draws = (random.random(), float(np.random.rand()), torch.rand(1).item())
+
+    model2 = fresh_model(base)
+    optimizer2 = WgpuAdamW(lora_parameters(model2))
+    scheduler2 = make_scheduler(optimizer2, "cosine", total_steps=10)
+    assert checkpoint_module.load_checkpoint(tmp_path / "step-000001", model2, optimizer2, scheduler2) == {"step": 1}
+    assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == draws
+    assert_same_adapter(adapter_tensors(model2), adapter_tensors(model))
+    assert scheduler2.last_epoch == 1 and optimizer2.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    loaded = optimizer2.state_dict()["state"]
+    for i, entry in saved["state"].items():
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded[i][name], entry[name]), (i, name)
+
+
+def test_bad_setups_are_refused_with_reasons(base, tmp_path):
+    with pytest.raises(ValueError, match=r"no LoRA adapters to train; call apply_lora"):
+        Trainer(load_bitnet(base[0]), base[1], RECORDS, **options(tmp_path))
+    half_bad = tmp_path / "data.jsonl"  # nothing is trained on a file that does not read whole
+    half_bad.write_text(json.dumps(RECORDS[0]) + "\n{not json\n" + json.dumps(RECORDS[1]) + "\n")
+    with pytest.raises(ValueError, match=r"data.jsonl, line 2: not valid JSON"):
+        train(fresh_model(base), base[1], half_bad, **options(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="gradient_accumulation_steps must be an integer >= 1, got 0"):
+        Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path, gradient_accumulation_steps=0))
+    with pytest.raises(FileNotFoundError, match="resume_from=True, but .* holds no checkpoint"):
+        train(fresh_model(base), base[1], RECORDS, resume_from=True, **options(tmp_path))
+    train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=1))
+    with pytest.raises(ValueError, match=r"already holds checkpoints \(newest: step-000001\); pass resume_from=True"):
+        train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=1))
+    with pytest.raises(ValueError, match=r"other settings \(batch_size: 2 there, 4 here\)"):
+        train(fresh_model(base), base[1], RECORDS, resume_from=True, **options(tmp_path, max_steps=1, batch_size=4))
+
+
+def test_loss_plot_is_optional(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if matplotlib were not installed
+    with pytest.warns(UserWarning, match=r"matplotlib is not installed, so no loss curve was drawn"):
+        assert plot_loss([{"step": 1, "loss": 1.0}], tmp_path / "loss.png") is None
+    assert not (tmp_path / "loss.png").exists()

@@ -1,0 +1,175 @@
+"""``WgpuAdamW``: torch.optim.AdamW's update run by a WGSL kernel, moments kept on the GPU.
+
+>>> import torch
+>>> w = torch.nn.Parameter(torch.ones(4))
+>>> opt = WgpuAdamW([w], lr=0.1, weight_decay=0.0)
+>>> w.grad = torch.ones(4); opt.step(); opt.zero_grad()
+>>> round(w[0].item(), 4)
+0.9
+
+Each ``step()`` uploads every parameter that has a gradient and its gradient (from
+their numpy views: no Python-side copies), records one ``adamw.wgsl`` launch per
+parameter into a single ``Recorder`` submit, and reads the updated values straight
+back into the parameters' memory. The first and second moments never leave the GPU
+except through ``state_dict()``. The torch Parameters stay the truth: change them
+between steps (``load_state_dict`` of the model, an adapter load) and the next step
+starts from the new values.
+
+Hyperparameters live in ``param_groups`` as in any torch optimizer, so torch's LR
+schedulers drive ``lr``; ``state_dict()`` is laid out like torch.optim.AdamW's
+(``step``, ``exp_avg``, ``exp_avg_sq`` per parameter) and either optimizer loads the other's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+
+from ..ops.adamw import adamw_step
+from ..runtime import Buffer, Recorder, upload
+
+__all__ = ["WgpuAdamW", "clip_grad_norm"]
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _flat_view(t: torch.Tensor, what: str) -> np.ndarray:
+    """The tensor's memory as a 1-D float32 numpy array (shared, not copied)."""
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.is_sparse:
+        raise TypeError(f"WgpuAdamW: {what} must be a dense float32 CPU tensor, got {t.dtype} on {t.device}"
+                        f"{' (sparse)' if t.is_sparse else ''}")
+    if not t.is_contiguous():
+        raise ValueError(f"WgpuAdamW: {what} of shape {tuple(t.shape)} must be contiguous")
+    return t.detach().numpy().reshape(-1)
+
+
+class WgpuAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) whose update runs on WebGPU.
+
+    Same defaults as the seed design: ``lr=2e-4, betas=(0.9, 0.999), eps=1e-7,
+    weight_decay=0.01``. Parameters must be float32 CPU tensors (LoRA adapters are);
+    those whose ``grad`` is None are skipped, as torch does.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 2e-4,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-7, weight_decay: float = 0.01) -> None:
+        if not (isinstance(lr, (int, float)) and 0.0 <= lr and math.isfinite(lr)):
+            raise ValueError(f"WgpuAdamW: lr must be a finite number >= 0, got {lr!r}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"WgpuAdamW: betas must be two numbers in [0, 1), got {betas!r}")
+        if not eps >= 0.0:
+            raise ValueError(f"WgpuAdamW: eps must be >= 0, got {eps!r}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"WgpuAdamW: weight_decay must be >= 0, got {weight_decay!r}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self._moments: dict[torch.Tensor, tuple[Buffer, Buffer]] = {}
+
+    def _ordered_params(self) -> list[torch.Tensor]:
+        """Parameters in the order ``state_dict`` numbers them."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Update every parameter that has a gradient; returns ``closure()`` when given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Check every tensor before touching any state, so a bad one leaves the optimiser as it was.
+        work = [(p, group, _flat_view(p, "a parameter"), _flat_view(p.grad, "a gradient"))
+                for group in self.param_groups for p in group["params"] if p.grad is not None]
+        rec = Recorder()
+        for p, group, values, grads in work:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                self._moments[p] = (Buffer(values.shape), Buffer(values.shape))
+                for buf in self._moments[p]:
+                    rec.clear(buf)
+            state["step"] += 1
+            param_buf = upload(values)
+            adamw_step(rec, param_buf, upload(grads), *self._moments[p], step=int(state["step"].item()),
+                       lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+            rec.read(param_buf, values)
+        rec.submit()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout, with each parameter's moments read back into new CPU tensors."""
+        packed = super().state_dict()
+        index = {p: i for i, p in enumerate(self._ordered_params())}
+        rec = Recorder()
+        for p, buffers in self._moments.items():
+            i = index[p]
+            entry = dict(packed["state"][i])  # a copy: the packed entry is the live state dict
+            entry["step"] = entry["step"].clone()
+            for name, buf in zip(_MOMENTS, buffers):
+                entry[name] = torch.empty_like(p, memory_format=torch.contiguous_format)
+                rec.read(buf, entry[name].numpy().reshape(-1))
+            packed["state"][i] = entry
+        rec.submit()
+        return packed
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` of this optimizer or of torch.optim.AdamW; moments go to the GPU."""
+        for group in state_dict["param_groups"]:
+            unsupported = [k for k in ("amsgrad", "maximize") if group.get(k)]
+            if unsupported:
+                raise ValueError(f"WgpuAdamW.load_state_dict: the saved optimiser used {unsupported}, which "
+                                 "WgpuAdamW does not implement")
+        moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        rest: dict[int, dict[str, Any]] = {}
+        for i, entry in state_dict["state"].items():
+            missing = [name for name in ("step", *_MOMENTS) if name not in entry]
+            if missing:
+                raise ValueError(f"WgpuAdamW.load_state_dict: state of parameter {i} lacks {missing}")
+            moments[int(i)] = (entry["exp_avg"], entry["exp_avg_sq"])
+            rest[int(i)] = {k: v for k, v in entry.items() if k not in _MOMENTS}
+        saved_sizes = [len(group["params"]) for group in state_dict["param_groups"]]
+        sizes = [len(group["params"]) for group in self.param_groups]
+        if saved_sizes != sizes:
+            raise ValueError(f"WgpuAdamW.load_state_dict: the saved param groups hold {saved_sizes} "
+                             f"parameters, this optimizer's {sizes}")
+        # Saved indices map to parameters group by group, as torch's load_state_dict maps them.
+        saved = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = dict(zip(saved, self._ordered_params()))
+        for i, pair in moments.items():
+            if i not in params:
+                raise ValueError(f"WgpuAdamW.load_state_dict: state for parameter {i}, which no saved "
+                                 f"param group lists")
+            for name, t in zip(_MOMENTS, pair):
+                if tuple(t.shape) != tuple(params[i].shape):
+                    raise ValueError(f"WgpuAdamW.load_state_dict: {name} of parameter {i} has shape "
+                                     f"{tuple(t.shape)}, the parameter {tuple(params[i].shape)}")
+        super().load_state_dict({**state_dict, "state": rest})
+        self._moments = {}
+        for i, pair in moments.items():
+            p = params[i]
+            self.state[p]["step"] = torch.as_tensor(self.state[p]["step"], dtype=torch.float32).clone()
+            self._moments[p] = tuple(upload(t.detach().to(torch.float32).contiguous().numpy().reshape(-1))
+                                     for t in pair)
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
+    """The global L2 norm of the gradients; when ``max_norm > 0`` and the norm is finite, gradients
+    are scaled in place so that it is at most ``max_norm`` (torch's ``clip_grad_norm_`` rule).
+
+    ``max_norm == 0`` turns clipping off (the norm is still returned, for logging and the
+    non-finite check). A non-finite norm leaves the gradients as they are.
+
+    >>> w = torch.nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
+    >>> clip_grad_norm([w], 1.0), [round(g, 4) for g in w.grad.tolist()]
+    (5.0, [0.6, 0.8])
+    """
+    if not (isinstance(max_norm, (int, float)) and max_norm >= 0 and math.isfinite(max_norm)):
+        raise ValueError(f"max_grad_norm must be a finite number >= 0 (0 turns clipping off), got {max_norm!r}")
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return 0.0
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if max_norm > 0 and torch.isfinite(total):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)

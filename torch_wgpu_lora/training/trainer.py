@@ -1,0 +1,323 @@
+"""``Trainer`` and ``train``: LoRA finetuning of a causal LM on Alpaca-style data.
+
+>>> # from torch_wgpu_lora import apply_lora, load_bitnet, train
+>>> # model = apply_lora(load_bitnet("bitnet-bf16"), r=8)
+>>> # tokenizer = AutoTokenizer.from_pretrained("bitnet-bf16")
+>>> # result = train(model, tokenizer, "alpaca.json", output_dir="run", epochs=3)
+>>> # result.adapter            # run/adapter: PEFT folder of the last good adapter
+
+One optimiser step consumes ``gradient_accumulation_steps`` micro-batches of
+``batch_size`` whole sequences. The loss is the mean cross-entropy over every response
+token (and EOS) of the step: each micro-batch's summed loss is divided by the step's
+total count of such tokens before its backward, so accumulating k micro-batches gives
+the gradient of one batch of k·``batch_size`` sequences. Then global-norm clipping
+(``max_grad_norm``, 0 = off), a ``WgpuAdamW`` update of the adapter, and one step of
+the LR schedule (which follows the step count, skipped steps included).
+
+Non-finite values: a step whose loss or gradient norm is not finite changes nothing
+(no update) and warns; ``max_bad_steps`` of them in a row stop training with
+``TrainingStopped``. Adapters are written only from good steps, so the last saved one
+(``output_dir/adapter`` and the checkpoints) is never replaced by a broken one.
+
+Files under ``output_dir``: ``metrics.jsonl`` (one line per step and per evaluation),
+``checkpoints/step-NNNNNN`` (``save_every`` steps and at the end; the newest
+``save_total_limit`` are kept), ``adapter/`` (the adapter of the newest checkpoint) and
+``loss.png`` (if matplotlib is installed). ``train(resume_from=True)`` continues from the
+newest checkpoint, bit for bit as if the run had not stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..integrations.adapters import save_adapter
+from ..integrations.bitnet import lora_parameters
+from .checkpoint import (checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint, read_state,
+                         save_checkpoint)
+from .data import IGNORE_INDEX, Example, collate, encode_records, epoch_order, read_records
+from .metrics import MetricsLog, plot_loss
+from .optim import WgpuAdamW, clip_grad_norm
+from .schedule import make_scheduler
+
+__all__ = ["TrainResult", "Trainer", "TrainingStopped", "accumulate_gradients", "evaluate", "train"]
+
+
+class TrainingStopped(RuntimeError):
+    """Training gave up: too many non-finite steps in a row."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished run left behind."""
+
+    steps: int
+    loss: float | None  # mean loss per response token of the last step (None if it was skipped)
+    eval_loss: float | None  # on eval_data at the end, when given
+    adapter: Path
+    checkpoint: Path
+    metrics: Path
+    plot: Path | None
+
+
+def _summed_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy summed over the batch's labelled positions (token t predicts t+1)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _loss_tokens(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def accumulate_gradients(model: torch.nn.Module, micro_batches: Sequence[dict[str, torch.Tensor]]) -> float:
+    """Backpropagate the mean loss per labelled token over all ``micro_batches`` into ``.grad``.
+
+    Returns that mean loss, or NaN (stopping early) when a micro-batch's loss is not finite.
+    Gradients add to what ``.grad`` holds; zero them between optimiser steps.
+    """
+    total_tokens = sum(_loss_tokens(b) for b in micro_batches)
+    if total_tokens == 0:
+        raise ValueError("the micro-batches hold no labelled token: nothing to compute a loss on")
+    loss_sum = 0.0
+    for batch in micro_batches:
+        summed = _summed_token_loss(model, batch)
+        if not torch.isfinite(summed):
+            return math.nan
+        (summed / total_tokens).backward()
+        loss_sum += summed.item()
+    return loss_sum / total_tokens
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor]]) -> float:
+    """Mean loss per labelled token over ``batches``, in eval mode (the mode is restored)."""
+    was_training = model.training
+    model.eval()
+    try:
+        loss_sum = sum(_summed_token_loss(model, b).item() for b in batches)
+    finally:
+        model.train(was_training)
+    return loss_sum / sum(_loss_tokens(b) for b in batches)
+
+
+def _positive_int(name: str, value: Any, allow_zero: bool = False) -> int:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _fingerprint(examples: list[Example]) -> str:
+    digest = hashlib.sha256()
+    for e in examples:
+        digest.update(np.asarray(e.input_ids, np.int64).tobytes())
+        digest.update(np.asarray(e.labels, np.int64).tobytes())
+    return digest.hexdigest()[:16]
+
+
+class Trainer:
+    """Finetunes the LoRA adapters of ``model`` (``apply_lora`` first) on ``data``.
+
+    ``data`` and ``eval_data``: a JSON/JSONL path or a list of ``{instruction, input?, output}``.
+    Training runs ``epochs`` passes over the data, or exactly ``max_steps`` optimiser steps
+    when given (passing over the data as often as needed). ``seed`` fixes the data order and
+    seeds Python's, numpy's and torch's RNGs (LoRA dropout) at the start of a fresh run.
+    ``eval_every`` (steps, 0 = only at the end) evaluates on ``eval_data``; ``save_every``
+    (steps, 0 = only at the end) writes a checkpoint. ``progress=False`` hides the bar.
+
+    >>> # trainer = Trainer(model, tokenizer, "train.jsonl", eval_data="val.jsonl", max_steps=200)
+    >>> # result = trainer.train()             # or trainer.train(resume_from=True) after a stop
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, data: Any, *, eval_data: Any = None,
+                 output_dir: str | Path = "lora-output", epochs: int = 1, max_steps: int | None = None,
+                 batch_size: int = 4, gradient_accumulation_steps: int = 1, lr: float = 2e-4,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-7, weight_decay: float = 0.01,
+                 max_grad_norm: float = 1.0, schedule: str = "cosine", warmup_ratio: float = 0.06,
+                 max_length: int = 512, seed: int = 42, save_every: int = 100, eval_every: int = 0,
+                 save_total_limit: int = 2, max_bad_steps: int = 3, progress: bool = True, plot: bool = True) -> None:
+        self.params = lora_parameters(model)
+        if not self.params:
+            raise ValueError("the model has no LoRA adapters to train; call apply_lora(model, ...) first")
+        self.batch_size = _positive_int("batch_size", batch_size)
+        self.accumulation = _positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+        self.seed = _positive_int("seed", seed, allow_zero=True)
+        self.save_every = _positive_int("save_every", save_every, allow_zero=True)
+        self.eval_every = _positive_int("eval_every", eval_every, allow_zero=True)
+        self.save_total_limit = _positive_int("save_total_limit", save_total_limit)
+        self.max_bad_steps = _positive_int("max_bad_steps", max_bad_steps)
+        self.max_grad_norm = max_grad_norm
+        clip_grad_norm([], max_grad_norm)  # checks the value now rather than at the first step
+        self.model, self.tokenizer = model, tokenizer
+        self.examples = encode_records(tokenizer, read_records(data), max_length)
+        self.eval_examples = None if eval_data is None else encode_records(tokenizer, read_records(eval_data),
+                                                                           max_length)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        steps_per_epoch = math.ceil(math.ceil(len(self.examples) / self.batch_size) / self.accumulation)
+        if max_steps is None:
+            self.total_steps = _positive_int("epochs", epochs) * steps_per_epoch
+        else:
+            self.total_steps = _positive_int("max_steps", max_steps)
+        self.optimizer = WgpuAdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.scheduler = make_scheduler(self.optimizer, schedule, self.total_steps, warmup_ratio)
+        self.output_dir = Path(output_dir)
+        self.checkpoints = self.output_dir / "checkpoints"
+        self.adapter_path = self.output_dir / "adapter"
+        self.metrics = MetricsLog(self.output_dir / "metrics.jsonl")
+        self.progress, self.plot = progress, plot
+        # What must match for a resumed run to continue this one exactly.
+        self.settings = {
+            "data": _fingerprint(self.examples), "batch_size": self.batch_size,
+            "gradient_accumulation_steps": self.accumulation, "total_steps": self.total_steps,
+            "seed": self.seed, "schedule": schedule, "warmup_ratio": warmup_ratio, "lr": lr,
+            "betas": list(betas), "eps": eps, "weight_decay": weight_decay, "max_grad_norm": max_grad_norm,
+        }
+
+    # -- the run --------------------------------------------------------------------------------
+
+    def train(self, resume_from: str | Path | bool | None = None) -> TrainResult:
+        """Run to ``total_steps``; ``resume_from`` is a checkpoint folder, or True for the newest one."""
+        from tqdm.auto import tqdm
+
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        position = self._resume(resume_from) if resume_from else self._start()
+        step, epoch, group = position["step"], position["epoch"], position["group"]
+        self.bad_streak = position["bad_streak"]
+        self.last_saved = position["step"] if resume_from else None
+        last_loss = eval_loss = None
+        self.model.train()
+        bar = tqdm(total=self.total_steps, initial=step, desc="training", unit="step", disable=not self.progress)
+        try:
+            while step < self.total_steps:
+                groups = self._epoch_groups(epoch)
+                while step < self.total_steps:
+                    step, group = step + 1, group + 1
+                    record = self._step(step, [collate(mb, self.pad_token_id) for mb in groups[group - 1]])
+                    last_loss = record["loss"]
+                    self.metrics.append({"step": step, "epoch": epoch + group / len(groups), **record})
+                    bar.update(1)
+                    bar.set_postfix({"loss": "skipped" if last_loss is None else f"{last_loss:.4f}",
+                                     "lr": f"{record['lr']:.2e}", "tok/s": f"{record['tokens_per_s']:.0f}"})
+                    if self.bad_streak >= self.max_bad_steps:
+                        raise TrainingStopped(self._stop_message(step))
+                    if group == len(groups):  # positions are saved as (next epoch, 0), never (epoch, len)
+                        epoch, group = epoch + 1, 0
+                    if step < self.total_steps:
+                        if self.eval_examples and self.eval_every and step % self.eval_every == 0:
+                            self._evaluate(step)
+                        if self.save_every and step % self.save_every == 0:
+                            self._save(step, epoch, group)
+                    if group == 0:
+                        break
+        finally:
+            bar.close()
+        if self.eval_examples:
+            eval_loss = self._evaluate(step)
+        checkpoint = self._save(step, epoch, group)
+        plot = plot_loss(self.metrics.read(), self.output_dir / "loss.png") if self.plot else None
+        return TrainResult(steps=step, loss=last_loss, eval_loss=eval_loss, adapter=self.adapter_path,
+                           checkpoint=checkpoint, metrics=self.metrics.path, plot=plot)
+
+    def _start(self) -> dict[str, int]:
+        existing = latest_checkpoint(self.checkpoints)
+        if existing is not None:
+            raise ValueError(f"{self.output_dir} already holds checkpoints (newest: {existing.name}); pass "
+                             "resume_from=True to continue that run, or choose another output_dir")
+        random.seed(self.seed)
+        np.random.seed(self.seed)
+        torch.manual_seed(self.seed)
+        self.metrics.clear()
+        return {"step": 0, "epoch": 0, "group": 0, "bad_streak": 0}
+
+    def _resume(self, resume_from: str | Path | bool) -> dict[str, int]:
+        if resume_from is True:
+            folder = latest_checkpoint(self.checkpoints)
+            if folder is None:
+                raise FileNotFoundError(f"resume_from=True, but {self.checkpoints} holds no checkpoint")
+        else:
+            folder = Path(resume_from)
+        saved = read_state(folder)["trainer"]["settings"]  # checked before anything is loaded
+        differ = [f"{key}: {saved.get(key)!r} there, {value!r} here" for key, value in self.settings.items()
+                  if saved.get(key) != value]
+        if differ:
+            raise ValueError(f"{folder} was written by a run with other settings ({'; '.join(differ)}); resuming "
+                             "would not continue that run. Use the same settings and data, or a new output_dir")
+        state = load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
+        self.metrics.keep_until(state["step"])
+        return state
+
+    def _epoch_groups(self, epoch: int) -> list[list[list[Example]]]:
+        """The epoch's optimiser steps, each a list of micro-batches of examples."""
+        order = epoch_order(len(self.examples), epoch, self.seed)
+        micro = [[self.examples[i] for i in order[start:start + self.batch_size]]
+                 for start in range(0, len(order), self.batch_size)]
+        return [micro[start:start + self.accumulation] for start in range(0, len(micro), self.accumulation)]
+
+    def _step(self, step: int, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """Optimiser step number ``step`` (from 1) over ``micro_batches``; returns its metrics."""
+        start = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]
+        loss = accumulate_gradients(self.model, micro_batches)
+        grad_norm = clip_grad_norm(self.params, self.max_grad_norm) if math.isfinite(loss) else math.nan
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if skipped:
+            self.bad_streak += 1
+            what = "loss" if not math.isfinite(loss) else "gradient norm"
+            warnings.warn(f"non-finite {what} at step {step}: the step was skipped "
+                          f"({self.bad_streak} in a row; training stops at {self.max_bad_steps})", RuntimeWarning,
+                          stacklevel=3)
+        else:
+            self.optimizer.step()
+            self.bad_streak = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        tokens = int(sum(b["attention_mask"].sum() for b in micro_batches))
+        return {"loss": None if skipped else loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                "tokens_per_s": tokens / (time.perf_counter() - start), "skipped": skipped}
+
+    def _evaluate(self, step: int) -> float:
+        batches = [collate(self.eval_examples[i:i + self.batch_size], self.pad_token_id)
+                   for i in range(0, len(self.eval_examples), self.batch_size)]
+        loss = evaluate(self.model, batches)
+        self.metrics.append({"step": step, "eval_loss": loss})
+        return loss
+
+    def _save(self, step: int, epoch: int, group: int) -> Path:
+        state = {"step": step, "epoch": epoch, "group": group, "bad_streak": self.bad_streak,
+                 "settings": self.settings}
+        folder = save_checkpoint(self.checkpoints / checkpoint_name(step), self.model, self.optimizer,
+                                 self.scheduler, state)
+        save_adapter(self.model, self.adapter_path, format="peft")
+        self.last_saved = step
+        for old in list_checkpoints(self.checkpoints)[:-self.save_total_limit]:
+            shutil.rmtree(old)
+        return folder
+
+    def _stop_message(self, step: int) -> str:
+        saved = (f"the last good adapter is {self.adapter_path} (step {self.last_saved}); resume from "
+                 f"{self.checkpoints / checkpoint_name(self.last_saved)}" if self.last_saved is not None
+                 else "no adapter had been saved yet")
+        return (f"training stopped at step {step}: {self.bad_streak} steps in a row had a non-finite loss or "
+                f"gradient (try a lower lr or max_grad_norm > 0); {saved}")
+
+
+def train(model: torch.nn.Module, tokenizer: Any, data: Any, *, resume_from: str | Path | bool | None = None,
+          **options: Any) -> TrainResult:
+    """``Trainer(model, tokenizer, data, **options).train(resume_from)`` in one call.
+
+    >>> # result = train(model, tokenizer, "alpaca.json", output_dir="run", max_steps=100, lr=2e-4)
+    """
+    return Trainer(model, tokenizer, data, **options).train(resume_from=resume_from)
