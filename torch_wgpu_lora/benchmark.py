@@ -298,6 +298,19 @@ def run(cases: list[Case] | None = None, out: str | Path | None = None, iters: i
     return results
 
 
+def breakdown(case: Case, repeats: int = 10, scaling: float = 2.0) -> list[tuple[str, float]]:
+    """Median GPU µs of each kernel launch of one iteration (each timed in its own pass)."""
+    inp = _Inputs(case)
+    runs = []
+    for i in range(repeats + 2):
+        rec = Recorder(timestamps=True, per_dispatch=True)
+        _record(rec, inp, case, scaling)
+        rec.submit()
+        if i >= 2:
+            runs.append(rec.kernel_times)
+    return [(runs[0][k][0], statistics.median(r[k][1] for r in runs) * 1e6) for k in range(len(runs[0]))]
+
+
 def sweep(case: Case, variants: dict[str, list[Any]], repeats: int = 20) -> list[dict[str, Any]]:
     """GPU time of ``case`` under launch-shape variants, one knob at a time around the default.
 
@@ -331,9 +344,8 @@ def sweep(case: Case, variants: dict[str, list[Any]], repeats: int = 20) -> list
 
 
 SWEEP_VARIANTS = {
-    "target_workgroups": [256, 512, 1024, 2048, 4096],
-    "down_lanes": [16, 32, 64],
-    "up_wg": [64, 128, 256],
+    "target_workgroups": [256, 512, 1024],
+    "down_lanes": [8, 16, 32],
     "outer_cols": [16, 32, 64],
 }
 
@@ -356,6 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     run(cases, out=args.out, iters=args.iters,
         progress=lambda line: print(f"[{time.perf_counter() - started:6.1f}s] {line}", flush=True))
     if args.sweep:
+        from .runtime.kernels import set_shader_checks
+
+        for checks in ("full", "none"):
+            set_shader_checks(checks)
+            for case in (Case(2048, 2560, 2560, 16, True, "q_proj"), Case(1, 2560, 2560, 16, True, "q_proj")):
+                print(f"breakdown checks={checks} {case.name} N={case.n} r={case.rank} {case.mode}: "
+                      + ", ".join(f"{name.split(':')[-1]} {us:.1f}" for name, us in breakdown(case)), flush=True)
+        set_shader_checks("full")
         key = [Case(2048, 2560, 2560, 16, True, "q_proj"), Case(2048, 2560, 2560, 16, False, "q_proj"),
                Case(1, 2560, 2560, 16, False, "q_proj")]
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -30,10 +30,11 @@ class Recorder:
 
     With ``timestamps=True`` (and an adapter that has ``timestamp-query``),
     ``submit()`` returns the GPU time in seconds from the first pass's start to the
-    last pass's end.
+    last pass's end. ``per_dispatch=True`` gives every dispatch its own pass and fills
+    ``kernel_times`` with (kernel name, seconds) pairs: a profile, not a fast path.
     """
 
-    def __init__(self, device: Device | None = None, timestamps: bool = False) -> None:
+    def __init__(self, device: Device | None = None, timestamps: bool = False, per_dispatch: bool = False) -> None:
         self.device = device or get_device()
         self.encoder = self.device.wgpu.create_command_encoder()
         self.pass_: Any = None
@@ -42,6 +43,9 @@ class Recorder:
         self.read_bytes = 0
         self.dispatches = 0
         self.timestamps = timestamps and self.device.has_timestamps
+        self.per_dispatch = per_dispatch
+        self.pass_names: list[str] = []
+        self.kernel_times: list[tuple[str, float]] = []
         self.passes = 0
         if self.timestamps:
             import wgpu
@@ -84,6 +88,9 @@ class Recorder:
         cpass.dispatch_workgroups(*grid)
         self.keep.append(buffers)
         self.dispatches += 1
+        if self.per_dispatch:
+            self.pass_names.append(kernel.name)
+            self._end_pass()
 
     def clear(self, buf: Buffer) -> None:
         """Record zero-filling ``buf``."""
@@ -163,8 +170,10 @@ class Recorder:
                     raw = staging.read_mapped(offset, -(-buf.nbytes // 4) * 4, copy=False)
                     view = np.frombuffer(raw, dtype=DTYPES[buf.dtype], count=buf.numel).reshape(buf.shape)
                     if offset == time_offset:
-                        ticks = view.view(np.uint64)  # (begin, end) per pass
+                        ticks = view.view(np.uint64).astype(np.int64)  # (begin, end) per pass
                         seconds = float(ticks[-1] - ticks[0]) * 1e-9  # WebGPU timestamps are nanoseconds
+                        durations = (ticks[1::2] - ticks[0::2]) * 1e-9
+                        self.kernel_times = list(zip(self.pass_names, durations.tolist()))
                     else:
                         sink(view)
             finally:
