@@ -125,11 +125,11 @@ def test_copy_and_clear():
 def test_many_dispatches_one_submit_and_timestamps():
     x = upload(np.arange(16, dtype=np.float32))
     acc = Buffer((16,))
-    k = kernel("reduce.wgsl", "reduce_partials", "IIIf", WG=64)
+    k = kernel("reduce.wgsl", "reduce_partials", "IIIIf", WG=64)
     rec = Recorder(timestamps=True)
     rec.clear(acc)
     for _ in range(5):  # acc += 2 * x, five times, each reading the last one's result
-        rec.dispatch(k, (1, 1, 1), (x, acc), (16, 1, 1, 2.0))
+        rec.dispatch(k, (1, 1, 1), (x, acc), (4, 4, 1, 1, 2.0))
     out = np.zeros(16, np.float32)
     rec.read(acc, out)
     seconds = rec.submit()
@@ -143,18 +143,18 @@ def test_many_dispatches_one_submit_and_timestamps():
 def test_binding_larger_than_the_adapter_limit_is_refused(monkeypatch):
     device = get_device()
     big = Buffer((64,))
-    k = kernel("reduce.wgsl", "reduce_partials", "IIIf", WG=32)
+    k = kernel("reduce.wgsl", "reduce_partials", "IIIIf", WG=32)
     monkeypatch.setattr(device, "max_binding", 128)
     rec = Recorder()
     with pytest.raises(ValueError, match=r"\(64,\) buffer \(256 bytes\) exceeds this adapter's max-storage-buffer-binding-size \(128 bytes\)"):
-        rec.dispatch(k, (1, 1, 1), (big, Buffer((64,))), (64, 1, 0, 1.0))
+        rec.dispatch(k, (1, 1, 1), (big, Buffer((64,))), (16, 16, 1, 0, 1.0))
 
 
 def test_grid_over_the_dispatch_limit_is_refused():
-    k = kernel("reduce.wgsl", "reduce_partials", "IIIf", WG=256)
+    k = kernel("reduce.wgsl", "reduce_partials", "IIIIf", WG=256)
     too_many = get_device().max_workgroups + 1
     with pytest.raises(ValueError, match="exceeds max-compute-workgroups-per-dimension"):
-        Recorder().dispatch(k, (too_many, 1, 1), (Buffer((4,)), Buffer((4,))), (4, 1, 0, 1.0))
+        Recorder().dispatch(k, (too_many, 1, 1), (Buffer((4,)), Buffer((4,))), (1, 1, 1, 0, 1.0))
 
 
 def test_shader_compile_errors_name_the_kernel(tmp_path, monkeypatch):

@@ -1,21 +1,24 @@
 // Row-by-row dot products with a low-rank matrix, optionally split along the row:
 //   P[s, n, j] = sum over d in split s of X[n, d] * M[j, d]
-// X [rows, d4] and M [rank, d4] are row-major vec4 arrays; P is [splits, rows, rank].
-// LoRA uses it for h = x·Aᵀ (X = x, M = A) and for gradDh, dh = dY·B (X = dY, M = Bᵀ).
-// With one split P is the result; with several (few rows: more workgroups keep the
-// GPU busy) reduce.wgsl sums them.
+// X [rows, d4] and M [rank, d4] are row-major vec4 arrays. P holds the splits one
+// after another, each [rows, rank] padded to a multiple of 4 floats (`stride`), so
+// reduce.wgsl can sum them as vec4s. LoRA uses it for h = x·Aᵀ (X = x, M = A) and for
+// gradDh, dh = dY·B (X = dY, M = Bᵀ). With one split P is the result; with several
+// (few rows: more workgroups keep the GPU busy) reduce.wgsl sums them.
 //
-// A workgroup owns 4 rows, 4*Q ranks and one split. A thread owns 4 ranks; LANES
+// A workgroup owns 8 rows, 4*Q ranks and one split. A thread owns 4 ranks; LANES
 // threads share them and stride over the split's vec4 columns (consecutive lanes,
-// consecutive memory). Each step loads 4 x and 4 M vectors and does 16 dot products
-// into four vec4 accumulators (one per rank, one component per row): no per-thread
-// arrays. A tree over the lanes in workgroup memory finishes the sums.
+// consecutive memory). Each step loads 8 x and 4 M vectors (12 loads in flight) and
+// does 32 dot products into eight vec4 accumulators (one per rank and row quad, one
+// component per row): no per-thread arrays, and every M vector serves 8 rows. A tree
+// over the lanes in workgroup memory finishes the sums.
 
 struct Params {
   rows: u32,
   d4: u32,
   rank: u32,
   split_d4: u32,  // vec4 columns per split
+  stride: u32,    // floats between splits of P
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -23,14 +26,18 @@ struct Params {
 @group(0) @binding(2) var<storage, read> M: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> P: array<f32>;
 
-const LANES: u32 = 64u;  // threads sharing 4 ranks; a power of two
+const LANES: u32 = 16u;  // threads sharing 4 ranks; a power of two
 const Q: u32 = 4u;       // rank quads per workgroup; grid.z covers the rest
 const WG: u32 = LANES * Q;
 
-var<workgroup> sums: array<vec4<f32>, 4u * WG>;
+var<workgroup> sums: array<vec4<f32>, 8u * WG>;
 
-fn store(split: u32, n: u32, j: u32, v: f32) {
-  if (n < p.rows && j < p.rank) { P[(split * p.rows + n) * p.rank + j] = v; }
+fn row_offset(n: u32) -> u32 {
+  return min(n, p.rows - 1u) * p.d4;  // rows past the edge repeat the last one; not stored
+}
+
+fn store(n: u32, j: u32, v: f32, split: u32) {
+  if (n < p.rows && j < p.rank) { P[split * p.stride + n * p.rank + j] = v; }
 }
 
 @compute @workgroup_size(WG)
@@ -42,51 +49,51 @@ fn down(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
   let m1 = min(j0 + 1u, last_rank) * p.d4;
   let m2 = min(j0 + 2u, last_rank) * p.d4;
   let m3 = min(j0 + 3u, last_rank) * p.d4;
-  let n0 = wg.x * 4u;
-  let last_row = p.rows - 1u;
-  let r0 = min(n0, last_row) * p.d4;
-  let r1 = min(n0 + 1u, last_row) * p.d4;
-  let r2 = min(n0 + 2u, last_row) * p.d4;
-  let r3 = min(n0 + 3u, last_row) * p.d4;
+  let n0 = wg.x * 8u;
+  let r0 = row_offset(n0);
+  let r1 = row_offset(n0 + 1u);
+  let r2 = row_offset(n0 + 2u);
+  let r3 = row_offset(n0 + 3u);
+  let r4 = row_offset(n0 + 4u);
+  let r5 = row_offset(n0 + 5u);
+  let r6 = row_offset(n0 + 6u);
+  let r7 = row_offset(n0 + 7u);
   let d_begin = wg.y * p.split_d4;
   let d_end = min(d_begin + p.split_d4, p.d4);
 
-  var a0 = vec4<f32>(0.0);
-  var a1 = vec4<f32>(0.0);
-  var a2 = vec4<f32>(0.0);
-  var a3 = vec4<f32>(0.0);
+  // a_k: rank j0+k, rows n0..n0+3; b_k: rank j0+k, rows n0+4..n0+7.
+  var a0 = vec4<f32>(0.0); var a1 = vec4<f32>(0.0); var a2 = vec4<f32>(0.0); var a3 = vec4<f32>(0.0);
+  var b0 = vec4<f32>(0.0); var b1 = vec4<f32>(0.0); var b2 = vec4<f32>(0.0); var b3 = vec4<f32>(0.0);
   for (var d = d_begin + lane; d < d_end; d += LANES) {
-    let x0 = X[r0 + d];
-    let x1 = X[r1 + d];
-    let x2 = X[r2 + d];
-    let x3 = X[r3 + d];
-    let w0 = M[m0 + d];
-    let w1 = M[m1 + d];
-    let w2 = M[m2 + d];
-    let w3 = M[m3 + d];
+    let x0 = X[r0 + d]; let x1 = X[r1 + d]; let x2 = X[r2 + d]; let x3 = X[r3 + d];
+    let x4 = X[r4 + d]; let x5 = X[r5 + d]; let x6 = X[r6 + d]; let x7 = X[r7 + d];
+    let w0 = M[m0 + d]; let w1 = M[m1 + d]; let w2 = M[m2 + d]; let w3 = M[m3 + d];
     a0 += vec4<f32>(dot(x0, w0), dot(x1, w0), dot(x2, w0), dot(x3, w0));
     a1 += vec4<f32>(dot(x0, w1), dot(x1, w1), dot(x2, w1), dot(x3, w1));
     a2 += vec4<f32>(dot(x0, w2), dot(x1, w2), dot(x2, w2), dot(x3, w2));
     a3 += vec4<f32>(dot(x0, w3), dot(x1, w3), dot(x2, w3), dot(x3, w3));
+    b0 += vec4<f32>(dot(x4, w0), dot(x5, w0), dot(x6, w0), dot(x7, w0));
+    b1 += vec4<f32>(dot(x4, w1), dot(x5, w1), dot(x6, w1), dot(x7, w1));
+    b2 += vec4<f32>(dot(x4, w2), dot(x5, w2), dot(x6, w2), dot(x7, w2));
+    b3 += vec4<f32>(dot(x4, w3), dot(x5, w3), dot(x6, w3), dot(x7, w3));
   }
-  sums[t] = a0;
-  sums[WG + t] = a1;
-  sums[2u * WG + t] = a2;
-  sums[3u * WG + t] = a3;
+  sums[t] = a0; sums[WG + t] = a1; sums[2u * WG + t] = a2; sums[3u * WG + t] = a3;
+  sums[4u * WG + t] = b0; sums[5u * WG + t] = b1; sums[6u * WG + t] = b2; sums[7u * WG + t] = b3;
   workgroupBarrier();
   for (var s = LANES / 2u; s > 0u; s >>= 1u) {
     if (lane < s) {
-      sums[t] += sums[t + s];
-      sums[WG + t] += sums[WG + t + s];
-      sums[2u * WG + t] += sums[2u * WG + t + s];
-      sums[3u * WG + t] += sums[3u * WG + t + s];
+      for (var k = 0u; k < 8u; k++) { sums[k * WG + t] += sums[k * WG + t + s]; }
     }
     workgroupBarrier();
   }
   if (lane == 0u) {
     for (var k = 0u; k < 4u; k++) {
-      let v = sums[k * WG + t];
-      for (var i = 0u; i < 4u; i++) { store(wg.y, n0 + i, j0 + k, v[i]); }
+      let a = sums[k * WG + t];
+      let b = sums[(k + 4u) * WG + t];
+      for (var i = 0u; i < 4u; i++) {
+        store(n0 + i, j0 + k, a[i], wg.y);
+        store(n0 + 4u + i, j0 + k, b[i], wg.y);
+      }
     }
   }
 }

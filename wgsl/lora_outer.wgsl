@@ -6,9 +6,10 @@
 // `+=` of gradient accumulation; with several it writes unscaled partial sums and
 // reduce.wgsl finishes them.
 //
-// A thread owns 4 ranks of one vec4 column and walks its split's rows: each X load
-// feeds four accumulators. Threads of a workgroup cover TD consecutive columns (Q
-// rank quads each). No workgroup memory, no barriers.
+// A thread owns 4 ranks of one vec4 column and walks its split's rows 4 at a time
+// (4 X loads in flight), each X vector feeding four accumulators. Threads of a
+// workgroup cover TD consecutive columns (Q rank quads each). No workgroup memory,
+// no barriers.
 
 struct Params {
   rows: u32,
@@ -27,6 +28,13 @@ struct Params {
 const TD: u32 = 64u;  // vec4 columns per workgroup
 const Q: u32 = 4u;    // rank quads per workgroup (grid.z covers the rest): TD * Q threads
 
+// G[n, j0..j0+3], ranks past the end repeating the last one (their sums are not stored).
+fn g4(n: u32, j0: u32) -> vec4<f32> {
+  let row = n * p.rank;
+  let last = p.rank - 1u;
+  return vec4<f32>(G[row + j0], G[row + min(j0 + 1u, last)], G[row + min(j0 + 2u, last)], G[row + min(j0 + 3u, last)]);
+}
+
 fn store(split: u32, j: u32, d: u32, v: vec4<f32>) {
   if (j < p.rank) {
     let o = (split * p.rank + j) * p.d4 + d;
@@ -41,22 +49,24 @@ fn outer(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec
   let d = wg.x * TD + t % TD;
   let j0 = (wg.z * Q + t / TD) * 4u;
   if (d >= p.d4 || j0 >= p.rank) { return; }
-  let last_rank = p.rank - 1u;  // ranks past the edge repeat the last one; not stored
-  let g1 = min(j0 + 1u, last_rank);
-  let g2 = min(j0 + 2u, last_rank);
-  let g3 = min(j0 + 3u, last_rank);
   let n_end = min((wg.y + 1u) * p.split_rows, p.rows);
-  var a0 = vec4<f32>(0.0);
-  var a1 = vec4<f32>(0.0);
-  var a2 = vec4<f32>(0.0);
-  var a3 = vec4<f32>(0.0);
-  for (var n = wg.y * p.split_rows; n < n_end; n++) {
+  var a0 = vec4<f32>(0.0); var a1 = vec4<f32>(0.0); var a2 = vec4<f32>(0.0); var a3 = vec4<f32>(0.0);
+  var n = wg.y * p.split_rows;
+  for (; n + 3u < n_end; n += 4u) {
+    let x0 = X[n * p.d4 + d];
+    let x1 = X[(n + 1u) * p.d4 + d];
+    let x2 = X[(n + 2u) * p.d4 + d];
+    let x3 = X[(n + 3u) * p.d4 + d];
+    let g0 = g4(n, j0); let g1 = g4(n + 1u, j0); let g2 = g4(n + 2u, j0); let g3 = g4(n + 3u, j0);
+    a0 += g0.x * x0 + g1.x * x1 + g2.x * x2 + g3.x * x3;
+    a1 += g0.y * x0 + g1.y * x1 + g2.y * x2 + g3.y * x3;
+    a2 += g0.z * x0 + g1.z * x1 + g2.z * x2 + g3.z * x3;
+    a3 += g0.w * x0 + g1.w * x1 + g2.w * x2 + g3.w * x3;
+  }
+  for (; n < n_end; n++) {
     let xv = X[n * p.d4 + d];
-    let g = n * p.rank;
-    a0 += G[g + j0] * xv;
-    a1 += G[g + g1] * xv;
-    a2 += G[g + g2] * xv;
-    a3 += G[g + g3] * xv;
+    let g = g4(n, j0);
+    a0 += g.x * xv; a1 += g.y * xv; a2 += g.z * xv; a3 += g.w * xv;
   }
   store(wg.y, j0, d, a0);
   store(wg.y, j0 + 1u, d, a1);

@@ -4,8 +4,9 @@
 // LoRA uses it for y = s·h·Bᵀ (H = h, M = Bᵀ: the B projection and the scale in one
 // pass) and for inputGrad, dx += s·dh·A (H = dh, M = A).
 //
-// A thread owns one vec4 column of 4 rows (four vec4 accumulators): each M load
-// serves 4 rows, and all threads of a workgroup read the same H entries (a broadcast).
+// A thread owns one vec4 column of 8 rows (eight vec4 accumulators): each M vector
+// it loads serves 8 rows, and ranks go 4 at a time so 4 loads are in flight. All
+// threads of a workgroup read the same H entries (a broadcast).
 
 struct Params {
   rows: u32,
@@ -22,6 +23,19 @@ struct Params {
 
 const WG: u32 = 128u;  // threads (vec4 columns) per workgroup
 
+fn h_row(n: u32) -> u32 {
+  return min(n, p.rows - 1u) * p.rank;  // rows past the edge repeat the last one; not stored
+}
+
+// H[n, j..j+3] as a vec4; ranks past the end read as 0 (their M rows are clamped copies).
+fn h4(row: u32, j: u32) -> vec4<f32> {
+  let last = p.rank - 1u;
+  return vec4<f32>(H[row + j],
+                   select(0.0, H[row + min(j + 1u, last)], j + 1u < p.rank),
+                   select(0.0, H[row + min(j + 2u, last)], j + 2u < p.rank),
+                   select(0.0, H[row + min(j + 3u, last)], j + 3u < p.rank));
+}
+
 fn store(n: u32, d: u32, v: vec4<f32>) {
   if (n < p.rows) {
     let o = n * p.d4 + d;
@@ -35,25 +49,26 @@ fn store(n: u32, d: u32, v: vec4<f32>) {
 fn up(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let d = wg.x * WG + t;
   if (d >= p.d4) { return; }
-  let n0 = wg.y * 4u;
-  let last = p.rows - 1u;
-  let h0 = min(n0, last) * p.rank;
-  let h1 = min(n0 + 1u, last) * p.rank;
-  let h2 = min(n0 + 2u, last) * p.rank;
-  let h3 = min(n0 + 3u, last) * p.rank;
-  var a0 = vec4<f32>(0.0);
-  var a1 = vec4<f32>(0.0);
-  var a2 = vec4<f32>(0.0);
-  var a3 = vec4<f32>(0.0);
-  for (var j = 0u; j < p.rank; j++) {
-    let m = M[j * p.d4 + d];
-    a0 += H[h0 + j] * m;
-    a1 += H[h1 + j] * m;
-    a2 += H[h2 + j] * m;
-    a3 += H[h3 + j] * m;
+  let n0 = wg.y * 8u;
+  let h0 = h_row(n0); let h1 = h_row(n0 + 1u); let h2 = h_row(n0 + 2u); let h3 = h_row(n0 + 3u);
+  let h4r = h_row(n0 + 4u); let h5 = h_row(n0 + 5u); let h6 = h_row(n0 + 6u); let h7 = h_row(n0 + 7u);
+  let last = (p.rank - 1u) * p.d4;
+  var a0 = vec4<f32>(0.0); var a1 = vec4<f32>(0.0); var a2 = vec4<f32>(0.0); var a3 = vec4<f32>(0.0);
+  var a4 = vec4<f32>(0.0); var a5 = vec4<f32>(0.0); var a6 = vec4<f32>(0.0); var a7 = vec4<f32>(0.0);
+  for (var j = 0u; j < p.rank; j += 4u) {
+    let m0 = M[j * p.d4 + d];
+    let m1 = M[min((j + 1u) * p.d4, last) + d];
+    let m2 = M[min((j + 2u) * p.d4, last) + d];
+    let m3 = M[min((j + 3u) * p.d4, last) + d];
+    var g = h4(h0, j);  a0 += g.x * m0 + g.y * m1 + g.z * m2 + g.w * m3;
+    g = h4(h1, j);      a1 += g.x * m0 + g.y * m1 + g.z * m2 + g.w * m3;
+    g = h4(h2, j);      a2 += g.x * m0 + g.y * m1 + g.z * m2 + g.w * m3;
+    g = h4(h3, j);      a3 += g.x * m0 + g.y * m1 + g.z * m2 + g.w * m3;
+    g = h4(h4r, j);     a4 += g.x * m0 + g.y * m1 + g.z * m2 + g.w * m3;
+    g = h4(h5, j);      a5 += g.x * m0 + g.y * m1 + g.z * m2 + g.w * m3;
+    g = h4(h6, j);      a6 += g.x * m0 + g.y * m1 + g.z * m2 + g.w * m3;
+    g = h4(h7, j);      a7 += g.x * m0 + g.y * m1 + g.z * m2 + g.w * m3;
   }
-  store(n0, d, a0);
-  store(n0 + 1u, d, a1);
-  store(n0 + 2u, d, a2);
-  store(n0 + 3u, d, a3);
+  store(n0, d, a0); store(n0 + 1u, d, a1); store(n0 + 2u, d, a2); store(n0 + 3u, d, a3);
+  store(n0 + 4u, d, a4); store(n0 + 5u, d, a5); store(n0 + 6u, d, a6); store(n0 + 7u, d, a7);
 }

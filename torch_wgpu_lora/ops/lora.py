@@ -63,12 +63,12 @@ class Tuning:
     lora_outer."""
 
     target_workgroups: int
-    down_lanes: int = 64
+    down_lanes: int = 16
     up_wg: int = 128
     outer_cols: int = 64
 
 
-GPU_TUNING = Tuning(target_workgroups=1024)
+GPU_TUNING = Tuning(target_workgroups=512)
 CPU_TUNING = Tuning(target_workgroups=8)
 _tuning_override: Tuning | None = None
 
@@ -100,17 +100,18 @@ def _down(rec: Recorder, X: Buffer, M: Buffer, rank: int) -> Buffer:
     d4 = width // 4
     t = tuning(rec.device)
     q = _quads(rank)
-    row_blocks, rank_blocks = _cdiv(rows, 4), _cdiv(rank, 4 * q)
-    fit = rec.device.max_binding // (rows * rank * 4)  # the partials must fit one binding too
+    row_blocks, rank_blocks = _cdiv(rows, 8), _cdiv(rank, 4 * q)
+    stride = _cdiv(rows * rank, 4) * 4  # splits start on vec4 boundaries for reduce.wgsl
+    fit = rec.device.max_binding // (stride * 4)  # the partials must fit one binding too
     splits = max(1, min(_cdiv(t.target_workgroups, row_blocks * rank_blocks), _cdiv(d4, 4 * t.down_lanes), fit))
     split_d4 = _cdiv(d4, splits)
     splits = _cdiv(d4, split_d4)
     result = Buffer((rows, rank), device=rec.device)
-    target = result if splits == 1 else Buffer((splits, rows, rank), device=rec.device)
-    kern = kernel("lora_down.wgsl", "down", "IIII", rec.device, LANES=t.down_lanes, Q=q)
-    rec.dispatch(kern, (row_blocks, splits, rank_blocks), (X, M, target), (rows, d4, rank, split_d4))
+    target = result if splits == 1 else Buffer((splits * stride,), device=rec.device)
+    kern = kernel("lora_down.wgsl", "down", "IIIII", rec.device, LANES=t.down_lanes, Q=q)
+    rec.dispatch(kern, (row_blocks, splits, rank_blocks), (X, M, target), (rows, d4, rank, split_d4, stride))
     if splits > 1:
-        _reduce(rec, target, result, splits, 1.0, accumulate=False)
+        _reduce(rec, target, result, splits, stride // 4, 1.0, accumulate=False)
     return result
 
 
@@ -120,14 +121,15 @@ def _up(rec: Recorder, H: Buffer, M: Buffer, Y: Buffer, scale: float, accumulate
     d4 = M.shape[1] // 4
     wg = tuning(rec.device).up_wg
     kern = kernel("lora_up.wgsl", "up", "IIIIf", rec.device, WG=wg)
-    rec.dispatch(kern, (_cdiv(d4, wg), _cdiv(rows, 4), 1), (H, M, Y), (rows, d4, rank, int(accumulate), scale))
+    rec.dispatch(kern, (_cdiv(d4, wg), _cdiv(rows, 8), 1), (H, M, Y), (rows, d4, rank, int(accumulate), scale))
 
 
-def _reduce(rec: Recorder, P: Buffer, out: Buffer, splits: int, scale: float, accumulate: bool) -> None:
-    """out (+)= scale·Σ over splits of P."""
-    length = out.numel
-    kern = kernel("reduce.wgsl", "reduce_partials", "IIIf", rec.device, WG=256)
-    rec.dispatch(kern, (_cdiv(length, 256), 1, 1), (P, out), (length, splits, int(accumulate), scale))
+def _reduce(rec: Recorder, P: Buffer, out: Buffer, splits: int, stride4: int, scale: float,
+            accumulate: bool) -> None:
+    """out (+)= scale·Σ over splits of P (splits ``stride4`` vec4s apart)."""
+    len4 = _cdiv(out.numel, 4)
+    kern = kernel("reduce.wgsl", "reduce_partials", "IIIIf", rec.device, WG=256)
+    rec.dispatch(kern, (_cdiv(len4, 256), 1, 1), (P, out), (len4, stride4, splits, int(accumulate), scale))
 
 
 def _outer(rec: Recorder, G: Buffer, X: Buffer, grad: Buffer, scale: float, accumulate: bool) -> None:
@@ -148,7 +150,7 @@ def _outer(rec: Recorder, G: Buffer, X: Buffer, grad: Buffer, scale: float, accu
         return
     P = Buffer((splits, rank, d4 * 4), device=rec.device)
     rec.dispatch(kern, grid, (G, X, P), (rows, d4, rank, split_rows, 0, 1.0))
-    _reduce(rec, P, grad, splits, scale, accumulate)
+    _reduce(rec, P, grad, splits, rank * d4, scale, accumulate)
 
 
 # -- the device-resident path ------------------------------------------------------------------

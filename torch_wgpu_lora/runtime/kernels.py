@@ -168,7 +168,7 @@ _params: OrderedDict[tuple[int, bytes], tuple[Any, int]] = OrderedDict()
 def kernel(file: str, entry: str, params: str, device: Device | None = None, **constants: Any) -> Kernel:
     """The cached pipeline for ``entry`` in ``wgsl/<file>`` with ``constants`` set.
 
-    >>> k = kernel("reduce.wgsl", "reduce_partials", "IIIf", WG=64)
+    >>> k = kernel("reduce.wgsl", "reduce_partials", "IIIIf", WG=64)
     >>> k.name
     'reduce.wgsl:reduce_partials'
     """
