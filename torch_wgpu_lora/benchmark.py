@@ -118,7 +118,7 @@ class _Inputs:
 
 
 def _record(rec: Recorder, inp: _Inputs, case: Case, scaling: float) -> None:
-    y, h = lora_ops.forward(rec, inp.xb, inp.w, scaling)
+    y, h = lora_ops.forward(rec, inp.xb, inp.w, scaling, need_h=case.backward)  # fwd alone: inference
     if case.backward:
         lora_ops.backward(rec, inp.dyb, inp.xb, h, inp.w, scaling, dA=inp.dA, dBt=inp.dBt, dx=inp.dx)
 
@@ -357,12 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="torch-wgpu-lora bench", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/out", help="folder for lora_op.json/.md/.png")
     parser.add_argument("--iters", type=int, default=50, help="back-to-back iterations for wall times")
-    parser.add_argument("--quick", action="store_true", help="only N=2048 q_proj r=16, forward and forward+backward")
+    parser.add_argument("--quick", action="store_true", help="only q_proj r=16: forward for each N, forward+backward at N=2048")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes on the key cases")
     args = parser.parse_args(argv)
     cases = default_cases()
     if args.quick:
-        cases = [c for c in cases if c.n == 2048 and c.rank == 16 and c.name == "q_proj"]
+        cases = [c for c in cases if c.rank == 16 and c.name == "q_proj" and (c.n == 2048 or not c.backward)]
     print(f"adapter: {get_device().name}")
     started = time.perf_counter()
     run(cases, out=args.out, iters=args.iters,

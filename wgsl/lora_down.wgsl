@@ -1,8 +1,8 @@
 // Row-by-row dot products with a low-rank matrix, optionally split along the row:
 //   P[s, n, j] = sum over d in split s of X[n, d] * M[j, d]
 // X [rows, d4] and M [rank, d4] are row-major vec4 arrays. P holds the splits one
-// after another, each [rows, rank] padded to a multiple of 4 floats (`stride`), so
-// reduce.wgsl can sum them as vec4s. LoRA uses it for h = x·Aᵀ (X = x, M = A) and for
+// after another, each [rows, rank4]: the rank padded with zeros to a multiple of 4
+// (`rank4`), so consumers load a row's ranks as vec4s. LoRA uses it for h = x·Aᵀ (X = x, M = A) and for
 // gradDh, dh = dY·B (X = dY, M = Bᵀ). With one split P is the result; with several
 // (few rows: more workgroups keep the GPU busy) reduce.wgsl sums them.
 //
@@ -18,13 +18,12 @@ struct Params {
   d4: u32,
   rank: u32,
   split_d4: u32,  // vec4 columns per split
-  stride: u32,    // floats between splits of P
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> X: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> M: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read_write> P: array<f32>;
+@group(0) @binding(3) var<storage, read_write> P: array<vec4<f32>>;
 
 const LANES: u32 = 16u;  // threads sharing 4 ranks; a power of two
 const Q: u32 = 4u;       // rank quads per workgroup; grid.z covers the rest
@@ -36,8 +35,13 @@ fn row_offset(n: u32) -> u32 {
   return min(n, p.rows - 1u) * p.d4;  // rows past the edge repeat the last one; not stored
 }
 
-fn store(n: u32, j: u32, v: f32, split: u32) {
-  if (n < p.rows && j < p.rank) { P[split * p.stride + n * p.rank + j] = v; }
+// Ranks j0..j0+3 of row n; ranks past the end are stored as 0 (the padding).
+fn store(split: u32, n: u32, j0: u32, v: vec4<f32>) {
+  if (n < p.rows) {
+    let live = vec4<f32>(1.0, f32(j0 + 1u < p.rank), f32(j0 + 2u < p.rank), f32(j0 + 3u < p.rank));
+    let quads = (p.rank + 3u) / 4u;
+    P[(split * p.rows + n) * quads + j0 / 4u] = select(vec4<f32>(0.0), v, live > vec4<f32>(0.5));
+  }
 }
 
 @compute @workgroup_size(WG)
@@ -86,14 +90,17 @@ fn down(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
     }
     workgroupBarrier();
   }
-  if (lane == 0u) {
-    for (var k = 0u; k < 4u; k++) {
-      let a = sums[k * WG + t];
-      let b = sums[(k + 4u) * WG + t];
-      for (var i = 0u; i < 4u; i++) {
-        store(n0 + i, j0 + k, a[i], wg.y);
-        store(n0 + 4u + i, j0 + k, b[i], wg.y);
-      }
-    }
+  if (lane == 0u && j0 < p.rank) {
+    // sums[k] holds rank j0+k for rows n0..n0+3 (sums[k+4]: rows n0+4..n0+7): transpose to rows.
+    let a0 = sums[t]; let a1 = sums[WG + t]; let a2 = sums[2u * WG + t]; let a3 = sums[3u * WG + t];
+    let b0 = sums[4u * WG + t]; let b1 = sums[5u * WG + t]; let b2 = sums[6u * WG + t]; let b3 = sums[7u * WG + t];
+    store(wg.y, n0, j0, vec4<f32>(a0.x, a1.x, a2.x, a3.x));
+    store(wg.y, n0 + 1u, j0, vec4<f32>(a0.y, a1.y, a2.y, a3.y));
+    store(wg.y, n0 + 2u, j0, vec4<f32>(a0.z, a1.z, a2.z, a3.z));
+    store(wg.y, n0 + 3u, j0, vec4<f32>(a0.w, a1.w, a2.w, a3.w));
+    store(wg.y, n0 + 4u, j0, vec4<f32>(b0.x, b1.x, b2.x, b3.x));
+    store(wg.y, n0 + 5u, j0, vec4<f32>(b0.y, b1.y, b2.y, b3.y));
+    store(wg.y, n0 + 6u, j0, vec4<f32>(b0.z, b1.z, b2.z, b3.z));
+    store(wg.y, n0 + 7u, j0, vec4<f32>(b0.w, b1.w, b2.w, b3.w));
   }
 }

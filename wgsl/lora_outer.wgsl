@@ -1,6 +1,7 @@
 // Sums of outer products over a split of rows (the weight gradients):
 //   OUT[s, j, d] = scale * sum over n in split s of G[n, j] * X[n, d]   (+ OUT when accumulate != 0)
-// G is [rows, rank] f32; X [rows, d4] and OUT [splits, rank, d4] are vec4 arrays.
+// G is [rows, rank4] (rank zero-padded to a multiple of 4, as lora_down.wgsl writes
+// it); X [rows, d4] and OUT [splits, rank, d4] are vec4 arrays.
 // LoRA uses it for gradB as dBᵀ = s·hᵀ·dY (G = h, X = dY) and for gradA, dA = s·dhᵀ·x
 // (G = dh, X = x). With one split it writes the gradient itself, scaled and with the
 // `+=` of gradient accumulation; with several it writes unscaled partial sums and
@@ -21,18 +22,16 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> G: array<f32>;
+@group(0) @binding(1) var<storage, read> G: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> X: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> OUT: array<vec4<f32>>;
 
 const TD: u32 = 64u;  // vec4 columns per workgroup
 const Q: u32 = 4u;    // rank quads per workgroup (grid.z covers the rest): TD * Q threads
 
-// G[n, j0..j0+3], ranks past the end repeating the last one (their sums are not stored).
+// G[n, j0..j0+3] (j0 a multiple of 4).
 fn g4(n: u32, j0: u32) -> vec4<f32> {
-  let row = n * p.rank;
-  let last = p.rank - 1u;
-  return vec4<f32>(G[row + j0], G[row + min(j0 + 1u, last)], G[row + min(j0 + 2u, last)], G[row + min(j0 + 3u, last)]);
+  return G[n * ((p.rank + 3u) / 4u) + j0 / 4u];
 }
 
 fn store(split: u32, j: u32, d: u32, v: vec4<f32>) {

@@ -94,34 +94,43 @@ def _quads(rank: int) -> int:
     return _cdiv(min(rank, 16), 4)
 
 
-def _down(rec: Recorder, X: Buffer, M: Buffer, rank: int) -> Buffer:
-    """X·Mᵀ as [rows, rank]; split along the row (then reduced) when rows are few."""
+def _down(rec: Recorder, X: Buffer, M: Buffer, rank: int) -> tuple[Buffer, int]:
+    """X·Mᵀ as [rows, rank4], or as ``splits`` partial blocks of that (returned with the count)
+    when rows are few and the row is split across workgroups."""
     rows, width = X.shape
     d4 = width // 4
     t = tuning(rec.device)
     q = _quads(rank)
+    rank4 = 4 * _cdiv(rank, 4)
     row_blocks, rank_blocks = _cdiv(rows, 8), _cdiv(rank, 4 * q)
-    stride = _cdiv(rows * rank, 4) * 4  # splits start on vec4 boundaries for reduce.wgsl
-    fit = rec.device.max_binding // (stride * 4)  # the partials must fit one binding too
+    fit = rec.device.max_binding // (rows * rank4 * 4)  # the partials must fit one binding too
     splits = max(1, min(_cdiv(t.target_workgroups, row_blocks * rank_blocks), _cdiv(d4, 4 * t.down_lanes), fit))
     split_d4 = _cdiv(d4, splits)
     splits = _cdiv(d4, split_d4)
-    result = Buffer((rows, rank), device=rec.device)
-    target = result if splits == 1 else Buffer((splits * stride,), device=rec.device)
-    kern = kernel("lora_down.wgsl", "down", "IIIII", rec.device, LANES=t.down_lanes, Q=q)
-    rec.dispatch(kern, (row_blocks, splits, rank_blocks), (X, M, target), (rows, d4, rank, split_d4, stride))
-    if splits > 1:
-        _reduce(rec, target, result, splits, stride // 4, 1.0, accumulate=False)
-    return result
+    P = Buffer((rows, rank4) if splits == 1 else (splits, rows, rank4), device=rec.device)
+    kern = kernel("lora_down.wgsl", "down", "IIII", rec.device, LANES=t.down_lanes, Q=q)
+    rec.dispatch(kern, (row_blocks, splits, rank_blocks), (X, M, P), (rows, d4, rank, split_d4))
+    return P, splits
 
 
-def _up(rec: Recorder, H: Buffer, M: Buffer, Y: Buffer, scale: float, accumulate: bool) -> None:
-    """Y (+)= scale·H·M."""
-    rows, rank = H.shape
+def _summed(rec: Recorder, P: Buffer, splits: int) -> Buffer:
+    """The [rows, rank4] sum of ``_down``'s partial blocks."""
+    if splits == 1:
+        return P
+    out = Buffer(P.shape[1:], device=rec.device)
+    _reduce(rec, P, out, splits, out.numel // 4, 1.0, accumulate=False)
+    return out
+
+
+def _up(rec: Recorder, H: Buffer, splits: int, rank: int, M: Buffer, Y: Buffer, scale: float,
+        accumulate: bool) -> None:
+    """Y (+)= scale·H·M, H given as ``splits`` partial blocks of [rows, rank4]."""
+    rows = H.shape[-2]
     d4 = M.shape[1] // 4
     wg = tuning(rec.device).up_wg
-    kern = kernel("lora_up.wgsl", "up", "IIIIf", rec.device, WG=wg)
-    rec.dispatch(kern, (_cdiv(d4, wg), _cdiv(rows, 8), 1), (H, M, Y), (rows, d4, rank, int(accumulate), scale))
+    kern = kernel("lora_up.wgsl", "up", "IIIIIf", rec.device, WG=wg)
+    rec.dispatch(kern, (_cdiv(d4, wg), _cdiv(rows, 8), 1), (H, M, Y),
+                 (rows, d4, rank, splits, int(accumulate), scale))
 
 
 def _reduce(rec: Recorder, P: Buffer, out: Buffer, splits: int, stride4: int, scale: float,
@@ -132,9 +141,9 @@ def _reduce(rec: Recorder, P: Buffer, out: Buffer, splits: int, stride4: int, sc
     rec.dispatch(kern, (_cdiv(len4, 256), 1, 1), (P, out), (len4, stride4, splits, int(accumulate), scale))
 
 
-def _outer(rec: Recorder, G: Buffer, X: Buffer, grad: Buffer, scale: float, accumulate: bool) -> None:
-    """grad (+)= scale·Gᵀ·X, over row splits summed by reduce.wgsl when there are several."""
-    rows, rank = G.shape
+def _outer(rec: Recorder, G: Buffer, rank: int, X: Buffer, grad: Buffer, scale: float, accumulate: bool) -> None:
+    """grad (+)= scale·Gᵀ·X (G [rows, rank4]), over row splits summed by reduce.wgsl when there are several."""
+    rows = G.shape[0]
     d4 = X.shape[1] // 4
     t = tuning(rec.device)
     q = _quads(rank)
@@ -169,14 +178,21 @@ class LoRAWeights:
         return self.A.shape[0]
 
 
-def forward(rec: Recorder, x: Buffer, w: LoRAWeights, scaling: float) -> tuple[Buffer, Buffer]:
-    """Record y = s·(x·Aᵀ)·Bᵀ for x [N, in4]; returns (y [N, out4], h [N, r]).
+def forward(rec: Recorder, x: Buffer, w: LoRAWeights, scaling: float, need_h: bool = True) -> tuple[Buffer, Buffer | None]:
+    """Record y = s·(x·Aᵀ)·Bᵀ for x [N, in4]; returns (y [N, out4], h [N, rank4]).
+
+    h (rank zero-padded to a multiple of 4) is what ``backward`` needs; with
+    ``need_h=False`` (inference) it is not materialised and None is returned.
 
     >>> # rec = Recorder(); y, h = forward(rec, x_buf, weights, 2.0); rec.read(y, out); rec.submit()
     """
-    h = _down(rec, x, w.A, w.rank)
+    P, splits = _down(rec, x, w.A, w.rank)
+    h = _summed(rec, P, splits) if need_h else None
     y = Buffer((x.shape[0], w.Bt.shape[1]), device=rec.device)
-    _up(rec, h, w.Bt, y, scaling, accumulate=False)
+    if h is not None:
+        _up(rec, h, 1, w.rank, w.Bt, y, scaling, accumulate=False)
+    else:
+        _up(rec, P, splits, w.rank, w.Bt, y, scaling, accumulate=False)
     return y, h
 
 
@@ -189,17 +205,15 @@ def backward(rec: Recorder, dy: Buffer, x: Buffer, h: Buffer, w: LoRAWeights, sc
     across micro-batches), else are overwritten. dx [N, in4] gets ``+=`` when
     ``accumulate_dx`` (adding into a residual stream's gradient), else is overwritten.
     """
-    if dx is None and dA is None and dBt is None:
-        return
     if dBt is not None:
-        _outer(rec, h, dy, dBt, scaling, accumulate)
+        _outer(rec, h, w.rank, dy, dBt, scaling, accumulate)
     if dx is None and dA is None:
         return
-    dh = _down(rec, dy, w.Bt, w.rank)
+    dh = _summed(rec, *_down(rec, dy, w.Bt, w.rank))
     if dA is not None:
-        _outer(rec, dh, x, dA, scaling, accumulate)
+        _outer(rec, dh, w.rank, x, dA, scaling, accumulate)
     if dx is not None:
-        _up(rec, dh, w.A, dx, scaling, accumulate_dx)
+        _up(rec, dh, 1, w.rank, w.A, dx, scaling, accumulate_dx)
 
 
 # -- torch staging -----------------------------------------------------------------------------
@@ -323,9 +337,10 @@ class LoRAFunction(torch.autograd.Function):
         if rows:
             w = resident_weights(A, B, device)
             rec = Recorder(device)
+            need_h = any(ctx.needs_input_grad[:3])
             for chunk in _row_chunks(rows, max(_width4(in_f), _width4(out_f)), device):
                 xb = _as_gpu_matrix(x2[chunk], device)
-                yb, hb = forward(rec, xb, w, float(scaling))
+                yb, hb = forward(rec, xb, w, float(scaling), need_h)
                 rec.read(yb, _into(y[chunk]))
                 saved.append((chunk, xb, hb))
             rec.submit()

@@ -36,7 +36,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -137,6 +137,9 @@ class Trainer:
     seeds Python's, numpy's and torch's RNGs (LoRA dropout) at the start of a fresh run.
     ``eval_every`` (steps, 0 = only at the end) evaluates on ``eval_data``; ``save_every``
     (steps, 0 = only at the end) writes a checkpoint. ``progress=False`` hides the bar.
+    ``callback``, when given, is called with each metrics record (a training step's or an
+    evaluation's dict, as in ``metrics.jsonl``) right after it is written, e.g. to draw a
+    live loss plot in a notebook.
 
     >>> # trainer = Trainer(model, tokenizer, "train.jsonl", eval_data="val.jsonl", max_steps=200)
     >>> # result = trainer.train()             # or trainer.train(resume_from=True) after a stop
@@ -148,7 +151,8 @@ class Trainer:
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-7, weight_decay: float = 0.01,
                  max_grad_norm: float = 1.0, schedule: str = "cosine", warmup_ratio: float = 0.06,
                  max_length: int = 512, seed: int = 42, save_every: int = 100, eval_every: int = 0,
-                 save_total_limit: int = 2, max_bad_steps: int = 3, progress: bool = True, plot: bool = True) -> None:
+                 save_total_limit: int = 2, max_bad_steps: int = 3, progress: bool = True, plot: bool = True,
+                 callback: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.params = lora_parameters(model)
         if not self.params:
             raise ValueError("the model has no LoRA adapters to train; call apply_lora(model, ...) first")
@@ -161,6 +165,8 @@ class Trainer:
         self.max_bad_steps = _positive_int("max_bad_steps", max_bad_steps)
         self.max_grad_norm = max_grad_norm
         clip_grad_norm([], max_grad_norm)  # checks the value now rather than at the first step
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be a function taking one metrics record, got {type(callback).__name__}")
         self.model, self.tokenizer = model, tokenizer
         self.examples = encode_records(tokenizer, read_records(data), max_length)
         self.eval_examples = None if eval_data is None else encode_records(tokenizer, read_records(eval_data),
@@ -177,7 +183,7 @@ class Trainer:
         self.checkpoints = self.output_dir / "checkpoints"
         self.adapter_path = self.output_dir / "adapter"
         self.metrics = MetricsLog(self.output_dir / "metrics.jsonl")
-        self.progress, self.plot = progress, plot
+        self.progress, self.plot, self.callback = progress, plot, callback
         # What must match for a resumed run to continue this one exactly.
         self.settings = {
             "data": _fingerprint(self.examples), "batch_size": self.batch_size,
@@ -207,7 +213,7 @@ class Trainer:
                     step, group = step + 1, group + 1
                     record = self._step(step, [collate(mb, self.pad_token_id) for mb in groups[group - 1]])
                     last_loss = record["loss"]
-                    self.metrics.append({"step": step, "epoch": epoch + group / len(groups), **record})
+                    self._log({"step": step, "epoch": epoch + group / len(groups), **record})
                     bar.update(1)
                     bar.set_postfix({"loss": "skipped" if last_loss is None else f"{last_loss:.4f}",
                                      "lr": f"{record['lr']:.2e}", "tok/s": f"{record['tokens_per_s']:.0f}"})
@@ -292,8 +298,13 @@ class Trainer:
         batches = [collate(self.eval_examples[i:i + self.batch_size], self.pad_token_id)
                    for i in range(0, len(self.eval_examples), self.batch_size)]
         loss = evaluate(self.model, batches)
-        self.metrics.append({"step": step, "eval_loss": loss})
+        self._log({"step": step, "eval_loss": loss})
         return loss
+
+    def _log(self, record: dict[str, Any]) -> None:
+        self.metrics.append(record)
+        if self.callback is not None:
+            self.callback(record)
 
     def _save(self, step: int, epoch: int, group: int) -> Path:
         state = {"step": step, "epoch": epoch, "group": group, "bad_streak": self.bad_streak,
