@@ -205,6 +205,11 @@ def test_shape_mismatch_names_both_shapes():
         lora(torch.ones(2, 4), torch.ones(4), torch.ones(3, 1), 1.0)
 
 
+def test_rank_outside_the_supported_range_is_refused():
+    with pytest.raises(ValueError, match=r"rank must be between 1 and 512, got A \(513, 4\)"):
+        lora(torch.ones(2, 4), torch.ones(513, 4), torch.ones(3, 513), 1.0)
+
+
 def test_tensors_off_the_cpu_are_refused_clearly():
     with pytest.raises(ValueError, match=r"lora: x is on meta; the WebGPU op takes CPU tensors \(move them with .cpu\(\)"):
         lora(torch.ones(2, 4, device="meta"), torch.ones(1, 4), torch.ones(3, 1), 1.0)

@@ -127,8 +127,9 @@ def _up(rec: Recorder, H: Buffer, splits: int, rank: int, M: Buffer, Y: Buffer, 
     """Y (+)= scale·H·M, H given as ``splits`` partial blocks of [rows, rank4]."""
     rows = H.shape[-2]
     d4 = M.shape[1] // 4
-    wg = tuning(rec.device).up_wg
-    kern = kernel("lora_up.wgsl", "up", "IIIIIf", rec.device, WG=wg)
+    q = _cdiv(rank, 4)
+    wg = max(tuning(rec.device).up_wg, 8 * q)  # the first 8·q threads gather h
+    kern = kernel("lora_up.wgsl", "up", "IIIIIf", rec.device, WG=wg, Q=q)
     rec.dispatch(kern, (_cdiv(d4, wg), _cdiv(rows, 8), 1), (H, M, Y),
                  (rows, d4, rank, splits, int(accumulate), scale))
 
@@ -283,6 +284,7 @@ def resident_weights(A: torch.Tensor, B: torch.Tensor, device: Device | None = N
 
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+MAX_RANK = 512  # lora_up.wgsl gathers h with 2·rank threads of one workgroup (at most 1024)
 
 
 def _check(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: Any) -> None:
@@ -297,8 +299,8 @@ def _check(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: Any) -> N
                              "(move them with .cpu(), or use backend='torch')")
     if A.dim() != 2 or B.dim() != 2:
         raise ValueError(f"lora: A and B must be 2-D, got A {tuple(A.shape)} and B {tuple(B.shape)}")
-    if A.shape[0] == 0:
-        raise ValueError(f"lora: rank must be at least 1, got A {tuple(A.shape)}")
+    if not 1 <= A.shape[0] <= MAX_RANK:
+        raise ValueError(f"lora: rank must be between 1 and {MAX_RANK}, got A {tuple(A.shape)}")
     if x.dim() == 0 or x.shape[-1] != A.shape[1]:
         raise ValueError(f"lora: x {tuple(x.shape)} does not match A {tuple(A.shape)}: "
                          f"x's last dimension must equal A's in_features ({A.shape[1]})")
