@@ -129,6 +129,22 @@ def test_training_writes_metrics_checkpoints_adapter_plot_and_progress(base, tmp
     assert "loss=" in bar and "lr=" in bar and "tok/s=" in bar and "9/9" in bar
 
 
+def test_callback_gets_each_metrics_record_right_after_it_is_written(base, tmp_path):
+    seen = []
+
+    def callback(record):
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        seen.append((record, json.loads(lines[-1])))  # the newest line of the file, at the time of the call
+
+    train(fresh_model(base), base[1], RECORDS[:4], eval_data=EVAL_RECORDS,
+          **options(tmp_path, max_steps=3, eval_every=2, save_every=0, callback=callback))
+    assert [(r["step"], "eval_loss" in r) for r, _ in seen] == [(1, False), (2, False), (2, True), (3, False),
+                                                                 (3, True)]
+    assert all(record == line for record, line in seen)
+    with pytest.raises(TypeError, match="callback must be a function taking one metrics record, got str"):
+        Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path, callback="plot"))
+
+
 class Crash(Exception):
     pass
 
