@@ -298,6 +298,45 @@ def run(cases: list[Case] | None = None, out: str | Path | None = None, iters: i
     return results
 
 
+def training_step(steps: int = 10, batch_size: int = 8, rank: int = 8) -> dict[str, Any]:
+    """Wall time of one training step of the demo model: LoRA on WebGPU vs LoRA in torch.
+
+    ``wgpu``: adapters through the WGSL kernels and ``WgpuAdamW``. ``torch``: the same
+    model with ``backend="torch"`` adapters and ``torch.optim.AdamW``. The frozen base model
+    runs in torch on the CPU in both (it is not part of this library's kernels). A step is
+    forward, loss, backward, optimiser step, zeroing the gradients; median over ``steps``
+    after two warm-up steps.
+    """
+    from .demo import build_demo_checkpoint, demo_records, load_model_and_tokenizer
+    from .integrations.bitnet import apply_lora, lora_parameters, set_backend
+    from .training.data import collate, encode_records
+    from .training.optim import WgpuAdamW
+    from .training.trainer import accumulate_gradients
+
+    model, tokenizer = load_model_and_tokenizer(build_demo_checkpoint())
+    apply_lora(model, r=rank)
+    examples = encode_records(tokenizer, demo_records())[:batch_size]
+    batch = collate(examples, tokenizer.pad_token_id)
+    out: dict[str, Any] = {"tokens": int(batch["attention_mask"].sum()), "batch": list(batch["input_ids"].shape),
+                           "layers": model.config.num_hidden_layers, "hidden": model.config.hidden_size,
+                           "rank": rank}
+    for backend in ("wgpu", "torch"):
+        set_backend(model, backend)
+        params = lora_parameters(model)
+        optimizer = WgpuAdamW(params) if backend == "wgpu" else torch.optim.AdamW(params, lr=2e-4, eps=1e-7)
+        times = []
+        for i in range(steps + 2):
+            start = time.perf_counter()
+            accumulate_gradients(model, [batch])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+        out[f"{backend}_ms"] = statistics.median(times) * 1e3
+    out["ratio"] = out["wgpu_ms"] / out["torch_ms"]
+    return out
+
+
 def breakdown(case: Case, repeats: int = 10, scaling: float = 2.0) -> list[tuple[str, float]]:
     """Median GPU µs of each kernel launch of one iteration (each timed in its own pass)."""
     inp = _Inputs(case)
@@ -359,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=50, help="back-to-back iterations for wall times")
     parser.add_argument("--quick", action="store_true", help="only q_proj r=16: forward for each N, forward+backward at N=2048")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes on the key cases")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each kernel launch of the key cases on its own (GPU µs per kernel)")
+    parser.add_argument("--training-step", action="store_true",
+                        help="also time a whole training step of the demo model, LoRA on WebGPU vs in torch")
     args = parser.parse_args(argv)
     cases = default_cases()
     if args.quick:
@@ -367,15 +410,20 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     run(cases, out=args.out, iters=args.iters,
         progress=lambda line: print(f"[{time.perf_counter() - started:6.1f}s] {line}", flush=True))
+    if args.training_step:
+        step = training_step()
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "training_step.json").write_text(json.dumps(step, indent=1))
+        print(f"[{time.perf_counter() - started:6.1f}s] training step: {step}", flush=True)
+    if args.breakdown:
+        lines = []
+        for case in (Case(2048, 2560, 2560, 16, True, "q_proj"), Case(1, 2560, 2560, 16, True, "q_proj")):
+            lines.append(f"{case.name} N={case.n} r={case.rank} {case.mode}: "
+                         + ", ".join(f"{name.split(':')[-1]} {us:.1f}" for name, us in breakdown(case)))
+            print(f"[{time.perf_counter() - started:6.1f}s] breakdown {lines[-1]}", flush=True)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "breakdown.txt").write_text("\n".join(lines) + "\n")
     if args.sweep:
-        from .runtime.kernels import set_shader_checks
-
-        for checks in ("full", "none"):
-            set_shader_checks(checks)
-            for case in (Case(2048, 2560, 2560, 16, True, "q_proj"), Case(1, 2560, 2560, 16, True, "q_proj")):
-                print(f"breakdown checks={checks} {case.name} N={case.n} r={case.rank} {case.mode}: "
-                      + ", ".join(f"{name.split(':')[-1]} {us:.1f}" for name, us in breakdown(case)), flush=True)
-        set_shader_checks("full")
         key = [Case(2048, 2560, 2560, 16, True, "q_proj"), Case(2048, 2560, 2560, 16, False, "q_proj"),
                Case(1, 2560, 2560, 16, False, "q_proj")]
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,429 @@
+"""The ``torch-wgpu-lora`` command (also ``python -m torch_wgpu_lora``).
+
+Subcommands::
+
+    torch-wgpu-lora demo                       # offline: demo model, bundled data, train, compare
+    torch-wgpu-lora train --model DIR --data train.jsonl --output run
+    torch-wgpu-lora generate --model DIR --adapter run/adapter --prompt "Name a primary colour."
+    torch-wgpu-lora gradcheck --model DIR      # per-layer gradient parity table, WebGPU vs PyTorch
+    torch-wgpu-lora info [--json]              # the WebGPU adapter, backend and limits
+    torch-wgpu-lora bench [--quick]            # the LoRA op benchmark (torch_wgpu_lora.benchmark)
+
+Exit status: 0 on success; 1 when a check fails (gradcheck or the demo's parity table
+above its tolerance) or training stops on non-finite losses; 2 for a mistake in what
+was asked (a missing file, malformed data, an unknown target module, a folder that is
+not a BitNet checkpoint, bad option values), reported as one line
+``torch-wgpu-lora: error: <what was wrong>`` on stderr. Anything else is a bug and
+keeps its traceback.
+
+Every command runs PyTorch eagerly. transformers wraps BitNet's weight unpacking and
+activation quantisation in ``torch.compile``; on the CPU, where the base model runs, the
+first call compiles with inductor for tens of seconds (again for new shapes), while
+eager results are bit-identical to compiled ones for packed checkpoints and equal up
+to float32 rounding (about 1e-6 relative) for online ones.
+
+>>> # main(["train", "--model", "bitnet", "--data", "alpaca.json", "--max-steps", "100"])  # -> 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+PROG = "torch-wgpu-lora"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+DTYPES = ("float32", "bfloat16")
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for; ``main`` prints its message and exits 2."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that report a user's mistake (the library's checks raise these)."""
+    from .training.trainer import TrainingStopped
+
+    # ValueError covers json.JSONDecodeError and UnicodeDecodeError; OSError covers
+    # FileNotFoundError, NotADirectoryError, PermissionError. TrainingStopped is listed
+    # separately: it is a RuntimeError, and other RuntimeErrors stay tracebacks.
+    return (UsageError, ValueError, OSError, TrainingStopped)
+
+
+def _exit_code(error: BaseException) -> int:
+    from .training.trainer import TrainingStopped
+
+    return EXIT_FAILED if isinstance(error, TrainingStopped) else EXIT_USAGE
+
+
+# -- shared helpers -------------------------------------------------------------------------------
+
+def _defaults(function: Callable[..., Any]) -> dict[str, Any]:
+    """A function's keyword defaults, so the library stays the one source of them."""
+    return {name: p.default for name, p in inspect.signature(function).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def _targets(text: str) -> tuple[str, ...]:
+    targets = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not targets:
+        raise argparse.ArgumentTypeError("give at least one module name, e.g. q_proj,v_proj")
+    return targets
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _require_webgpu() -> dict[str, Any]:
+    """The device's description, or a UsageError saying what to install when there is no adapter."""
+    from .runtime import device_info
+
+    try:
+        return device_info()
+    except RuntimeError as err:  # raised with the install hint when no adapter exists
+        raise UsageError(str(err)) from None
+
+
+def _load(model: str, dtype: str, with_tokenizer: bool) -> tuple[Any, Any]:
+    from .demo import load_model_and_tokenizer
+    from .integrations.bitnet import load_bitnet
+
+    if with_tokenizer:
+        return load_model_and_tokenizer(model, dtype=_dtype(dtype))
+    return load_bitnet(model, dtype=_dtype(dtype)), None
+
+
+def _add_model(parser: argparse.ArgumentParser, required: bool = True, default_help: str = "") -> None:
+    parser.add_argument("--model", required=required, metavar="DIR",
+                        help="BitNet checkpoint folder (config.json, *.safetensors, tokenizer files), e.g. "
+                             "microsoft/bitnet-b1.58-2B-4T-bf16 downloaded with `hf download`" + default_help)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="dtype of the base model's weights (default: %(default)s)")
+
+
+# -- subcommands ----------------------------------------------------------------------------------
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .integrations.bitnet import apply_lora
+    from .training.checkpoint import latest_checkpoint
+    from .training.data import read_records
+    from .training.trainer import Trainer
+
+    output = Path(args.output)
+    if not args.resume and latest_checkpoint(output / "checkpoints") is not None:
+        raise UsageError(f"{output} already holds checkpoints of a run: pass --resume to continue it, "
+                         "or choose another --output")
+    # Read the data first: a mistake in it should not wait for a large model to load.
+    records = read_records(args.data)
+    eval_records = None if args.eval_data is None else read_records(args.eval_data)
+    if args.backend == "wgpu":
+        _require_webgpu()
+    model, tokenizer = _load(args.model, args.dtype, with_tokenizer=True)
+    apply_lora(model, r=args.rank, lora_alpha=args.alpha, target_modules=args.targets, lora_dropout=args.dropout,
+               seed=args.seed, backend=args.backend)
+    trainer = Trainer(model, tokenizer, records, eval_data=eval_records, output_dir=output, epochs=args.epochs,
+                      max_steps=args.max_steps, batch_size=args.batch_size,
+                      gradient_accumulation_steps=args.grad_accum, lr=args.lr, max_grad_norm=args.max_grad_norm,
+                      schedule=args.schedule, warmup_ratio=args.warmup_ratio, max_length=args.max_length,
+                      seed=args.seed, save_every=args.save_every, eval_every=args.eval_every,
+                      progress=not args.no_progress)
+    result = trainer.train(resume_from=args.resume)
+    loss = "skipped" if result.loss is None else f"{result.loss:.4f}"
+    print(f"trained {result.steps} steps; last loss {loss}"
+          + ("" if result.eval_loss is None else f", eval loss {result.eval_loss:.4f}"))
+    print(f"adapter (PEFT layout): {result.adapter}")
+    print(f"checkpoint: {result.checkpoint}; metrics: {result.metrics}" + (f"; plot: {result.plot}" if result.plot else ""))
+    return EXIT_OK
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .generation import generate
+    from .integrations.adapters import load_adapter
+    from .integrations.bitnet import set_backend
+
+    if args.adapter is not None and not Path(args.adapter).exists():
+        raise UsageError(f"no adapter at {args.adapter} (a PEFT folder or a Hesper .lora file)")
+    if args.adapter is not None and args.backend == "wgpu":
+        _require_webgpu()
+    model, tokenizer = _load(args.model, args.dtype, with_tokenizer=True)
+    if args.adapter is not None:
+        set_backend(load_adapter(model, args.adapter), args.backend)
+    prompt: Any = args.prompt
+    if args.input is not None:
+        if not args.template:
+            raise UsageError("--input goes into the Alpaca template; it cannot be combined with --no-template")
+        prompt = {"instruction": args.prompt, "input": args.input}
+    text = generate(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, strategy=args.strategy,
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    repetition_penalty=args.repetition_penalty, seed=args.seed, use_template=args.template)
+    print(text)
+    return EXIT_OK
+
+
+def cmd_gradcheck(args: argparse.Namespace) -> int:
+    import torch
+
+    from .demo import build_demo_checkpoint, check_parity
+    from .integrations.adapters import load_adapter
+    from .integrations.bitnet import apply_lora, lora_modules
+
+    if args.adapter is not None and not Path(args.adapter).exists():
+        raise UsageError(f"no adapter at {args.adapter} (a PEFT folder or a Hesper .lora file)")
+    _require_webgpu()
+    path = build_demo_checkpoint() if args.model is None else args.model
+    model, _ = _load(path, args.dtype, with_tokenizer=False)
+    if args.adapter is not None:
+        load_adapter(model, args.adapter)
+    else:
+        apply_lora(model, r=args.rank, lora_alpha=args.alpha, target_modules=args.targets, seed=args.seed)
+        # A fresh adapter's B is zero, which makes lora_A's gradient exactly zero: seeded
+        # N(0, 0.1²) values (as the parity tests use) make every row compare a real gradient.
+        with torch.no_grad():
+            generator = torch.Generator().manual_seed(args.seed)
+            for m in lora_modules(model).values():
+                m.lora_B.normal_(0.0, 0.1, generator=generator)
+    vocab = model.config.vocab_size
+    ids = torch.randint(vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(args.seed))
+    parity = check_parity(model, {"input_ids": ids})
+    print(f"model: {path}; batch {args.batch}×{args.seq_len} random tokens (seed {args.seed})")
+    print(parity)
+    return EXIT_OK if parity.passed else EXIT_FAILED
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import importlib.metadata
+
+    from . import __version__
+
+    info = _require_webgpu()
+    versions = {"torch_wgpu_lora": __version__}
+    for package in ("torch", "wgpu", "transformers"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    if args.json:
+        print(json.dumps({**info, "versions": versions}, indent=1))
+        return EXIT_OK
+    print(f"adapter:  {info['adapter']}")
+    print(f"vendor:   {info['vendor']}")
+    print(f"backend:  {info['backend']} ({info['adapter_type']})")
+    print(f"features: {', '.join(info['features']) or '(none)'}")
+    print("limits:")
+    width = max(map(len, info["limits"]))
+    for name, value in info["limits"].items():
+        print(f"  {name:<{width}}  {value}")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    _require_webgpu()
+    result = run_demo(args.model, args.output, steps=args.steps, lr=args.lr, rank=args.rank, lora_alpha=args.alpha,
+                      batch_size=args.batch_size, seed=args.seed, prompt_index=args.prompt_index,
+                      max_new_tokens=args.max_new_tokens, dtype=_dtype(args.dtype), progress=not args.no_progress)
+    print(f"loss before {result.loss_before:.4f}, after {result.loss_after:.4f}")
+    return EXIT_OK if result.parity.passed else EXIT_FAILED
+
+
+def cmd_bench(argv: list[str]) -> int:
+    from .benchmark import main as bench_main
+
+    if not {"-h", "--help"} & set(argv):
+        _require_webgpu()
+    return bench_main(argv)
+
+
+# -- the parser -----------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    from .demo import DEMO_STEPS, run_demo
+    from .generation import STRATEGIES, generate
+    from .integrations.bitnet import apply_lora
+    from .training.schedule import SCHEDULES
+    from .training.trainer import Trainer
+
+    lora = _defaults(apply_lora)
+    trainer = _defaults(Trainer.__init__)
+    sampling = _defaults(generate)
+    demo = _defaults(run_demo)
+    parser = argparse.ArgumentParser(prog=PROG, description="Finetune LoRA adapters of BitNet b1.58 models with "
+                                     "WebGPU compute kernels. Start with `torch-wgpu-lora demo`.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = commands.add_parser("train", help="train LoRA adapters on an instruction dataset",
+                            description="Train LoRA adapters of a BitNet checkpoint on Alpaca-style records "
+                            "({instruction, input?, output}) from a JSON array or JSONL file. Writes "
+                            "OUTPUT/adapter (PEFT layout), OUTPUT/checkpoints, OUTPUT/metrics.jsonl, OUTPUT/loss.png.")
+    _add_model(p)
+    p.add_argument("--data", required=True, metavar="FILE", help="training records, JSON array or JSONL")
+    p.add_argument("--eval-data", metavar="FILE", help="evaluation records (loss at the end and every --eval-every)")
+    p.add_argument("--output", default=trainer["output_dir"], metavar="DIR", help="output folder (default: %(default)s)")
+    p.add_argument("--rank", type=int, default=lora["r"], help="LoRA rank r (default: %(default)s)")
+    p.add_argument("--alpha", type=float, default=lora["lora_alpha"], help="lora_alpha; scaling = alpha / r "
+                   "(default: %(default)s)")
+    p.add_argument("--targets", type=_targets, default=lora["target_modules"], metavar="NAMES",
+                   help="comma-separated module names to adapt (default: q_proj,v_proj)")
+    p.add_argument("--dropout", type=float, default=lora["lora_dropout"], help="LoRA dropout (default: %(default)s)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=int, default=trainer["epochs"], help="passes over the data (default: "
+                        "%(default)s)")
+    length.add_argument("--max-steps", type=int, help="exactly this many optimiser steps (instead of --epochs)")
+    p.add_argument("--batch-size", type=int, default=trainer["batch_size"], help="examples per micro-batch "
+                   "(default: %(default)s)")
+    p.add_argument("--grad-accum", type=int, default=trainer["gradient_accumulation_steps"],
+                   help="micro-batches per optimiser step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=trainer["lr"], help="peak learning rate (default: %(default)s)")
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default=trainer["schedule"],
+                   help="learning-rate schedule (default: %(default)s)")
+    p.add_argument("--warmup-ratio", type=float, default=trainer["warmup_ratio"],
+                   help="share of the steps spent warming up (default: %(default)s)")
+    p.add_argument("--max-grad-norm", type=float, default=trainer["max_grad_norm"],
+                   help="clip the gradient norm to this; 0 = no clipping (default: %(default)s)")
+    p.add_argument("--max-length", type=int, default=trainer["max_length"], help="tokens per example, longer "
+                   "ones are cut (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=trainer["seed"], help="seeds the adapters' init, the data order "
+                   "and dropout (default: %(default)s)")
+    p.add_argument("--save-every", type=int, default=trainer["save_every"], help="checkpoint every N steps; 0 = "
+                   "only at the end (default: %(default)s)")
+    p.add_argument("--eval-every", type=int, default=trainer["eval_every"], help="evaluate every N steps; 0 = "
+                   "only at the end (default: %(default)s)")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                   help="continue the run in --output from its newest checkpoint, or from CHECKPOINT")
+    p.add_argument("--backend", choices=("wgpu", "torch"), default=lora["backend"],
+                   help="compute the adapters with the WebGPU kernels or plain torch (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=cmd_train)
+
+    p = commands.add_parser("generate", help="generate text, with or without an adapter",
+                            description="Continue a prompt with a BitNet checkpoint, optionally with a trained "
+                            "adapter. The prompt goes into the Alpaca template the trainer uses, unless "
+                            "--no-template.")
+    _add_model(p)
+    p.add_argument("--adapter", metavar="PATH", help="a PEFT adapter folder or a Hesper .lora file")
+    p.add_argument("--prompt", required=True, help="the instruction (or, with --no-template, the raw text)")
+    p.add_argument("--input", help="the record's input, placed under '### Input:' in the template")
+    p.add_argument("--template", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap the prompt in the Alpaca template (default: on)")
+    p.add_argument("--strategy", choices=STRATEGIES, default=sampling["strategy"],
+                   help="decoding strategy (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=sampling["temperature"],
+                   help="sampling temperature (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=sampling["top_k"], help="top_k sampling: keep this many tokens "
+                   "(default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=sampling["top_p"], help="top_p sampling: nucleus probability "
+                   "(default: %(default)s)")
+    p.add_argument("--repetition-penalty", type=float, default=sampling["repetition_penalty"],
+                   help="CTRL's penalty on seen tokens; 1.0 = off (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=sampling["max_new_tokens"],
+                   help="most tokens to generate (default: %(default)s)")
+    p.add_argument("--seed", type=int, help="seed for sampling (default: a fresh random seed)")
+    p.add_argument("--backend", choices=("wgpu", "torch"), default="wgpu",
+                   help="compute the adapter with the WebGPU kernels or plain torch (default: %(default)s)")
+    p.set_defaults(run=cmd_generate)
+
+    p = commands.add_parser("gradcheck", help="per-layer gradient parity table, WebGPU kernels vs PyTorch",
+                            description="Compare every adapter gradient computed by the WebGPU kernels with "
+                            "PyTorch autograd on one batch of random tokens, and print the table. Both passes see "
+                            "the same forward (see torch_wgpu_lora.integrations.gradcheck), so the table is the "
+                            "kernels' error alone; the error of two independent forwards is printed below it. "
+                            "Exits 1 when an error exceeds the tolerance 2·n·2^-24 (float32 summation order, n "
+                            "the longest sum). Without --adapter the adapters get seeded random lora_B values so "
+                            "that lora_A's gradient is not zero.")
+    _add_model(p, required=False, default_help=" (default: the demo model)")
+    p.add_argument("--adapter", metavar="PATH", help="check this trained adapter (PEFT folder or Hesper file)")
+    p.add_argument("--rank", type=int, default=lora["r"], help="LoRA rank without --adapter (default: %(default)s)")
+    p.add_argument("--alpha", type=float, default=lora["lora_alpha"], help="lora_alpha without --adapter "
+                   "(default: %(default)s)")
+    p.add_argument("--targets", type=_targets, default=lora["target_modules"], metavar="NAMES",
+                   help="comma-separated modules to adapt without --adapter (default: q_proj,v_proj)")
+    p.add_argument("--batch", type=_positive_int, default=2, help="sequences in the batch (default: %(default)s)")
+    p.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the tokens and lora_B (default: %(default)s)")
+    p.set_defaults(run=cmd_gradcheck)
+
+    p = commands.add_parser("info", help="the WebGPU adapter, backend and limits",
+                            description="Describe the WebGPU adapter this library uses (override with "
+                            "TORCH_WGPU_LORA_ADAPTER=<part of its name>), its limits and features.")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(run=cmd_info)
+
+    p = commands.add_parser("demo", help="the offline demo: train Q/V adapters on a small BitNet",
+                            description="Build (once, offline) the demo model, a small randomly initialised "
+                            "BitNet in the packed-ternary format of microsoft/bitnet-b1.58-2B-4T, with a tokenizer "
+                            "trained on the bundled dataset; then print greedy generation and loss before training, "
+                            "train Q/V LoRA adapters on WebGPU, print both again, print the gradient parity table "
+                            "and save the adapter in PEFT layout. With --model DIR the same runs on a real "
+                            "checkpoint folder, e.g. `hf download microsoft/bitnet-b1.58-2B-4T-bf16 --local-dir "
+                            "bitnet` then `torch-wgpu-lora demo --model bitnet --steps 5` (slow on a CPU adapter).")
+    p.add_argument("--model", metavar="DIR", help="a BitNet checkpoint folder with its tokenizer (default: the "
+                   "demo model, built in ~/.cache/torch_wgpu_lora on first use)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the base model's weights "
+                   "(default: %(default)s)")
+    p.add_argument("--output", default=demo["output_dir"], metavar="DIR", help="output folder; a previous demo "
+                   "output there is replaced (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=DEMO_STEPS, help="training steps (default: %(default)s)")
+    p.add_argument("--lr", type=float, help="learning rate (default: 1e-2 on the demo model, 2e-4 otherwise)")
+    p.add_argument("--rank", type=int, default=demo["rank"], help="LoRA rank (default: %(default)s)")
+    p.add_argument("--alpha", type=float, default=demo["lora_alpha"], help="lora_alpha (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=demo["batch_size"], help="examples per step "
+                   "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=demo["seed"], help="seed (default: %(default)s)")
+    p.add_argument("--prompt-index", type=int, default=demo["prompt_index"], help="which dataset record to "
+                   "generate for (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=demo["max_new_tokens"], help="tokens to generate "
+                   "(default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=cmd_demo)
+
+    # Listed for --help; its arguments are torch_wgpu_lora.benchmark's own (main() hands them over).
+    commands.add_parser("bench", add_help=False, help="benchmark the LoRA op against torch "
+                        "(`torch-wgpu-lora bench --help` for its options)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    # Before torch loads OpenMP (it is read once): on a CPU adapter, lavapipe runs the WebGPU
+    # kernels on the cores where PyTorch's OpenMP threads spin-wait between operations, and
+    # spinning threads starve it (measured on 2 busy cores: the demo's first evaluation 14 s
+    # instead of 3 s, 40 training steps up to 60 s instead of 13 s). A user's setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "bench":
+            return cmd_bench(argv[1:])
+        args = build_parser().parse_args(argv)
+        import torch
+
+        with torch.compiler.set_stance("force_eager"):  # see the module docstring
+            return args.run(args)
+    except _user_errors() as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return _exit_code(error)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
