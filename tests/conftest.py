@@ -8,6 +8,10 @@ import os
 
 import pytest
 
+# torch's OpenMP threads spin while idle and starve lavapipe's threads on a small CPU
+# (set before any test imports torch; notebooks' kernels inherit it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def pytest_report_header(config: pytest.Config) -> str:
     from torch_wgpu_lora.runtime import device_info

@@ -15,6 +15,7 @@ before OpenGL, whose compute support is the thinnest.
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from typing import Any
 
@@ -110,6 +111,14 @@ class Device:
         }
 
 
+def _quiet_mesa() -> None:
+    """Mesa's Vulkan loader probes window-system sockets under XDG_RUNTIME_DIR and prints an
+    error line for each probe when the variable is unset (containers, CI). Compute needs no
+    window system; a private empty folder keeps stderr clean."""
+    if not os.environ.get("XDG_RUNTIME_DIR"):
+        os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="torch-wgpu-lora-xdg-")
+
+
 _device: Device | None = None
 _lock = threading.Lock()
 
@@ -120,6 +129,7 @@ def get_device() -> Device:
     if _device is None:
         with _lock:
             if _device is None:
+                _quiet_mesa()
                 try:
                     import wgpu
                 except ImportError as e:  # pragma: no cover - wgpu is a hard dependency
