@@ -313,26 +313,27 @@ def training_step(steps: int = 10, batch_size: int = 8, rank: int = 8) -> dict[s
     from .training.optim import WgpuAdamW
     from .training.trainer import accumulate_gradients
 
-    model, tokenizer = load_model_and_tokenizer(build_demo_checkpoint())
-    apply_lora(model, r=rank)
-    examples = encode_records(tokenizer, demo_records())[:batch_size]
-    batch = collate(examples, tokenizer.pad_token_id)
-    out: dict[str, Any] = {"tokens": int(batch["attention_mask"].sum()), "batch": list(batch["input_ids"].shape),
-                           "layers": model.config.num_hidden_layers, "hidden": model.config.hidden_size,
-                           "rank": rank}
-    for backend in ("wgpu", "torch"):
-        set_backend(model, backend)
-        params = lora_parameters(model)
-        optimizer = WgpuAdamW(params) if backend == "wgpu" else torch.optim.AdamW(params, lr=2e-4, eps=1e-7)
-        times = []
-        for i in range(steps + 2):
-            start = time.perf_counter()
-            accumulate_gradients(model, [batch])
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-        out[f"{backend}_ms"] = statistics.median(times) * 1e3
+    with torch.compiler.set_stance("force_eager"):  # as the CLI and the demo run (see cli.py)
+        model, tokenizer = load_model_and_tokenizer(build_demo_checkpoint())
+        apply_lora(model, r=rank)
+        examples = encode_records(tokenizer, demo_records())[:batch_size]
+        batch = collate(examples, tokenizer.pad_token_id)
+        out: dict[str, Any] = {"tokens": int(batch["attention_mask"].sum()), "batch": list(batch["input_ids"].shape),
+                               "layers": model.config.num_hidden_layers, "hidden": model.config.hidden_size,
+                               "rank": rank}
+        for backend in ("wgpu", "torch"):
+            set_backend(model, backend)
+            params = lora_parameters(model)
+            optimizer = WgpuAdamW(params) if backend == "wgpu" else torch.optim.AdamW(params, lr=2e-4, eps=1e-7)
+            times = []
+            for i in range(steps + 2):
+                start = time.perf_counter()
+                accumulate_gradients(model, [batch])
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if i >= 2:
+                    times.append(time.perf_counter() - start)
+            out[f"{backend}_ms"] = statistics.median(times) * 1e3
     out["ratio"] = out["wgpu_ms"] / out["torch_ms"]
     return out
 
@@ -383,9 +384,10 @@ def sweep(case: Case, variants: dict[str, list[Any]], repeats: int = 20) -> list
 
 
 SWEEP_VARIANTS = {
-    "target_workgroups": [256, 512, 1024],
+    "down_workgroups": [128, 256, 512, 1024, 2048],
+    "outer_workgroups": [256, 384, 512, 768, 1024],
     "down_lanes": [8, 16, 32],
-    "outer_cols": [16, 32, 64],
+    "up_wg": [64, 128, 256],
 }
 
 

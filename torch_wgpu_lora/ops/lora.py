@@ -56,20 +56,21 @@ def lora_reference(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: f
 
 @dataclass(frozen=True)
 class Tuning:
-    """Launch shapes. ``target_workgroups``: how many workgroups a reduction over rows
-    (or over a split row, when rows are few) is spread across; a CPU adapter wants few,
-    a GPU many. ``down_lanes``: threads sharing 4 ranks in lora_down. ``up_wg``:
-    threads per workgroup in lora_up. ``outer_cols``: vec4 columns per workgroup in
-    lora_outer."""
+    """Launch shapes. ``down_workgroups``: below this many row blocks, lora_down splits each
+    row across workgroups (summed afterwards); ``outer_workgroups``: how many workgroups
+    lora_outer's reduction over rows is spread across. A CPU adapter wants few, a GPU many.
+    ``down_lanes``: threads sharing 4 ranks in lora_down. ``up_wg``: threads per workgroup
+    in lora_up. ``outer_cols``: vec4 columns per workgroup in lora_outer."""
 
-    target_workgroups: int
+    down_workgroups: int
+    outer_workgroups: int
     down_lanes: int = 16
     up_wg: int = 128
     outer_cols: int = 64
 
 
-GPU_TUNING = Tuning(target_workgroups=512)
-CPU_TUNING = Tuning(target_workgroups=8)
+GPU_TUNING = Tuning(down_workgroups=512, outer_workgroups=512)
+CPU_TUNING = Tuning(down_workgroups=8, outer_workgroups=8)
 _tuning_override: Tuning | None = None
 
 
@@ -104,7 +105,7 @@ def _down(rec: Recorder, X: Buffer, M: Buffer, rank: int) -> tuple[Buffer, int]:
     rank4 = 4 * _cdiv(rank, 4)
     row_blocks, rank_blocks = _cdiv(rows, 8), _cdiv(rank, 4 * q)
     fit = rec.device.max_binding // (rows * rank4 * 4)  # the partials must fit one binding too
-    splits = max(1, min(_cdiv(t.target_workgroups, row_blocks * rank_blocks), _cdiv(d4, 4 * t.down_lanes), fit))
+    splits = max(1, min(_cdiv(t.down_workgroups, row_blocks * rank_blocks), _cdiv(d4, 4 * t.down_lanes), fit))
     split_d4 = _cdiv(d4, splits)
     splits = _cdiv(d4, split_d4)
     P = Buffer((rows, rank4) if splits == 1 else (splits, rows, rank4), device=rec.device)
@@ -150,7 +151,7 @@ def _outer(rec: Recorder, G: Buffer, rank: int, X: Buffer, grad: Buffer, scale: 
     q = _quads(rank)
     col_blocks = _cdiv(d4, t.outer_cols) * _cdiv(rank, 4 * q)
     fit = rec.device.max_binding // (rank * d4 * 16)  # the partials must fit one binding too
-    splits = max(1, min(_cdiv(t.target_workgroups, col_blocks), _cdiv(rows, 16), fit))
+    splits = max(1, min(_cdiv(t.outer_workgroups, col_blocks), _cdiv(rows, 16), fit))
     split_rows = _cdiv(rows, splits)
     splits = _cdiv(rows, split_rows)
     kern = kernel("lora_outer.wgsl", "outer", "IIIIIf", rec.device, TD=t.outer_cols, Q=q)
