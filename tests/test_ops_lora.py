@@ -60,7 +60,9 @@ def test_forward_and_every_gradient_match_float64(in_f, out_f, rank, rows):
     run_case(rows, in_f, out_f, rank)
 
 
-@pytest.mark.parametrize("tuning", [lora_ops.GPU_TUNING, lora_ops.CPU_TUNING], ids=["gpu-tuning", "cpu-tuning"])
+@pytest.mark.parametrize("tuning", [lora_ops.GPU_TUNING, lora_ops.CPU_TUNING,
+                                    lora_ops.Tuning(512, 512, down_quads=1, outer_quads=2, outer_cols=32)],
+                         ids=["gpu-tuning", "cpu-tuning", "narrow-workgroups"])
 @pytest.mark.parametrize("rows,in_f,out_f,rank", [(1, 2560, 640, 16), (7, 13, 7, 8), (333, 2560, 2560, 64), (40, 300, 20, 3)])
 def test_both_launch_tunings_give_the_same_math(tuning, rows, in_f, out_f, rank):
     lora_ops.set_tuning(tuning)  # the adapter here picks one; both must be right on any adapter

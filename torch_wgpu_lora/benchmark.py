@@ -384,10 +384,11 @@ def sweep(case: Case, variants: dict[str, list[Any]], repeats: int = 20) -> list
 
 
 SWEEP_VARIANTS = {
-    "down_workgroups": [128, 256, 512, 1024, 2048],
-    "outer_workgroups": [256, 384, 512, 768, 1024],
-    "down_lanes": [8, 16, 32],
-    "up_wg": [64, 128, 256],
+    "down_workgroups": [256, 512, 1024],
+    "outer_workgroups": [256, 512, 1024],
+    "down_quads": [1, 2, 4],
+    "outer_quads": [1, 2, 4],
+    "outer_cols": [32, 64, 128],
 }
 
 

@@ -60,13 +60,17 @@ class Tuning:
     row across workgroups (summed afterwards); ``outer_workgroups``: how many workgroups
     lora_outer's reduction over rows is spread across. A CPU adapter wants few, a GPU many.
     ``down_lanes``: threads sharing 4 ranks in lora_down. ``up_wg``: threads per workgroup
-    in lora_up. ``outer_cols``: vec4 columns per workgroup in lora_outer."""
+    in lora_up. ``outer_cols``: vec4 columns per workgroup in lora_outer. ``down_quads``,
+    ``outer_quads``: at most this many rank quads per workgroup (fewer: more workgroups,
+    each reading its rows again from cache)."""
 
     down_workgroups: int
     outer_workgroups: int
     down_lanes: int = 16
     up_wg: int = 128
     outer_cols: int = 64
+    down_quads: int = 4
+    outer_quads: int = 4
 
 
 GPU_TUNING = Tuning(down_workgroups=512, outer_workgroups=512)
@@ -90,9 +94,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _quads(rank: int) -> int:
-    """Rank quads one workgroup covers: all of them up to rank 16, else 4 (grid.z for the rest)."""
-    return _cdiv(min(rank, 16), 4)
+def _quads(rank: int, most: int) -> int:
+    """Rank quads one workgroup covers: all of them up to ``most``; grid.z covers the rest."""
+    return min(_cdiv(rank, 4), most)
 
 
 def _down(rec: Recorder, X: Buffer, M: Buffer, rank: int) -> tuple[Buffer, int]:
@@ -101,7 +105,7 @@ def _down(rec: Recorder, X: Buffer, M: Buffer, rank: int) -> tuple[Buffer, int]:
     rows, width = X.shape
     d4 = width // 4
     t = tuning(rec.device)
-    q = _quads(rank)
+    q = _quads(rank, t.down_quads)
     rank4 = 4 * _cdiv(rank, 4)
     row_blocks, rank_blocks = _cdiv(rows, 8), _cdiv(rank, 4 * q)
     fit = rec.device.max_binding // (rows * rank4 * 4)  # the partials must fit one binding too
@@ -148,7 +152,7 @@ def _outer(rec: Recorder, G: Buffer, rank: int, X: Buffer, grad: Buffer, scale: 
     rows = G.shape[0]
     d4 = X.shape[1] // 4
     t = tuning(rec.device)
-    q = _quads(rank)
+    q = _quads(rank, t.outer_quads)
     col_blocks = _cdiv(d4, t.outer_cols) * _cdiv(rank, 4 * q)
     fit = rec.device.max_binding // (rank * d4 * 16)  # the partials must fit one binding too
     splits = max(1, min(_cdiv(t.outer_workgroups, col_blocks), _cdiv(rows, 16), fit))
