@@ -118,7 +118,7 @@ class _Inputs:
 
 
 def _record(rec: Recorder, inp: _Inputs, case: Case, scaling: float) -> None:
-    y, h = lora_ops.forward(rec, inp.xb, inp.w, scaling, need_h=case.backward)  # fwd alone: inference
+    y, h = lora_ops.forward(rec, inp.xb, inp.w, scaling)
     if case.backward:
         lora_ops.backward(rec, inp.dyb, inp.xb, h, inp.w, scaling, dA=inp.dA, dBt=inp.dBt, dx=inp.dx)
 

@@ -30,6 +30,7 @@ device other than the CPU raise ValueError (move them with ``.cpu()``).
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..runtime import Buffer, Device, Recorder, get_device, kernel, upload
+from ..runtime import Buffer, Device, Kernel, Recorder, get_device, kernel, upload
 
 __all__ = ["LoRAFunction", "LoRAWeights", "backward", "forward", "lora", "lora_reference", "resident_weights"]
 
@@ -99,44 +100,46 @@ def _quads(rank: int, most: int) -> int:
     return min(_cdiv(rank, 4), most)
 
 
-def _down(rec: Recorder, X: Buffer, M: Buffer, rank: int) -> tuple[Buffer, int]:
-    """X·Mᵀ as [rows, rank4], or as ``splits`` partial blocks of that (returned with the count)
-    when rows are few and the row is split across workgroups."""
-    rows, width = X.shape
-    d4 = width // 4
-    t = tuning(rec.device)
-    q = _quads(rank, t.down_quads)
+# Launch plans depend only on shapes, the device and the tuning: computed once per shape
+# (recording runs on every step, and its host time is the op's floor for small inputs).
+
+@functools.lru_cache(maxsize=1024)
+def _down_plan(device: Device, tune: Tuning, rows: int, d4: int, rank: int) -> tuple[Kernel, tuple, tuple, int]:
+    q = _quads(rank, tune.down_quads)
     rank4 = 4 * _cdiv(rank, 4)
     row_blocks, rank_blocks = _cdiv(rows, 8), _cdiv(rank, 4 * q)
-    fit = rec.device.max_binding // (rows * rank4 * 4)  # the partials must fit one binding too
-    splits = max(1, min(_cdiv(t.down_workgroups, row_blocks * rank_blocks), _cdiv(d4, 4 * t.down_lanes), fit))
+    fit = device.max_binding // (rows * rank4 * 4)  # the partials must fit one binding too
+    splits = max(1, min(_cdiv(tune.down_workgroups, row_blocks * rank_blocks), _cdiv(d4, 4 * tune.down_lanes), fit))
     split_d4 = _cdiv(d4, splits)
     splits = _cdiv(d4, split_d4)
-    P = Buffer((rows, rank4) if splits == 1 else (splits, rows, rank4), device=rec.device)
-    kern = kernel("lora_down.wgsl", "down", "IIII", rec.device, LANES=t.down_lanes, Q=q)
-    rec.dispatch(kern, (row_blocks, splits, rank_blocks), (X, M, P), (rows, d4, rank, split_d4))
-    return P, splits
+    kern = kernel("lora_down.wgsl", "down", "IIII", device, LANES=tune.down_lanes, Q=q)
+    return kern, (row_blocks, splits, rank_blocks), (splits, rows, rank4), split_d4
 
 
-def _summed(rec: Recorder, P: Buffer, splits: int) -> Buffer:
-    """The [rows, rank4] sum of ``_down``'s partial blocks."""
-    if splits == 1:
-        return P
-    out = Buffer(P.shape[1:], device=rec.device)
-    _reduce(rec, P, out, splits, out.numel // 4, 1.0, accumulate=False)
-    return out
+def _down(rec: Recorder, X: Buffer, M: Buffer, rank: int) -> Buffer:
+    """X·Mᵀ as [splits, rows, rank4] partial blocks whose sum is the product: one block, or
+    several when rows are few and each row is split across workgroups (the consumers,
+    ``_up`` and ``_outer``, sum them as they read)."""
+    rows, width = X.shape
+    kern, grid, shape, split_d4 = _down_plan(rec.device, tuning(rec.device), rows, width // 4, rank)
+    P = Buffer(shape, device=rec.device)
+    rec.dispatch(kern, grid, (X, M, P), (rows, width // 4, rank, split_d4))
+    return P
 
 
-def _up(rec: Recorder, H: Buffer, splits: int, rank: int, M: Buffer, Y: Buffer, scale: float,
-        accumulate: bool) -> None:
-    """Y (+)= scale·H·M, H given as ``splits`` partial blocks of [rows, rank4]."""
-    rows = H.shape[-2]
-    d4 = M.shape[1] // 4
+@functools.lru_cache(maxsize=1024)
+def _up_plan(device: Device, tune: Tuning, rows: int, d4: int, rank: int) -> tuple[Kernel, tuple]:
     q = _cdiv(rank, 4)
-    wg = max(tuning(rec.device).up_wg, 8 * q)  # the first 8·q threads gather h
-    kern = kernel("lora_up.wgsl", "up", "IIIIIf", rec.device, WG=wg, Q=q)
-    rec.dispatch(kern, (_cdiv(d4, wg), _cdiv(rows, 8), 1), (H, M, Y),
-                 (rows, d4, rank, splits, int(accumulate), scale))
+    wg = max(tune.up_wg, 8 * q)  # the first 8·q threads gather h
+    return kernel("lora_up.wgsl", "up", "IIIIIf", device, WG=wg, Q=q), (_cdiv(d4, wg), _cdiv(rows, 8), 1)
+
+
+def _up(rec: Recorder, H: Buffer, rank: int, M: Buffer, Y: Buffer, scale: float, accumulate: bool) -> None:
+    """Y (+)= scale·H·M, H given as [splits, rows, rank4] partial blocks."""
+    splits, rows = H.shape[:2]
+    d4 = M.shape[1] // 4
+    kern, grid = _up_plan(rec.device, tuning(rec.device), rows, d4, rank)
+    rec.dispatch(kern, grid, (H, M, Y), (rows, d4, rank, splits, int(accumulate), scale))
 
 
 def _reduce(rec: Recorder, P: Buffer, out: Buffer, splits: int, stride4: int, scale: float,
@@ -147,24 +150,29 @@ def _reduce(rec: Recorder, P: Buffer, out: Buffer, splits: int, stride4: int, sc
     rec.dispatch(kern, (_cdiv(len4, 256), 1, 1), (P, out), (len4, stride4, splits, int(accumulate), scale))
 
 
-def _outer(rec: Recorder, G: Buffer, rank: int, X: Buffer, grad: Buffer, scale: float, accumulate: bool) -> None:
-    """grad (+)= scale·Gᵀ·X (G [rows, rank4]), over row splits summed by reduce.wgsl when there are several."""
-    rows = G.shape[0]
-    d4 = X.shape[1] // 4
-    t = tuning(rec.device)
-    q = _quads(rank, t.outer_quads)
-    col_blocks = _cdiv(d4, t.outer_cols) * _cdiv(rank, 4 * q)
-    fit = rec.device.max_binding // (rank * d4 * 16)  # the partials must fit one binding too
-    splits = max(1, min(_cdiv(t.outer_workgroups, col_blocks), _cdiv(rows, 16), fit))
+@functools.lru_cache(maxsize=1024)
+def _outer_plan(device: Device, tune: Tuning, rows: int, d4: int, rank: int) -> tuple[Kernel, tuple, int]:
+    q = _quads(rank, tune.outer_quads)
+    col_blocks = _cdiv(d4, tune.outer_cols) * _cdiv(rank, 4 * q)
+    fit = device.max_binding // (rank * d4 * 16)  # the partials must fit one binding too
+    splits = max(1, min(_cdiv(tune.outer_workgroups, col_blocks), _cdiv(rows, 16), fit))
     split_rows = _cdiv(rows, splits)
-    splits = _cdiv(rows, split_rows)
-    kern = kernel("lora_outer.wgsl", "outer", "IIIIIf", rec.device, TD=t.outer_cols, Q=q)
-    grid = (_cdiv(d4, t.outer_cols), splits, _cdiv(rank, 4 * q))
+    kern = kernel("lora_outer.wgsl", "outer", "IIIIIfI", device, TD=tune.outer_cols, Q=q)
+    return kern, (_cdiv(d4, tune.outer_cols), _cdiv(rows, split_rows), _cdiv(rank, 4 * q)), split_rows
+
+
+def _outer(rec: Recorder, G: Buffer, rank: int, X: Buffer, grad: Buffer, scale: float, accumulate: bool) -> None:
+    """grad (+)= scale·Gᵀ·X (G as [g_splits, rows, rank4] partial blocks), over row splits
+    summed by reduce.wgsl when there are several."""
+    g_splits, rows = G.shape[:2]
+    d4 = X.shape[1] // 4
+    kern, grid, split_rows = _outer_plan(rec.device, tuning(rec.device), rows, d4, rank)
+    splits = grid[1]
     if splits == 1:
-        rec.dispatch(kern, grid, (G, X, grad), (rows, d4, rank, split_rows, int(accumulate), scale))
+        rec.dispatch(kern, grid, (G, X, grad), (rows, d4, rank, split_rows, int(accumulate), scale, g_splits))
         return
     P = Buffer((splits, rank, d4 * 4), device=rec.device)
-    rec.dispatch(kern, grid, (G, X, P), (rows, d4, rank, split_rows, 0, 1.0))
+    rec.dispatch(kern, grid, (G, X, P), (rows, d4, rank, split_rows, 0, 1.0, g_splits))
     _reduce(rec, P, grad, splits, rank * d4, scale, accumulate)
 
 
@@ -184,21 +192,17 @@ class LoRAWeights:
         return self.A.shape[0]
 
 
-def forward(rec: Recorder, x: Buffer, w: LoRAWeights, scaling: float, need_h: bool = True) -> tuple[Buffer, Buffer | None]:
-    """Record y = s·(x·Aᵀ)·Bᵀ for x [N, in4]; returns (y [N, out4], h [N, rank4]).
+def forward(rec: Recorder, x: Buffer, w: LoRAWeights, scaling: float) -> tuple[Buffer, Buffer]:
+    """Record y = s·(x·Aᵀ)·Bᵀ for x [N, in4]; returns (y [N, out4], h).
 
-    h (rank zero-padded to a multiple of 4) is what ``backward`` needs; with
-    ``need_h=False`` (inference) it is not materialised and None is returned.
+    h = x·Aᵀ is what ``backward`` needs, kept as lora_down's [splits, N, rank4] partial
+    blocks (rank zero-padded to a multiple of 4; one block unless N is small).
 
     >>> # rec = Recorder(); y, h = forward(rec, x_buf, weights, 2.0); rec.read(y, out); rec.submit()
     """
-    P, splits = _down(rec, x, w.A, w.rank)
-    h = _summed(rec, P, splits) if need_h else None
+    h = _down(rec, x, w.A, w.rank)
     y = Buffer((x.shape[0], w.Bt.shape[1]), device=rec.device)
-    if h is not None:
-        _up(rec, h, 1, w.rank, w.Bt, y, scaling, accumulate=False)
-    else:
-        _up(rec, P, splits, w.rank, w.Bt, y, scaling, accumulate=False)
+    _up(rec, h, w.rank, w.Bt, y, scaling, accumulate=False)
     return y, h
 
 
@@ -215,11 +219,11 @@ def backward(rec: Recorder, dy: Buffer, x: Buffer, h: Buffer, w: LoRAWeights, sc
         _outer(rec, h, w.rank, dy, dBt, scaling, accumulate)
     if dx is None and dA is None:
         return
-    dh = _summed(rec, *_down(rec, dy, w.Bt, w.rank))
+    dh = _down(rec, dy, w.Bt, w.rank)
     if dA is not None:
         _outer(rec, dh, w.rank, x, dA, scaling, accumulate)
     if dx is not None:
-        _up(rec, dh, 1, w.rank, w.A, dx, scaling, accumulate_dx)
+        _up(rec, dh, w.rank, w.A, dx, scaling, accumulate_dx)
 
 
 # -- torch staging -----------------------------------------------------------------------------
@@ -344,10 +348,9 @@ class LoRAFunction(torch.autograd.Function):
         if rows:
             w = resident_weights(A, B, device)
             rec = Recorder(device)
-            need_h = any(ctx.needs_input_grad[:3])
             for chunk in _row_chunks(rows, max(_width4(in_f), _width4(out_f)), device):
                 xb = _as_gpu_matrix(x2[chunk], device)
-                yb, hb = forward(rec, xb, w, float(scaling), need_h)
+                yb, hb = forward(rec, xb, w, float(scaling))
                 rec.read(yb, _into(y[chunk]))
                 saved.append((chunk, xb, hb))
             rec.submit()
