@@ -4,8 +4,8 @@
 // after another, each [rows, rank4]: the rank padded with zeros to a multiple of 4
 // (`rank4`), so consumers load a row's ranks as vec4s. LoRA uses it for h = x·Aᵀ (X = x, M = A) and for
 // gradDh, dh = dY·B (X = dY, M = Bᵀ). With one split P is the result; with several
-// (few rows: more workgroups keep the GPU busy) the consumers, lora_up.wgsl and
-// lora_outer.wgsl, sum the blocks as they read them.
+// (few rows: more workgroups keep the GPU busy) lora_up.wgsl sums the blocks as it
+// reads them, and reduce.wgsl sums them for lora_outer.wgsl.
 //
 // A workgroup owns 8 rows, 4*Q ranks and one split. A thread owns 4 ranks; LANES
 // threads share them and stride over the split's vec4 columns (consecutive lanes,

@@ -1,7 +1,7 @@
 // Sums of outer products over a split of rows (the weight gradients):
 //   OUT[s, j, d] = scale * sum over n in split s of G[n, j] * X[n, d]   (+ OUT when accumulate != 0)
-// G is [g_splits, rows, rank4]: lora_down.wgsl's partial blocks (rank zero-padded to a
-// multiple of 4), summed here; X [rows, d4] and OUT [splits, rank, d4] are vec4 arrays.
+// G is [rows, rank4] (rank zero-padded to a multiple of 4, as lora_down.wgsl writes it);
+// X [rows, d4] and OUT [splits, rank, d4] are vec4 arrays.
 // LoRA uses it for gradB as dBᵀ = s·hᵀ·dY (G = h, X = dY) and for gradA, dA = s·dhᵀ·x
 // (G = dh, X = x). With one split it writes the gradient itself, scaled and with the
 // `+=` of gradient accumulation; with several it writes unscaled partial sums and
@@ -19,7 +19,6 @@ struct Params {
   split_rows: u32,  // rows per split
   accumulate: u32,
   scale: f32,
-  g_splits: u32,    // blocks of G to sum
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -30,13 +29,9 @@ struct Params {
 const TD: u32 = 64u;  // vec4 columns per workgroup
 const Q: u32 = 4u;    // rank quads per workgroup (grid.z covers the rest): TD * Q threads
 
-// G[n, j0..j0+3] (j0 a multiple of 4), summed over G's blocks.
+// G[n, j0..j0+3] (j0 a multiple of 4).
 fn g4(n: u32, j0: u32) -> vec4<f32> {
-  let quads = (p.rank + 3u) / 4u;
-  let i = n * quads + j0 / 4u;
-  var g = G[i];
-  for (var s = 1u; s < p.g_splits; s++) { g += G[s * p.rows * quads + i]; }
-  return g;
+  return G[n * ((p.rank + 3u) / 4u) + j0 / 4u];
 }
 
 fn store(split: u32, j: u32, d: u32, v: vec4<f32>) {

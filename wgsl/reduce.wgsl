@@ -1,7 +1,7 @@
 // Sum partial results over their splits, scale, optionally accumulate, four floats a thread:
 //   OUT[i] = scale * sum over s < splits of P[s * stride + i]   (+ OUT[i] when accumulate != 0)
-// Finishes gradA and gradB: the row splits of lora_outer.wgsl (accumulate gives the
-// `+=` of gradient accumulation).
+// Finishes gradA and gradB (the row splits of lora_outer.wgsl; accumulate gives the
+// `+=` of gradient accumulation) and sums lora_down.wgsl's split blocks of h or dh.
 // Lengths and strides are in vec4s (the host pads splits to multiples of 4 floats);
 // splits go 4 at a time so 4 loads are in flight.
 

@@ -157,22 +157,31 @@ def _outer_plan(device: Device, tune: Tuning, rows: int, d4: int, rank: int) -> 
     fit = device.max_binding // (rank * d4 * 16)  # the partials must fit one binding too
     splits = max(1, min(_cdiv(tune.outer_workgroups, col_blocks), _cdiv(rows, 16), fit))
     split_rows = _cdiv(rows, splits)
-    kern = kernel("lora_outer.wgsl", "outer", "IIIIIfI", device, TD=tune.outer_cols, Q=q)
+    kern = kernel("lora_outer.wgsl", "outer", "IIIIIf", device, TD=tune.outer_cols, Q=q)
     return kern, (_cdiv(d4, tune.outer_cols), _cdiv(rows, split_rows), _cdiv(rank, 4 * q)), split_rows
 
 
+def _summed(rec: Recorder, P: Buffer) -> Buffer:
+    """``_down``'s [splits, rows, rank4] blocks summed into one block, [1, rows, rank4]."""
+    if P.shape[0] == 1:
+        return P
+    out = Buffer((1, *P.shape[1:]), device=rec.device)
+    _reduce(rec, P, out, P.shape[0], out.numel // 4, 1.0, accumulate=False)
+    return out
+
+
 def _outer(rec: Recorder, G: Buffer, rank: int, X: Buffer, grad: Buffer, scale: float, accumulate: bool) -> None:
-    """grad (+)= scale·Gᵀ·X (G as [g_splits, rows, rank4] partial blocks), over row splits
-    summed by reduce.wgsl when there are several."""
-    g_splits, rows = G.shape[:2]
+    """grad (+)= scale·Gᵀ·X (G one [1, rows, rank4] block), over row splits summed by reduce.wgsl
+    when there are several."""
+    rows = G.shape[1]
     d4 = X.shape[1] // 4
     kern, grid, split_rows = _outer_plan(rec.device, tuning(rec.device), rows, d4, rank)
     splits = grid[1]
     if splits == 1:
-        rec.dispatch(kern, grid, (G, X, grad), (rows, d4, rank, split_rows, int(accumulate), scale, g_splits))
+        rec.dispatch(kern, grid, (G, X, grad), (rows, d4, rank, split_rows, int(accumulate), scale))
         return
     P = Buffer((splits, rank, d4 * 4), device=rec.device)
-    rec.dispatch(kern, grid, (G, X, P), (rows, d4, rank, split_rows, 0, 1.0, g_splits))
+    rec.dispatch(kern, grid, (G, X, P), (rows, d4, rank, split_rows, 0, 1.0))
     _reduce(rec, P, grad, splits, rank * d4, scale, accumulate)
 
 
@@ -216,12 +225,12 @@ def backward(rec: Recorder, dy: Buffer, x: Buffer, h: Buffer, w: LoRAWeights, sc
     ``accumulate_dx`` (adding into a residual stream's gradient), else is overwritten.
     """
     if dBt is not None:
-        _outer(rec, h, w.rank, dy, dBt, scaling, accumulate)
+        _outer(rec, _summed(rec, h), w.rank, dy, dBt, scaling, accumulate)
     if dx is None and dA is None:
         return
     dh = _down(rec, dy, w.Bt, w.rank)
     if dA is not None:
-        _outer(rec, dh, w.rank, x, dA, scaling, accumulate)
+        _outer(rec, _summed(rec, dh), w.rank, x, dA, scaling, accumulate)
     if dx is not None:
         _up(rec, dh, w.rank, w.A, dx, scaling, accumulate_dx)
 
