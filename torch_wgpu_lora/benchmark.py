@@ -272,14 +272,14 @@ def plot(results: list[Result], path: str | Path) -> None:
     plt.close(fig)
 
 
-def run(cases: list[Case] | None = None, out: str | Path | None = None, iters: int = 50,
+def run(cases: list[Case] | None = None, out: str | Path | None = None, iters: int = 50, repeats: int = 20,
         progress: Callable[[str], None] = print) -> list[Result]:
     """Measure ``cases`` (default: ``default_cases()``); with ``out``, write JSON, markdown and PNG there."""
     device = get_device()
     bandwidth = copy_bandwidth()
     results = []
     for case in cases or default_cases():
-        results.append(measure(case, iters=iters, bandwidth=bandwidth))
+        results.append(measure(case, iters=iters, repeats=repeats, bandwidth=bandwidth))
         progress(to_markdown(results[-1:]).splitlines()[-1])
     if out is not None:
         out = Path(out)
@@ -399,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="torch-wgpu-lora bench", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/out", help="folder for lora_op.json/.md/.png")
     parser.add_argument("--iters", type=int, default=50, help="back-to-back iterations for wall times")
+    parser.add_argument("--repeats", type=int, default=20, help="timed recordings per case for GPU times")
     parser.add_argument("--quick", action="store_true", help="only q_proj r=16: forward for each N, forward+backward at N=2048")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch shapes on the key cases")
     parser.add_argument("--breakdown", action="store_true",
@@ -411,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for c in cases if c.rank == 16 and c.name == "q_proj" and (c.n == 2048 or not c.backward)]
     print(f"adapter: {get_device().name}")
     started = time.perf_counter()
-    run(cases, out=args.out, iters=args.iters,
+    run(cases, out=args.out, iters=args.iters, repeats=args.repeats,
         progress=lambda line: print(f"[{time.perf_counter() - started:6.1f}s] {line}", flush=True))
     if args.training_step:
         step = training_step()
