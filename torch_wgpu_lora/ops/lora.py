@@ -2,12 +2,14 @@
 
 The math, with x [N, in], A [r, in], B [out, r] and s = scaling::
 
-    forward   h  = x·Aᵀ          lora_down.wgsl   (+ reduce.wgsl when split for small N)
-              y  = s·h·Bᵀ        lora_up.wgsl     (B projection and scale fused)
+    forward   h  = x·Aᵀ          lora_down.wgsl   (each row split across workgroups when N is small)
+              y  = s·h·Bᵀ        lora_up.wgsl     (B projection and scale fused; sums h's splits)
     backward  dh = dY·B          lora_down.wgsl   gradDh
-              dB += s·dYᵀ·h      lora_outer.wgsl (+ reduce.wgsl over row splits)   gradB, as dBᵀ
-              dA += s·dhᵀ·x      lora_outer.wgsl (+ reduce.wgsl over row splits)   gradA
+              dB += s·dYᵀ·h      lora_outer.wgsl  gradB, as dBᵀ
+              dA += s·dhᵀ·x      lora_outer.wgsl  gradA
               dx += s·dh·A       lora_up.wgsl     inputGrad
+    reduce.wgsl sums split partial results: lora_outer's row splits, and h's or dh's
+    splits before lora_outer reads them.
 
 GPU layout: a matrix's long side (``in`` or ``out``) is contiguous and padded to a
 multiple of 4 floats so kernels load vec4s: x, dx [N, in4]; dY, y [N, out4]; A [r, in4];
