@@ -381,9 +381,10 @@ class LoRAFunction(torch.autograd.Function):
         rank, in_f, out_f = A.shape[0], A.shape[1], B.shape[0]
         dy2 = dy.reshape(-1, out_f)
         rows = dy2.shape[0]
-        dx = torch.empty((rows, in_f), dtype=torch.float32) if need_x else None
-        dA = torch.zeros((rank, in_f), dtype=torch.float32) if need_A else None
-        dB = torch.zeros((out_f, rank), dtype=torch.float32) if need_B else None
+        alloc = torch.empty if rows else torch.zeros  # readbacks overwrite all; no rows means zero gradients
+        dx = alloc((rows, in_f), dtype=torch.float32) if need_x else None
+        dA = alloc((rank, in_f), dtype=torch.float32) if need_A else None
+        dB = alloc((out_f, rank), dtype=torch.float32) if need_B else None
         if rows and (need_x or need_A or need_B):
             device = get_device()
             w = ctx.weights
