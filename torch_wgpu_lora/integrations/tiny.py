@@ -26,7 +26,6 @@ True
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -133,7 +132,3 @@ def build_tiny_tokenizer(path: str | os.PathLike, texts: Iterable[str], vocab_si
     fast.save_pretrained(path)
     return path
 
-
-def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """config.json of a checkpoint folder as a dict."""
-    return json.loads((Path(path) / "config.json").read_text())
