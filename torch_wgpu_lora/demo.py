@@ -48,7 +48,7 @@ from .integrations.bitnet import apply_lora, load_bitnet, lora_modules
 from .integrations.gradcheck import GradientReport, compare_gradients
 from .integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
 from .prompts import format_prompt
-from .training.data import collate, encode_records
+from .training.data import collate
 from .training.trainer import TrainResult, Trainer, evaluate
 
 DEMO_MODEL_NAME = "demo-model-v1"  # change the suffix whenever the recipe below changes
