@@ -4,7 +4,6 @@ BitLinear's straight-through backward, apply_lora, fresh adapters, one training 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
