@@ -13,11 +13,15 @@ setup(
     # The shaders live in the top-level wgsl/ folder and ship inside the package.
     package_dir={"torch_wgpu_lora.wgsl": "wgsl"},
     package_data={"torch_wgpu_lora.wgsl": ["*.wgsl"], "torch_wgpu_lora": ["assets/*", "assets/**/*"]},
+    # The floors are the first releases with the APIs the package uses (tests/test_packaging.py checks them):
+    # torch 2.6: torch.compiler.set_stance, torch.nn.utils.get_total_norm / clip_grads_with_norm_
+    # (torch.library.custom_op with register_fake / register_autograd needs 2.4);
+    # transformers 4.56: from_pretrained(dtype=...) (before, the keyword was torch_dtype).
     install_requires=[
-        "torch>=2.2",
+        "torch>=2.6",
         "numpy>=1.24",
         "wgpu>=0.32,<0.33",
-        "transformers>=4.52",
+        "transformers>=4.56",
         "accelerate>=0.26",
         "safetensors>=0.4",
         "tokenizers>=0.19",

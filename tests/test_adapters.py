@@ -21,7 +21,9 @@ import os
 import pickle
 import re
 import struct
+import threading
 import warnings
+import zlib
 
 import numpy as np
 import peft
@@ -219,7 +221,9 @@ def test_hesper_layout_and_bit_exact_round_trip(base, pristine, tmp_path):
     dim, kv = 64, 32
     per_layer = R * dim + dim * R + R * dim + kv * R
     assert len(data) == 24 + 4 * 2 * per_layer
-    assert struct.unpack("<IIIfII", data[:24]) == (0x4C4F5241, 1, R, ALPHA, 2, 0)
+    assert struct.unpack("<IIIfI", data[:20]) == (0x4C4F5241, 1, R, ALPHA, 2)
+    # The reserved field, which Hesper writes as 0 and never reads, holds our CRC-32 of all other bytes.
+    assert struct.unpack("<I", data[20:24])[0] == zlib.crc32(data[:20] + data[24:])
     floats = np.frombuffer(data[24:], dtype="<f4")
     modules = lora_modules(base)
     for layer in range(2):
@@ -254,7 +258,7 @@ def rewrite_header(path, **fields):
 @pytest.mark.parametrize("fields, message", [
     (dict(magic=0x12345678), "magic is 0x12345678, not Hesper's 0x4C4F5241"),
     (dict(version=2), "Hesper format version 2; only version 1 is supported"),
-    (dict(reserved=5), "reserved field is 5, not 0"),
+    (dict(reserved=5), "the contents differ from when the file was written (CRC-32 mismatch)"),
     (dict(rank=0), "rank is 0; it must be at least 1"),
     (dict(alpha=float("nan")), "alpha is nan, not a finite number"),
     (dict(layers=3), "the adapter has 3 layers, this model has 2"),
@@ -367,7 +371,9 @@ def test_unknown_peft_options_are_refused_unless_off(peft_folder, base):
 @pytest.mark.parametrize("changes, message", [
     (dict(peft_type="IA3"), "peft_type is 'IA3'; only LoRA adapters"),
     (dict(r=0), "r must be a positive integer, got 0"),
-    (dict(lora_alpha="8"), "lora_alpha must be a finite number, got '8'"),
+    (dict(lora_alpha="8"), "lora_alpha must be a finite number > 0, got '8'"),
+    (dict(lora_alpha=float("nan")), "lora_alpha must be a finite number > 0, got nan"),
+    (dict(lora_alpha=0), "lora_alpha must be a finite number > 0, got 0"),
     (dict(lora_dropout=1.0), "lora_dropout must be a number in [0, 1), got 1.0"),
     (dict(r=8), "has lora_A [4, 64] and lora_B [64, 4], which is not rank r=8 from adapter_config.json"),
 ])
@@ -477,6 +483,109 @@ def test_format_detection_and_arguments(peft_folder, base, tmp_path):
     with pytest.raises(ValueError, match="is not a file; a Hesper adapter is one binary file"):
         load_adapter(base, peft_folder, format="hesper")
     assert not lora_modules(base)
+
+
+# -- integrity: checksums, non-finite values, what is not an adapter ----------------------------
+
+def flip_last_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # the last byte of the last tensor: a lowest mantissa bit, still a finite float
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_in_our_peft_weights_is_refused(peft_folder, base):
+    weights = peft_folder / "adapter_model.safetensors"
+    with safetensors.safe_open(str(weights), "pt") as f:
+        assert re.fullmatch(r"[0-9a-f]{64}", f.metadata()["torch_wgpu_lora_sha256"])
+    flip_last_byte(weights)
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors: the tensors differ from when the file was "
+                                         r"written \(checksum mismatch\): the file is damaged"):
+        load_adapter(base, peft_folder)
+    assert not lora_modules(base)
+
+
+def test_a_flipped_bit_in_our_hesper_file_is_refused(tmp_path, pristine, base):
+    path = hesper_file(tmp_path, pristine)
+    flip_last_byte(path)
+    with pytest.raises(ValueError, match=r"the contents differ from when the file was written \(CRC-32 mismatch\)"):
+        load_adapter(base, path)
+    assert not lora_modules(base)
+
+
+def test_files_without_our_checksum_still_load(tmp_path, pristine, base, peft_trained):
+    peft_path, theirs = peft_trained
+    with safetensors.safe_open(str(peft_path / "adapter_model.safetensors"), "pt") as f:
+        assert "torch_wgpu_lora_sha256" not in (f.metadata() or {})  # written by real peft
+    assert_matches(logits(set_backend(load_adapter(copy.deepcopy(pristine), peft_path), "torch")), theirs,
+                   logits(pristine), "torch")
+    model = with_adapter(copy.deepcopy(pristine))
+    path = save_adapter(model, tmp_path / "adapter.lora", format="hesper")
+    rewrite_header(path, reserved=0)  # as Hesper writes it
+    assert torch.equal(logits(set_backend(load_adapter(base, path), "torch")), logits(model))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_peft_weights_are_refused(peft_folder, base, value):
+    def poison(tensors):  # rewritten without our checksum, as another tool would write it
+        tensors[f"{Q0}.lora_B.weight"][3, 1] = value
+
+    edit_tensors(peft_folder, poison)
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.lora_B holds 1 NaN or infinite values; "
+                                         r"the adapter is broken"):
+        load_adapter(base, peft_folder)
+    assert not lora_modules(base)
+
+
+def test_non_finite_hesper_weights_are_refused(tmp_path, pristine, base):
+    path = hesper_file(tmp_path, pristine)
+    data = bytearray(path.read_bytes())
+    data[24:28] = struct.pack("<f", float("-inf"))  # layer 0's Q_A[0, 0]
+    path.write_bytes(bytes(data))
+    rewrite_header(path, reserved=0)  # no checksum: the value check alone must catch it
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.lora_A holds 1 NaN or infinite values"):
+        load_adapter(base, path)
+    assert not lora_modules(base)
+
+
+def test_a_fifo_is_refused_without_being_opened(tmp_path, base):
+    fifo = tmp_path / "adapter.lora"
+    os.mkfifo(fifo)
+    outcome = []
+
+    def load():  # opening a FIFO for reading blocks until a writer comes: run it where it cannot hang the suite
+        try:
+            load_adapter(base, fifo)
+        except Exception as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "load_adapter blocked on the FIFO"
+    assert isinstance(outcome[0], ValueError)
+    assert "is neither a regular file nor a folder (a FIFO, socket or device?)" in str(outcome[0])
+
+
+def test_a_training_checkpoint_points_to_its_adapter(peft_folder, base, tmp_path):
+    checkpoint = tmp_path / "step-000010"
+    checkpoint.mkdir()
+    os.rename(peft_folder, checkpoint / "adapter")
+    with pytest.raises(ValueError, match=re.escape(f"{checkpoint} is not an adapter folder but holds one (a training "
+                                                   f"checkpoint or output folder?): pass {checkpoint / 'adapter'}")):
+        load_adapter(base, checkpoint)
+
+
+def test_saved_files_get_the_mode_the_umask_gives(pristine, tmp_path):
+    model = with_adapter(copy.deepcopy(pristine))
+    old = os.umask(0o027)
+    try:
+        folder = save_adapter(model, tmp_path / "adapter")
+        hesper = save_adapter(model, tmp_path / "adapter.lora", format="hesper")
+    finally:
+        os.umask(old)
+    modes = {p.name: os.stat(p).st_mode & 0o777 for p in (folder, hesper, *folder.iterdir())}
+    assert modes == {"adapter": 0o750, "adapter.lora": 0o640, "adapter_config.json": 0o640,
+                     "adapter_model.safetensors": 0o640}  # readable by the group, as open() would make them
 
 
 # -- refusals when saving ----------------------------------------------------------------------

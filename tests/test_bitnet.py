@@ -1,9 +1,12 @@
-"""transformers' BitNet models: loading all three checkpoint flavours, the packed
-BitLinear's straight-through backward, apply_lora, fresh adapters, one training step."""
+"""transformers' BitNet models: loading all three checkpoint flavours (and refusing damaged or
+mismatched folders), the packed BitLinear's straight-through backward, apply_lora, fresh
+adapters, one training step."""
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -108,6 +111,49 @@ def test_load_bitnet_reports_bad_folders(tmp_path, checkpoints):
         load_bitnet(tmp_path)
     with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
         load_bitnet(checkpoints["dense"], dtype=torch.int8)
+
+
+def copy_checkpoint(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
+
+
+@pytest.mark.parametrize("flavour", ["dense", "packed-autobitlinear"])
+def test_a_truncated_weights_file_is_named(checkpoints, tmp_path, flavour):
+    folder = copy_checkpoint(checkpoints[flavour], tmp_path / "model")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # the end of the last tensor is missing
+    with pytest.raises(ValueError, match=re.escape(f"{weights} is not a complete safetensors file (") +
+                       r".*\): truncated or damaged; download it again"):
+        load_bitnet(folder)
+
+
+@pytest.mark.parametrize("flavour", ["dense", "packed-autobitlinear"])
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": 128}, r"the weights do not match config.json: model.embed_tokens.weight is \[320, 64\] in "
+                           r"the weights but \[320, 128\] by config.json \(22 tensors differ\)"),
+    ({"vocab_size": 400}, r"model.embed_tokens.weight is \[320, 64\] in the weights but \[400, 64\] by config.json"),
+    ({"num_hidden_layers": 3}, r"config.json describes tensors the weights lack, e.g. "
+                               r"model.layers.2.input_layernorm.weight"),
+    ({"num_hidden_layers": 1}, r"the weights hold tensors config.json does not describe, e.g. "
+                               r"model.layers.1.input_layernorm.weight"),
+])
+def test_a_config_that_disagrees_with_the_weights_is_refused(checkpoints, tmp_path, flavour, change, message):
+    folder = copy_checkpoint(checkpoints[flavour], tmp_path / "model")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=message):
+        load_bitnet(folder)
+
+
+def test_a_folder_with_pickled_weights_only_is_refused(checkpoints, tmp_path):
+    folder = copy_checkpoint(checkpoints["dense"], tmp_path / "model")
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"has no \*.safetensors weights \(it holds pytorch_model.bin: pickles, "
+                                         r"which can run arbitrary code when loaded\); torch_wgpu_lora reads "
+                                         r"safetensors only"):
+        load_bitnet(folder)
 
 
 # -- the packed BitLinear's straight-through backward ------------------------------------------

@@ -3,17 +3,21 @@
 
 from __future__ import annotations
 
+import importlib.abc
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from torch_wgpu_lora.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
-from torch_wgpu_lora.integrations.adapters import load_adapter
-from torch_wgpu_lora.integrations.bitnet import load_bitnet, lora_modules
+from torch_wgpu_lora.integrations.adapters import load_adapter, save_adapter
+from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet, lora_modules
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
 from torch_wgpu_lora.prompts import format_prompt
 
@@ -49,6 +53,27 @@ def fails_with(capsys, argv: list[str], message: str, code: int = EXIT_USAGE) ->
     assert "Traceback" not in "\n".join(err)
     assert message in ours[0], ours[0]
     return ours[0]
+
+
+def python_generation(model: Path, adapter: Path | None, prompt: str, **options) -> str:
+    """What the library gives for the same request, as the reference for `generate`'s output."""
+    from transformers import AutoTokenizer
+
+    from torch_wgpu_lora.generation import generate
+
+    loaded = load_bitnet(model)
+    if adapter is not None:
+        load_adapter(loaded, adapter)
+    return generate(loaded, AutoTokenizer.from_pretrained(model), prompt, use_template=True, **options)
+
+
+def usage_error(capsys, argv: list[str], message: str) -> None:
+    """argparse's refusal of an option value: exit status 2, the usage and one error line naming it."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err.strip().splitlines()[-1] and "Traceback" not in err, err
 
 
 # -- help -----------------------------------------------------------------------------------------
@@ -179,7 +204,163 @@ def test_training_that_diverges_exits_1_with_the_reason(capsys, tiny, tmp_path):
                         "--no-progress"], "training stopped at step", code=EXIT_FAILED)
 
 
+@pytest.mark.parametrize("command", ["train", "gradcheck", "demo"])
+@pytest.mark.parametrize("alpha", ["nan", "inf", "-1"])
+def test_alpha_must_be_a_finite_positive_number(capsys, tiny, tmp_path, command, alpha):
+    argv = {"train": ["train", "--model", str(tiny["dense"]), "--data", str(tiny["data"]), "--output",
+                      str(tmp_path / "run")],
+            "gradcheck": ["gradcheck", "--model", str(tiny["dense"])],
+            "demo": ["demo", "--model", str(tiny["dense"]), "--output", str(tmp_path / "demo")]}[command]
+    fails_with(capsys, argv + ["--alpha", alpha], f"lora_alpha must be a finite number > 0, got {float(alpha)}")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "demo").exists()
+
+
+def test_a_truncated_weights_file_is_named(capsys, tiny, tmp_path):
+    folder = shutil.copytree(tiny["dense"], tmp_path / "model")
+    (folder / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:5000])
+    fails_with(capsys, ["generate", "--model", str(folder), "--prompt", "Hi"],
+               f"{folder / 'model.safetensors'} is not a complete safetensors file")
+
+
+def test_a_config_of_another_size_is_named(capsys, tiny, tmp_path):
+    folder = shutil.copytree(tiny["dense"], tmp_path / "model")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    fails_with(capsys, ["generate", "--model", str(folder), "--prompt", "Hi"],
+               "the weights do not match config.json: model.layers.0.mlp.down_proj.weight is [64, 96] in the "
+               "weights but [64, 128] by config.json")
+
+
+def test_a_folder_with_pickled_weights_only_is_refused(capsys, tiny, tmp_path):
+    folder = shutil.copytree(tiny["dense"], tmp_path / "model")
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    fails_with(capsys, ["generate", "--model", str(folder), "--prompt", "Hi"],
+               "has no *.safetensors weights (it holds pytorch_model.bin: pickles")
+
+
+def test_a_lone_surrogate_in_data_or_prompt(capsys, tiny, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(RECORDS[0]) + "\n" + '{"instruction": "Name \\udfff.", "output": "x"}\n')
+    fails_with(capsys, ["train", "--model", str(tiny["dense"]), "--data", str(data), "--output", str(tmp_path / "r")],
+               f"{data}, line 2: 'instruction' is not valid Unicode: it holds a lone surrogate '\\udfff'")
+    # What Python makes of a command line that is not UTF-8 (os.fsdecode uses surrogateescape).
+    prompt = os.fsdecode(b"caf\xe9")
+    fails_with(capsys, ["generate", "--model", str(tiny["dense"]), "--prompt", prompt],
+               "the prompt is not valid Unicode: it holds a lone surrogate '\\udce9' at character 3")
+
+
+def test_a_temperature_too_small_for_float32(capsys, tiny):
+    fails_with(capsys, ["generate", "--model", str(tiny["dense"]), "--prompt", "Hi", "--strategy", "top_p",
+                        "--temperature", "1e-45", "--seed", "0"],
+               "temperature=1e-45 is too small: logits / temperature overflow float32")
+
+
+@pytest.mark.parametrize("command", ["train", "generate", "gradcheck", "demo"])
+@pytest.mark.parametrize("seed", ["-1", str(2 ** 32), "x"])
+def test_seed_out_of_range(capsys, tiny, command, seed):
+    usage_error(capsys, [command, "--model", str(tiny["dense"]), "--data", "x", "--prompt", "Hi", "--seed", seed]
+                if command != "demo" else [command, "--seed", seed],
+                f"argument --seed: must be an integer in [0, 2**32), got '{seed}'")
+
+
+def test_epochs_and_max_steps_together_are_refused(capsys, tiny):
+    # --epochs 1 is the default number of epochs: giving it must still count as giving it.
+    usage_error(capsys, ["train", "--model", str(tiny["dense"]), "--data", str(tiny["data"]), "--epochs", "1",
+                         "--max-steps", "3"], "argument --max-steps: not allowed with argument --epochs")
+
+
+def test_an_earlier_runs_output_needs_overwrite(capsys, tiny, tmp_path):
+    run = tmp_path / "run"
+    train = ["train", "--model", str(tiny["dense"]), "--data", str(tiny["data"]), "--output", str(run),
+             "--max-steps", "1", "--rank", "2", "--no-progress"]
+    assert main(train) == EXIT_OK
+    shutil.rmtree(run / "checkpoints")
+    adapter = (run / "adapter" / "adapter_model.safetensors").read_bytes()
+    capsys.readouterr()
+    fails_with(capsys, train, f"{run} already holds adapter, metrics.jsonl, loss.png of an earlier run: pass "
+                              "--overwrite to replace it, or choose another --output")
+    assert (run / "adapter" / "adapter_model.safetensors").read_bytes() == adapter
+    usage_error(capsys, train + ["--overwrite", "--resume"], "argument --resume: not allowed with argument --overwrite")
+    assert main(train + ["--overwrite", "--rank", "4"]) == EXIT_OK
+    assert (run / "adapter" / "adapter_model.safetensors").read_bytes() != adapter
+
+
+def test_a_damaged_checkpoint_on_resume_names_the_previous_good_one(capsys, tiny, tmp_path):
+    run = tmp_path / "run"
+    train = ["train", "--model", str(tiny["dense"]), "--data", str(tiny["data"]), "--output", str(run),
+             "--max-steps", "2", "--save-every", "1", "--no-progress"]
+    assert main(train) == EXIT_OK
+    optimizer = run / "checkpoints" / "step-000002" / "optimizer.safetensors"
+    optimizer.write_bytes(optimizer.read_bytes()[:-8])
+    capsys.readouterr()
+    line = fails_with(capsys, train + ["--resume"], f"checkpoint {run / 'checkpoints' / 'step-000002'} is damaged: "
+                                                    f"{optimizer} is truncated or corrupt")
+    assert line.endswith(f"the previous good checkpoint is {run / 'checkpoints' / 'step-000001'}: resume from it "
+                         f"(resume_from / --resume {run / 'checkpoints' / 'step-000001'})")
+
+
+def test_generate_with_a_checkpoint_folder_points_to_its_adapter(capsys, tiny, tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(tiny["dense"]), "--data", str(tiny["data"]), "--output", str(run),
+                 "--max-steps", "1", "--no-progress"]) == EXIT_OK
+    step = run / "checkpoints" / "step-000001"
+    capsys.readouterr()
+    fails_with(capsys, ["generate", "--model", str(tiny["dense"]), "--adapter", str(step), "--prompt", "Hi"],
+               f"{step} is not an adapter folder but holds one (a training checkpoint or output folder?): "
+               f"pass {step / 'adapter'}")
+
+
+def test_a_fifo_adapter_is_refused_before_anything_opens_it(capsys, tiny, tmp_path):
+    os.mkfifo(tmp_path / "adapter.lora")
+    fails_with(capsys, ["generate", "--model", str(tiny["dense"]), "--adapter", str(tmp_path / "adapter.lora"),
+                        "--prompt", "Hi"], "is neither a regular file nor a folder (a FIFO, socket or device?)")
+
+
+def test_a_bad_shader_checks_variable_is_a_usage_error(tiny):
+    # The runtime raises ValueError for a bad value, when it loads or when it compiles a kernel (gradcheck does).
+    done = run_module("gradcheck", "--model", str(tiny["packed"]), "--batch", "1", "--seq-len", "4",
+                      env={"TORCH_WGPU_LORA_SHADER_CHECKS": "bogus"})
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("torch-wgpu-lora: error: TORCH_WGPU_LORA_SHADER_CHECKS ")
+
+
+def test_an_error_is_reported_without_importing_what_failed_to_load(capsys, monkeypatch):
+    """A bad TORCH_WGPU_LORA_SHADER_CHECKS used to fail the runtime's import; reporting that error then
+    imported the trainer (and so the runtime) again, and a second traceback replaced the message."""
+
+    class FailingImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "torch_wgpu_lora.training.trainer":
+                raise ValueError("TORCH_WGPU_LORA_SHADER_CHECKS must be one of full, bounds, none (simulated)")
+            return None
+
+    monkeypatch.delitem(sys.modules, "torch_wgpu_lora.training.trainer", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [FailingImport(), *sys.meta_path])
+    fails_with(capsys, ["info"], "TORCH_WGPU_LORA_SHADER_CHECKS must be one of full, bounds, none (simulated)")
+
+
 # -- commands that work ---------------------------------------------------------------------------
+
+def test_generate_with_an_adapter_continues_as_the_library_does(capsys, tiny, tmp_path):
+    model = apply_lora(load_bitnet(tiny["dense"]), r=4, lora_alpha=8)
+    with torch.no_grad():  # nonzero B: the adapter changes the model
+        generator = torch.Generator().manual_seed(0)
+        for m in lora_modules(model).values():
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=generator))
+    adapter = save_adapter(model, tmp_path / "adapter")
+    prompt = RECORDS[0]["instruction"]
+    generate = ["generate", "--model", str(tiny["dense"]), "--prompt", prompt, "--max-new-tokens", "8"]
+    assert main(generate + ["--adapter", str(adapter)]) == EXIT_OK
+    with_adapter = capsys.readouterr().out
+    assert main(generate) == EXIT_OK
+    without = capsys.readouterr().out
+    assert with_adapter == python_generation(tiny["dense"], adapter, prompt, max_new_tokens=8) + "\n"
+    assert without == python_generation(tiny["dense"], None, prompt, max_new_tokens=8) + "\n"
+    assert with_adapter != without
+
+
 
 def test_train_then_generate_with_the_adapter(capsys, tiny, tmp_path):
     run = tmp_path / "run"
@@ -194,11 +375,8 @@ def test_train_then_generate_with_the_adapter(capsys, tiny, tmp_path):
 
     assert main(["generate", "--model", str(tiny["dense"]), "--adapter", str(run / "adapter"), "--prompt",
                  RECORDS[0]["instruction"], "--max-new-tokens", "4"]) == EXIT_OK
-    with_adapter = capsys.readouterr().out
-    assert main(["generate", "--model", str(tiny["dense"]), "--prompt", RECORDS[0]["instruction"],
-                 "--max-new-tokens", "4"]) == EXIT_OK
-    without = capsys.readouterr().out
-    assert with_adapter.strip() and without.strip()
+    assert capsys.readouterr().out == python_generation(tiny["dense"], run / "adapter", RECORDS[0]["instruction"],
+                                                        max_new_tokens=4) + "\n"
 
     # Resuming the finished run with more steps is refused (other settings), naming them.
     fails_with(capsys, ["train", "--model", str(tiny["dense"]), "--data", str(tiny["data"]), "--output", str(run),
@@ -260,9 +438,9 @@ def test_info_text_and_json(capsys):
 
 # -- real processes -------------------------------------------------------------------------------
 
-def run_module(*args: str) -> subprocess.CompletedProcess:
+def run_module(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "torch_wgpu_lora", *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
 
 
 def test_python_m_help_exits_0():

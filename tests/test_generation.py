@@ -269,7 +269,16 @@ def test_training_flag_is_restored(model, tokenizer):
     (dict(strategy="top_k", temperature=0.0), ValueError, "temperature must be > 0 for sampling"),
     (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be an integer >= 0, got -1"),
     (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be > 0"),
-    (dict(seed="1"), ValueError, "seed must be an integer or None"),
+    (dict(seed="1"), ValueError, r"seed must be an integer in \[0, 2\*\*64\) \(torch.Generator's range\) or None"),
+    (dict(seed=-1), ValueError, r"seed must be an integer in \[0, 2\*\*64\)"),
+    (dict(seed=2 ** 64), ValueError, r"seed must be an integer in \[0, 2\*\*64\)"),
+    (dict(prompt="caf\udce9"), ValueError, r"the prompt is not valid Unicode: it holds a lone surrogate '\\udce9' "
+                                           r"at character 3"),
+    (dict(prompt={"instruction": "Add.", "input": "\ud800"}), ValueError,
+     r"the prompt's 'input' is not valid Unicode: it holds a lone surrogate '\\ud800' at character 0"),
+    (dict(strategy="top_p", temperature=1e-45), ValueError,
+     r"temperature=1e-45 is too small: logits / temperature overflow float32, so the next-token probabilities are "
+     r"not finite"),
     (dict(prompt=""), ValueError, "prompt is empty"),
     (dict(prompt=3), TypeError, "prompt must be a string or a dict"),
     (dict(prompt={"input": "x"}), ValueError, "a dict prompt has the keys 'instruction'"),

@@ -102,7 +102,7 @@ def test_bfloat16_base_layer_gets_bfloat16_output():
 
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(r=0), ValueError, "r must be a positive integer, got 0"),
-    (dict(lora_dropout=1.0), ValueError, r"lora_dropout must be in \[0, 1\), got 1.0"),
+    (dict(lora_dropout=1.0), ValueError, r"lora_dropout must be a number in \[0, 1\), got 1.0"),
     (dict(backend="cuda"), ValueError, r"backend must be one of \('wgpu', 'torch'\), got 'cuda'"),
     (dict(init="zeros"), ValueError, "init must be one of"),
 ])
@@ -114,3 +114,17 @@ def test_bad_arguments(kwargs, error, message):
 def test_base_without_features_is_refused():
     with pytest.raises(TypeError, match="wraps layers with integer in_features/out_features; ReLU has none"):
         LoRALinear(nn.ReLU())
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), "8", True, None])
+def test_a_bad_lora_alpha_is_refused_at_construction(alpha):
+    with pytest.raises(ValueError, match="lora_alpha must be a finite number > 0"):
+        LoRALinear(torch.nn.Linear(8, 8), r=2, lora_alpha=alpha)
+
+
+def test_lora_alpha_accepts_numpy_scalars_and_refuses_overflow():
+    import numpy as np
+
+    assert LoRALinear(torch.nn.Linear(8, 8), r=2, lora_alpha=np.float32(4.0)).scaling == 2.0
+    with pytest.raises(ValueError, match="beyond float32's largest value"):
+        LoRALinear(torch.nn.Linear(8, 8), r=1, lora_alpha=1e300)

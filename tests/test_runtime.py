@@ -1,21 +1,32 @@
-"""Runtime: adapter choice, device facts, buffers and staging, kernels, recorder."""
+"""Runtime: adapter choice, device facts and state, buffers, arenas and staging, kernels, recorder,
+threads and fork."""
 
 from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from torch_wgpu_lora.runtime import Buffer, Recorder, device_info, get_device, kernel, synchronize, upload
-from torch_wgpu_lora.runtime.buffers import pool_for
+from torch_wgpu_lora.runtime import (Arena, Buffer, Launch, Recorder, device_info, get_device, kernel,
+                                     set_shader_checks, synchronize, upload, write)
+from torch_wgpu_lora.runtime.buffers import pool_for, staging_for
 from torch_wgpu_lora.runtime.device import ADAPTER_ENV, INSTALL_HINT, choose_adapter
-from torch_wgpu_lora.runtime.kernels import specialise
+from torch_wgpu_lora.runtime.kernels import SHADER_CHECKS_ENV, params_layout, shader_checks
+from torch_wgpu_lora.runtime.tensors import into, refresh, resident, to_gpu
 
 
 class FakeAdapter:
     def __init__(self, device: str, adapter_type: str, backend: str = "Vulkan") -> None:
         self.info = {"device": device, "description": "", "vendor": "", "adapter_type": adapter_type,
                      "backend_type": backend}
+
+
+def _reduce():
+    return kernel("reduce.wgsl", "reduce_partials", WG=64)
 
 
 def test_choose_adapter_prefers_gpus_and_native_backends():
@@ -50,31 +61,91 @@ def test_device_info_reports_adapter_backend_limits_features():
     assert get_device() is get_device()  # one device per process
 
 
-def test_specialise_rewrites_declared_constants_only():
-    src = "const ROWS: u32 = 4u;\nconst SCALE: f32 = 1.0;\nconst ON: bool = false;\n"
-    out = specialise(src, {"ROWS": 8, "SCALE": 0.5, "ON": True})
-    assert out == "const ROWS: u32 = 8u;\nconst SCALE: f32 = 0.5f;\nconst ON: bool = true;\n"
-    with pytest.raises(KeyError, match="no `const COLS"):
-        specialise(src, {"COLS": 2})
+def test_creating_the_device_leaves_the_environment_as_it_was():
+    # Mesa's probes are quieted with a private XDG_RUNTIME_DIR only while the device is made.
+    code = ("import os; had = os.environ.get('XDG_RUNTIME_DIR'); "
+            "from torch_wgpu_lora.runtime import get_device; get_device(); "
+            "assert os.environ.get('XDG_RUNTIME_DIR') == had, os.environ.get('XDG_RUNTIME_DIR')")
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "XDG_RUNTIME_DIR" not in done.stderr  # and Mesa printed nothing about it
 
 
-def test_upload_and_read_round_trip_f32_and_u32():
-    a = np.arange(24, dtype=np.float32).reshape(4, 6) / 7
-    b = np.arange(10, dtype=np.uint32) * 3_000_000_000 // 10
-    out_a, out_b = np.zeros_like(a), np.zeros_like(b)
+def test_params_layout_is_read_from_the_wgsl_struct():
+    src = "struct Params {\n  rows: u32,  // a comment: u32\n  shift: i32,\n  scale: f32,\n}\n"
+    assert params_layout(src) == (("rows", "shift", "scale"), "<Iif")
+    assert params_layout("fn main() {}") == ((), "<")
+    with pytest.raises(TypeError, match="only u32, i32 and f32"):
+        params_layout("struct Params { v: vec4<f32> }")
+
+
+def test_params_by_position_or_name_and_bad_ones_named():
+    k = _reduce()
+    assert k.params == ("len4", "stride4", "splits", "accumulate", "scale")
+    by_name = k.pack({"len4": 1, "stride4": 2, "splits": 3, "accumulate": 0, "scale": 0.5})
+    assert by_name == k.pack((1, 2, 3, 0, 0.5)) and len(by_name) % 16 == 0
+    with pytest.raises(ValueError, match=r"params \['bogus'\] unknown, \['scale'\] missing"):
+        k.pack({"len4": 1, "stride4": 2, "splits": 3, "accumulate": 0, "bogus": 1})
+    with pytest.raises(ValueError, match="2 params given"):
+        k.pack((1, 2))
+
+
+def test_override_constants_change_the_pipeline():
+    # WG=64 and WG=256 are two pipelines of the same source; both compute the same sums.
+    x = upload(np.arange(1024, dtype=np.float32))
+    for wg in (64, 256):
+        k = kernel("reduce.wgsl", "reduce_partials", WG=wg)
+        assert k.constants == {"WG": wg}
+        out = np.zeros(256, np.float32)
+        acc = Buffer((256,))
+        rec = Recorder()
+        rec.dispatch(k, (-(-64 // wg), 1, 1), (x, acc), (64, 64, 4, 0, 1.0))
+        rec.read(acc, out)
+        rec.submit()
+        expect = np.arange(1024, dtype=np.float32).reshape(4, 256).sum(0)
+        np.testing.assert_array_equal(out, expect)
+    assert kernel("reduce.wgsl", "reduce_partials", WG=64) is kernel("reduce.wgsl", "reduce_partials", WG=64)
+
+
+def test_kernel_cache_is_keyed_on_the_shader_checks(monkeypatch):
+    full = kernel("reduce.wgsl", "reduce_partials", WG=128)
+    try:
+        set_shader_checks("none")
+        trusted = kernel("reduce.wgsl", "reduce_partials", WG=128)
+    finally:
+        set_shader_checks(None)
+    assert trusted is not full
+    assert kernel("reduce.wgsl", "reduce_partials", WG=128) is full
+
+
+def test_a_bad_shader_checks_variable_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv(SHADER_CHECKS_ENV, "bogus")
+    with pytest.raises(ValueError, match=rf"{SHADER_CHECKS_ENV} must be one of full, bounds, none, got 'bogus'"):
+        shader_checks()
+
+
+def test_upload_and_read_round_trip_every_dtype():
+    arrays = [np.arange(24, dtype=np.float32).reshape(4, 6) / 7, np.arange(10, dtype=np.uint32) * 400_000_000,
+              np.arange(-6, 6, dtype=np.int32), np.linspace(-2, 2, 8).astype(np.float16)]
+    outs = [np.zeros_like(a) for a in arrays]
     rec = Recorder()
-    rec.read(upload(a), out_a)
-    rec.read(upload(b), out_b)
+    for a, out in zip(arrays, outs):
+        rec.read(upload(a), out)
     rec.submit()
-    np.testing.assert_array_equal(out_a, a)
-    np.testing.assert_array_equal(out_b, b)
+    for a, out in zip(arrays, outs):
+        np.testing.assert_array_equal(out, a)
 
 
 def test_upload_hands_the_arrays_own_memory_to_wgpu(monkeypatch):
     queue = get_device().queue
     seen = []
     original = type(queue).write_buffer
-    monkeypatch.setattr(type(queue), "write_buffer", lambda self, buf, off, data, *a: (seen.append(data), original(self, buf, off, data, *a)))
+    monkeypatch.setattr(type(queue), "write_buffer",
+                        lambda self, buf, off, data, *a: (seen.append(data), original(self, buf, off, data, *a)))
     t = torch.randn(8, 4)
     upload(t.numpy())
     assert np.shares_memory(seen[0], t.numpy())  # no Python-side copy before wgpu's own
@@ -90,20 +161,54 @@ def test_read_fills_a_preallocated_tensor_in_place():
 
 
 def test_upload_refuses_what_it_cannot_pass_without_a_copy():
-    with pytest.raises(TypeError, match="float32 or uint32 arrays, got float64"):
+    with pytest.raises(TypeError, match="float32, float16, uint32 or int32 arrays, got float64"):
         upload(np.zeros(4))
     with pytest.raises(ValueError, match="C-contiguous"):
         upload(np.zeros((4, 4), np.float32).T)
+
+
+def test_write_checks_size_and_lands_at_its_offset():
+    buf = upload(np.zeros(8, np.float32))
+    write(buf, np.array([1, 2], np.float32), offset=8)
+    out = np.empty(8, np.float32)
+    rec = Recorder()
+    rec.read(buf, out)
+    rec.submit()
+    np.testing.assert_array_equal(out, [0, 0, 1, 2, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="do not fit"):
+        write(buf, np.zeros(8, np.float32), offset=4)
 
 
 def test_buffers_return_to_the_pool_and_are_reused():
     pool = pool_for(get_device())
     b = Buffer((1000,))
     serial = b.serial
+    before = pool.free_bytes
     del b
+    assert pool.free_bytes == before + 4000  # its wgpu buffer went back to the pool
     c = Buffer((999,))  # same size bucket
-    assert c.serial == serial
-    assert pool.free_bytes >= 0
+    assert c.serial == serial and pool.free_bytes == before
+
+
+def test_arena_views_are_aligned_separate_and_kernels_see_only_their_range():
+    device = get_device()
+    arena = Arena(chunk_bytes=1 << 16)
+    a = arena.alloc((5,))
+    b = arena.alloc((64,))
+    big = arena.alloc((40_000,))  # larger than a chunk: a chunk of its own
+    assert a.gpu is b.gpu and big.gpu is not a.gpu
+    assert b.offset % device.offset_alignment == 0 and b.offset >= a.binding_size
+    x = upload(np.arange(256, dtype=np.float32))
+    rec = Recorder()
+    rec.clear(b)
+    rec.dispatch(kernel("reduce.wgsl", "reduce_partials", WG=64), (1, 1, 1), (x, b), (16, 16, 4, 0, 1.0))
+    rec.copy(x, a, nbytes=20)
+    out_a, out_b = np.zeros(5, np.float32), np.zeros(64, np.float32)
+    rec.read(a, out_a)
+    rec.read(b, out_b)
+    rec.submit()
+    np.testing.assert_array_equal(out_a, np.arange(5))
+    np.testing.assert_array_equal(out_b, np.arange(256, dtype=np.float32).reshape(4, 64).sum(0))
 
 
 def test_copy_and_clear():
@@ -123,9 +228,11 @@ def test_copy_and_clear():
 
 
 def test_many_dispatches_one_submit_and_timestamps():
+    device = get_device()
     x = upload(np.arange(16, dtype=np.float32))
     acc = Buffer((16,))
-    k = kernel("reduce.wgsl", "reduce_partials", "IIIIf", WG=64)
+    k = _reduce()
+    submits = device.submits
     rec = Recorder(timestamps=True)
     rec.clear(acc)
     for _ in range(5):  # acc += 2 * x, five times, each reading the last one's result
@@ -134,24 +241,90 @@ def test_many_dispatches_one_submit_and_timestamps():
     rec.read(acc, out)
     seconds = rec.submit()
     np.testing.assert_array_equal(out, 10 * np.arange(16))
-    assert rec.dispatches == 5
-    if get_device().has_timestamps:
+    assert rec.dispatches == 5 and device.submits == submits + 1
+    if device.has_timestamps:
         assert 0 < seconds < 10
     synchronize()
+
+
+def test_prebuilt_launches_and_a_per_dispatch_profile_past_64_launches():
+    device = get_device()
+    x = upload(np.ones(64, np.float32))
+    acc = Buffer((64,))
+    launch = Launch.build(_reduce(), (1, 1, 1), (x, acc), {"len4": 16, "stride4": 16, "splits": 1,
+                                                            "accumulate": 1, "scale": 1.0})
+    rec = Recorder(per_dispatch=True)
+    rec.clear(acc)
+    for _ in range(100):
+        rec.launch(launch)
+    out = np.zeros(64, np.float32)
+    rec.read(acc, out)
+    rec.submit()
+    np.testing.assert_array_equal(out, 100)
+    if device.has_timestamps:
+        assert len(rec.kernel_times) == 100
+        assert all(name == "reduce.wgsl:reduce_partials" and t >= 0 for name, t in rec.kernel_times)
+
+
+def test_indirect_launch_reads_its_grid_from_the_gpu():
+    x = upload(np.ones(1024, np.float32))
+    acc = Buffer((1024,))
+    args = upload(np.array([3, 1, 1, 0], np.uint32))  # 3 workgroups of 64 vec4s: the first 768 floats
+    launch = Launch.build(_reduce(), (1, 1, 1), (x, acc), (256, 256, 1, 0, 1.0))
+    rec = Recorder()
+    rec.clear(acc)
+    rec.launch_indirect(launch, args)
+    out = np.zeros(1024, np.float32)
+    rec.read(acc, out)
+    rec.submit()
+    np.testing.assert_array_equal(out, np.r_[np.ones(768), np.zeros(256)])
+
+
+def test_async_submits_overlap_and_fill_their_outputs_when_waited():
+    outs = [np.zeros(4, np.float32) for _ in range(3)]
+    pendings = []
+    for i, out in enumerate(outs):
+        rec = Recorder()
+        rec.read(upload(np.full(4, i, np.float32)), out)
+        pendings.append(rec.submit_async())
+    assert not any(out.any() for out in outs[1:])  # nothing is filled before its wait
+    for p in reversed(pendings):
+        p.wait()
+    for i, out in enumerate(outs):
+        np.testing.assert_array_equal(out, i)
+
+
+def test_a_readback_larger_than_a_staging_buffer_is_split_and_staging_shrinks(monkeypatch):
+    device = get_device()
+    pool = staging_for(device)
+    monkeypatch.setattr(pool, "max_bytes", 4096)
+    data = np.arange(3000, dtype=np.float32)  # 12000 bytes: three staging buffers
+    out = np.zeros_like(data)
+    rec = Recorder()
+    rec.read(upload(data), out)
+    rec.read(upload(data[:5].copy()), lambda view: np.testing.assert_array_equal(view, data[:5]))
+    rec.submit()
+    np.testing.assert_array_equal(out, data)
+    monkeypatch.setattr(pool, "keep_bytes", 8192)
+    rec = Recorder()
+    rec.read(upload(np.zeros(1 << 16, np.float32)), lambda view: None)
+    rec.submit()
+    assert pool.kept_bytes <= 8192  # a large readback does not pin its staging memory
 
 
 def test_binding_larger_than_the_adapter_limit_is_refused(monkeypatch):
     device = get_device()
     big = Buffer((64,))
-    k = kernel("reduce.wgsl", "reduce_partials", "IIIIf", WG=32)
+    k = kernel("reduce.wgsl", "reduce_partials", WG=32)
     monkeypatch.setattr(device, "max_binding", 128)
     rec = Recorder()
-    with pytest.raises(ValueError, match=r"\(64,\) buffer \(256 bytes\) exceeds this adapter's max-storage-buffer-binding-size \(128 bytes\)"):
+    with pytest.raises(ValueError, match=r"\(64,\) buffer \(256 bytes\) exceeds this adapter's "
+                                         r"max-storage-buffer-binding-size \(128 bytes\)"):
         rec.dispatch(k, (1, 1, 1), (big, Buffer((64,))), (16, 16, 1, 0, 1.0))
 
 
 def test_grid_over_the_dispatch_limit_is_refused():
-    k = kernel("reduce.wgsl", "reduce_partials", "IIIIf", WG=256)
+    k = _reduce()
     too_many = get_device().max_workgroups + 1
     with pytest.raises(ValueError, match="exceeds max-compute-workgroups-per-dimension"):
         Recorder().dispatch(k, (too_many, 1, 1), (Buffer((4,)), Buffer((4,))), (1, 1, 1, 0, 1.0))
@@ -160,7 +333,116 @@ def test_grid_over_the_dispatch_limit_is_refused():
 def test_shader_compile_errors_name_the_kernel(tmp_path, monkeypatch):
     from torch_wgpu_lora.runtime import kernels
 
-    (tmp_path / "broken.wgsl").write_text("const WG: u32 = 1u;\n@compute @workgroup_size(WG) fn main() { let x: u32 = 1.5; }\n")
+    (tmp_path / "broken.wgsl").write_text("override WG: u32 = 1u;\n@compute @workgroup_size(WG) "
+                                          "fn main() { let x: u32 = 1.5; }\n")
     monkeypatch.setattr(kernels, "WGSL_DIRS", (tmp_path,))
     with pytest.raises(RuntimeError, match=r"compiling broken.wgsl:main with \{'WG': 2\} failed"):
-        kernel("broken.wgsl", "main", "I", WG=2)
+        kernel("broken.wgsl", "main", WG=2)
+
+
+# -- torch tensors and resident weights --------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["rows4", "cols4", "flat"])
+def test_tensor_layouts_round_trip(layout):
+    t = torch.randn(5, 7)
+    buf = to_gpu(t, layout)
+    assert buf.shape == {"rows4": (5, 8), "cols4": (7, 8), "flat": (35,)}[layout]
+    back = torch.empty(5, 7)
+    rec = Recorder()
+    rec.read(buf, into(back, layout))
+    rec.submit()
+    assert torch.equal(back, t)
+
+
+def test_resident_weights_upload_again_only_when_values_change():
+    A = torch.randn(4, 8)
+    first = resident(A)
+    assert resident(A) is first
+    A.data[0, 0] += 1  # through .data: no version bump, still seen
+    second = resident(A)
+    assert second is not first
+    A.add_(1)
+    assert resident(A) is not second
+
+
+def test_refresh_marks_an_in_place_gpu_update_as_current():
+    p = torch.zeros(2, 4)
+    buf = resident(p)
+    p.fill_(3.0)
+    write(buf, np.full((2, 4), 3.0, np.float32))  # what an optimizer step does on the GPU
+    refresh(p, "rows4")
+    assert resident(p) is buf
+
+
+# -- threads and fork ------------------------------------------------------------------------------
+
+def test_many_threads_share_the_device_and_every_result_is_right():
+    k = _reduce()
+    errors = []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(40):
+                x = rng.standard_normal(256).astype(np.float32)
+                out = np.empty(256, np.float32)
+                rec = Recorder()
+                acc = Buffer((256,))
+                rec.dispatch(k, (1, 1, 1), (upload(x), acc), (64, 64, 1, 0, 3.0))
+                rec.read(acc, out)
+                rec.submit()
+                np.testing.assert_array_equal(out, 3 * x)
+        except Exception as e:  # reported below with the thread's seed
+            errors.append((seed, repr(e)))
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def _child_uses_webgpu(queue: multiprocessing.Queue) -> None:
+    try:
+        get_device()
+        queue.put("no error")
+    except RuntimeError as e:
+        queue.put(str(e))
+
+
+def test_a_forked_child_gets_a_clear_error_instead_of_hanging():
+    parent = get_device()
+    synchronize()  # the parent has used its device
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_uses_webgpu, args=(queue,))
+    child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung")
+    message = queue.get(timeout=5)
+    assert "forked after its parent created the WebGPU device" in message and "'spawn'" in message
+    assert get_device() is parent and not parent.forked
+
+
+def test_a_child_forked_before_any_device_runs_kernels():
+    import subprocess
+    import sys
+
+    code = """
+import multiprocessing, numpy as np
+from torch_wgpu_lora.runtime import Buffer, Recorder, kernel, upload
+def child(q):
+    x = np.arange(256, dtype=np.float32); out = np.empty(256, np.float32); acc = Buffer((256,))
+    rec = Recorder()
+    rec.dispatch(kernel("reduce.wgsl", "reduce_partials", WG=64), (1, 1, 1), (upload(x), acc), (64, 64, 1, 0, 2.0))
+    rec.read(acc, out); rec.submit(); q.put(bool(np.array_equal(out, 2 * x)))
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("fork"); q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,)); p.start(); p.join(120)
+    assert p.exitcode == 0 and q.get(timeout=5) is True, p.exitcode
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -1,8 +1,11 @@
 """The Trainer on a tiny BitNet: loss and accumulation, outputs, resume, the non-finite guard,
-atomic checkpoints."""
+atomic checkpoints, output folders (umask, earlier runs, leftovers) and damaged files."""
 
 import json
+import os
 import random
+import shutil
+import stat
 import sys
 
 import numpy as np
@@ -16,7 +19,7 @@ from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_toke
 from torch_wgpu_lora.prompts import format_prompt
 from torch_wgpu_lora.training import checkpoint as checkpoint_module
 from torch_wgpu_lora.training.data import collate, encode_records, read_records
-from torch_wgpu_lora.training.metrics import plot_loss
+from torch_wgpu_lora.training.metrics import MetricsLog, plot_loss
 from torch_wgpu_lora.training.optim import WgpuAdamW
 from torch_wgpu_lora.training.schedule import make_scheduler
 from torch_wgpu_lora.training.trainer import TrainingStopped, accumulate_gradients
@@ -244,7 +247,7 @@ def test_non_finite_steps_in_a_row_stop_training_and_keep_the_last_good_adapter(
 
 
 def test_a_checkpoint_is_complete_or_absent(base, tmp_path, monkeypatch):
-    write = checkpoint_module._write_synced
+    write = checkpoint_module.write_atomic
     calls = {"n": 0}
 
     def failing_write(path, data):  # the disk fills up inside the second checkpoint
@@ -253,11 +256,11 @@ def test_a_checkpoint_is_complete_or_absent(base, tmp_path, monkeypatch):
             raise OSError("No space left on device")
         write(path, data)
 
-    monkeypatch.setattr(checkpoint_module, "_write_synced", failing_write)
+    monkeypatch.setattr(checkpoint_module, "write_atomic", failing_write)
     with pytest.raises(OSError, match="No space left on device"):
         train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=4, save_every=2))
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000002"]  # no half-written folder
-    monkeypatch.setattr(checkpoint_module, "_write_synced", write)
+    monkeypatch.setattr(checkpoint_module, "write_atomic", write)
     result = train(fresh_model(base), base[1], RECORDS, resume_from=True, **options(tmp_path, max_steps=4,
                                                                                     save_every=2))
     assert result.steps == 4
@@ -301,7 +304,8 @@ def test_bad_setups_are_refused_with_reasons(base, tmp_path):
     with pytest.raises(FileNotFoundError, match="resume_from=True, but .* holds no checkpoint"):
         train(fresh_model(base), base[1], RECORDS, resume_from=True, **options(tmp_path))
     train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=1))
-    with pytest.raises(ValueError, match=r"already holds checkpoints \(newest: step-000001\); pass resume_from=True"):
+    with pytest.raises(ValueError, match=r"already holds checkpoints \(newest: step-000001\) of an earlier run; "
+                                         r"pass resume_from=True to continue that run, overwrite=True to replace it"):
         train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=1))
     with pytest.raises(ValueError, match=r"other settings \(batch_size: 2 there, 4 here\)"):
         train(fresh_model(base), base[1], RECORDS, resume_from=True, **options(tmp_path, max_steps=1, batch_size=4))
@@ -312,3 +316,117 @@ def test_loss_plot_is_optional(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match=r"matplotlib is not installed, so no loss curve was drawn"):
         assert plot_loss([{"step": 1, "loss": 1.0}], tmp_path / "loss.png") is None
     assert not (tmp_path / "loss.png").exists()
+
+
+# -- output folders, files and damage ---------------------------------------------------------
+
+def test_outputs_are_readable_as_the_umask_allows(base, tmp_path):
+    old = os.umask(0o022)
+    try:
+        train(fresh_model(base), base[1], RECORDS[:4], **options(tmp_path / "run", max_steps=2, save_every=1,
+                                                                 plot=True))
+        (tmp_path / "opened").write_bytes(b"")  # what open() gives under this umask
+    finally:
+        os.umask(old)
+    run = tmp_path / "run"
+    file_mode, dir_mode = stat.S_IMODE((tmp_path / "opened").stat().st_mode), 0o755
+    files = [run / "metrics.jsonl", run / "loss.png", *(run / "adapter").iterdir(),
+             *(p for p in (run / "checkpoints").rglob("*") if p.is_file())]
+    folders = [run / "adapter", *(p for p in (run / "checkpoints").rglob("*") if p.is_dir())]
+    assert len(files) == 2 + 2 + 2 * 5 and file_mode == 0o644
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: file_mode for p in files}
+    assert {str(p): stat.S_IMODE(p.stat().st_mode) for p in folders} == {str(p): dir_mode for p in folders}
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(base, tmp_path):
+    train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=2, save_every=1))
+    log = tmp_path / "metrics.jsonl"
+    with open(log, "ab") as f:  # step 3's line, cut short by a full disk
+        f.write(b'{"step": 3, "epoch": 0.75, "loss": 2.5, "lr": 0.00')
+    with pytest.warns(RuntimeWarning, match=r"metrics.jsonl: the last line is torn .* and was dropped"):
+        train(fresh_model(base), base[1], RECORDS,
+              resume_from=tmp_path / "checkpoints" / "step-000001", **options(tmp_path, max_steps=2, save_every=1))
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.parametrize("tail", [b'{"step": 3, "lo', b"\x00\x00\x00\x00", b'{"step": 3, "note": "\xc3'])
+def test_metrics_log_reads_past_a_torn_last_line_only(tmp_path, tail):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.append({"step": 1, "loss": 2.0})
+    log.append({"step": 2, "loss": 1.5})
+    with open(log.path, "ab") as f:
+        f.write(tail)
+    with pytest.warns(RuntimeWarning, match="the last line is torn"):
+        assert log.read() == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    with open(log.path, "ab") as f:  # the torn line is no longer the last one: something else broke the file
+        f.write(b'\n{"step": 4, "loss": 1.0}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 3: damaged"):
+        log.read()
+
+
+def test_an_earlier_runs_output_is_replaced_only_when_asked(base, tmp_path):
+    train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=2, save_every=1))
+    shutil.rmtree(tmp_path / "checkpoints")  # adapter and metrics remain, as after save_total_limit=0 or a cleanup
+    before = (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=r"already holds adapter, metrics.jsonl of an earlier run; pass "
+                                         r"overwrite=True to replace it, or choose another output_dir"):
+        train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=1))
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes() == before
+    with pytest.raises(ValueError, match="resume_from continues the run in output_dir and overwrite replaces it"):
+        train(fresh_model(base), base[1], RECORDS, resume_from=True, **options(tmp_path, max_steps=1, overwrite=True))
+
+    train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=3, save_every=1, overwrite=True))
+    assert len(list((tmp_path / "checkpoints").iterdir())) == 2
+    result = train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=1, overwrite=True))
+    assert result.steps == 1
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000001"]  # the old run's are gone
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_length_and_seed_are_checked(base, tmp_path):
+    with pytest.raises(ValueError, match=r"give epochs or max_steps, not both \(got epochs=1, max_steps=3\)"):
+        Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path, epochs=1, max_steps=3))
+    assert Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path)).total_steps == 4  # one epoch
+    with pytest.raises(ValueError, match=r"seed must be below 2\*\*32 \(numpy's seed range\), got 4294967296"):
+        Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path, seed=2 ** 32))
+
+
+def test_a_killed_runs_temporary_checkpoints_are_removed_on_the_next_start(base, tmp_path):
+    train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=2, save_every=1))
+    root = tmp_path / "checkpoints"
+    (root / ".step-000003.1a2b3c4d.tmp" / "adapter").mkdir(parents=True)  # killed while filling step 3
+    (root / ".step-000003.1a2b3c4d.tmp" / "optimizer.safetensors").write_bytes(bytes(1000))
+    # Killed while replacing step 2: the old one moved aside, the new one not yet in place.
+    (root / ".step-000002.5e6f7a8b.old").mkdir()
+    os.replace(root / "step-000002", root / ".step-000002.5e6f7a8b.old" / "step-000002")
+    train(fresh_model(base), base[1], RECORDS, resume_from=True, **options(tmp_path, max_steps=2, save_every=1))
+    assert sorted(p.name for p in root.iterdir()) == ["step-000001", "step-000002"]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda c: (c / "optimizer.safetensors").write_bytes((c / "optimizer.safetensors").read_bytes()[:100]),
+     "optimizer.safetensors is truncated or corrupt"),
+    (lambda c: (c / "rng.safetensors").unlink(), "it has no rng.safetensors"),
+    (lambda c: (c / "state.json").write_text(json.dumps({k: v for k, v in json.loads(
+        (c / "state.json").read_text()).items() if k != "scheduler"})), "state.json has no 'scheduler' entry"),
+    (lambda c: (c / "state.json").write_text((c / "state.json").read_text()[:-40]), "state.json is not valid JSON"),
+])
+def test_a_damaged_checkpoint_is_named_with_the_previous_good_one(base, tmp_path, damage, message):
+    train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=3, save_every=1, save_total_limit=3))
+    root = tmp_path / "checkpoints"
+    state = json.loads((root / "step-000002" / "state.json").read_text())
+    del state["trainer"]["bad_streak"]  # step 2 is damaged too: the previous good one is step 1
+    (root / "step-000002" / "state.json").write_text(json.dumps(state))
+    damage(root / "step-000003")
+    model = fresh_model(base)
+    untouched = adapter_tensors(model)
+    with pytest.raises(checkpoint_module.DamagedCheckpoint) as damaged:
+        train(model, base[1], RECORDS, resume_from=True, **options(tmp_path, max_steps=3, save_every=1))
+    assert str(damaged.value).startswith(f"checkpoint {root / 'step-000003'} is damaged: ")
+    assert message in str(damaged.value)
+    assert str(damaged.value).endswith(f"; the previous good checkpoint is {root / 'step-000001'}: resume from it "
+                                       f"(resume_from / --resume {root / 'step-000001'})")
+    assert_same_adapter(adapter_tensors(model), untouched)  # nothing was restored
+    with pytest.raises(checkpoint_module.DamagedCheckpoint, match=r"has no trainer.bad_streak entry; the previous "
+                                                                  r"good checkpoint is .*step-000001"):
+        train(model, base[1], RECORDS, resume_from=root / "step-000002", **options(tmp_path, max_steps=3))

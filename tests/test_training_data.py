@@ -64,6 +64,17 @@ def test_bad_records_are_named(tmp_path):
         read_records(tmp_path / "missing.json")
 
 
+def test_a_lone_surrogate_is_named_before_the_tokenizer_sees_it(tmp_path):
+    path = tmp_path / "data.jsonl"  # JSON's escape of half a surrogate pair decodes to a lone surrogate
+    path.write_text(json.dumps(RECORDS[0]) + "\n" + '{"instruction": "Say hi.", "output": "Hi \\ud83d!"}\n')
+    with pytest.raises(ValueError, match=r"data.jsonl, line 2: 'output' is not valid Unicode: it holds a lone "
+                                         r"surrogate '\\ud83d' at character 3"):
+        read_records(path)
+    pair = tmp_path / "pair.jsonl"  # a whole pair is one character, and fine
+    pair.write_text('{"instruction": "Say hi.", "output": "Hi \\ud83d\\ude00!"}\n')
+    assert read_records(pair)[0]["output"] == "Hi \U0001F600!"
+
+
 def test_prompt_masked_response_and_eos_labelled(tokenizer):
     examples = encode_records(tokenizer, read_records(RECORDS))
     for example, record, prompt in zip(examples, RECORDS, (PROMPT_NO_INPUT, PROMPT_WITH_INPUT)):

@@ -154,3 +154,49 @@ def test_clip_grad_norm_off_and_non_finite_leave_grads():
     assert math.isnan(clip_grad_norm(params, 1.0)) and params[0].grad[1].item() == 4.0
     with pytest.raises(ValueError, match="max_grad_norm must be a finite number >= 0"):
         clip_grad_norm(params, -1.0)
+
+
+def test_a_step_bumps_versions_so_a_stale_graph_is_refused_as_with_torch():
+    from torch_wgpu_lora import LoRALinear
+
+    for make in (lambda ps: WgpuAdamW(ps, lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2)):
+        torch.manual_seed(0)
+        layer = LoRALinear(torch.nn.Linear(16, 8), r=4)
+        torch.nn.init.normal_(layer.lora_B)
+        opt = make([layer.lora_A, layer.lora_B])
+        y = layer(torch.randn(3, 16)).sum()
+        y.backward(retain_graph=True)
+        opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+
+
+def test_a_step_updates_the_resident_copy_the_op_reads(monkeypatch):
+    from torch_wgpu_lora import LoRALinear
+    from torch_wgpu_lora.runtime import tensors
+
+    torch.manual_seed(1)
+    layer = LoRALinear(torch.nn.Linear(16, 8), r=4)
+    torch.nn.init.normal_(layer.lora_B)
+    opt = WgpuAdamW([layer.lora_A, layer.lora_B], lr=1e-2)
+    x = torch.randn(3, 16)
+    layer(x).sum().backward()
+    uploads = []
+    real = tensors.upload
+    monkeypatch.setattr(tensors, "upload", lambda a, d=None: (uploads.append(a.shape), real(a, d))[1])
+    opt.step()
+    assert sorted(uploads) == sorted([(4, 16), (4, 8)])  # the two gradients (Bᵀ's layout), no parameter
+    uploads.clear()
+    y = layer(x)
+    assert uploads == [(3, 16)]  # only x: the updated weights are already on the GPU
+    ref = layer.base_layer(x) + layer.scaling * (x @ layer.lora_A.T) @ layer.lora_B.T
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_an_empty_parameter_is_stepped_like_torch():
+    empty, full = torch.nn.Parameter(torch.zeros(0, 4)), torch.nn.Parameter(torch.ones(3))
+    opt = WgpuAdamW([empty, full], lr=0.1, weight_decay=0.0)
+    empty.grad, full.grad = torch.zeros(0, 4), torch.ones(3)
+    opt.step()
+    assert opt.state_dict()["state"][0]["step"].item() == 1
+    assert torch.allclose(full, torch.full((3,), 0.9))

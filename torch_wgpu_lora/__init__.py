@@ -17,10 +17,10 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LoRAFunction": "ops.lora",
     "lora": "ops.lora",
     "lora_reference": "ops.lora",
     "LoRALinear": "modules",
+    "LoraConfig": "config",
     "device_info": "runtime",
     "apply_lora": "integrations.bitnet",
     "lora_parameters": "integrations.bitnet",

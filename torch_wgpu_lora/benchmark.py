@@ -31,7 +31,9 @@ import numpy as np
 import torch
 
 from .ops import lora as lora_ops
+from .ops import lora_gpu
 from .runtime import Buffer, Recorder, get_device, kernel, synchronize, upload
+from .runtime.tensors import resident
 
 BITNET_2B_SHAPES = {"q_proj": (2560, 2560), "v_proj": (2560, 640)}
 
@@ -91,7 +93,7 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float | None:
         return None
     nbytes = min(nbytes, device.max_binding)
     src, dst = Buffer((nbytes // 4,)), Buffer((nbytes // 4,))
-    k = kernel("copy.wgsl", "copy", "I", device)
+    k = kernel("copy.wgsl", "copy", device)
     times = []
     for _ in range(repeats + 1):
         rec = Recorder(timestamps=True)
@@ -109,7 +111,8 @@ class _Inputs:
         self.A = torch.randn(case.rank, case.in_features, generator=g) / case.in_features ** 0.5
         self.B = torch.randn(case.out_features, case.rank, generator=g)
         self.dy = torch.randn(case.n, case.out_features, generator=g)
-        self.w = lora_ops.resident_weights(self.A, self.B)
+        self.w = lora_gpu.LoRAWeights(resident(self.A, "rows4"), resident(self.B, "cols4"), case.in_features,
+                                      case.out_features)
         self.xb = upload(self.x.numpy())
         self.dyb = upload(self.dy.numpy())
         self.dA = Buffer(self.w.A.shape)
@@ -118,9 +121,9 @@ class _Inputs:
 
 
 def _record(rec: Recorder, inp: _Inputs, case: Case, scaling: float) -> None:
-    y, h = lora_ops.forward(rec, inp.xb, inp.w, scaling)
+    y, h = lora_gpu.forward(rec, inp.xb, inp.w, scaling)
     if case.backward:
-        lora_ops.backward(rec, inp.dyb, inp.xb, h, inp.w, scaling, dA=inp.dA, dBt=inp.dBt, dx=inp.dx)
+        lora_gpu.backward(rec, inp.dyb, inp.xb, h, inp.w, scaling, dA=inp.dA, dBt=inp.dBt, dx=inp.dx)
 
 
 def _median_wall(fn: Callable[[], None], iters: int, finish: Callable[[], None]) -> float:
@@ -286,7 +289,7 @@ def run(cases: list[Case] | None = None, out: str | Path | None = None, iters: i
         out.mkdir(parents=True, exist_ok=True)
         meta = {"adapter": device.describe()["adapter"], "backend": device.info.get("backend_type"),
                 "copy_bandwidth_tbps": bandwidth / 1e12 if bandwidth else None, "torch": torch.__version__,
-                "tuning": asdict(lora_ops.tuning(device))}
+                "tuning": asdict(lora_gpu.tuning(device))}
         (out / "lora_op.json").write_text(json.dumps({"meta": meta, "results": [r.row() for r in results]}, indent=1))
         (out / "lora_op.md").write_text(
             f"Adapter: {meta['adapter']} ({meta['backend']}); copy bandwidth "
@@ -307,7 +310,8 @@ def training_step(steps: int = 10, batch_size: int = 8, rank: int = 8) -> dict[s
     forward, loss, backward, optimiser step, zeroing the gradients; median over ``steps``
     after two warm-up steps.
     """
-    from .demo import build_demo_checkpoint, demo_records, load_model_and_tokenizer
+    from .demo import build_demo_checkpoint, demo_records
+    from .integrations.bitnet import load_model_and_tokenizer
     from .integrations.bitnet import apply_lora, lora_parameters, set_backend
     from .training.data import collate, encode_records
     from .training.optim import WgpuAdamW
@@ -358,7 +362,7 @@ def sweep(case: Case, variants: dict[str, list[Any]], repeats: int = 20) -> list
     """
     from .runtime.kernels import set_shader_checks
 
-    base = lora_ops.tuning(get_device())
+    base = lora_gpu.tuning(get_device())
     rows = []
     inp = _Inputs(case)
     for knob, values in variants.items():
@@ -366,7 +370,7 @@ def sweep(case: Case, variants: dict[str, list[Any]], repeats: int = 20) -> list
             if knob == "shader_checks":
                 set_shader_checks(value)
             else:
-                lora_ops.set_tuning(lora_ops.Tuning(**{**asdict(base), knob: value}))
+                lora_gpu.set_tuning(lora_gpu.Tuning(**{**asdict(base), knob: value}))
             try:
                 times = []
                 for i in range(repeats + 2):
@@ -378,8 +382,8 @@ def sweep(case: Case, variants: dict[str, list[Any]], repeats: int = 20) -> list
                 rows.append({"case": case.name, "n": case.n, "rank": case.rank, "mode": case.mode, "knob": knob,
                              "value": value, "gpu_us": statistics.median(times) * 1e6 if times else None})
             finally:
-                lora_ops.set_tuning(None)
-                set_shader_checks("full")
+                lora_gpu.set_tuning(None)
+                set_shader_checks(None)
     return rows
 
 

@@ -28,6 +28,7 @@ to float32 rounding (about 1e-6 relative) for online ones.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -44,20 +45,23 @@ class UsageError(Exception):
     """A mistake in what the user asked for; ``main`` prints its message and exits 2."""
 
 
+def _training_stopped() -> tuple[type[BaseException], ...]:
+    """``TrainingStopped`` if the trainer is loaded (nothing else raises it), without importing it:
+    an import here, while reporting an error, could fail again (e.g. on a bad environment variable)."""
+    trainer = sys.modules.get(f"{__package__}.training.trainer")
+    return () if trainer is None else (trainer.TrainingStopped,)
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that report a user's mistake (the library's checks raise these)."""
-    from .training.trainer import TrainingStopped
-
     # ValueError covers json.JSONDecodeError and UnicodeDecodeError; OSError covers
     # FileNotFoundError, NotADirectoryError, PermissionError. TrainingStopped is listed
     # separately: it is a RuntimeError, and other RuntimeErrors stay tracebacks.
-    return (UsageError, ValueError, OSError, TrainingStopped)
+    return (UsageError, ValueError, OSError, *_training_stopped())
 
 
 def _exit_code(error: BaseException) -> int:
-    from .training.trainer import TrainingStopped
-
-    return EXIT_FAILED if isinstance(error, TrainingStopped) else EXIT_USAGE
+    return EXIT_FAILED if isinstance(error, _training_stopped()) else EXIT_USAGE
 
 
 # -- shared helpers -------------------------------------------------------------------------------
@@ -91,6 +95,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    """A seed for every RNG the commands seed; numpy's legacy seed (the Trainer's) is the narrowest range."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2 ** 32:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text!r}")
+    return value
+
+
 def _require_webgpu() -> dict[str, Any]:
     """The device's description, or a UsageError saying what to install when there is no adapter."""
     from .runtime import device_info
@@ -102,8 +117,7 @@ def _require_webgpu() -> dict[str, Any]:
 
 
 def _load(model: str, dtype: str, with_tokenizer: bool) -> tuple[Any, Any]:
-    from .demo import load_model_and_tokenizer
-    from .integrations.bitnet import load_bitnet
+    from .integrations.bitnet import load_bitnet, load_model_and_tokenizer
 
     if with_tokenizer:
         return load_model_and_tokenizer(model, dtype=_dtype(dtype))
@@ -121,29 +135,32 @@ def _add_model(parser: argparse.ArgumentParser, required: bool = True, default_h
 # -- subcommands ----------------------------------------------------------------------------------
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .config import LoraConfig
     from .integrations.bitnet import apply_lora
-    from .training.checkpoint import latest_checkpoint
     from .training.data import read_records
-    from .training.trainer import Trainer
+    from .training.trainer import Trainer, earlier_run
 
     output = Path(args.output)
-    if not args.resume and latest_checkpoint(output / "checkpoints") is not None:
-        raise UsageError(f"{output} already holds checkpoints of a run: pass --resume to continue it, "
-                         "or choose another --output")
-    # Read the data first: a mistake in it should not wait for a large model to load.
+    found = earlier_run(output)
+    if not args.resume and not args.overwrite and found is not None:
+        resume = "--resume to continue it, " if found.startswith("checkpoints") else ""
+        raise UsageError(f"{output} already holds {found} of an earlier run: pass {resume}--overwrite to replace "
+                         "it, or choose another --output")
+    # Check the settings and read the data first: a mistake in them should not wait for a large model to load.
+    lora_config = LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=args.targets,
+                             lora_dropout=args.dropout, seed=args.seed, backend=args.backend)
     records = read_records(args.data)
     eval_records = None if args.eval_data is None else read_records(args.eval_data)
     if args.backend == "wgpu":
         _require_webgpu()
     model, tokenizer = _load(args.model, args.dtype, with_tokenizer=True)
-    apply_lora(model, r=args.rank, lora_alpha=args.alpha, target_modules=args.targets, lora_dropout=args.dropout,
-               seed=args.seed, backend=args.backend)
+    apply_lora(model, lora_config)
     trainer = Trainer(model, tokenizer, records, eval_data=eval_records, output_dir=output, epochs=args.epochs,
                       max_steps=args.max_steps, batch_size=args.batch_size,
                       gradient_accumulation_steps=args.grad_accum, lr=args.lr, max_grad_norm=args.max_grad_norm,
                       schedule=args.schedule, warmup_ratio=args.warmup_ratio, max_length=args.max_length,
                       seed=args.seed, save_every=args.save_every, eval_every=args.eval_every,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, overwrite=args.overwrite)
     result = trainer.train(resume_from=args.resume)
     loss = "skipped" if result.loss is None else f"{result.loss:.4f}"
     print(f"trained {result.steps} steps; last loss {loss}"
@@ -155,11 +172,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .generation import generate
-    from .integrations.adapters import load_adapter
+    from .integrations.adapters import check_adapter_path, load_adapter
     from .integrations.bitnet import set_backend
 
-    if args.adapter is not None and not Path(args.adapter).exists():
-        raise UsageError(f"no adapter at {args.adapter} (a PEFT folder or a Hesper .lora file)")
+    if args.adapter is not None:
+        check_adapter_path(args.adapter)
     if args.adapter is not None and args.backend == "wgpu":
         _require_webgpu()
     model, tokenizer = _load(args.model, args.dtype, with_tokenizer=True)
@@ -180,19 +197,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_gradcheck(args: argparse.Namespace) -> int:
     import torch
 
-    from .demo import build_demo_checkpoint, check_parity
-    from .integrations.adapters import load_adapter
+    from .config import LoraConfig
+    from .demo import build_demo_checkpoint
+    from .integrations.adapters import check_adapter_path, load_adapter
     from .integrations.bitnet import apply_lora, lora_modules
+    from .integrations.gradcheck import check_parity
 
-    if args.adapter is not None and not Path(args.adapter).exists():
-        raise UsageError(f"no adapter at {args.adapter} (a PEFT folder or a Hesper .lora file)")
+    if args.adapter is not None:
+        check_adapter_path(args.adapter)
+    lora_config = LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=args.targets, seed=args.seed)
     _require_webgpu()
     path = build_demo_checkpoint() if args.model is None else args.model
     model, _ = _load(path, args.dtype, with_tokenizer=False)
     if args.adapter is not None:
         load_adapter(model, args.adapter)
     else:
-        apply_lora(model, r=args.rank, lora_alpha=args.alpha, target_modules=args.targets, seed=args.seed)
+        apply_lora(model, lora_config)
         # A fresh adapter's B is zero, which makes lora_A's gradient exactly zero: seeded
         # N(0, 0.1²) values (as the parity tests use) make every row compare a real gradient.
         with torch.no_grad():
@@ -256,13 +276,14 @@ def cmd_bench(argv: list[str]) -> int:
 # -- the parser -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
+    from .config import LoraConfig
     from .demo import DEMO_STEPS, run_demo
     from .generation import STRATEGIES, generate
-    from .integrations.bitnet import apply_lora
+    from .modules import BACKENDS
     from .training.schedule import SCHEDULES
     from .training.trainer import Trainer
 
-    lora = _defaults(apply_lora)
+    lora = {field.name: field.default for field in dataclasses.fields(LoraConfig)}
     trainer = _defaults(Trainer.__init__)
     sampling = _defaults(generate)
     demo = _defaults(run_demo)
@@ -285,8 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated module names to adapt (default: q_proj,v_proj)")
     p.add_argument("--dropout", type=float, default=lora["lora_dropout"], help="LoRA dropout (default: %(default)s)")
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--epochs", type=int, default=trainer["epochs"], help="passes over the data (default: "
-                        "%(default)s)")
+    # No default here: one would hide a conflict with --max-steps (argparse sees a given default as not given).
+    length.add_argument("--epochs", type=int, help="passes over the data (default: 1)")
     length.add_argument("--max-steps", type=int, help="exactly this many optimiser steps (instead of --epochs)")
     p.add_argument("--batch-size", type=int, default=trainer["batch_size"], help="examples per micro-batch "
                    "(default: %(default)s)")
@@ -301,15 +322,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clip the gradient norm to this; 0 = no clipping (default: %(default)s)")
     p.add_argument("--max-length", type=int, default=trainer["max_length"], help="tokens per example, longer "
                    "ones are cut (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=trainer["seed"], help="seeds the adapters' init, the data order "
+    p.add_argument("--seed", type=_seed, default=trainer["seed"], help="seeds the adapters' init, the data order "
                    "and dropout (default: %(default)s)")
     p.add_argument("--save-every", type=int, default=trainer["save_every"], help="checkpoint every N steps; 0 = "
                    "only at the end (default: %(default)s)")
     p.add_argument("--eval-every", type=int, default=trainer["eval_every"], help="evaluate every N steps; 0 = "
                    "only at the end (default: %(default)s)")
-    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
-                   help="continue the run in --output from its newest checkpoint, or from CHECKPOINT")
-    p.add_argument("--backend", choices=("wgpu", "torch"), default=lora["backend"],
+    earlier = p.add_mutually_exclusive_group()
+    earlier.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                         help="continue the run in --output from its newest checkpoint, or from CHECKPOINT")
+    earlier.add_argument("--overwrite", action="store_true", help="replace an earlier run's output in --output "
+                         "(its adapter, metrics and checkpoints); without it such a folder is refused")
+    p.add_argument("--backend", choices=BACKENDS, default=lora["backend"],
                    help="compute the adapters with the WebGPU kernels or plain torch (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_train)
@@ -336,8 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CTRL's penalty on seen tokens; 1.0 = off (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=sampling["max_new_tokens"],
                    help="most tokens to generate (default: %(default)s)")
-    p.add_argument("--seed", type=int, help="seed for sampling (default: a fresh random seed)")
-    p.add_argument("--backend", choices=("wgpu", "torch"), default="wgpu",
+    p.add_argument("--seed", type=_seed, help="seed for sampling (default: a fresh random seed)")
+    p.add_argument("--backend", choices=BACKENDS, default=lora["backend"],
                    help="compute the adapter with the WebGPU kernels or plain torch (default: %(default)s)")
     p.set_defaults(run=cmd_generate)
 
@@ -358,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated modules to adapt without --adapter (default: q_proj,v_proj)")
     p.add_argument("--batch", type=_positive_int, default=2, help="sequences in the batch (default: %(default)s)")
     p.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the tokens and lora_B (default: %(default)s)")
+    p.add_argument("--seed", type=_seed, default=0, help="seeds the tokens and lora_B (default: %(default)s)")
     p.set_defaults(run=cmd_gradcheck)
 
     p = commands.add_parser("info", help="the WebGPU adapter, backend and limits",
@@ -387,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=demo["lora_alpha"], help="lora_alpha (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=demo["batch_size"], help="examples per step "
                    "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=demo["seed"], help="seed (default: %(default)s)")
+    p.add_argument("--seed", type=_seed, default=demo["seed"], help="seed (default: %(default)s)")
     p.add_argument("--prompt-index", type=int, default=demo["prompt_index"], help="which dataset record to "
                    "generate for (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=demo["max_new_tokens"], help="tokens to generate "

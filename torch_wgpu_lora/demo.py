@@ -34,18 +34,18 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
+from .config import LoraConfig
+from .files import make_temp_dir, write_atomic
 from .generation import generate
-from .integrations.bitnet import apply_lora, load_bitnet, lora_modules
-from .integrations.gradcheck import GradientReport, compare_gradients
+from .integrations.bitnet import apply_lora, load_model_and_tokenizer, lora_modules
+from .integrations.gradcheck import ParityCheck, check_parity
 from .integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
 from .prompts import format_prompt
 from .training.data import collate
@@ -124,7 +124,7 @@ def _build_into(folder: Path) -> None:
         build_tiny_bitnet(folder, flavour="packed-autobitlinear", seed=DEMO_SEED, vocab_size=vocab_size,
                           **DEMO_CONFIG)
     files = {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file()}
-    (folder / MANIFEST_NAME).write_text(json.dumps({"version": DEMO_MODEL_NAME, "files": files}, indent=1))
+    write_atomic(folder / MANIFEST_NAME, json.dumps({"version": DEMO_MODEL_NAME, "files": files}, indent=1).encode())
 
 
 def build_demo_checkpoint(path: str | os.PathLike | None = None) -> Path:
@@ -145,7 +145,7 @@ def build_demo_checkpoint(path: str | os.PathLike | None = None) -> Path:
                              "delete it to have it rebuilt, or choose another path")
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    tmp = make_temp_dir(path)
     try:
         _build_into(tmp)
         try:
@@ -158,74 +158,6 @@ def build_demo_checkpoint(path: str | os.PathLike | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
-
-
-def load_model_and_tokenizer(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
-    """``load_bitnet(path, dtype)`` and the tokenizer stored beside it (local files only).
-
-    >>> # model, tokenizer = load_model_and_tokenizer(build_demo_checkpoint())
-    """
-    from transformers import AutoTokenizer
-
-    model = load_bitnet(path, dtype=dtype)  # checks the folder and that it holds a BitNet model
-    folder = Path(path)
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise FileNotFoundError(f"{str(folder)!r} has no tokenizer (tokenizer.json or tokenizer_config.json); "
-                                "download the checkpoint's tokenizer files into the same folder")
-    return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)
-
-
-# -- gradient parity -------------------------------------------------------------------------------
-
-def longest_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
-    """The number of terms in the longest float32 sum behind an adapter gradient: the widest
-    linear layer input (the adapters' sums over features, and the backward's through the
-    layers after them) or the batch's token count (the adapter gradients' sums over tokens)."""
-    widest = max(getattr(m, "in_features", 0) for m in model.modules())
-    return max(widest, batch["input_ids"].numel())
-
-
-@dataclass(frozen=True)
-class ParityCheck:
-    """Adapter gradients, WebGPU kernels against autograd: the table with the forward pinned
-    (``compare_gradients(..., same_forward=True)``) and the largest error of two independent passes.
-
-    ``tolerance``: both sides sum the same float32 products in different orders, and a sum
-    of n terms is off by at most about n·2^-24 relative; 2·n·2^-24 with n = ``longest_sum``.
-    """
-
-    report: GradientReport
-    longest_sum: int
-    unpinned_max_rel_error: float
-
-    @property
-    def tolerance(self) -> float:
-        return 2 * self.longest_sum * 2.0 ** -24
-
-    @property
-    def passed(self) -> bool:
-        return self.report.max_rel_error <= self.tolerance
-
-    def __str__(self) -> str:
-        verdict = "within" if self.passed else "ABOVE"
-        return (f"{self.report}\n"
-                f"max rel error {self.report.max_rel_error:.2e}: {verdict} the tolerance {self.tolerance:.2e} "
-                f"(2·n·2^-24: float32 sums of n = {self.longest_sum} terms in different orders)\n"
-                "Pass 2 replayed pass 1's forward (same_forward=True), so the table shows the gradient error alone.\n"
-                f"With two independent forwards the max rel error is {self.unpinned_max_rel_error:.2e}: on a "
-                "quantised model the\nadapter outputs' float32 rounding differences now and then round an int8 "
-                "activation the other\nway in a later layer, and from there the passes compute slightly different "
-                "functions.")
-
-
-def check_parity(model: nn.Module, batch: dict[str, torch.Tensor]) -> ParityCheck:
-    """Compare ``model``'s adapter gradients on ``batch`` (see ``ParityCheck``).
-
-    >>> # print(check_parity(apply_lora(load_bitnet(path)), {"input_ids": ids}))
-    """
-    return ParityCheck(report=compare_gradients(model, batch, same_forward=True),
-                       longest_sum=longest_sum(model, batch),
-                       unpinned_max_rel_error=compare_gradients(model, batch).max_rel_error)
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -246,18 +178,13 @@ class DemoResult:
 
 
 def _prepare_output(output_dir: Path, settings: dict[str, Any]) -> None:
-    """Make ``output_dir`` ready for a fresh run; an earlier demo run's checkpoints are removed
-    (the Trainer would not start over them), and a folder holding anything else is refused."""
-    if output_dir.exists() and any(output_dir.iterdir()):
-        if not (output_dir / RUN_MARKER_NAME).is_file():
-            raise ValueError(f"{output_dir} is not empty and holds no earlier demo run ({RUN_MARKER_NAME}); "
-                             "choose another output folder")
-        shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
+    """Mark ``output_dir`` as a demo run's (the Trainer, told to overwrite, replaces an earlier
+    demo run's output); a folder holding anything else is refused."""
+    if output_dir.exists() and any(output_dir.iterdir()) and not (output_dir / RUN_MARKER_NAME).is_file():
+        raise ValueError(f"{output_dir} is not empty and holds no earlier demo run ({RUN_MARKER_NAME}); "
+                         "choose another output folder")
     output_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=output_dir, prefix=f".{RUN_MARKER_NAME}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(settings, f, indent=1)
-    os.replace(tmp, output_dir / RUN_MARKER_NAME)
+    write_atomic(output_dir / RUN_MARKER_NAME, json.dumps(settings, indent=1).encode())
 
 
 def run_demo(model_path: str | os.PathLike | None = None, output_dir: str | os.PathLike = "torch-wgpu-lora-demo",
@@ -290,11 +217,12 @@ def run_demo(model_path: str | os.PathLike | None = None, output_dir: str | os.P
     output_dir = Path(output_dir)
     settings = {"model": str(model_path), "steps": steps, "lr": lr, "rank": rank, "lora_alpha": lora_alpha,
                 "batch_size": batch_size, "max_length": max_length, "seed": seed}
+    lora_config = LoraConfig(r=rank, lora_alpha=lora_alpha, target_modules=("q_proj", "v_proj"), seed=seed)
     with torch.compiler.set_stance("force_eager"):  # see the module docstring
         model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype)
-        apply_lora(model, r=rank, lora_alpha=lora_alpha, target_modules=("q_proj", "v_proj"), seed=seed)
+        apply_lora(model, lora_config)
         trainer = Trainer(model, tokenizer, records, output_dir=output_dir, max_steps=steps, batch_size=batch_size,
-                          lr=lr, max_length=max_length, seed=seed, save_every=0, progress=progress)
+                          lr=lr, max_length=max_length, seed=seed, save_every=0, progress=progress, overwrite=True)
         _prepare_output(output_dir, settings)  # after the Trainer checked every argument
         batches = [collate(trainer.examples[i:i + batch_size], trainer.pad_token_id)
                    for i in range(0, len(trainer.examples), batch_size)]
@@ -329,6 +257,5 @@ def run_demo(model_path: str | os.PathLike | None = None, output_dir: str | os.P
                       training=training, adapter=training.adapter)
 
 
-__all__ = ["DEMO_CONFIG", "DEMO_MODEL_NAME", "DemoResult", "ParityCheck", "build_demo_checkpoint", "check_parity",
-           "checkpoint_problem", "default_demo_path", "demo_records", "load_model_and_tokenizer", "longest_sum",
-           "run_demo"]
+__all__ = ["DEMO_CONFIG", "DEMO_MODEL_NAME", "DemoResult", "build_demo_checkpoint", "checkpoint_problem",
+           "default_demo_path", "demo_records", "run_demo"]

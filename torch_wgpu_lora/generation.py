@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .prompts import format_prompt
+from .prompts import check_unicode, format_prompt
 
 STRATEGIES = ("greedy", "top_k", "top_p")
 
@@ -122,8 +122,8 @@ def _check_arguments(max_new_tokens: int, strategy: str, temperature: float, top
     if strategy != "greedy" and (not _is_number(temperature) or not temperature > 0):
         raise ValueError(f"temperature must be > 0 for sampling (strategy={strategy!r}), got {temperature!r}; "
                          "use strategy='greedy' for deterministic decoding")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64):
+        raise ValueError(f"seed must be an integer in [0, 2**64) (torch.Generator's range) or None, got {seed!r}")
 
 
 def _prompt_text(prompt: str | Mapping[str, str], use_template: bool) -> str:
@@ -131,12 +131,16 @@ def _prompt_text(prompt: str | Mapping[str, str], use_template: bool) -> str:
         unknown = set(prompt) - {"instruction", "input"}
         if "instruction" not in prompt or unknown:
             raise ValueError(f"a dict prompt has the keys 'instruction' and optionally 'input', got {sorted(prompt)}")
+        for key, value in prompt.items():
+            if isinstance(value, str):  # format_prompt checks the types
+                check_unicode(value, f"the prompt's {key!r}")
         return format_prompt(prompt["instruction"], prompt.get("input", ""))
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be a string or a dict with 'instruction' (and 'input'), "
                         f"got {type(prompt).__name__}")
     if not prompt:
         raise ValueError("prompt is empty")
+    check_unicode(prompt, "the prompt")
     return format_prompt(prompt) if use_template else prompt
 
 
@@ -152,6 +156,14 @@ def _eos_ids(eos_token_id: int | Iterable[int] | None, tokenizer: Any, model: nn
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
     return ids
+
+
+def _non_finite_message(raw_logits: torch.Tensor, temperature: float) -> str:
+    if not torch.isfinite(raw_logits).all():
+        return "the model's next-token logits are not finite (NaN or infinite): its weights or adapter are broken"
+    return (f"temperature={temperature!r} is too small: logits / temperature overflow float32, so the "
+            "next-token probabilities are not finite; use a larger temperature, or strategy='greedy' for the "
+            "most likely token")
 
 
 def _decode_loop(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, eos: set[int],
@@ -170,7 +182,10 @@ def _decode_loop(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int
         if generator is None:
             token = int(torch.argmax(logits))
         else:
-            token = int(torch.multinomial(logits.softmax(dim=-1), 1, generator=generator))
+            probabilities = logits.softmax(dim=-1)
+            if not torch.isfinite(probabilities).all():
+                raise ValueError(_non_finite_message(output.logits[0, -1], processing["temperature"]))
+            token = int(torch.multinomial(probabilities, 1, generator=generator))
         new_ids.append(token)
         if token in eos:
             return new_ids, True

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .config import LoraConfig
 from .init import init_lora_A
 from .ops.lora import lora, lora_reference
 
@@ -40,19 +41,15 @@ class LoRALinear(nn.Module):
         if not isinstance(in_features, int) or not isinstance(out_features, int):
             raise TypeError(f"LoRALinear wraps layers with integer in_features/out_features; "
                             f"{type(base_layer).__name__} has none")
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise ValueError(f"r must be a positive integer, got {r!r}")
-        if not 0.0 <= lora_dropout < 1.0:
-            raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout!r}")
+        config = LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, init=init, seed=seed,
+                            backend=backend)  # one check of every setting, naming the bad field
         self.base_layer = base_layer.requires_grad_(False)
         self.in_features, self.out_features = in_features, out_features
-        self.r = r
-        self.lora_alpha = float(lora_alpha)
-        self.scaling = self.lora_alpha / r
-        self.backend = backend
-        self.lora_dropout = nn.Dropout(lora_dropout) if lora_dropout > 0 else nn.Identity()
-        self.lora_A = nn.Parameter(init_lora_A((r, in_features), init, seed))
-        self.lora_B = nn.Parameter(torch.zeros(out_features, r))
+        self.r, self.lora_alpha, self.scaling = config.r, config.lora_alpha, config.scaling
+        self.backend = config.backend
+        self.lora_dropout = nn.Dropout(config.lora_dropout) if config.lora_dropout > 0 else nn.Identity()
+        self.lora_A = nn.Parameter(init_lora_A((config.r, in_features), config.init, config.seed))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, config.r))
         self.merged = False
 
     @property

@@ -26,6 +26,24 @@ PROMPT_TEMPLATE_NO_INPUT = (
 )
 
 
+def check_unicode(text: str, what: str) -> str:
+    """``text`` itself if it is valid Unicode; else ValueError naming ``what`` and where the problem is.
+
+    A lone surrogate (``"\\ud800"``: a JSON escape of half a pair, or bytes that were not UTF-8
+    decoded with ``errors="surrogateescape"``, as Python does for command lines) is no character,
+    and tokenizers refuse it.
+
+    >>> check_unicode("Hi", "the prompt")
+    'Hi'
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{what} is not valid Unicode: it holds a lone surrogate {text[err.start]!r} at character "
+                         f"{err.start} (invalid UTF-8, or half of an escaped surrogate pair)") from None
+    return text
+
+
 def format_prompt(instruction: str, input: str = "") -> str:
     """``instruction`` (and ``input`` when non-empty) in the Alpaca template, ending at "### Response:\\n"."""
     if not isinstance(instruction, str) or not instruction.strip():

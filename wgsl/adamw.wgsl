@@ -26,7 +26,7 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> M: array<f32>;
 @group(0) @binding(4) var<storage, read_write> V: array<f32>;
 
-const WG: u32 = 256u;
+override WG: u32 = 256u;
 
 @compute @workgroup_size(WG)
 fn adamw_step(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {

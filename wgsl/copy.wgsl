@@ -9,7 +9,7 @@ struct Params {
 @group(0) @binding(1) var<storage, read> SRC: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> DST: array<vec4<f32>>;
 
-const WG: u32 = 256u;
+override WG: u32 = 256u;
 
 @compute @workgroup_size(WG)
 fn copy(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {

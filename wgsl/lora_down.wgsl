@@ -26,9 +26,9 @@ struct Params {
 @group(0) @binding(2) var<storage, read> M: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> P: array<vec4<f32>>;
 
-const LANES: u32 = 16u;  // threads sharing 4 ranks; a power of two
-const Q: u32 = 4u;       // rank quads per workgroup; grid.z covers the rest
-const WG: u32 = LANES * Q;
+override LANES: u32 = 16u;  // threads sharing 4 ranks; a power of two
+override Q: u32 = 4u;    // rank quads per workgroup; grid.z covers the rest
+override WG: u32 = LANES * Q;
 
 var<workgroup> sums: array<vec4<f32>, 8u * WG>;
 

@@ -26,8 +26,8 @@ struct Params {
 @group(0) @binding(2) var<storage, read> X: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> OUT: array<vec4<f32>>;
 
-const TD: u32 = 64u;  // vec4 columns per workgroup
-const Q: u32 = 4u;    // rank quads per workgroup (grid.z covers the rest): TD * Q threads
+override TD: u32 = 64u;  // vec4 columns per workgroup
+override Q: u32 = 4u; // rank quads per workgroup (grid.z covers the rest): TD * Q threads
 
 // G[n, j0..j0+3] (j0 a multiple of 4).
 fn g4(n: u32, j0: u32) -> vec4<f32> {

@@ -25,8 +25,8 @@ struct Params {
 @group(0) @binding(2) var<storage, read> M: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> Y: array<vec4<f32>>;
 
-const WG: u32 = 128u;  // threads (vec4 columns) per workgroup; at least 8 * Q
-const Q: u32 = 4u;     // rank quads: ceil(rank / 4)
+override WG: u32 = 128u;  // threads (vec4 columns) per workgroup; at least 8 * Q
+override Q: u32 = 4u;   // rank quads: ceil(rank / 4)
 
 var<workgroup> h_tile: array<vec4<f32>, 8u * Q>;  // [row][quad] of this workgroup's 8 rows
 

@@ -17,7 +17,7 @@ struct Params {
 @group(0) @binding(1) var<storage, read> P: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> OUT: array<vec4<f32>>;
 
-const WG: u32 = 256u;
+override WG: u32 = 256u;
 
 @compute @workgroup_size(WG)
 fn reduce_partials(@builtin(global_invocation_id) gid: vec3<u32>) {

@@ -17,17 +17,26 @@ does not know whose value is not off. ``adapter_model.bin`` is a pickle and is r
 loading never unpickles.
 
 **Hesper** (``format="hesper"``): one little-endian file, a 24-byte header
-``u32 magic 0x4C4F5241, u32 version 1, u32 rank, f32 alpha, u32 numLayers, u32 0``,
+``u32 magic 0x4C4F5241, u32 version 1, u32 rank, f32 alpha, u32 numLayers, u32 reserved``,
 then for each decoder layer, as row-major float32:
 ``Q_A`` = q_proj lora_A [r, dim], ``Q_B`` = q_proj lora_B [dim, r],
 ``V_A`` = v_proj lora_A [r, dim], ``V_B`` = v_proj lora_B [kvDim, r],
 where dim is q_proj's in_features (the hidden size) and kvDim is v_proj's out_features.
 It holds exactly Q and V adapters in every layer with one rank; dropout is not stored.
 
-Loading into a model without adapters applies them first (``apply_lora`` with the
-file's r, lora_alpha, targets and, for PEFT, lora_dropout). Into a model that has
-adapters, the file's modules and rank must match them; their lora_A, lora_B and
-lora_alpha (hence scaling) are replaced. Every check runs before any parameter changes.
+**Integrity.** Files we write carry a checksum, so that a damaged file (a flipped bit on
+disk, a bad copy) is refused rather than loaded into different generations: PEFT weights
+have the SHA-256 of their tensors (names, dtypes, shapes and bytes, in name order) in the
+safetensors metadata (``torch_wgpu_lora_sha256``), Hesper files the CRC-32 of everything
+but the reserved field in the reserved field (Hesper writes 0 there and never reads it).
+Files without one (written by peft or Hesper, or a Hesper CRC that happens to be 0) load
+unchecked. Any file whose tensors hold NaN or Inf is refused.
+
+Both formats are written from, and read into, a ``LoraConfig`` (r, lora_alpha, targets,
+and for PEFT lora_dropout). Loading into a model without adapters applies them first
+(``apply_lora`` with that config). Into a model that has adapters, the file's modules and
+rank must match them; their lora_A, lora_B and lora_alpha (hence scaling) are replaced.
+Every check runs before any parameter changes.
 
 Writes are atomic. A Hesper file is written to a temporary file in the same folder,
 synced, and renamed over the target. A PEFT folder gets both files serialised in
@@ -43,12 +52,13 @@ one old and one new file; don't load from a folder while saving into it.)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
 import struct
-import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +67,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..config import LoraConfig
+from ..files import sync_dir, write_atomic, write_temp
 from ..modules import LoRALinear
 from .bitnet import apply_lora, is_linear_like, layer_index, lora_modules
 
@@ -66,11 +78,13 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_WEIGHTS_NAME = "adapter_model.bin"
 PEFT_PREFIX = "base_model.model."
+CHECKSUM_KEY = "torch_wgpu_lora_sha256"  # safetensors metadata: our PEFT weights' checksum
 _PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 
 HESPER_MAGIC = 0x4C4F5241
 HESPER_VERSION = 1
-_HESPER_HEADER = struct.Struct("<IIIfII")  # magic, version, rank, alpha, numLayers, reserved (0)
+_HESPER_HEADER = struct.Struct("<IIIfII")  # magic, version, rank, alpha, numLayers, reserved (our CRC-32)
+_HESPER_CHECKED = 20  # header bytes before the reserved field, which the CRC covers with the tensors
 HESPER_TARGETS = ("q_proj", "v_proj")
 
 # PEFT options that make the model something other than base + (alpha/r)·B·A on the
@@ -114,9 +128,7 @@ def _is_off(value: Any) -> bool:
 class _Adapter:
     """What a file describes, checked against the model before any tensor is read."""
 
-    r: int
-    lora_alpha: float
-    lora_dropout: float | None  # None: not stored (Hesper); adapters applied here get 0.0
+    config: LoraConfig  # target_modules: the last name components of the modules in ``shapes``
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # module -> (lora_A shape, lora_B shape)
 
 
@@ -150,10 +162,11 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, format: str | None =
     """Load the adapter at ``path`` into ``model`` (changed in place, and returned).
 
     ``format=None`` detects it: a folder is PEFT, a file starting with Hesper's magic is Hesper.
+    Anything but a regular file or a folder (a FIFO, a device) is refused before it is opened.
 
     >>> # model = load_adapter(BitNetForCausalLM.from_pretrained(base), "out/adapter")
     """
-    path = Path(path)
+    path = check_adapter_path(path)
     format = _detect_format(path) if format is None else format
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS} or None, got {format!r}")
@@ -161,6 +174,23 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, format: str | None =
     adapter, targets, tensors = read(model, path)
     _install(model, adapter, targets, tensors)
     return model
+
+
+def check_adapter_path(path: str | os.PathLike) -> Path:
+    """``path`` as a Path if something that may be an adapter is there: a folder or a regular file.
+
+    FileNotFoundError when nothing is; ValueError for a FIFO, socket or device, which reading
+    could block on forever.
+
+    >>> # check_adapter_path("run/adapter")  # before loading a large model for it
+    """
+    path = Path(path)
+    if not path.is_dir() and not path.is_file():
+        if not path.exists():
+            raise FileNotFoundError(f"no adapter at {path} (a PEFT folder or a Hesper .lora file)")
+        raise ValueError(f"{path} is neither a regular file nor a folder (a FIFO, socket or device?); an adapter "
+                         "is a PEFT folder or a Hesper .lora file")
+    return path
 
 
 # -- checks shared by both formats --------------------------------------------------------------
@@ -186,15 +216,33 @@ def _check_scaling(modules: dict[str, LoRALinear]) -> None:
                              "adapter files store r and lora_alpha only")
 
 
+def _file_config(source: Any, **fields: Any) -> LoraConfig:
+    """The LoraConfig a file describes; a value LoraConfig refuses is reported with the file's name."""
+    try:
+        return LoraConfig(**fields)
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
+
+
+def _check_finite(source: Any, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for name, pair in tensors.items():
+        for which, tensor in zip("AB", pair):
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                raise ValueError(f"{source}: {name}.lora_{which} holds {bad} NaN or infinite values; the adapter is "
+                                 "broken (did its training diverge?) and would make every output NaN")
+
+
 def _fit(model: nn.Module, adapter: _Adapter, source: str) -> tuple[str, ...] | None:
     """Check ``adapter`` against ``model``; return the targets to apply, or None when the model has them."""
     named = dict(model.named_modules())
+    r = adapter.config.r
     for name, (a_shape, b_shape) in adapter.shapes.items():
         module = named.get(name)
         if module is None or not is_linear_like(module):
             raise ValueError(f"{source}: the adapter targets {name!r}, but this model has no linear module of "
                              "that name (was it made for another architecture?)")
-        want_a, want_b = (adapter.r, module.in_features), (module.out_features, adapter.r)
+        want_a, want_b = (r, module.in_features), (module.out_features, r)
         if (a_shape, b_shape) != (want_a, want_b):
             raise ValueError(f"{source}: {name} has lora_A {list(a_shape)} and lora_B {list(b_shape)}, but this "
                              f"model's {name} ({module.in_features} -> {module.out_features}) needs lora_A "
@@ -206,13 +254,13 @@ def _fit(model: nn.Module, adapter: _Adapter, source: str) -> tuple[str, ...] | 
             raise ValueError(f"{source}: the model's adapters do not match the file's: only in the model "
                              f"{sorted(set(existing) - wanted)[:4]}, only in the file {sorted(wanted - set(existing))[:4]}")
         for name, m in existing.items():
-            if m.r != adapter.r:
-                raise ValueError(f"{source}: the model's adapter {name} has rank {m.r}, the file's has rank {adapter.r}")
+            if m.r != r:
+                raise ValueError(f"{source}: the model's adapter {name} has rank {m.r}, the file's has rank {r}")
             if m.merged:
                 raise ValueError(f"{source}: the model's adapter {name} is merged into its base weight; "
                                  "unmerge() it before loading new adapter weights")
         return None
-    targets = tuple(sorted({name.rsplit(".", 1)[-1] for name in wanted}))
+    targets = adapter.config.target_modules
     would_wrap = {n for n, m in named.items() if n and n.rsplit(".", 1)[-1] in targets and is_linear_like(m)}
     if would_wrap != wanted:
         raise ValueError(f"{source}: the adapter has no weights for {sorted(would_wrap - wanted)[:4]}, but "
@@ -225,81 +273,60 @@ def _install(model: nn.Module, adapter: _Adapter, targets: tuple[str, ...] | Non
              tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
     if targets is not None:
         # init="peft" is the fast one; every value is overwritten below.
-        apply_lora(model, r=adapter.r, lora_alpha=adapter.lora_alpha, target_modules=targets,
-                   lora_dropout=adapter.lora_dropout or 0.0, init="peft")
+        apply_lora(model, adapter.config.updated(target_modules=targets, init="peft"))
         for m in lora_modules(model).values():
             m.train(model.training)  # new modules start in training mode; follow the model's (dropout)
+    elif getattr(model, "lora_config", None) is not None:
+        model.lora_config = model.lora_config.updated(lora_alpha=adapter.config.lora_alpha)
     modules = lora_modules(model)
     for name, (A, B) in tensors.items():
         m = modules[name]
         m.lora_A.copy_(A)
         m.lora_B.copy_(B)
-        m.lora_alpha = adapter.lora_alpha
-        m.scaling = adapter.lora_alpha / m.r
-
-
-# -- atomic writes ------------------------------------------------------------------------------
-
-def _write_temp(directory: Path, name: str, data: bytes) -> Path:
-    """``data`` in a new synced temporary file beside ``directory/name``."""
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return Path(tmp)
-
-
-def _sync_dir(directory: Path) -> None:
-    """Make renames and removals in ``directory`` durable (a no-op where folders can't be opened)."""
-    if os.name != "posix":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = _write_temp(path.parent, path.name, data)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    _sync_dir(path.parent)
+        m.lora_alpha = adapter.config.lora_alpha
+        m.scaling = adapter.config.scaling
 
 
 # -- PEFT ----------------------------------------------------------------------------------------
 
-def _peft_config(model: nn.Module, modules: dict[str, LoRALinear], base_model_name_or_path: str | None) -> dict:
+def _peft_lora_config(model: nn.Module, modules: dict[str, LoRALinear]) -> LoraConfig:
     r = _uniform(modules, "rank", lambda m: m.r, "PEFT files need rank_pattern for that, which is not supported")
     alpha = _uniform(modules, "lora_alpha", lambda m: m.lora_alpha,
                      "PEFT files need alpha_pattern for that, which is not supported")
     dropout = _uniform(modules, "lora_dropout", _dropout_p, "a PEFT config has one lora_dropout")
     _check_scaling(modules)
-    targets = sorted({name.rsplit(".", 1)[-1] for name in modules})
+    targets = tuple(sorted({name.rsplit(".", 1)[-1] for name in modules}))
     same_named = {n for n, m in model.named_modules() if n and n.rsplit(".", 1)[-1] in targets and is_linear_like(m)}
     if same_named != set(modules):
-        raise ValueError(f"PEFT's target_modules {targets} would also put adapters on {sorted(same_named - set(modules))[:4]}, "
-                         "which have none here; PEFT files cannot express adapters on only some modules of a name")
-    if base_model_name_or_path is None:
-        base_model_name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None) or None
-    # The fields a LoraConfig saves (peft >= 0.19), at their plain-LoRA values; peft fills the rest with defaults.
+        raise ValueError(f"PEFT's target_modules {list(targets)} would also put adapters on "
+                         f"{sorted(same_named - set(modules))[:4]}, which have none here; PEFT files cannot express "
+                         "adapters on only some modules of a name")
+    return LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=dropout)
+
+
+def _peft_config_json(config: LoraConfig, base_model_name_or_path: str | None) -> dict:
+    """adapter_config.json for ``config``: the fields a peft LoraConfig saves (peft >= 0.19), at their
+    plain-LoRA values; peft fills the rest with defaults."""
+    alpha = config.lora_alpha
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-        "revision": None, "inference_mode": True, "r": r,
-        "lora_alpha": int(alpha) if alpha.is_integer() else alpha, "lora_dropout": dropout,
-        "target_modules": targets, "exclude_modules": None, "bias": "none", "lora_bias": False,
+        "revision": None, "inference_mode": True, "r": config.r,
+        "lora_alpha": int(alpha) if alpha.is_integer() else alpha, "lora_dropout": config.lora_dropout,
+        "target_modules": list(config.target_modules), "exclude_modules": None, "bias": "none", "lora_bias": False,
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
         "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
         "rank_pattern": {}, "alpha_pattern": {},
     }
+
+
+def _sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """The checksum of a safetensors file's tensors: names, dtypes, shapes and bytes, in name order."""
+    digest = hashlib.sha256()
+    for key in sorted(tensors):
+        tensor = tensors[key].contiguous()
+        digest.update(f"{key}\0{tensor.dtype}\0{list(tensor.shape)}\0".encode())
+        digest.update(tensor.view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def _save_peft(model: nn.Module, modules: dict[str, LoRALinear], folder: Path, base_model_name_or_path: str | None) -> None:
@@ -308,28 +335,30 @@ def _save_peft(model: nn.Module, modules: dict[str, LoRALinear], folder: Path, b
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is a file; format='peft' writes a folder (adapter_config.json and "
                          f"{WEIGHTS_NAME})")
-    config = _peft_config(model, modules, base_model_name_or_path)
+    if base_model_name_or_path is None:
+        base_model_name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    config = _peft_config_json(_peft_lora_config(model, modules), base_model_name_or_path)
     tensors = {}
     for name, m in modules.items():
         tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().float().contiguous()
         tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().float().contiguous()
-    weights = safetensors_bytes(tensors, metadata={"format": "pt"})
+    weights = safetensors_bytes(tensors, metadata={"format": "pt", CHECKSUM_KEY: _sha256(tensors)})
     config_text = json.dumps(config, indent=2, sort_keys=True).encode()
 
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     temps: list[Path] = []
     try:
-        temps.append(_write_temp(folder, WEIGHTS_NAME, weights))
-        temps.append(_write_temp(folder, CONFIG_NAME, config_text))
+        temps.append(write_temp(folder, WEIGHTS_NAME, weights))
+        temps.append(write_temp(folder, CONFIG_NAME, config_text))
         # Commit. The config goes first and comes back last, so a crash in between leaves no
         # config (an unloadable folder), never the old config beside the new weights.
         (folder / CONFIG_NAME).unlink(missing_ok=True)
-        _sync_dir(folder)
+        sync_dir(folder)
         os.replace(temps[0], folder / WEIGHTS_NAME)
-        _sync_dir(folder)
+        sync_dir(folder)
         os.replace(temps[1], folder / CONFIG_NAME)
-        _sync_dir(folder)
+        sync_dir(folder)
     except BaseException:
         for tmp in temps:
             tmp.unlink(missing_ok=True)
@@ -338,9 +367,14 @@ def _save_peft(model: nn.Module, modules: dict[str, LoRALinear], folder: Path, b
         raise
 
 
-def _read_peft_config(folder: Path) -> dict:
+def _read_peft_config(folder: Path) -> LoraConfig:
+    """adapter_config.json's r, lora_alpha and lora_dropout, with every option checked (targets are
+    the default ones: the tensors' names say which modules the adapter covers)."""
     config_path = folder / CONFIG_NAME
     if not (folder / WEIGHTS_NAME).is_file():
+        if (folder / "adapter" / CONFIG_NAME).is_file():
+            raise ValueError(f"{folder} is not an adapter folder but holds one (a training checkpoint or output "
+                             f"folder?): pass {folder / 'adapter'}")
         if (folder / PICKLE_WEIGHTS_NAME).is_file():
             raise ValueError(f"{folder} holds {PICKLE_WEIGHTS_NAME}, a pickle, and no {WEIGHTS_NAME}. Unpickling "
                              "can run arbitrary code, so torch_wgpu_lora never does; convert it where you trust "
@@ -365,14 +399,8 @@ def _read_peft_config(folder: Path) -> dict:
         if key not in _PEFT_UNSUPPORTED and key not in _PEFT_HARMLESS and not _is_off(value):
             raise ValueError(f"{config_path}: unknown option {key}={value!r} (from a newer peft?); it may "
                              "change the model in a way torch_wgpu_lora cannot reproduce, so it is refused")
-    r, alpha, dropout = config.get("r"), config.get("lora_alpha"), config.get("lora_dropout", 0.0)
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ValueError(f"{config_path}: r must be a positive integer, got {r!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"{config_path}: lora_alpha must be a finite number, got {alpha!r}")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"{config_path}: lora_dropout must be a number in [0, 1), got {dropout!r}")
-    return config
+    return _file_config(config_path, r=config.get("r"), lora_alpha=config.get("lora_alpha"),
+                        lora_dropout=config.get("lora_dropout", 0.0))
 
 
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
@@ -385,6 +413,7 @@ def _read_peft(model: nn.Module, folder: Path):
         raise ValueError(f"{folder} is not a folder; a PEFT adapter is a folder holding {CONFIG_NAME} and "
                          f"{WEIGHTS_NAME}")
     config = _read_peft_config(folder)
+    r = config.r
     weights_path = folder / WEIGHTS_NAME
     try:
         with safe_open(str(weights_path), framework="pt") as f:
@@ -406,17 +435,24 @@ def _read_peft(model: nn.Module, folder: Path):
                 if set(pair) != {"A", "B"}:
                     missing = "lora_B" if "A" in pair else "lora_A"
                     raise ValueError(f"{weights_path}: {module} has no {missing} weight")
-                if len(pair["A"]) != 2 or len(pair["B"]) != 2 or pair["A"][0] != config["r"] or pair["B"][1] != config["r"]:
+                if len(pair["A"]) != 2 or len(pair["B"]) != 2 or pair["A"][0] != r or pair["B"][1] != r:
                     raise ValueError(f"{weights_path}: {module} has lora_A {list(pair['A'])} and lora_B "
-                                     f"{list(pair['B'])}, which is not rank r={config['r']} from {CONFIG_NAME}")
-            adapter = _Adapter(config["r"], float(config["lora_alpha"]), float(config.get("lora_dropout", 0.0)),
+                                     f"{list(pair['B'])}, which is not rank r={r} from {CONFIG_NAME}")
+            targets = tuple(sorted({module.rsplit(".", 1)[-1] for module in shapes}))
+            adapter = _Adapter(config.updated(target_modules=targets),
                                {module: (pair["A"], pair["B"]) for module, pair in shapes.items()})
-            targets = _fit(model, adapter, str(folder))
-            tensors = {module: (f.get_tensor(f"{PEFT_PREFIX}{module}.lora_A.weight"),
-                                f.get_tensor(f"{PEFT_PREFIX}{module}.lora_B.weight")) for module in shapes}
+            fit_targets = _fit(model, adapter, str(folder))
+            stored = {key: f.get_tensor(key) for key in f.keys()}
+            expected = (f.metadata() or {}).get(CHECKSUM_KEY)
     except SafetensorError as err:
         raise ValueError(f"{weights_path} is not a valid safetensors file: {err}") from None
-    return adapter, targets, tensors
+    if expected is not None and _sha256(stored) != expected:
+        raise ValueError(f"{weights_path}: the tensors differ from when the file was written (checksum mismatch): "
+                         "the file is damaged; use another copy")
+    tensors = {module: (stored[f"{PEFT_PREFIX}{module}.lora_A.weight"], stored[f"{PEFT_PREFIX}{module}.lora_B.weight"])
+               for module in shapes}
+    _check_finite(weights_path, tensors)
+    return adapter, fit_targets, tensors
 
 
 # -- Hesper --------------------------------------------------------------------------------------
@@ -453,18 +489,24 @@ def _save_hesper(model: nn.Module, modules: dict[str, LoRALinear], path: Path) -
         raise ValueError("the Hesper format holds exactly the q_proj and v_proj adapters of every layer; this "
                          f"model has adapters on {sorted(set(modules) - qv_names)[:4]} too and none on "
                          f"{sorted(qv_names - set(modules))[:4]}")
-    r = _uniform(modules, "rank", lambda m: m.r, "the Hesper format has one rank")
-    alpha = _uniform(modules, "lora_alpha", lambda m: m.lora_alpha, "the Hesper format has one alpha")
+    config = LoraConfig(r=_uniform(modules, "rank", lambda m: m.r, "the Hesper format has one rank"),
+                        lora_alpha=_uniform(modules, "lora_alpha", lambda m: m.lora_alpha,
+                                            "the Hesper format has one alpha"),
+                        target_modules=HESPER_TARGETS)
     _check_scaling(modules)
-    if float(np.float32(alpha)) != alpha:
-        raise ValueError(f"lora_alpha={alpha!r} is not exactly a float32, which the Hesper header stores; "
-                         "use a value float32 holds exactly (e.g. an integer)")
-    parts = [_HESPER_HEADER.pack(HESPER_MAGIC, HESPER_VERSION, r, alpha, len(pairs), 0)]
+    if float(np.float32(config.lora_alpha)) != config.lora_alpha:
+        raise ValueError(f"lora_alpha={config.lora_alpha!r} is not exactly a float32, which the Hesper header "
+                         "stores; use a value float32 holds exactly (e.g. an integer)")
+    parts = []
     for (q_name, _), (v_name, _) in pairs:
         for m in (modules[q_name], modules[v_name]):
             parts.append(m.lora_A.detach().float().numpy().astype("<f4").tobytes())
             parts.append(m.lora_B.detach().float().numpy().astype("<f4").tobytes())
-    _write_atomic(path, b"".join(parts))
+    data = b"".join(parts)
+    checked = _HESPER_HEADER.pack(HESPER_MAGIC, HESPER_VERSION, config.r, config.lora_alpha, len(pairs), 0)
+    checksum = zlib.crc32(data, zlib.crc32(checked[:_HESPER_CHECKED]))
+    header = _HESPER_HEADER.pack(HESPER_MAGIC, HESPER_VERSION, config.r, config.lora_alpha, len(pairs), checksum)
+    write_atomic(path, header + data)
 
 
 def _read_hesper(model: nn.Module, path: Path):
@@ -474,17 +516,16 @@ def _read_hesper(model: nn.Module, path: Path):
         header = f.read(_HESPER_HEADER.size)
         if len(header) < _HESPER_HEADER.size:
             raise ValueError(f"{path}: {len(header)} bytes, shorter than the {_HESPER_HEADER.size}-byte Hesper header")
-        magic, version, r, alpha, num_layers, reserved = _HESPER_HEADER.unpack(header)
+        magic, version, r, alpha, num_layers, checksum = _HESPER_HEADER.unpack(header)
         if magic != HESPER_MAGIC:
             raise ValueError(f"{path}: magic is 0x{magic:08X}, not Hesper's 0x{HESPER_MAGIC:08X}: not a Hesper adapter")
         if version != HESPER_VERSION:
             raise ValueError(f"{path}: Hesper format version {version}; only version {HESPER_VERSION} is supported")
-        if reserved != 0:
-            raise ValueError(f"{path}: the header's reserved field is {reserved}, not 0")
         if r < 1:
             raise ValueError(f"{path}: rank is {r}; it must be at least 1")
         if not math.isfinite(alpha):
             raise ValueError(f"{path}: alpha is {alpha}, not a finite number")
+        config = _file_config(path, r=r, lora_alpha=alpha, target_modules=HESPER_TARGETS)
         pairs = _hesper_projections(model)
         if num_layers != len(pairs):
             raise ValueError(f"{path}: the adapter has {num_layers} layers, this model has {len(pairs)}")
@@ -501,23 +542,27 @@ def _read_hesper(model: nn.Module, path: Path):
         for (q_name, _), (v_name, _) in pairs:
             shapes[q_name] = ((r, dim), (dim, r))
             shapes[v_name] = ((r, dim), (kv_dim, r))
-        adapter = _Adapter(r, float(alpha), None, shapes)
+        adapter = _Adapter(config, shapes)
         targets = _fit(model, adapter, str(path))
-        values = torch.from_numpy(np.frombuffer(bytearray(f.read()), dtype="<f4").astype(np.float32, copy=False))
+        data = f.read()
+    # 0 is what Hesper writes: no checksum to check.
+    if checksum != 0 and zlib.crc32(data, zlib.crc32(header[:_HESPER_CHECKED])) != checksum:
+        raise ValueError(f"{path}: the contents differ from when the file was written (CRC-32 mismatch): the file is "
+                         "damaged; use another copy")
+    values = torch.from_numpy(np.frombuffer(bytearray(data), dtype="<f4").astype(np.float32, copy=False))
     tensors, offset = {}, 0
     for name, (a_shape, b_shape) in shapes.items():
         a_size, b_size = math.prod(a_shape), math.prod(b_shape)
         tensors[name] = (values[offset:offset + a_size].view(a_shape),
                          values[offset + a_size:offset + a_size + b_size].view(b_shape))
         offset += a_size + b_size
+    _check_finite(path, tensors)
     return adapter, targets, tensors
 
 
 def _detect_format(path: Path) -> str:
     if path.is_dir():
         return "peft"
-    if not path.exists():
-        raise FileNotFoundError(f"no adapter at {path}")
     with open(path, "rb") as f:
         head = f.read(4)
     if len(head) == 4 and struct.unpack("<I", head)[0] == HESPER_MAGIC:

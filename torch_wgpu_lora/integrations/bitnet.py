@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import LoraConfig
 from ..modules import LoRALinear
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -118,43 +119,50 @@ def use_ste_backward(model: nn.Module) -> int:
     return changed
 
 
-def apply_lora(model: nn.Module, r: int = 8, lora_alpha: float = 8.0,
-               target_modules: tuple[str, ...] = ("q_proj", "v_proj"), lora_dropout: float = 0.0,
-               init: str = "hesper", seed: int = 42, backend: str = "wgpu") -> nn.Module:
-    """Replace every module named in ``target_modules`` with a ``LoRALinear`` wrapping it.
+def apply_lora(model: nn.Module, config: LoraConfig | None = None, **fields: Any) -> nn.Module:
+    """Replace every module named in the config's ``target_modules`` with a ``LoRALinear`` wrapping it.
+
+    ``config`` (default ``LoraConfig()``) with ``fields`` replacing its values:
+    ``apply_lora(model, r=8, lora_alpha=16)`` and ``apply_lora(model, LoraConfig(r=8, lora_alpha=16))``
+    are the same. The model keeps the config it was given as ``model.lora_config``.
 
     Every other parameter is frozen. With ``init="hesper"``, the adapter of target t (its
     position in ``target_modules``) in layer i is seeded ``seed + len(target_modules)*i + t``:
     for the default Q/V targets, ``seed + 2i`` and ``seed + 2i + 1`` as in Hesper.
     Every packed ``BitLinear`` of the model, target or not, gets the straight-through
     backward (``use_ste_backward``). Returns ``model`` (changed in place). Unknown
-    targets or invalid adapter arguments raise ValueError before any module is
-    replaced or patched.
+    targets or invalid settings raise ValueError before any module is replaced or patched.
+
+    >>> # apply_lora(load_bitnet(folder), r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"))
     """
-    if isinstance(target_modules, str):
-        target_modules = (target_modules,)
-    target_modules = tuple(target_modules)
+    if config is not None and not isinstance(config, LoraConfig):
+        raise TypeError(f"config must be a LoraConfig, got {type(config).__name__}; pass settings as keywords "
+                        "(apply_lora(model, r=8)) or apply_lora(model, LoraConfig(r=8))")
+    config = (config or LoraConfig()).updated(**fields)
+    targets = config.target_modules
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("this model already has LoRA adapters (apply_lora was called before)")
     existing = OrderedDict()
     for name, module in model.named_modules():
         if name and is_linear_like(module):
             existing.setdefault(name.rsplit(".", 1)[-1], []).append((name, module))
-    unknown = [t for t in target_modules if t not in existing]
+    unknown = [t for t in targets if t not in existing]
     if unknown:
         raise ValueError(f"target_modules {unknown} match no module; linear modules in this model: "
                          f"{sorted(existing)}")
     # Build every adapter before changing the model, so bad arguments leave it untouched.
     wrappers = [
-        (name, LoRALinear(module, r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, init=init,
-                          seed=seed + len(target_modules) * (layer_index(name) or 0) + t_index, backend=backend))
-        for t_index, target in enumerate(target_modules)
+        (name, LoRALinear(module, r=config.r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                          init=config.init, backend=config.backend,
+                          seed=(config.seed + len(targets) * (layer_index(name) or 0) + t_index) % 2 ** 64))
+        for t_index, target in enumerate(targets)
         for name, module in existing[target]
     ]
     model.requires_grad_(False)
     use_ste_backward(model)
     for name, wrapped in wrappers:
         model.set_submodule(name, wrapped)
+    model.lora_config = config
     return model
 
 
@@ -179,6 +187,8 @@ def lora_state_dict(model: nn.Module) -> "OrderedDict[str, torch.Tensor]":
 
 def set_backend(model: nn.Module, backend: str) -> nn.Module:
     """Switch every adapter of ``model`` to ``backend`` ("wgpu" or "torch")."""
+    if getattr(model, "lora_config", None) is not None:
+        model.lora_config = model.lora_config.updated(backend=backend)
     for m in lora_modules(model).values():
         m.backend = backend
     return model
@@ -228,6 +238,63 @@ def load_bitnet(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> 
         raise ValueError(f"{str(config_file)!r} is not a JSON object: {e}") from e
     if model_type != "bitnet":
         raise ValueError(f"{str(folder)!r} holds a {model_type!r} model; load_bitnet loads model_type 'bitnet'")
+    _check_weight_files(folder)
     from transformers import BitNetForCausalLM
 
-    return BitNetForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    # Mismatched sizes are reported below with the other disagreements rather than raised by transformers.
+    model, info = BitNetForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, use_safetensors=True,
+                                                    output_loading_info=True, ignore_mismatched_sizes=True)
+    _check_loading_info(folder, info)
+    return model
+
+
+def _check_weight_files(folder: Path) -> None:
+    """Refuse a folder without safetensors weights, or with a damaged (e.g. truncated) weights file."""
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in sorted(folder.iterdir()) if p.suffix in (".bin", ".pt", ".pth")]
+        found = f" (it holds {', '.join(pickles)}: pickles, which can run arbitrary code when loaded)" \
+            if pickles else ""
+        raise ValueError(f"{str(folder)!r} has no *.safetensors weights{found}; torch_wgpu_lora reads safetensors "
+                         "only. Convert them where you trust the files: "
+                         "BitNetForCausalLM.from_pretrained(folder).save_pretrained(out) writes safetensors")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                f.keys()
+        except SafetensorError as err:
+            raise ValueError(f"{file} is not a complete safetensors file ({err}): truncated or damaged; "
+                             "download it again") from None
+
+
+def _check_loading_info(folder: Path, info: dict[str, list]) -> None:
+    """Refuse weights that do not fill the model config.json describes, exactly."""
+    mismatched, missing, unexpected = (sorted(info[k]) for k in ("mismatched_keys", "missing_keys", "unexpected_keys"))
+    if mismatched:
+        key, stored, wanted = mismatched[0]
+        raise ValueError(f"{str(folder)!r}: the weights do not match config.json: {key} is {list(stored)} in the "
+                         f"weights but {list(wanted)} by config.json ({len(mismatched)} tensors differ); is "
+                         "config.json from another model size?")
+    if missing:
+        raise ValueError(f"{str(folder)!r}: config.json describes tensors the weights lack, e.g. {missing[0]} "
+                         f"({len(missing)} missing); is config.json from another model size?")
+    if unexpected:
+        raise ValueError(f"{str(folder)!r}: the weights hold tensors config.json does not describe, e.g. "
+                         f"{unexpected[0]} ({len(unexpected)} extra); is config.json from another model size?")
+
+
+def load_model_and_tokenizer(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
+    """``load_bitnet(path, dtype)`` and the tokenizer stored beside it (local files only).
+
+    >>> # model, tokenizer = load_model_and_tokenizer("bitnet-bf16")
+    """
+    from transformers import AutoTokenizer
+
+    model = load_bitnet(path, dtype=dtype)  # checks the folder and that it holds a BitNet model
+    folder = Path(path)
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise FileNotFoundError(f"{str(folder)!r} has no tokenizer (tokenizer.json or tokenizer_config.json); "
+                                "download the checkpoint's tokenizer files into the same folder")
+    return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)

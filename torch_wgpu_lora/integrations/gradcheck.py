@@ -236,3 +236,56 @@ def compare_gradients(model: nn.Module, batch: Mapping[str, torch.Tensor] | torc
         rows.append(GradientRow(module=name, layer=layer_index(name), target=name.rsplit(".", 1)[-1],
                                 param=param, max_abs_error=error, max_rel_error=rel, reference_max=scale))
     return GradientReport(rows=rows, loss_wgpu=loss_wgpu, loss_torch=loss_torch)
+
+
+# -- the tolerance policy ------------------------------------------------------------------------
+
+def longest_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """The number of terms in the longest float32 sum behind an adapter gradient: the widest
+    linear layer input (the adapters' sums over features, and the backward's through the
+    layers after them) or the batch's token count (the adapter gradients' sums over tokens)."""
+    widest = max(getattr(m, "in_features", 0) for m in model.modules())
+    return max(widest, batch["input_ids"].numel())
+
+
+@dataclass(frozen=True)
+class ParityCheck:
+    """Adapter gradients, WebGPU kernels against autograd: the table with the forward pinned
+    (``compare_gradients(..., same_forward=True)``) and the largest error of two independent passes.
+
+    ``tolerance``: both sides sum the same float32 products in different orders, and a sum
+    of n terms is off by at most about n·2^-24 relative; 2·n·2^-24 with n = ``longest_sum``.
+    """
+
+    report: GradientReport
+    longest_sum: int
+    unpinned_max_rel_error: float
+
+    @property
+    def tolerance(self) -> float:
+        return 2 * self.longest_sum * 2.0 ** -24
+
+    @property
+    def passed(self) -> bool:
+        return self.report.max_rel_error <= self.tolerance
+
+    def __str__(self) -> str:
+        verdict = "within" if self.passed else "ABOVE"
+        return (f"{self.report}\n"
+                f"max rel error {self.report.max_rel_error:.2e}: {verdict} the tolerance {self.tolerance:.2e} "
+                f"(2·n·2^-24: float32 sums of n = {self.longest_sum} terms in different orders)\n"
+                "Pass 2 replayed pass 1's forward (same_forward=True), so the table shows the gradient error alone.\n"
+                f"With two independent forwards the max rel error is {self.unpinned_max_rel_error:.2e}: on a "
+                "quantised model the\nadapter outputs' float32 rounding differences now and then round an int8 "
+                "activation the other\nway in a later layer, and from there the passes compute slightly different "
+                "functions.")
+
+
+def check_parity(model: nn.Module, batch: dict[str, torch.Tensor]) -> ParityCheck:
+    """Compare ``model``'s adapter gradients on ``batch`` (see ``ParityCheck``).
+
+    >>> # print(check_parity(apply_lora(load_bitnet(path)), {"input_ids": ids}))
+    """
+    return ParityCheck(report=compare_gradients(model, batch, same_forward=True),
+                       longest_sum=longest_sum(model, batch),
+                       unpinned_max_rel_error=compare_gradients(model, batch).max_rel_error)

@@ -32,6 +32,8 @@ from typing import Any, Iterable
 
 import torch
 
+from ..files import write_atomic
+
 FLAVOURS = ("dense", "online", "packed", "packed-autobitlinear")
 
 _QUANT = {
@@ -75,16 +77,9 @@ def _packed_state_dict(state: dict[str, torch.Tensor], flavour: str) -> dict[str
     return out
 
 
-def _write_atomic_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path)
-
-
 def build_tiny_bitnet(path: str | os.PathLike, flavour: str = "dense", seed: int = 0, **config: Any) -> Path:
     """Write a randomly initialised BitNetForCausalLM checkpoint of ``flavour`` to ``path``."""
+    from safetensors.torch import save as safetensors_bytes
     from transformers import BitNetForCausalLM
 
     if flavour not in FLAVOURS:
@@ -102,7 +97,8 @@ def build_tiny_bitnet(path: str | os.PathLike, flavour: str = "dense", seed: int
     if flavour != "dense":
         cfg.quantization_config = dict(_QUANT[flavour])
     cfg.save_pretrained(path)
-    _write_atomic_safetensors(state, path / "model.safetensors")
+    write_atomic(path / "model.safetensors",
+                 safetensors_bytes({k: v.contiguous() for k, v in state.items()}, metadata={"format": "pt"}))
     return path
 
 

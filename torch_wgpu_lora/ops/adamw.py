@@ -61,7 +61,9 @@ def adamw_step(rec: Recorder, param: Buffer, grad: Buffer, exp_avg: Buffer, exp_
                              f"like param {param.shape}")
     if step < 1:
         raise ValueError(f"adamw_step: step counts from 1, got {step}")
-    k = kernel("adamw.wgsl", "adamw_step", "Ifffffff", rec.device, WG=_WG)
+    if n == 0:
+        return
+    k = kernel("adamw.wgsl", "adamw_step", rec.device, WG=_WG)
     groups = math.ceil(n / _WG)
     grid_x = min(groups, rec.device.max_workgroups)
     rec.dispatch(k, (grid_x, math.ceil(groups / grid_x), 1), (param, grad, exp_avg, exp_avg_sq),

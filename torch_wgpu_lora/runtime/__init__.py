@@ -1,12 +1,15 @@
 """The runtime: a handful of nouns between WGSL files and torch ops.
 
-``Device`` (the process's WebGPU device), ``Buffer`` (an array on the GPU),
-``Kernel`` (a compiled WGSL entry point) and ``Recorder`` (many launches, one submit).
+``Device`` (the process's WebGPU device and the state it owns), ``Buffer`` (an array on
+the GPU; ``Arena`` plans many at once), ``Kernel`` (a compiled WGSL entry point),
+``Recorder`` (many launches, one submit; ``Launch`` is a launch built once and recorded
+many times), and ``tensors`` (torch tensors to and from the GPU, resident weights).
 """
 
-from .buffers import Buffer, upload, write
+from .buffers import Arena, Buffer, upload, write
 from .device import Device, device_info, get_device
-from .kernels import Kernel, kernel
-from .recorder import Recorder, synchronize
+from .kernels import Kernel, kernel, set_shader_checks, shader_checks
+from .recorder import Launch, Pending, Recorder, synchronize
 
-__all__ = ["Buffer", "Device", "Kernel", "Recorder", "device_info", "get_device", "kernel", "synchronize", "upload", "write"]
+__all__ = ["Arena", "Buffer", "Device", "Kernel", "Launch", "Pending", "Recorder", "device_info", "get_device",
+           "kernel", "set_shader_checks", "shader_checks", "synchronize", "upload", "write"]

@@ -1,22 +1,24 @@
-"""GPU-resident arrays (``Buffer``), their pool, and staging to and from numpy.
+"""GPU-resident arrays (``Buffer``), where they come from (a pool, or an ``Arena`` planned
+once), and the staging buffers readbacks pass through.
 
 Copies per call, the whole story:
 
-* upload (``upload``): a C-contiguous float32 numpy array (for a torch CPU tensor,
-  its ``.numpy()`` view, which shares memory) goes straight to
-  ``queue.write_buffer``. Python copies nothing; wgpu copies once into its own
-  staging memory, which the API requires.
-* download (``Recorder.read``): the GPU copies the buffer into one persistent
-  MAP_READ staging buffer inside the same command buffer as the kernels; after the
-  single submit the staging buffer is mapped and ``np.copyto`` writes into the
-  caller's array (for torch, the ``.numpy()`` view of a preallocated tensor).
-  That is the one CPU copy. ``queue.read_buffer`` is never used: it allocates a
-  new buffer on every call.
+* upload (``upload``, ``write``): a C-contiguous numpy array (for a torch CPU tensor,
+  its ``.numpy()`` view, which shares memory) goes straight to ``queue.write_buffer``.
+  Python copies nothing; wgpu copies once into its own staging memory, which the API
+  requires.
+* download (``Recorder.read``): the GPU copies the buffer into a MAP_READ staging
+  buffer inside the same command buffer as the kernels; after the submit the staging
+  buffer is mapped and ``np.copyto`` writes into the caller's array (for torch, the
+  ``.numpy()`` view of a preallocated tensor). That is the one CPU copy.
+  ``queue.read_buffer`` is never used: it allocates a new buffer on every call.
 
-A ``Buffer`` is a handle: shape, dtype and a pooled wgpu buffer. When the last
-handle goes away the wgpu buffer returns to the pool, so steady-state training
-allocates nothing. A ``Recorder`` keeps the handles it records alive until its
-submit, so a buffer is never reused while recorded work may still read it.
+A ``Buffer`` is a handle: shape, dtype and a byte range of a wgpu buffer. Pooled
+buffers go back to the device's pool when their last handle goes away, so steady-state
+work allocates nothing; arena views are carved out of a few large wgpu buffers that
+live as long as their arena (a model's activations, planned once per shape). A
+``Recorder`` keeps the handles it records alive until its work is done, so a buffer is
+never reused while recorded work may still read it.
 """
 
 from __future__ import annotations
@@ -30,18 +32,38 @@ import numpy as np
 
 from .device import Device, get_device
 
-DTYPES = {"f32": np.float32, "u32": np.uint32}
+# Element types a Buffer can hold. Packed layouts (four int8 codes or sixteen 2-bit
+# weights in a u32, two f16 in a u32) are u32 arrays to the host; kernels unpack them.
+DTYPES = {"f32": np.float32, "u32": np.uint32, "i32": np.int32, "f16": np.float16}
+_NUMPY_TO_DTYPE = {np.dtype(v): k for k, v in DTYPES.items()}
 _ALIGN = 16  # vec4 arrays are bound whole: keep every size a multiple of 16 bytes
 SERIALS = itertools.count(1)  # identities for wgpu buffers (bind-group cache keys)
 
 
+def _padded(nbytes: int) -> int:
+    return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+
+
 def _bucket(nbytes: int) -> int:
     """Round a size up so that near sizes share pooled buffers (at most 1/8 waste)."""
-    nbytes = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+    nbytes = _padded(nbytes)
     if nbytes <= 4096:
         return nbytes
     step = 1 << (nbytes.bit_length() - 4)
     return -(-nbytes // step) * step
+
+
+def _check_size(device: Device, nbytes: int) -> None:
+    if nbytes > device.limits["max-buffer-size"]:
+        raise ValueError(f"a {nbytes}-byte GPU buffer exceeds this adapter's max-buffer-size "
+                         f"({device.limits['max-buffer-size']} bytes)")
+
+
+def _storage_usage() -> int:
+    import wgpu
+
+    # INDIRECT too: a kernel may write the grid of a later launch (sizes known only on the GPU)
+    return wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.INDIRECT
 
 
 class BufferPool:
@@ -55,81 +77,140 @@ class BufferPool:
 
     def take(self, nbytes: int) -> tuple[Any, int]:
         size = _bucket(nbytes)
-        if size > self.device.limits["max-buffer-size"]:
-            raise ValueError(
-                f"a {nbytes}-byte GPU buffer exceeds this adapter's max-buffer-size "
-                f"({self.device.limits['max-buffer-size']} bytes)"
-            )
-        bucket = self.free.get(size)
-        if bucket:
-            self.free_bytes -= size
-            return bucket.pop()
-        import wgpu
-
-        usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
-        return self.device.wgpu.create_buffer(size=size, usage=usage), next(SERIALS)
+        _check_size(self.device, size)
+        with self.device.lock:
+            bucket = self.free.get(size)
+            if bucket:
+                self.free_bytes -= size
+                return bucket.pop()
+        return self.device.wgpu.create_buffer(size=size, usage=_storage_usage()), next(SERIALS)
 
     def give(self, gpu: Any, serial: int) -> None:
-        if self.free_bytes + gpu.size > self.keep_bytes:
-            gpu.destroy()
-            return
-        self.free[gpu.size].append((gpu, serial))
-        self.free_bytes += gpu.size
-
-
-_pools: dict[int, BufferPool] = {}
+        with self.device.lock:
+            if self.free_bytes + gpu.size <= self.keep_bytes:
+                self.free[gpu.size].append((gpu, serial))
+                self.free_bytes += gpu.size
+                return
+        gpu.destroy()
 
 
 def pool_for(device: Device) -> BufferPool:
-    pool = _pools.get(id(device))
-    if pool is None:
-        pool = _pools[id(device)] = BufferPool(device)
-    return pool
+    return device.owned("buffer_pool", lambda: BufferPool(device))
 
 
 class Buffer:
     """An array on the GPU: what kernels read and write, and ops pass along.
 
-    ``shape`` and ``dtype`` ("f32" or "u32") describe the logical array; the wgpu
-    buffer underneath may be a little larger (pooling). ``serial`` identifies the
-    wgpu buffer for bind-group caching.
+    ``shape`` and ``dtype`` (a key of ``DTYPES``) describe the logical array; it occupies
+    ``nbytes`` bytes from ``offset`` in the wgpu buffer ``gpu`` (a pooled buffer may be
+    a little larger; an arena view is one range of a larger buffer). ``serial``
+    identifies the wgpu buffer for bind-group caching.
 
     >>> b = Buffer((4, 8))
-    >>> b.nbytes
-    128
+    >>> b.nbytes, b.offset
+    (128, 0)
     """
 
-    __slots__ = ("gpu", "serial", "shape", "dtype", "nbytes", "_pool")
+    __slots__ = ("gpu", "serial", "offset", "shape", "dtype", "nbytes", "device", "_pooled", "__weakref__")
 
     def __init__(self, shape: tuple[int, ...], dtype: str = "f32", device: Device | None = None) -> None:
         if dtype not in DTYPES:
             raise TypeError(f"Buffer dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self._pool = pool_for(device or get_device())
+        self.device = device or get_device()
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype
-        self.nbytes = math.prod(self.shape) * 4
-        self.gpu, self.serial = self._pool.take(self.nbytes)
+        self.nbytes = math.prod(self.shape) * np.dtype(DTYPES[dtype]).itemsize
+        self.offset = 0
+        self.gpu, self.serial = pool_for(self.device).take(self.nbytes)
+        self._pooled = True
+
+    @classmethod
+    def view(cls, gpu: Any, serial: int, offset: int, shape: tuple[int, ...], dtype: str, device: Device) -> "Buffer":
+        """A handle on ``gpu``'s bytes from ``offset`` (not pooled: the owner frees ``gpu``)."""
+        buf = cls.__new__(cls)
+        buf.device, buf.gpu, buf.serial, buf.offset = device, gpu, serial, offset
+        buf.shape = tuple(int(s) for s in shape)
+        buf.dtype = dtype
+        buf.nbytes = math.prod(buf.shape) * np.dtype(DTYPES[dtype]).itemsize
+        buf._pooled = False
+        return buf
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     @property
-    def device(self) -> Device:
-        return self._pool.device
+    def binding_size(self) -> int:
+        """Bytes a bind group spans: ``nbytes`` rounded up to 16 (vec4 arrays)."""
+        return _padded(self.nbytes)
 
     def __del__(self) -> None:
-        pool = getattr(self, "_pool", None)
-        if pool is not None and getattr(self, "gpu", None) is not None:
-            pool.give(self.gpu, self.serial)
-            self.gpu = None
+        gpu = getattr(self, "gpu", None)
+        if gpu is None or not getattr(self, "_pooled", False):
+            return
+        self.gpu = None
+        if self.device.forked:  # the parent's driver owns it: never release it here
+            self.device.state.setdefault("orphans", []).append(gpu)
+            return
+        pool_for(self.device).give(gpu, self.serial)
 
     def __repr__(self) -> str:
-        return f"Buffer(shape={self.shape}, dtype={self.dtype})"
+        at = f", offset={self.offset}" if self.offset else ""
+        return f"Buffer(shape={self.shape}, dtype={self.dtype}{at})"
+
+
+class Arena:
+    """Buffers planned together (a model's weights or activations) as views of a few large
+    wgpu buffers. Each view starts at a multiple of the adapter's offset alignment; a
+    chunk is at most ``max-buffer-size`` bytes and no view spans two chunks.
+
+    >>> arena = Arena()
+    >>> x, y = arena.alloc((4, 8)), arena.alloc((16,), "u32")
+    >>> x.gpu is y.gpu, y.offset % arena.device.offset_alignment
+    (True, 0)
+    """
+
+    def __init__(self, device: Device | None = None, chunk_bytes: int = 256 << 20) -> None:
+        self.device = device or get_device()
+        self.chunk_bytes = min(chunk_bytes, int(self.device.limits["max-buffer-size"]))
+        self.chunks: list[Any] = []
+        self._serial = 0
+        self._used = 0
+        self.nbytes = 0  # bytes of all chunks
+
+    def alloc(self, shape: tuple[int, ...], dtype: str = "f32") -> Buffer:
+        if dtype not in DTYPES:
+            raise TypeError(f"Buffer dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        nbytes = _padded(math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize)
+        align = self.device.offset_alignment
+        start = -(-self._used // align) * align
+        if not self.chunks or start + nbytes > self.chunks[-1].size:
+            size = max(self.chunk_bytes, nbytes)
+            _check_size(self.device, size)
+            self.chunks.append(self.device.wgpu.create_buffer(size=size, usage=_storage_usage()))
+            self._serial = next(SERIALS)
+            self.nbytes += size
+            start = 0
+        self._used = start + nbytes
+        return Buffer.view(self.chunks[-1], self._serial, start, shape, dtype, self.device)
+
+    def destroy(self) -> None:
+        """Free the GPU memory now (views become invalid)."""
+        for chunk in self.chunks:
+            chunk.destroy()
+        self.chunks.clear()
+        self.nbytes = self._used = 0
+
+
+def dtype_of(array: np.ndarray) -> str:
+    dtype = _NUMPY_TO_DTYPE.get(array.dtype)
+    if dtype is None:
+        raise TypeError(f"upload takes float32, float16, uint32 or int32 arrays, got {array.dtype}")
+    return dtype
 
 
 def upload(array: np.ndarray, device: Device | None = None) -> Buffer:
-    """Copy a C-contiguous float32/uint32 numpy array into a new GPU ``Buffer``.
+    """Copy a C-contiguous numpy array (float32, float16, uint32, int32) into a new ``Buffer``.
 
     No Python-side copy: the array's memory goes to ``queue.write_buffer`` as is.
 
@@ -137,9 +218,7 @@ def upload(array: np.ndarray, device: Device | None = None) -> Buffer:
     >>> buf.shape
     (2, 4)
     """
-    dtype = {np.dtype(np.float32): "f32", np.dtype(np.uint32): "u32"}.get(array.dtype)
-    if dtype is None:
-        raise TypeError(f"upload takes float32 or uint32 arrays, got {array.dtype}")
+    dtype = dtype_of(array)
     if not array.flags.c_contiguous:
         raise ValueError("upload takes C-contiguous arrays (the caller decides when to copy)")
     buf = Buffer(array.shape, dtype, device)
@@ -147,38 +226,60 @@ def upload(array: np.ndarray, device: Device | None = None) -> Buffer:
     return buf
 
 
-def write(buf: Buffer, array: np.ndarray) -> None:
-    """Overwrite ``buf`` with ``array`` (same number of bytes, C-contiguous)."""
-    if array.nbytes != buf.nbytes:
-        raise ValueError(f"write: array has {array.nbytes} bytes, buffer {buf.shape} has {buf.nbytes}")
+def write(buf: Buffer, array: np.ndarray, offset: int = 0) -> None:
+    """Overwrite ``buf`` (from byte ``offset``) with ``array``'s bytes (C-contiguous).
+
+    ``queue.write_buffer`` lands before the next submit runs: write a step's inputs
+    after submitting the previous step, not in the middle of one recording.
+    """
+    if not array.flags.c_contiguous:
+        raise ValueError("write takes C-contiguous arrays (the caller decides when to copy)")
+    if offset < 0 or offset + array.nbytes > buf.nbytes:
+        raise ValueError(f"write: {array.nbytes} bytes at offset {offset} do not fit buffer {buf.shape} "
+                         f"({buf.nbytes} bytes)")
+    if array.nbytes % 4:
+        raise ValueError(f"write: {array.nbytes} bytes is not a multiple of 4 (WebGPU writes whole words)")
     if array.nbytes:
-        buf.device.queue.write_buffer(buf.gpu, 0, array)
+        buf.device.queue.write_buffer(buf.gpu, buf.offset + offset, array)
 
 
-class Staging:
-    """The persistent MAP_READ buffer that readbacks pass through; grows on demand."""
+class StagingPool:
+    """MAP_READ buffers that readbacks pass through: one or more per submit in flight, so
+    several threads (and a submit still being read while the next one runs) never share
+    one. Each is at most ``max_bytes``; after use, buffers are kept up to ``keep_bytes``
+    in all and the rest destroyed, so one large readback does not pin memory forever."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, keep_bytes: int = 64 << 20, max_bytes: int = 256 << 20) -> None:
         self.device = device
-        self.gpu: Any = None
+        self.keep_bytes = keep_bytes
+        self.max_bytes = min(max_bytes, int(device.limits["max-buffer-size"]))
+        self.free: list[Any] = []
 
-    def ensure(self, nbytes: int) -> Any:
-        if self.gpu is None or self.gpu.size < nbytes:
-            import wgpu
+    def take(self, nbytes: int) -> Any:
+        with self.device.lock:
+            fits = [b for b in self.free if b.size >= nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.size)
+                self.free.remove(best)
+                return best
+        import wgpu
 
-            if self.gpu is not None:
-                self.gpu.destroy()
-            size = 1 << max(12, (nbytes - 1).bit_length())
-            usage = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
-            self.gpu = self.device.wgpu.create_buffer(size=size, usage=usage)
-        return self.gpu
+        size = min(1 << max(12, (nbytes - 1).bit_length()), max(nbytes, self.max_bytes))
+        return self.device.wgpu.create_buffer(size=size, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+
+    def give(self, gpu: Any) -> None:
+        with self.device.lock:
+            kept = sum(b.size for b in self.free)
+            if kept + gpu.size <= self.keep_bytes:
+                self.free.append(gpu)
+                return
+        gpu.destroy()
+
+    @property
+    def kept_bytes(self) -> int:
+        with self.device.lock:
+            return sum(b.size for b in self.free)
 
 
-_stagings: dict[int, Staging] = {}
-
-
-def staging_for(device: Device) -> Staging:
-    staging = _stagings.get(id(device))
-    if staging is None:
-        staging = _stagings[id(device)] = Staging(device)
-    return staging
+def staging_for(device: Device) -> StagingPool:
+    return device.owned("staging", lambda: StagingPool(device))

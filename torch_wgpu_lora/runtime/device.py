@@ -1,23 +1,37 @@
-"""The one WebGPU device of this process: adapter choice, limits, features.
+"""The WebGPU device of this process: adapter choice, limits, features, and the state it owns.
 
 Usage::
 
     from torch_wgpu_lora.runtime import get_device, device_info
-    dev = get_device()          # created on first use, then shared
+    dev = get_device()          # created on first use, then shared by every thread
     print(device_info()["adapter"])
 
 Adapter choice: ``TORCH_WGPU_LORA_ADAPTER`` (a case-insensitive substring of the
 adapter's name) wins; otherwise a discrete GPU, then an integrated or virtual GPU,
 then a CPU adapter (Mesa's lavapipe). Native backends (Vulkan, Metal, D3D12) come
 before OpenGL, whose compute support is the thinnest.
+
+State belongs to the device: the buffer pool, the staging buffers, compiled kernels,
+interned uniforms, launch plans and resident weights all live in ``Device.state``
+(created on first use by the module that owns each), guarded by ``Device.lock``, so
+several threads can share one device.
+
+Fork: a child process cannot use its parent's WebGPU device: the driver's worker
+threads do not survive ``fork``, so the first submit would wait forever (lavapipe's
+compute threads are global to the driver, so even a fresh device in the child hangs).
+As CUDA does, a child forked after the parent created its device gets a clear
+RuntimeError from ``get_device`` (use the ``spawn`` start method, or create the
+device only in the children); the parent's objects are never touched in the child.
+A child forked before any device existed starts its own as usual.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
-from typing import Any
+from typing import Any, Callable, Iterator, TypeVar
 
 ADAPTER_ENV = "TORCH_WGPU_LORA_ADAPTER"
 
@@ -29,6 +43,19 @@ INSTALL_HINT = (
 
 _TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}
 _BACKEND_RANK = {"Vulkan": 0, "Metal": 0, "D3D12": 0, "OpenGL": 1}
+# Optional features used when the adapter has them (kernels check ``Device.features``).
+_WANTED_FEATURES = ("subgroup", "timestamp-query", "timestamp-query-inside-passes", "shader-f16")
+_LIMIT_NAMES = (
+    "max-storage-buffer-binding-size",
+    "max-buffer-size",
+    "max-compute-workgroup-storage-size",
+    "max-storage-buffers-per-shader-stage",
+    "max-compute-invocations-per-workgroup",
+    "max-compute-workgroup-size-x",
+    "max-compute-workgroups-per-dimension",
+)
+
+T = TypeVar("T")
 
 
 def _adapter_name(info: Any) -> str:
@@ -62,24 +89,18 @@ def choose_adapter(adapters: list[Any], override: str | None) -> Any:
 
 
 class Device:
-    """A wgpu device plus the facts about it that kernels and ops need.
+    """A wgpu device, the facts about it that kernels need, and the state it owns.
 
     Attributes: ``wgpu`` (the GPUDevice), ``queue``, ``info`` (adapter info dict),
     ``limits`` (dict), ``features`` (set of names), ``has_subgroups``,
-    ``has_timestamps``, ``max_binding`` (bytes one storage binding may span).
+    ``has_timestamps``, ``max_binding`` (bytes one storage binding may span),
+    ``max_workgroups`` (per grid dimension), ``offset_alignment`` (bytes a binding's
+    offset must be a multiple of), ``submits`` (command buffers submitted so far).
     """
 
     def __init__(self, adapter: Any) -> None:
-        want = [f for f in ("subgroup", "timestamp-query") if f in adapter.features]
-        limit_names = (
-            "max-storage-buffer-binding-size",
-            "max-buffer-size",
-            "max-compute-workgroup-storage-size",
-            "max-storage-buffers-per-shader-stage",
-            "max-compute-invocations-per-workgroup",
-            "max-compute-workgroup-size-x",
-        )
-        limits = {name: adapter.limits[name] for name in limit_names if name in adapter.limits}
+        want = [f for f in _WANTED_FEATURES if f in adapter.features]
+        limits = {name: adapter.limits[name] for name in _LIMIT_NAMES if name in adapter.limits}
         self.adapter = adapter
         self.info = dict(adapter.info)
         self.wgpu = adapter.request_device_sync(required_features=want, required_limits=limits)
@@ -90,6 +111,27 @@ class Device:
         self.has_timestamps = "timestamp-query" in self.features
         self.max_binding = int(self.limits["max-storage-buffer-binding-size"])
         self.max_workgroups = int(self.limits["max-compute-workgroups-per-dimension"])
+        self.offset_alignment = max(16, int(self.limits["min-storage-buffer-offset-alignment"]))
+        self.lock = threading.RLock()
+        self.state: dict[str, Any] = {}
+        self.submits = 0
+        self.forked = False  # set in a forked child: this device belongs to the parent
+
+    def owned(self, name: str, make: Callable[[], T]) -> T:
+        """The device's ``name`` state, made by ``make()`` on first use (thread-safe)."""
+        value = self.state.get(name)
+        if value is None:
+            with self.lock:
+                value = self.state.get(name)
+                if value is None:
+                    value = self.state[name] = make()
+        return value
+
+    def submit(self, command_buffers: list[Any]) -> None:
+        """``queue.submit``, counted (tests check how many submits a step makes)."""
+        self.queue.submit(command_buffers)
+        with self.lock:
+            self.submits += 1
 
     @property
     def name(self) -> str:
@@ -110,36 +152,72 @@ class Device:
             "features": sorted(self.features),
         }
 
+    def __repr__(self) -> str:
+        return f"Device({self.name!r}, {self.info.get('backend_type', '')})"
 
-def _quiet_mesa() -> None:
+
+@contextlib.contextmanager
+def _quiet_mesa() -> Iterator[None]:
     """Mesa's Vulkan loader probes window-system sockets under XDG_RUNTIME_DIR and prints an
     error line for each probe when the variable is unset (containers, CI). Compute needs no
-    window system; a private empty folder keeps stderr clean."""
-    if not os.environ.get("XDG_RUNTIME_DIR"):
-        os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="torch-wgpu-lora-xdg-")
+    window system: while the device is created, a private empty folder keeps stderr clean;
+    the process's environment is restored afterwards."""
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="torch-wgpu-lora-xdg-") as folder:
+        os.environ["XDG_RUNTIME_DIR"] = folder
+        try:
+            yield
+        finally:
+            os.environ.pop("XDG_RUNTIME_DIR", None)
 
+
+FORKED_ERROR = (
+    "WebGPU cannot be used in a process forked after its parent created the WebGPU device "
+    "(the driver's threads do not survive fork). Start worker processes with the 'spawn' "
+    "method (multiprocessing.set_start_method('spawn') or "
+    "multiprocessing.get_context('spawn')), or use WebGPU only in the children."
+)
 
 _device: Device | None = None
 _lock = threading.Lock()
+_parents_device: Device | None = None  # in a forked child: the parent's, kept unreleased and unused
+
+
+def _forget_device_after_fork() -> None:
+    global _device, _lock, _parents_device
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    if _device is not None:
+        _device.forked = True
+        _parents_device, _device = _device, None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_device_after_fork)
 
 
 def get_device() -> Device:
-    """The process-wide device, created on first call."""
+    """The process-wide device, created on first call (see the module docstring for fork)."""
     global _device
-    if _device is None:
+    device = _device
+    if device is None:
+        if _parents_device is not None:
+            raise RuntimeError(FORKED_ERROR)
         with _lock:
             if _device is None:
-                _quiet_mesa()
                 try:
                     import wgpu
                 except ImportError as e:  # pragma: no cover - wgpu is a hard dependency
                     raise RuntimeError(f"wgpu-py is not installed ({e}); pip install wgpu") from e
-                try:
-                    adapters = wgpu.gpu.enumerate_adapters_sync()
-                except Exception as e:  # the native loader itself can fail without drivers
-                    raise RuntimeError(f"{INSTALL_HINT} (wgpu said: {e})") from e
-                _device = Device(choose_adapter(adapters, os.environ.get(ADAPTER_ENV)))
-    return _device
+                with _quiet_mesa():
+                    try:
+                        adapters = wgpu.gpu.enumerate_adapters_sync()
+                    except Exception as e:  # the native loader itself can fail without drivers
+                        raise RuntimeError(f"{INSTALL_HINT} (wgpu said: {e})") from e
+                    _device = Device(choose_adapter(adapters, os.environ.get(ADAPTER_ENV)))
+            device = _device
+    return device
 
 
 def device_info() -> dict[str, Any]:

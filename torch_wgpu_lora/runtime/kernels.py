@@ -1,14 +1,15 @@
-"""WGSL kernels as data: load a file, specialise its constants, cache the pipeline.
+"""WGSL kernels as data: load a file, set its override constants, cache the pipeline.
 
-Each ``.wgsl`` file in ``wgsl/`` is valid WGSL on its own. Tuning knobs are plain
-module constants (``const ROWS: u32 = 4u;``); ``kernel(file, entry, ROWS=8)``
-rewrites those declarations before compiling. Rewriting ``const`` (rather than
-using WGSL ``override``) lets a constant size a per-thread array, which override
-constants cannot do. Pipelines are cached by (file, entry, constants).
+Each ``.wgsl`` file in ``wgsl/`` is valid WGSL on its own. Tuning knobs are WGSL
+``override`` declarations (``override ROWS: u32 = 4u;``); ``kernel(file, entry, ROWS=8)``
+sets them when the pipeline is created, so the source is never rewritten. Pipelines
+are cached on the device by (file, entry, constants, shader checks).
 
-Binding convention, shared by every kernel: ``@binding(0)`` is a uniform block of
-32-bit parameters, ``@binding(1..)`` are storage buffers in the order the host
-passes them.
+Binding convention, shared by every kernel: ``@binding(0)`` is a uniform block
+``struct Params`` of 32-bit scalars (u32, i32, f32), ``@binding(1..)`` are storage
+buffers in the order the host passes them. The layout of ``Params`` is declared once,
+in the WGSL file: the host reads the field names and types from it and packs values
+given by position or by name.
 
 Runtime checks: by default wgpu adds bounds checks to every buffer access and a
 counter to every loop (so a bad shader cannot hang the GPU). ``TORCH_WGPU_LORA_SHADER_CHECKS``
@@ -24,15 +25,19 @@ import re
 import struct
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
-from .buffers import Buffer, SERIALS
+from .buffers import SERIALS, Buffer
 from .device import Device, get_device
 
 _HERE = Path(__file__).resolve()
 # Installed wheels carry the shaders as package data in torch_wgpu_lora/wgsl;
 # a source checkout keeps them in the top-level wgsl/ folder.
 WGSL_DIRS = (_HERE.parents[1] / "wgsl", _HERE.parents[2] / "wgsl")
+
+SHADER_CHECKS = ("full", "bounds", "none")
+SHADER_CHECKS_ENV = "TORCH_WGPU_LORA_SHADER_CHECKS"
+_checks_override: str | None = None
 
 
 def wgsl_path(name: str) -> Path:
@@ -43,18 +48,24 @@ def wgsl_path(name: str) -> Path:
     raise FileNotFoundError(f"WGSL file {name!r} not found in {[str(d) for d in WGSL_DIRS]}")
 
 
-SHADER_CHECKS = ("full", "bounds", "none")
-_checks = os.environ.get("TORCH_WGPU_LORA_SHADER_CHECKS", "full")
-if _checks not in SHADER_CHECKS:
-    raise ValueError(f"TORCH_WGPU_LORA_SHADER_CHECKS must be one of {SHADER_CHECKS}, got {_checks!r}")
-
-
-def set_shader_checks(mode: str) -> None:
-    """Choose the runtime checks for kernels compiled from now on (see module docstring)."""
-    global _checks
+def shader_checks() -> str:
+    """The runtime-check mode kernels compile with now: ``set_shader_checks``'s value, else
+    ``TORCH_WGPU_LORA_SHADER_CHECKS``, else ``full``."""
+    if _checks_override is not None:
+        return _checks_override
+    mode = os.environ.get(SHADER_CHECKS_ENV, "full")
     if mode not in SHADER_CHECKS:
+        raise ValueError(f"{SHADER_CHECKS_ENV} must be one of {', '.join(SHADER_CHECKS)}, got {mode!r}")
+    return mode
+
+
+def set_shader_checks(mode: str | None) -> None:
+    """Choose the runtime checks for kernels used from now on (see module docstring);
+    ``None`` goes back to the environment variable."""
+    global _checks_override
+    if mode is not None and mode not in SHADER_CHECKS:
         raise ValueError(f"shader checks must be one of {SHADER_CHECKS}, got {mode!r}")
-    _checks = mode
+    _checks_override = mode
 
 
 def _shader_module(device: Device, source: str, label: str, checks: str) -> Any:
@@ -79,104 +90,122 @@ def _shader_module(device: Device, source: str, label: str, checks: str) -> Any:
     return _api.GPUShaderModule(label, handle, device.wgpu)
 
 
-def specialise(source: str, constants: dict[str, int | float | bool]) -> str:
-    """Replace ``const NAME: T = ...;`` declarations with the given values.
+_COMMENT = re.compile(r"//[^\n]*")
+_PARAMS = re.compile(r"struct\s+Params\s*\{([^}]*)\}")
+_FIELD = re.compile(r"(\w+)\s*:\s*(\w+)")
+_FORMATS = {"u32": "I", "i32": "i", "f32": "f"}
 
-    >>> specialise("const ROWS: u32 = 4u;", {"ROWS": 8})
-    'const ROWS: u32 = 8u;'
+
+def params_layout(source: str) -> tuple[tuple[str, ...], str]:
+    """(field names, ``struct`` format) of the WGSL ``struct Params`` in ``source``.
+
+    >>> params_layout("struct Params { rows: u32, scale: f32 }")
+    (('rows', 'scale'), '<If')
     """
-    for name, value in constants.items():
-        pattern = re.compile(rf"^(\s*const\s+{name}\s*:\s*(\w+)\s*=\s*)[^;]+;", re.MULTILINE)
-        match = pattern.search(source)
-        if match is None:
-            raise KeyError(f"no `const {name}: ...;` declaration to specialise")
-        wgsl_type = match.group(2)
-        if wgsl_type == "u32":
-            literal = f"{int(value)}u"
-        elif wgsl_type == "i32":
-            literal = f"{int(value)}i"
-        elif wgsl_type == "f32":
-            literal = f"{float(value)!r}f"
-        elif wgsl_type == "bool":
-            literal = "true" if value else "false"
-        else:
-            raise TypeError(f"const {name} has type {wgsl_type}; only u32, i32, f32, bool can be specialised")
-        source = source[: match.start()] + match.group(1) + literal + ";" + source[match.end():]
-    return source
+    match = _PARAMS.search(_COMMENT.sub("", source))
+    if match is None:
+        return (), "<"
+    names, letters = [], []
+    for name, wgsl_type in _FIELD.findall(match.group(1)):
+        if wgsl_type not in _FORMATS:
+            raise TypeError(f"Params field {name}: {wgsl_type}; only u32, i32 and f32 fields are supported")
+        names.append(name)
+        letters.append(_FORMATS[wgsl_type])
+    return tuple(names), "<" + "".join(letters)
 
 
 class Kernel:
-    """One compiled entry point of one WGSL file, with its constants baked in.
+    """One compiled entry point of one WGSL file, with its override constants set.
 
-    ``params`` is the struct format (``struct`` module letters, e.g. ``"IIIf"``) of
-    the uniform block at binding 0.
+    ``params`` are the names of the ``struct Params`` fields (binding 0), in order.
     """
 
-    def __init__(self, device: Device, file: str, entry: str, params: str, constants: dict[str, Any],
+    def __init__(self, device: Device, file: str, entry: str, constants: Mapping[str, Any],
                  checks: str = "full") -> None:
         import wgpu
 
         self.device = device
         self.name = f"{file}:{entry}"
-        self.params_format = "<" + params
         self.constants = dict(constants)
-        source = specialise(wgsl_path(file).read_text(), constants)
+        source = wgsl_path(file).read_text()
+        self.params, self._format = params_layout(source)
         try:
             module = _shader_module(device, source, self.name, checks)
-            self.pipeline = device.wgpu.create_compute_pipeline(
-                layout=wgpu.AutoLayoutMode.auto, compute={"module": module, "entry_point": entry}, label=self.name
-            )
+            stage: dict[str, Any] = {"module": module, "entry_point": entry}
+            if constants:
+                stage["constants"] = {k: float(v) for k, v in constants.items()}
+            self.pipeline = device.wgpu.create_compute_pipeline(layout=wgpu.AutoLayoutMode.auto, compute=stage,
+                                                                label=self.name)
         except Exception as e:
-            raise RuntimeError(f"compiling {self.name} with {constants} failed: {e}") from e
+            raise RuntimeError(f"compiling {self.name} with {dict(constants)} failed: {e}") from e
         self.layout = self.pipeline.get_bind_group_layout(0)
         self._bind_groups: OrderedDict[tuple, Any] = OrderedDict()
 
-    def bind_group(self, params: tuple[Any, int], buffers: tuple[Buffer, ...]) -> Any:
-        """The bind group for (params, buffers), reused while those buffers repeat."""
-        params, params_serial = params
-        key = (params_serial, *((b.serial, b.nbytes) for b in buffers))  # a pooled buffer may come back resized
-        group = self._bind_groups.get(key)
-        if group is None:
-            for b in buffers:
-                if b.nbytes > self.device.max_binding:
-                    raise ValueError(
-                        f"{self.name}: a {b.shape} buffer ({b.nbytes} bytes) exceeds this adapter's "
-                        f"max-storage-buffer-binding-size ({self.device.max_binding} bytes)"
-                    )
-            entries = [{"binding": 0, "resource": {"buffer": params, "offset": 0, "size": params.size}}]
-            entries += [
-                {"binding": i, "resource": {"buffer": b.gpu, "offset": 0, "size": max(16, -(-b.nbytes // 16) * 16)}}
-                for i, b in enumerate(buffers, start=1)
-            ]
-            group = self.device.wgpu.create_bind_group(layout=self.layout, entries=entries)
+    def pack(self, values: Sequence[Any] | Mapping[str, Any]) -> bytes:
+        """The uniform block's bytes, from values in field order or by field name."""
+        if isinstance(values, Mapping):
+            unknown, missing = set(values) - set(self.params), [n for n in self.params if n not in values]
+            if unknown or missing:
+                raise ValueError(f"{self.name}: params {sorted(unknown)} unknown, {missing} missing; "
+                                 f"fields are {list(self.params)}")
+            values = [values[n] for n in self.params]
+        if len(values) != len(self.params):
+            raise ValueError(f"{self.name}: {len(values)} params given, the kernel takes {list(self.params)}")
+        data = struct.pack(self._format, *values)
+        return data + bytes(-len(data) % 16)
+
+    def _entries(self, uniform: Any, buffers: Sequence[Buffer]) -> list[dict[str, Any]]:
+        entries = []
+        if self.params:
+            entries.append({"binding": 0, "resource": {"buffer": uniform, "offset": 0, "size": uniform.size}})
+        for i, b in enumerate(buffers, start=1):
+            if b.binding_size > self.device.max_binding:
+                raise ValueError(
+                    f"{self.name}: a {b.shape} buffer ({b.nbytes} bytes) exceeds this adapter's "
+                    f"max-storage-buffer-binding-size ({self.device.max_binding} bytes)"
+                )
+            entries.append({"binding": i, "resource": {"buffer": b.gpu, "offset": b.offset, "size": b.binding_size}})
+        return entries
+
+    def bind(self, buffers: Sequence[Buffer], params: Sequence[Any] | Mapping[str, Any] = ()) -> Any:
+        """A new bind group for these buffers and params: what a plan builds once and launches
+        many times."""
+        uniform = params_buffer(self.device, self.pack(params))[0] if self.params else None
+        return self.device.wgpu.create_bind_group(layout=self.layout, entries=self._entries(uniform, buffers))
+
+    def bind_group(self, params: Sequence[Any] | Mapping[str, Any], buffers: Sequence[Buffer]) -> Any:
+        """The bind group for (params, buffers), cached while those buffers and values repeat."""
+        uniform, serial = params_buffer(self.device, self.pack(params)) if self.params else (None, 0)
+        key = (serial, *((b.serial, b.offset, b.nbytes) for b in buffers))  # pooled buffers come back resized
+        with self.device.lock:
+            group = self._bind_groups.get(key)
+            if group is not None:
+                self._bind_groups.move_to_end(key)
+                return group
+        group = self.device.wgpu.create_bind_group(layout=self.layout, entries=self._entries(uniform, buffers))
+        with self.device.lock:
             self._bind_groups[key] = group
             if len(self._bind_groups) > 512:
                 self._bind_groups.popitem(last=False)
-        else:
-            self._bind_groups.move_to_end(key)
         return group
 
-    def pack(self, values: tuple) -> bytes:
-        data = struct.pack(self.params_format, *values)
-        return data + bytes(-len(data) % 16)
 
+def kernel(file: str, entry: str, device: Device | None = None, **constants: Any) -> Kernel:
+    """The cached pipeline for ``entry`` in ``wgsl/<file>`` with override ``constants`` set.
 
-_kernels: dict[tuple, Kernel] = {}
-_params: OrderedDict[tuple[int, bytes], tuple[Any, int]] = OrderedDict()
-
-
-def kernel(file: str, entry: str, params: str, device: Device | None = None, **constants: Any) -> Kernel:
-    """The cached pipeline for ``entry`` in ``wgsl/<file>`` with ``constants`` set.
-
-    >>> k = kernel("reduce.wgsl", "reduce_partials", "IIIIf", WG=64)
-    >>> k.name
-    'reduce.wgsl:reduce_partials'
+    >>> k = kernel("reduce.wgsl", "reduce_partials", WG=64)
+    >>> k.name, k.params[:2]
+    ('reduce.wgsl:reduce_partials', ('len4', 'stride4'))
     """
     device = device or get_device()
-    key = (id(device), file, entry, params, tuple(sorted(constants.items())), _checks)
-    k = _kernels.get(key)
+    checks = shader_checks()
+    key = (file, entry, tuple(sorted(constants.items())), checks)
+    cache = device.owned("kernels", dict)
+    k = cache.get(key)
     if k is None:
-        k = _kernels[key] = Kernel(device, file, entry, params, constants, _checks)
+        k = Kernel(device, file, entry, constants, checks)
+        with device.lock:
+            k = cache.setdefault(key, k)
     return k
 
 
@@ -187,15 +216,17 @@ def params_buffer(device: Device, data: bytes) -> tuple[Any, int]:
     command buffer runs, so one mutable buffer rewritten between two dispatches of a
     recording would show both the last value.
     """
-    key = (id(device), data)
-    buf = _params.get(key)
-    if buf is None:
-        import wgpu
+    cache: OrderedDict[bytes, tuple[Any, int]] = device.owned("params", OrderedDict)
+    with device.lock:
+        buf = cache.get(data)
+        if buf is not None:
+            cache.move_to_end(data)
+            return buf
+    import wgpu
 
-        buf = (device.wgpu.create_buffer_with_data(data=data, usage=wgpu.BufferUsage.UNIFORM), next(SERIALS))
-        _params[key] = buf
-        if len(_params) > 4096:
-            _params.popitem(last=False)
-    else:
-        _params.move_to_end(key)
+    buf = (device.wgpu.create_buffer_with_data(data=data, usage=wgpu.BufferUsage.UNIFORM), next(SERIALS))
+    with device.lock:
+        buf = cache.setdefault(data, buf)
+        if len(cache) > 4096:
+            cache.popitem(last=False)
     return buf

@@ -5,67 +5,201 @@ Usage::
     rec = Recorder()
     rec.dispatch(k, grid=(groups, 1, 1), buffers=(x, y), params=(n, d))
     rec.read(y, out)                  # out: a numpy array (e.g. a torch tensor's .numpy())
-    rec.submit()                      # one command buffer, one submit, one map
+    rec.submit()                      # one command buffer, one submit, wait, fill ``out``
+
+    pending = rec.submit_async()      # or: submit now, encode the next step, then
+    pending.wait()                    # wait for this one and fill its outputs
 
 Dispatches that follow each other share one compute pass; a copy or clear closes
 the pass (WebGPU records those outside compute passes). wgpu inserts the memory
 barriers that dependent dispatches need.
+
+Two ways to launch: ``dispatch`` (a kernel, buffers and params given each time; bind
+groups and uniforms cached by value) and ``launch`` (a ``Launch`` whose bind group a
+plan built once: the fast path for a model step that records hundreds of launches).
+
+Every submit takes its own staging buffers from the device's pool, so threads and
+submits in flight never share one. A Recorder itself belongs to one thread.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from .buffers import DTYPES, Buffer, staging_for
 from .device import Device, get_device
-from .kernels import Kernel, params_buffer
+from .kernels import Kernel
 
-_MAX_PASSES = 64  # timestamp pairs per recording
+_QUERIES_PER_SET = 4096  # WebGPU's largest query set
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch with its bind group built once (by a plan): record it any number of
+    times with ``Recorder.launch``. ``keep`` holds the buffers the bind group refers to."""
+
+    kernel: Kernel
+    bind_group: Any
+    grid: tuple[int, int, int]
+    keep: tuple[Buffer, ...] = ()
+
+    @classmethod
+    def build(cls, kernel: Kernel, grid: tuple[int, int, int], buffers: Sequence[Buffer],
+              params: Sequence[Any] | Mapping[str, Any] = ()) -> "Launch":
+        _check_grid(kernel, grid)
+        return cls(kernel, kernel.bind(buffers, params), tuple(int(g) for g in grid), tuple(buffers))
+
+
+def _check_grid(kernel: Kernel, grid: tuple[int, int, int]) -> None:
+    limit = kernel.device.max_workgroups
+    if max(grid) > limit:
+        raise ValueError(f"{kernel.name}: grid {tuple(grid)} exceeds max-compute-workgroups-per-dimension ({limit})")
+
+
+@dataclass
+class _Read:
+    buf: Buffer
+    sink: Callable[[np.ndarray], None]
+    pieces: list[tuple[int, int, int]]  # (staging index, staging offset, bytes)
+
+
+class Pending:
+    """A submitted recording whose readbacks have not been collected yet."""
+
+    def __init__(self, device: Device, staging: list[Any], reads: list[_Read], keep: list[Any],
+                 times: "_Timestamps | None") -> None:
+        self.device, self._staging, self._reads, self._keep, self._times = device, staging, reads, keep, times
+        self._promises = [s.map_async(_map_read()) for s in staging]
+        self.done = False
+        self.seconds: float | None = None
+        self.kernel_times: list[tuple[str, float]] = []
+
+    def wait(self) -> float | None:
+        """Wait for the GPU, fill every readback's output; returns GPU seconds when timed."""
+        if self.done:
+            return self.seconds
+        try:
+            for promise in self._promises:
+                promise.sync_wait()
+            for read in self._reads:
+                read.sink(self._view(read))
+            if self._times is not None:
+                self.seconds, self.kernel_times = self._times.collect(self._view(self._times.read))
+        finally:
+            pool = staging_for(self.device)
+            for gpu in self._staging:
+                if gpu.map_state == "mapped":
+                    gpu.unmap()
+                pool.give(gpu)
+            self._staging, self._keep, self.done = [], [], True
+        return self.seconds
+
+    def _view(self, read: _Read) -> np.ndarray:
+        np_dtype = DTYPES[read.buf.dtype]
+        if read.buf.nbytes == 0:
+            return np.empty(read.buf.shape, np_dtype)
+        if len(read.pieces) == 1:
+            index, offset, nbytes = read.pieces[0]
+            raw = self._staging[index].read_mapped(offset, nbytes, copy=False)
+            return np.frombuffer(raw, dtype=np_dtype, count=read.buf.numel).reshape(read.buf.shape)
+        whole = np.empty(sum(n for _, _, n in read.pieces), np.uint8)  # a readback past one staging buffer
+        at = 0
+        for index, offset, nbytes in read.pieces:
+            whole[at:at + nbytes] = np.frombuffer(self._staging[index].read_mapped(offset, nbytes, copy=False),
+                                                  np.uint8)
+            at += nbytes
+        return whole.view(np_dtype)[: read.buf.numel].reshape(read.buf.shape)
+
+
+def _map_read() -> Any:
+    import wgpu
+
+    return wgpu.MapMode.READ
+
+
+class _Timestamps:
+    """Timestamp queries of one recording, in sets of up to 4096."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.sets: list[Any] = []
+        self.count = 0
+        self.names: list[str] = []  # what ended at each query after the first, for per-dispatch profiles
+        self.read: _Read | None = None
+
+    def next(self) -> tuple[Any, int]:
+        import wgpu
+
+        if self.count == len(self.sets) * _QUERIES_PER_SET:
+            self.sets.append(self.device.wgpu.create_query_set(type=wgpu.QueryType.timestamp, count=_QUERIES_PER_SET))
+        index = self.count
+        self.count += 1
+        return self.sets[index // _QUERIES_PER_SET], index % _QUERIES_PER_SET
+
+    def resolve(self, encoder: Any, keep: list[Any]) -> Buffer:
+        import wgpu
+
+        out = Buffer((2 * self.count,), "u32", self.device)
+        for i, query_set in enumerate(self.sets):
+            n = min(_QUERIES_PER_SET, self.count - i * _QUERIES_PER_SET)
+            resolve = self.device.wgpu.create_buffer(size=8 * n, usage=wgpu.BufferUsage.QUERY_RESOLVE |
+                                                     wgpu.BufferUsage.COPY_SRC)
+            encoder.resolve_query_set(query_set, 0, n, resolve, 0)
+            encoder.copy_buffer_to_buffer(resolve, 0, out.gpu, 8 * i * _QUERIES_PER_SET, 8 * n)
+            keep.append(resolve)
+        return out
+
+    def collect(self, view: np.ndarray) -> tuple[float, list[tuple[str, float]]]:
+        ticks = view.view(np.uint64).astype(np.int64)  # WebGPU timestamps are nanoseconds
+        return float(ticks[-1] - ticks[0]) * 1e-9, self._named(ticks)
+
+    def _named(self, ticks: np.ndarray) -> list[tuple[str, float]]:
+        if not self.names:
+            return []
+        if len(self.names) == len(ticks) - 1:  # in-pass stamps: one before the first launch, one after each
+            return list(zip(self.names, (np.diff(ticks) * 1e-9).tolist()))
+        return list(zip(self.names, ((ticks[1::2] - ticks[0::2]) * 1e-9).tolist()))  # a pass per launch
 
 
 class Recorder:
     """One command buffer under construction. Also a context manager that submits on exit.
 
-    With ``timestamps=True`` (and an adapter that has ``timestamp-query``),
-    ``submit()`` returns the GPU time in seconds from the first pass's start to the
-    last pass's end. ``per_dispatch=True`` gives every dispatch its own pass and fills
-    ``kernel_times`` with (kernel name, seconds) pairs: a profile, not a fast path.
+    With ``timestamps=True`` (and an adapter that has ``timestamp-query``), ``submit()``
+    returns the GPU time in seconds from the first pass's start to the last pass's end.
+    ``per_dispatch=True`` also fills ``kernel_times`` with (kernel name, seconds) for every
+    launch: stamps between launches inside one pass where the adapter allows it
+    (``timestamp-query-inside-passes``), else a pass per launch. A profile, not a fast path.
     """
 
     def __init__(self, device: Device | None = None, timestamps: bool = False, per_dispatch: bool = False) -> None:
         self.device = device or get_device()
         self.encoder = self.device.wgpu.create_command_encoder()
         self.pass_: Any = None
-        self.keep: list[Any] = []  # handles alive until submit: nothing recorded is reused early
-        self.reads: list[tuple[int, Buffer, Callable[[np.ndarray], None]]] = []
-        self.read_bytes = 0
+        self.keep: list[Any] = []  # handles alive until the GPU is done: nothing recorded is reused early
+        self.reads: list[_Read] = []
         self.dispatches = 0
-        self.timestamps = timestamps and self.device.has_timestamps
-        self.per_dispatch = per_dispatch
-        self.pass_names: list[str] = []
+        timed = (timestamps or per_dispatch) and self.device.has_timestamps
+        self._times = _Timestamps(self.device) if timed else None
+        self.per_dispatch = per_dispatch and timed
+        self._in_pass_stamps = self.per_dispatch and "timestamp-query-inside-passes" in self.device.features
         self.kernel_times: list[tuple[str, float]] = []
-        self.passes = 0
-        if self.timestamps:
-            import wgpu
-
-            self.query_set = self.device.wgpu.create_query_set(type=wgpu.QueryType.timestamp, count=2 * _MAX_PASSES)
 
     # -- recording ---------------------------------------------------------------
     def _compute_pass(self) -> Any:
         if self.pass_ is None:
             kwargs = {}
-            if self.timestamps:
-                if self.passes >= _MAX_PASSES:
-                    raise RuntimeError(f"a timed recording holds at most {_MAX_PASSES} compute passes")
-                kwargs["timestamp_writes"] = {
-                    "query_set": self.query_set,
-                    "beginning_of_pass_write_index": 2 * self.passes,
-                    "end_of_pass_write_index": 2 * self.passes + 1,
-                }
+            if self._times is not None and not self._in_pass_stamps:
+                # queries come in (begin, end) pairs from index 0 and sets hold an even number:
+                # a pair never straddles two sets
+                (query_set, begin), (_, end) = self._times.next(), self._times.next()
+                kwargs["timestamp_writes"] = {"query_set": query_set, "beginning_of_pass_write_index": begin,
+                                              "end_of_pass_write_index": end}
             self.pass_ = self.encoder.begin_compute_pass(**kwargs)
-            self.passes += 1
+            if self._in_pass_stamps and self._times.count == 0:
+                self.pass_._write_timestamp(*self._times.next())
         return self.pass_
 
     def _end_pass(self) -> None:
@@ -73,38 +207,70 @@ class Recorder:
             self.pass_.end()
             self.pass_ = None
 
-    def dispatch(self, kernel: Kernel, grid: tuple[int, int, int], buffers: tuple[Buffer, ...], params: tuple = ()) -> None:
-        """Record ``kernel`` over ``grid`` workgroups with ``buffers`` at bindings 1.. and ``params`` at 0."""
-        limit = self.device.max_workgroups
-        if max(grid) > limit:
-            raise ValueError(f"{kernel.name}: grid {grid} exceeds max-compute-workgroups-per-dimension ({limit})")
+    def _launched(self, kernel: Kernel) -> None:
+        self.dispatches += 1
+        if self.per_dispatch:
+            self._times.names.append(kernel.name)
+            if self._in_pass_stamps:
+                self.pass_._write_timestamp(*self._times.next())
+            else:
+                self._end_pass()
+
+    def dispatch(self, kernel: Kernel, grid: tuple[int, int, int], buffers: Sequence[Buffer],
+                 params: Sequence[Any] | Mapping[str, Any] = ()) -> None:
+        """Record ``kernel`` over ``grid`` workgroups with ``buffers`` at bindings 1.. and
+        ``params`` (by position or name) at 0."""
+        _check_grid(kernel, grid)
         if min(grid) <= 0:
             return
-        uniform = params_buffer(self.device, kernel.pack(params))
-        group = kernel.bind_group(uniform, buffers)
+        group = kernel.bind_group(params, buffers)
         cpass = self._compute_pass()
         cpass.set_pipeline(kernel.pipeline)
         cpass.set_bind_group(0, group)
         cpass.dispatch_workgroups(*grid)
-        self.keep.append(buffers)
-        self.dispatches += 1
-        if self.per_dispatch:
-            self.pass_names.append(kernel.name)
-            self._end_pass()
+        self.keep.append(tuple(buffers))
+        self._launched(kernel)
+
+    def launch(self, launch: Launch) -> None:
+        """Record a prebuilt ``Launch`` (its plan keeps its buffers alive)."""
+        cpass = self._compute_pass()
+        cpass.set_pipeline(launch.kernel.pipeline)
+        cpass.set_bind_group(0, launch.bind_group)
+        cpass.dispatch_workgroups(*launch.grid)
+        self._launched(launch.kernel)
+
+    def launch_indirect(self, launch: Launch, args: Buffer, offset: int = 0) -> None:
+        """Record ``launch`` with its grid read on the GPU from ``args`` (three u32 at byte
+        ``offset``): for grids that depend on values the GPU computed (a KV length)."""
+        cpass = self._compute_pass()
+        cpass.set_pipeline(launch.kernel.pipeline)
+        cpass.set_bind_group(0, launch.bind_group)
+        cpass.dispatch_workgroups_indirect(args.gpu, args.offset + offset)
+        self.keep.append(args)
+        self._launched(launch.kernel)
 
     def clear(self, buf: Buffer) -> None:
         """Record zero-filling ``buf``."""
         self._end_pass()
-        self.encoder.clear_buffer(buf.gpu, 0, buf.gpu.size)
+        if buf.nbytes:
+            self.encoder.clear_buffer(buf.gpu, buf.offset, -(-buf.nbytes // 4) * 4)
         self.keep.append(buf)
 
-    def copy(self, src: Buffer, dst: Buffer) -> None:
-        """Record copying all of ``src`` into ``dst`` (same byte size)."""
-        if src.nbytes != dst.nbytes:
-            raise ValueError(f"copy: {src.shape} and {dst.shape} differ in size")
+    def copy(self, src: Buffer, dst: Buffer, nbytes: int | None = None, src_offset: int = 0,
+             dst_offset: int = 0) -> None:
+        """Record copying ``nbytes`` (all of ``src`` by default, which must then match ``dst``'s
+        size) from ``src`` at byte ``src_offset`` to ``dst`` at ``dst_offset``."""
+        if nbytes is None:
+            if src.nbytes != dst.nbytes:
+                raise ValueError(f"copy: {src.shape} and {dst.shape} differ in size")
+            nbytes = src.nbytes
+        if src_offset + nbytes > src.nbytes or dst_offset + nbytes > dst.nbytes or nbytes % 4:
+            raise ValueError(f"copy: {nbytes} bytes from {src_offset} of {src} to {dst_offset} of {dst} do not fit "
+                             "(or are not whole words)")
         self._end_pass()
-        if src.nbytes:
-            self.encoder.copy_buffer_to_buffer(src.gpu, 0, dst.gpu, 0, -(-src.nbytes // 4) * 4)
+        if nbytes:
+            self.encoder.copy_buffer_to_buffer(src.gpu, src.offset + src_offset, dst.gpu, dst.offset + dst_offset,
+                                               nbytes)
         self.keep.append((src, dst))
 
     def read(self, buf: Buffer, out: np.ndarray | Callable[[np.ndarray], None]) -> None:
@@ -121,65 +287,56 @@ class Recorder:
                 raise ValueError(f"read: out has shape {tuple(out.shape)}, buffer {buf.shape}")
             sink = lambda view, out=out: np.copyto(out, view)  # noqa: E731
         self._end_pass()
-        offset = self.read_bytes
-        nbytes = -(-buf.nbytes // 16) * 16
-        self.reads.append((offset, buf, sink))
-        self.read_bytes += nbytes
+        self.reads.append(_Read(buf, sink, []))
         self.keep.append(buf)
 
     # -- submitting --------------------------------------------------------------
+    def _stage(self) -> list[Any]:
+        """Record the copies of every readback into staging buffers; returns them."""
+        pool = staging_for(self.device)
+        sizes: list[int] = []  # bytes used in each staging buffer
+        for read in self.reads:
+            left, at = (read.buf.binding_size if read.buf.nbytes else 0), 0  # 16-byte pieces keep offsets mappable
+            while left:
+                if not sizes or sizes[-1] == pool.max_bytes:
+                    sizes.append(0)
+                nbytes = min(left, pool.max_bytes - sizes[-1])
+                read.pieces.append((len(sizes) - 1, sizes[-1], nbytes))
+                sizes[-1] += nbytes
+                left -= nbytes
+                at += nbytes
+        staging = [pool.take(size) for size in sizes]
+        for read in self.reads:
+            at = 0
+            for index, offset, nbytes in read.pieces:
+                self.encoder.copy_buffer_to_buffer(read.buf.gpu, read.buf.offset + at, staging[index], offset, nbytes)
+                at += nbytes
+        return staging
+
+    def submit_async(self) -> Pending:
+        """Submit everything recorded now; the returned ``Pending`` waits and fills outputs."""
+        self._end_pass()
+        if self._times is not None and self._times.count:
+            self._times.read = _Read(self._times.resolve(self.encoder, self.keep), lambda view: None, [])
+            self.reads.append(self._times.read)
+        staging = self._stage()
+        self.device.submit([self.encoder.finish()])
+        reads = [r for r in self.reads if r is not (self._times.read if self._times else None)]
+        pending = Pending(self.device, staging, reads, self.keep, self._times)
+        self.keep, self.reads = [], []
+        return pending
+
     def submit(self) -> float | None:
         """Submit everything recorded, wait for the readbacks, fill their outputs.
 
-        Returns GPU seconds when recording with timestamps, else None. Waits for the
-        GPU only when something is read back or timed.
+        Returns GPU seconds when recording with timestamps, else None. Waits for the GPU
+        only when something is read back or timed.
         """
-        self._end_pass()
-        time_offset = None
-        if self.timestamps and self.passes:
-            import wgpu
-
-            nbytes = 16 * self.passes
-            resolved = Buffer((nbytes // 4,), "u32", self.device)  # storage|copy buffers cannot take QUERY_RESOLVE
-            resolve = self.device.wgpu.create_buffer(
-                size=nbytes, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC
-            )
-            self.encoder.resolve_query_set(self.query_set, 0, 2 * self.passes, resolve, 0)
-            self.encoder.copy_buffer_to_buffer(resolve, 0, resolved.gpu, 0, nbytes)
-            time_offset = self.read_bytes
-            self.reads.append((time_offset, resolved, lambda view: None))
-            self.read_bytes += nbytes
-            self.keep.append(resolve)
-        staging = None
-        if self.reads:
-            staging = staging_for(self.device).ensure(self.read_bytes)
-            for offset, buf, _ in self.reads:
-                if buf.nbytes:
-                    self.encoder.copy_buffer_to_buffer(buf.gpu, 0, staging, offset, -(-buf.nbytes // 4) * 4)
-        self.device.queue.submit([self.encoder.finish()])
-        seconds = None
-        if staging is not None:
-            import wgpu
-
-            staging.map_sync(wgpu.MapMode.READ, 0, self.read_bytes)
-            try:
-                for offset, buf, sink in self.reads:
-                    if buf.nbytes == 0:
-                        sink(np.empty(buf.shape, DTYPES[buf.dtype]))
-                        continue
-                    raw = staging.read_mapped(offset, -(-buf.nbytes // 4) * 4, copy=False)
-                    view = np.frombuffer(raw, dtype=DTYPES[buf.dtype], count=buf.numel).reshape(buf.shape)
-                    if offset == time_offset:
-                        ticks = view.view(np.uint64).astype(np.int64)  # (begin, end) per pass
-                        seconds = float(ticks[-1] - ticks[0]) * 1e-9  # WebGPU timestamps are nanoseconds
-                        durations = (ticks[1::2] - ticks[0::2]) * 1e-9
-                        self.kernel_times = list(zip(self.pass_names, durations.tolist()))
-                    else:
-                        sink(view)
-            finally:
-                staging.unmap()
-        self.keep.clear()
-        self.reads.clear()
+        pending = self.submit_async()
+        if not pending._staging:
+            return None
+        seconds = pending.wait()
+        self.kernel_times = pending.kernel_times
         return seconds
 
     def __enter__(self) -> "Recorder":
@@ -197,16 +354,7 @@ def synchronize(device: Device | None = None) -> None:
     in a fresh submit and wait for its mapping: a fence waits for all earlier work
     on the queue.
     """
+    device = device or get_device()
     rec = Recorder(device)
-    rec.read(_sync_source(rec.device), lambda view: None)
+    rec.read(device.owned("sync_source", lambda: Buffer((4,), "u32", device)), lambda view: None)
     rec.submit()
-
-
-_sync_sources: dict[int, Buffer] = {}
-
-
-def _sync_source(device: Device) -> Buffer:
-    buf = _sync_sources.get(id(device))
-    if buf is None:
-        buf = _sync_sources[id(device)] = Buffer((4,), "u32", device)
-    return buf

@@ -8,9 +8,14 @@ A checkpoint is a folder ``step-000123`` holding
 * ``state.json``: the optimiser's param groups and step counts, the scheduler's state,
   Python's and numpy's RNG states and the trainer's own state (step, data position, ...).
 
-The folder is filled under a temporary name beside it and renamed into place, so a
-checkpoint is complete or absent: a crash while saving leaves the previous ones as
-they were. ``latest_checkpoint`` sees only complete ones.
+The folder is filled under a temporary name beside it (``.step-000123.XXXXXXXX.tmp``)
+and renamed into place, so a checkpoint is complete or absent: a crash while saving
+leaves the previous ones as they were. ``latest_checkpoint`` sees only complete ones;
+``remove_unfinished`` deletes what a killed run left behind.
+
+A checkpoint damaged after it was written (a truncated file, a state.json missing a key)
+raises ``DamagedCheckpoint`` naming the file and what is wrong, before anything is
+restored.
 
 >>> # save_checkpoint(root / "step-000010", model, optimizer, scheduler, {"step": 10})
 >>> # trainer_state = load_checkpoint(latest_checkpoint(root), model, optimizer, scheduler)
@@ -23,25 +28,40 @@ import os
 import random
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..files import make_temp_dir, sync_dir, write_atomic
 from ..integrations.adapters import load_adapter, save_adapter
 
-__all__ = ["checkpoint_name", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "read_state",
-           "save_checkpoint"]
+__all__ = ["DamagedCheckpoint", "checkpoint_name", "checkpoint_step", "latest_checkpoint", "list_checkpoints",
+           "load_checkpoint", "read_checkpoint", "read_state", "remove_unfinished", "save_checkpoint"]
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^step-(\d+)$")
+_UNFINISHED = re.compile(r"^\.step-\d+\..+\.(tmp|old)$")  # make_temp_dir's names for a new or a replaced one
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+# state.json's entries (and theirs) that load_checkpoint reads.
+_STATE_KEYS = {"trainer": (), "optimizer": ("param_groups", "steps"), "scheduler": (), "rng": ("python", "numpy")}
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint folder that does not read back: a file is missing, truncated or lacks an entry."""
 
 
 def checkpoint_name(step: int) -> str:
     return f"step-{step:06d}"
+
+
+def checkpoint_step(folder: str | os.PathLike) -> int:
+    """The step a checkpoint folder's name says (``step-000123`` → 123)."""
+    match = _NAME.match(Path(folder).name)
+    if match is None:
+        raise ValueError(f"{folder} is not named like a checkpoint (step-NNNNNN)")
+    return int(match.group(1))
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
@@ -59,20 +79,30 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def remove_unfinished(root: str | os.PathLike) -> list[Path]:
+    """Delete the temporary folders a killed ``save_checkpoint`` left under ``root``; returns them.
 
-
-def _sync_dir(directory: Path) -> None:
-    if os.name == "posix":  # elsewhere folders cannot be opened to sync
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    A ``.tmp`` folder is a checkpoint being filled. An ``.old`` folder holds a checkpoint that
+    was being replaced: it goes back into place if its replacement never arrived.
+    Call it only while no other process saves checkpoints under ``root``.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for tmp in sorted(root.iterdir()):
+        match = _UNFINISHED.match(tmp.name)
+        if match is None or not tmp.is_dir():
+            continue
+        if match.group(1) == "old":
+            for previous in tmp.iterdir():
+                if _NAME.match(previous.name) and not (root / previous.name).exists():
+                    os.replace(previous, root / previous.name)
+        shutil.rmtree(tmp)
+        removed.append(tmp)
+    if removed:
+        sync_dir(root)
+    return removed
 
 
 def _rng_states() -> dict[str, Any]:
@@ -117,21 +147,20 @@ def save_checkpoint(folder: str | os.PathLike, model: torch.nn.Module, optimizer
         "rng": _rng_states(),
     }
     text = json.dumps(state, indent=1)  # before anything is written: a state that isn't JSON fails here
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    tmp = make_temp_dir(folder)
     try:
         save_adapter(model, tmp / "adapter", format="peft")
-        _write_synced(tmp / "optimizer.safetensors", save(moments))
-        _write_synced(tmp / "rng.safetensors", save({"torch": torch.get_rng_state()}))
-        _write_synced(tmp / "state.json", text.encode("utf-8"))
-        _sync_dir(tmp)
+        write_atomic(tmp / "optimizer.safetensors", save(moments))
+        write_atomic(tmp / "rng.safetensors", save({"torch": torch.get_rng_state()}))
+        write_atomic(tmp / "state.json", text.encode("utf-8"))
         if folder.exists():  # move the old one aside first: a folder cannot be renamed over a full one
-            old = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".old"))
+            old = make_temp_dir(folder, suffix=".old")
             os.replace(folder, old / folder.name)
             os.replace(tmp, folder)
             shutil.rmtree(old)
         else:
             os.replace(tmp, folder)
-        _sync_dir(folder.parent)
+        sync_dir(folder.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -139,35 +168,80 @@ def save_checkpoint(folder: str | os.PathLike, model: torch.nn.Module, optimizer
 
 
 def read_state(folder: str | os.PathLike) -> dict[str, Any]:
-    """The parsed ``state.json`` of the checkpoint ``folder`` (its ``"trainer"`` entry is the trainer's state)."""
+    """The parsed and checked ``state.json`` of the checkpoint ``folder`` (its ``"trainer"``
+    entry is the trainer's state); DamagedCheckpoint when it is missing, not JSON or lacks an entry."""
     state_path = Path(folder) / "state.json"
     if not state_path.is_file():
-        raise FileNotFoundError(f"{folder} is not a checkpoint: it has no state.json")
+        if not Path(folder).is_dir():
+            raise FileNotFoundError(f"no checkpoint at {folder}")
+        if not _NAME.match(Path(folder).name):
+            raise ValueError(f"{folder} is not a checkpoint: it has no state.json (checkpoints are the "
+                             "step-NNNNNN folders under an output folder's checkpoints/)")
+        raise DamagedCheckpoint(f"checkpoint {folder} is damaged: it has no state.json")
     try:
         state = json.loads(state_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{state_path} is not valid JSON: {err}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
-        found = state.get("format") if isinstance(state, dict) else None
-        raise ValueError(f"{state_path}: checkpoint format {found!r}; this version reads format {FORMAT_VERSION}")
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {state_path} is not valid JSON ({err})") from None
+    if not isinstance(state, dict):
+        raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {state_path} holds no JSON object")
+    if state.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{state_path}: checkpoint format {state.get('format')!r}; this version reads format "
+                         f"{FORMAT_VERSION}")
+    for key, inner in _STATE_KEYS.items():
+        entry = state.get(key)
+        if not isinstance(entry, dict):
+            raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {state_path} has no {key!r} entry")
+        for name in inner:
+            if name not in entry:
+                raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {state_path} has no {key}.{name} entry")
     return state
+
+
+def _read_tensors(folder: Path, name: str, keys: list[str]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = folder / name
+    if not path.is_file():
+        raise DamagedCheckpoint(f"checkpoint {folder} is damaged: it has no {name}")
+    try:
+        tensors = load_file(str(path))
+    except SafetensorError as err:
+        raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {path} is truncated or corrupt ({err})") from None
+    missing = [key for key in keys if key not in tensors]
+    if missing:
+        raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {path} has no tensor {missing[0]!r}")
+    return tensors
+
+
+def read_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor], torch.Tensor]:
+    """``state.json``, the optimiser's moments and torch's RNG state of ``folder``, read and checked
+    (DamagedCheckpoint names what is wrong); the adapter is read by ``load_checkpoint``.
+
+    >>> # state, moments, torch_rng = read_checkpoint(root / "step-000010")
+    """
+    folder = Path(folder)
+    state = read_state(folder)
+    steps = state["optimizer"]["steps"]
+    moments = _read_tensors(folder, "optimizer.safetensors", [f"{i}.{name}" for i in steps for name in _MOMENTS])
+    torch_rng = _read_tensors(folder, "rng.safetensors", ["torch"])["torch"]
+    return state, moments, torch_rng
 
 
 def load_checkpoint(folder: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
-    """Restore adapter, optimiser, scheduler and RNG states from ``folder``; returns the trainer state."""
-    from safetensors.torch import load_file
+    """Restore adapter, optimiser, scheduler and RNG states from ``folder``; returns the trainer state.
 
+    Every file is read and checked before anything is restored.
+    """
     folder = Path(folder)
-    state = read_state(folder)
-    moments = load_file(str(folder / "optimizer.safetensors"))
+    state, moments, torch_rng = read_checkpoint(folder)
     optimizer_state = {
         "param_groups": state["optimizer"]["param_groups"],
         "state": {int(i): {"step": torch.tensor(step, dtype=torch.float32),
                            **{name: moments[f"{i}.{name}"] for name in _MOMENTS}}
                   for i, step in state["optimizer"]["steps"].items()},
     }
-    torch_rng = load_file(str(folder / "rng.safetensors"))["torch"]
     load_adapter(model, folder / "adapter", format="peft")
     optimizer.load_state_dict(optimizer_state)
     scheduler.load_state_dict(state["scheduler"])

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..prompts import format_prompt
+from ..prompts import check_unicode, format_prompt
 
 __all__ = ["IGNORE_INDEX", "Example", "collate", "encode_records", "epoch_order", "read_records"]
 
@@ -66,7 +66,7 @@ def _check_record(record: Any, where: str) -> dict[str, str]:
             value = ""
         if not isinstance(value, str):
             raise ValueError(f"{where}: {key!r} must be a string, got {type(value).__name__}")
-        out[key] = value
+        out[key] = check_unicode(value, f"{where}: {key!r}")
     if not out["instruction"].strip():
         raise ValueError(f"{where}: 'instruction' is empty")
     return out

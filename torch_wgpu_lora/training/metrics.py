@@ -9,17 +9,24 @@
 Training lines carry ``step``, ``epoch``, ``loss``, ``lr``, ``grad_norm``, ``tokens``,
 ``tokens_per_s`` and ``skipped``; evaluation lines ``step`` and ``eval_loss``. Values
 that are not finite are written as null (JSON has no NaN).
+
+Each line is synced to disk as it is appended. A crash (or a full disk) can still cut the
+last line short: ``read`` drops a torn last line with a warning, and ``keep_until`` (on
+resume) rewrites the log without it. A damaged line before the last is an error naming
+the file and line.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
+
+from ..files import append_synced, write_atomic
 
 __all__ = ["MetricsLog", "plot_loss"]
 
@@ -36,13 +43,29 @@ class MetricsLog:
 
     def append(self, record: dict[str, Any]) -> None:
         line = json.dumps({k: _finite_or_none(v) for k, v in record.items()}, allow_nan=False)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        append_synced(self.path, line + "\n")
 
     def read(self) -> list[dict[str, Any]]:
+        """Every record; a torn last line (a write cut short) is dropped with a warning."""
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        # Bytes, not text: a write cut short can end inside a UTF-8 sequence or leave NUL bytes.
+        lines = [line for line in self.path.read_bytes().split(b"\n") if line.strip()]
+        records = []
+        for number, line in enumerate(lines, start=1):
+            try:
+                record = json.loads(line.decode("utf-8"))
+                if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                    raise ValueError("not a metrics record (a JSON object with an integer step)")
+            except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                if number < len(lines):
+                    raise ValueError(f"{self.path}, line {number}: damaged ({err}); only the last line can be "
+                                     "torn by a crash, so the log was changed by something else") from None
+                warnings.warn(f"{self.path}: the last line is torn (a write cut short by a crash or a full disk) "
+                              "and was dropped", RuntimeWarning, stacklevel=2)
+                break
+            records.append(record)
+        return records
 
     def keep_until(self, step: int) -> None:
         """Rewrite the log (atomically) without the lines of steps after ``step``."""
@@ -54,10 +77,7 @@ class MetricsLog:
 
     def _replace(self, text: str) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, self.path)
+        write_atomic(self.path, text.encode("utf-8"))
 
 
 def plot_loss(records: list[dict[str, Any]], path: str | os.PathLike) -> Path | None:
@@ -85,8 +105,6 @@ def plot_loss(records: list[dict[str, Any]], path: str | os.PathLike) -> Path | 
     if train or evals:
         ax.legend()
     ax.grid(alpha=0.3)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        fig.savefig(f, format="png")
-    os.replace(tmp, path)
-    return path
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    return write_atomic(path, png.getvalue())

@@ -7,13 +7,15 @@
 >>> round(w[0].item(), 4)
 0.9
 
-Each ``step()`` uploads every parameter that has a gradient and its gradient (from
-their numpy views: no Python-side copies), records one ``adamw.wgsl`` launch per
-parameter into a single ``Recorder`` submit, and reads the updated values straight
-back into the parameters' memory. The first and second moments never leave the GPU
-except through ``state_dict()``. The torch Parameters stay the truth: change them
-between steps (``load_state_dict`` of the model, an adapter load) and the next step
-starts from the new values.
+Each ``step()`` records one ``adamw.wgsl`` launch per parameter that has a gradient into a
+single submit and reads the updated values straight back into the parameters' memory.
+Parameters are updated in their resident GPU copies (``runtime.tensors.resident``, the
+copies the LoRA op reads), so a step uploads only the gradients, and the next forward
+uploads nothing. The first and second moments never leave the GPU except through
+``state_dict()``. The torch Parameters stay the truth: change them between steps
+(``load_state_dict`` of the model, an adapter load) and the next step starts from the new
+values. Like torch's optimizers, a step bumps each updated parameter's version counter,
+so autograd refuses a backward through a graph built before the step.
 
 Hyperparameters live in ``param_groups`` as in any torch optimizer, so torch's LR
 schedulers drive ``lr``; ``state_dict()`` is laid out like torch.optim.AdamW's
@@ -25,25 +27,21 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterable
 
-import numpy as np
 import torch
 
 from ..ops.adamw import adamw_step
-from ..runtime import Buffer, Recorder, upload
+from ..runtime import Buffer, Recorder, get_device
+from ..runtime.tensors import into, refresh, resident, resident_layouts, to_gpu
 
 __all__ = ["WgpuAdamW", "clip_grad_norm"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _flat_view(t: torch.Tensor, what: str) -> np.ndarray:
-    """The tensor's memory as a 1-D float32 numpy array (shared, not copied)."""
+def _check_tensor(t: torch.Tensor, what: str) -> None:
     if t.dtype != torch.float32 or t.device.type != "cpu" or t.is_sparse:
         raise TypeError(f"WgpuAdamW: {what} must be a dense float32 CPU tensor, got {t.dtype} on {t.device}"
                         f"{' (sparse)' if t.is_sparse else ''}")
-    if not t.is_contiguous():
-        raise ValueError(f"WgpuAdamW: {what} of shape {tuple(t.shape)} must be contiguous")
-    return t.detach().numpy().reshape(-1)
 
 
 class WgpuAdamW(torch.optim.Optimizer):
@@ -65,11 +63,18 @@ class WgpuAdamW(torch.optim.Optimizer):
         if not weight_decay >= 0.0:
             raise ValueError(f"WgpuAdamW: weight_decay must be >= 0, got {weight_decay!r}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self._moments: dict[torch.Tensor, tuple[Buffer, Buffer]] = {}
+        # Per parameter: the GPU layout it is updated in (fixed at its first step) and its moments.
+        self._moments: dict[torch.Tensor, tuple[str, Buffer, Buffer]] = {}
 
     def _ordered_params(self) -> list[torch.Tensor]:
         """Parameters in the order ``state_dict`` numbers them."""
         return [p for group in self.param_groups for p in group["params"]]
+
+    @staticmethod
+    def _layout(p: torch.Tensor) -> str:
+        """The layout p's GPU copy already has (the LoRA op's, so both share one copy), else flat."""
+        layouts = resident_layouts(p) if p.dim() == 2 else []
+        return layouts[0] if layouts else "flat"
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -79,22 +84,40 @@ class WgpuAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # Check every tensor before touching any state, so a bad one leaves the optimiser as it was.
-        work = [(p, group, _flat_view(p, "a parameter"), _flat_view(p.grad, "a gradient"))
-                for group in self.param_groups for p in group["params"] if p.grad is not None]
-        rec = Recorder()
-        for p, group, values, grads in work:
+        work = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for p, _ in work:
+            _check_tensor(p, "a parameter")
+            _check_tensor(p.grad, "a gradient")
+            if p.grad.shape != p.shape:
+                raise ValueError(f"WgpuAdamW: a gradient of shape {tuple(p.grad.shape)} for a parameter of shape "
+                                 f"{tuple(p.shape)}")
+        device = get_device()
+        rec = Recorder(device)
+        updated = []
+        for p, group in work:
             state = self.state[p]
             if not state:
                 state["step"] = torch.tensor(0.0)
-                self._moments[p] = (Buffer(values.shape), Buffer(values.shape))
-                for buf in self._moments[p]:
-                    rec.clear(buf)
             state["step"] += 1
-            param_buf = upload(values)
-            adamw_step(rec, param_buf, upload(grads), *self._moments[p], step=int(state["step"].item()),
-                       lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
-            rec.read(param_buf, values)
+            if p.numel() == 0:
+                continue
+            if p not in self._moments:
+                layout = self._layout(p)
+                shape = resident(p, layout, device).shape
+                self._moments[p] = (layout, Buffer(shape, device=device), Buffer(shape, device=device))
+                for buf in self._moments[p][1:]:
+                    rec.clear(buf)
+            layout, exp_avg, exp_avg_sq = self._moments[p]
+            param_buf = resident(p, layout, device)
+            adamw_step(rec, param_buf, to_gpu(p.grad, layout, device), exp_avg, exp_avg_sq,
+                       step=int(state["step"].item()), lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                       weight_decay=group["weight_decay"])
+            rec.read(param_buf, into(p, layout))
+            updated.append((p, layout))
         rec.submit()
+        for p, layout in updated:
+            refresh(p, layout, device)  # the GPU copy and p agree again: the next forward uploads nothing
+            torch.autograd.graph.increment_version(p)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -102,13 +125,13 @@ class WgpuAdamW(torch.optim.Optimizer):
         packed = super().state_dict()
         index = {p: i for i, p in enumerate(self._ordered_params())}
         rec = Recorder()
-        for p, buffers in self._moments.items():
+        for p, (layout, *buffers) in self._moments.items():
             i = index[p]
             entry = dict(packed["state"][i])  # a copy: the packed entry is the live state dict
             entry["step"] = entry["step"].clone()
             for name, buf in zip(_MOMENTS, buffers):
                 entry[name] = torch.empty_like(p, memory_format=torch.contiguous_format)
-                rec.read(buf, entry[name].numpy().reshape(-1))
+                rec.read(buf, into(entry[name], layout))
             packed["state"][i] = entry
         rec.submit()
         return packed
@@ -149,8 +172,9 @@ class WgpuAdamW(torch.optim.Optimizer):
         for i, pair in moments.items():
             p = params[i]
             self.state[p]["step"] = torch.as_tensor(self.state[p]["step"], dtype=torch.float32).clone()
-            self._moments[p] = tuple(upload(t.detach().to(torch.float32).contiguous().numpy().reshape(-1))
-                                     for t in pair)
+            if p.numel():
+                layout = self._layout(p)
+                self._moments[p] = (layout, *(to_gpu(t.detach(), layout) for t in pair))
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:

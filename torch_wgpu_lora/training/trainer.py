@@ -23,7 +23,9 @@ Files under ``output_dir``: ``metrics.jsonl`` (one line per step and per evaluat
 ``checkpoints/step-NNNNNN`` (``save_every`` steps and at the end; the newest
 ``save_total_limit`` are kept), ``adapter/`` (the adapter of the newest checkpoint) and
 ``loss.png`` (if matplotlib is installed). ``train(resume_from=True)`` continues from the
-newest checkpoint, bit for bit as if the run had not stopped.
+newest checkpoint, bit for bit as if the run had not stopped. A fresh run refuses an
+``output_dir`` that holds an earlier run's output unless told to ``overwrite`` it. Every
+run starts by deleting the temporary checkpoint folders a killed run left behind.
 """
 
 from __future__ import annotations
@@ -44,14 +46,18 @@ import torch.nn.functional as F
 
 from ..integrations.adapters import save_adapter
 from ..integrations.bitnet import lora_parameters
-from .checkpoint import (checkpoint_name, latest_checkpoint, list_checkpoints, load_checkpoint, read_state,
-                         save_checkpoint)
+from .checkpoint import (DamagedCheckpoint, checkpoint_name, checkpoint_step, latest_checkpoint, list_checkpoints,
+                         load_checkpoint, read_checkpoint, remove_unfinished, save_checkpoint)
 from .data import IGNORE_INDEX, Example, collate, encode_records, epoch_order, read_records
 from .metrics import MetricsLog, plot_loss
 from .optim import WgpuAdamW, clip_grad_norm
 from .schedule import make_scheduler
 
-__all__ = ["TrainResult", "Trainer", "TrainingStopped", "accumulate_gradients", "evaluate", "train"]
+__all__ = ["TrainResult", "Trainer", "TrainingStopped", "accumulate_gradients", "earlier_run", "evaluate", "train"]
+
+SEED_LIMIT = 2 ** 32  # numpy's legacy seed (np.random.seed), which the Trainer sets
+# What a run writes into its output folder (besides checkpoints/), by the Trainer's names.
+_OUTPUTS = ("adapter", "metrics.jsonl", "loss.png")
 
 
 class TrainingStopped(RuntimeError):
@@ -120,6 +126,20 @@ def _positive_int(name: str, value: Any, allow_zero: bool = False) -> int:
     return value
 
 
+def earlier_run(output_dir: str | Path) -> str | None:
+    """What an earlier run left in ``output_dir`` (e.g. ``"checkpoints (newest: step-000100)"`` or
+    ``"adapter, metrics.jsonl"``), or None when a fresh run can start there without replacing anything.
+
+    >>> # earlier_run("run")  # -> None for a new or empty folder
+    """
+    output_dir = Path(output_dir)
+    newest = latest_checkpoint(output_dir / "checkpoints")
+    if newest is not None:
+        return f"checkpoints (newest: {newest.name})"
+    found = [name for name in _OUTPUTS if (output_dir / name).exists()]
+    return ", ".join(found) or None
+
+
 def _fingerprint(examples: list[Example]) -> str:
     digest = hashlib.sha256()
     for e in examples:
@@ -133,10 +153,13 @@ class Trainer:
 
     ``data`` and ``eval_data``: a JSON/JSONL path or a list of ``{instruction, input?, output}``.
     Training runs ``epochs`` passes over the data, or exactly ``max_steps`` optimiser steps
-    when given (passing over the data as often as needed). ``seed`` fixes the data order and
-    seeds Python's, numpy's and torch's RNGs (LoRA dropout) at the start of a fresh run.
+    (passing over the data as often as needed); give one of them, or neither for one epoch.
+    ``seed`` (in [0, 2**32)) fixes the data order and seeds Python's, numpy's and torch's
+    RNGs (LoRA dropout) at the start of a fresh run.
     ``eval_every`` (steps, 0 = only at the end) evaluates on ``eval_data``; ``save_every``
     (steps, 0 = only at the end) writes a checkpoint. ``progress=False`` hides the bar.
+    ``overwrite=True`` lets a fresh run replace an earlier run's output in ``output_dir``
+    (its checkpoints are deleted when training starts); without it that is refused.
     ``callback``, when given, is called with each metrics record (a training step's or an
     evaluation's dict, as in ``metrics.jsonl``) right after it is written, e.g. to draw a
     live loss plot in a notebook.
@@ -146,19 +169,21 @@ class Trainer:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, data: Any, *, eval_data: Any = None,
-                 output_dir: str | Path = "lora-output", epochs: int = 1, max_steps: int | None = None,
+                 output_dir: str | Path = "lora-output", epochs: int | None = None, max_steps: int | None = None,
                  batch_size: int = 4, gradient_accumulation_steps: int = 1, lr: float = 2e-4,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-7, weight_decay: float = 0.01,
                  max_grad_norm: float = 1.0, schedule: str = "cosine", warmup_ratio: float = 0.06,
                  max_length: int = 512, seed: int = 42, save_every: int = 100, eval_every: int = 0,
                  save_total_limit: int = 2, max_bad_steps: int = 3, progress: bool = True, plot: bool = True,
-                 callback: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 overwrite: bool = False, callback: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.params = lora_parameters(model)
         if not self.params:
             raise ValueError("the model has no LoRA adapters to train; call apply_lora(model, ...) first")
         self.batch_size = _positive_int("batch_size", batch_size)
         self.accumulation = _positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
         self.seed = _positive_int("seed", seed, allow_zero=True)
+        if self.seed >= SEED_LIMIT:
+            raise ValueError(f"seed must be below 2**32 (numpy's seed range), got {seed!r}")
         self.save_every = _positive_int("save_every", save_every, allow_zero=True)
         self.eval_every = _positive_int("eval_every", eval_every, allow_zero=True)
         self.save_total_limit = _positive_int("save_total_limit", save_total_limit)
@@ -173,10 +198,15 @@ class Trainer:
                                                                            max_length)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         steps_per_epoch = math.ceil(math.ceil(len(self.examples) / self.batch_size) / self.accumulation)
+        if max_steps is not None and epochs is not None:
+            raise ValueError(f"give epochs or max_steps, not both (got epochs={epochs!r}, max_steps={max_steps!r})")
         if max_steps is None:
-            self.total_steps = _positive_int("epochs", epochs) * steps_per_epoch
+            self.total_steps = _positive_int("epochs", 1 if epochs is None else epochs) * steps_per_epoch
         else:
             self.total_steps = _positive_int("max_steps", max_steps)
+        if not isinstance(overwrite, bool):
+            raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
+        self.overwrite = overwrite
         self.optimizer = WgpuAdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.scheduler = make_scheduler(self.optimizer, schedule, self.total_steps, warmup_ratio)
         self.output_dir = Path(output_dir)
@@ -198,7 +228,10 @@ class Trainer:
         """Run to ``total_steps``; ``resume_from`` is a checkpoint folder, or True for the newest one."""
         from tqdm.auto import tqdm
 
+        if resume_from and self.overwrite:
+            raise ValueError("resume_from continues the run in output_dir and overwrite replaces it: pass one of them")
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        remove_unfinished(self.checkpoints)
         position = self._resume(resume_from) if resume_from else self._start()
         step, epoch, group = position["step"], position["epoch"], position["group"]
         self.bad_streak = position["bad_streak"]
@@ -238,10 +271,12 @@ class Trainer:
                            checkpoint=checkpoint, metrics=self.metrics.path, plot=plot)
 
     def _start(self) -> dict[str, int]:
-        existing = latest_checkpoint(self.checkpoints)
-        if existing is not None:
-            raise ValueError(f"{self.output_dir} already holds checkpoints (newest: {existing.name}); pass "
-                             "resume_from=True to continue that run, or choose another output_dir")
+        found = earlier_run(self.output_dir)
+        if found is not None and not self.overwrite:
+            resume = "resume_from=True to continue that run, " if found.startswith("checkpoints") else ""
+            raise ValueError(f"{self.output_dir} already holds {found} of an earlier run; pass {resume}"
+                             "overwrite=True to replace it, or choose another output_dir")
+        shutil.rmtree(self.checkpoints, ignore_errors=True)  # an earlier run's: overwrite=True said so
         random.seed(self.seed)
         np.random.seed(self.seed)
         torch.manual_seed(self.seed)
@@ -255,7 +290,10 @@ class Trainer:
                 raise FileNotFoundError(f"resume_from=True, but {self.checkpoints} holds no checkpoint")
         else:
             folder = Path(resume_from)
-        saved = read_state(folder)["trainer"]["settings"]  # checked before anything is loaded
+        try:
+            saved = self._read_checkpoint(folder)["settings"]  # checked before anything is loaded
+        except DamagedCheckpoint as err:
+            raise DamagedCheckpoint(f"{err}; {self._previous_good(folder)}") from None
         differ = [f"{key}: {saved.get(key)!r} there, {value!r} here" for key, value in self.settings.items()
                   if saved.get(key) != value]
         if differ:
@@ -264,6 +302,32 @@ class Trainer:
         state = load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
         self.metrics.keep_until(state["step"])
         return state
+
+    @staticmethod
+    def _read_checkpoint(folder: Path) -> dict[str, Any]:
+        """The trainer state of checkpoint ``folder``, with every file of it read and checked."""
+        state = read_checkpoint(folder)[0]["trainer"]
+        missing = [key for key in ("step", "epoch", "group", "bad_streak", "settings") if key not in state]
+        if missing:
+            raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {folder / 'state.json'} has no "
+                                    f"trainer.{missing[0]} entry")
+        return state
+
+    def _previous_good(self, damaged: Path) -> str:
+        """Names the newest checkpoint before ``damaged`` that reads back, for the error message."""
+        try:
+            step = checkpoint_step(damaged)
+        except ValueError:  # a folder named otherwise: any checkpoint of this run is earlier
+            step = math.inf
+        for folder in reversed(list_checkpoints(self.checkpoints)):
+            if checkpoint_step(folder) >= step:
+                continue
+            try:
+                self._read_checkpoint(folder)
+            except ValueError:  # DamagedCheckpoint, or another format
+                continue
+            return f"the previous good checkpoint is {folder}: resume from it (resume_from / --resume {folder})"
+        return "no earlier checkpoint reads back: start the run again"
 
     def _epoch_groups(self, epoch: int) -> list[list[list[Example]]]:
         """The epoch's optimiser steps, each a list of micro-batches of examples."""
