@@ -4,9 +4,51 @@ from __future__ import annotations
 
 import json
 
-from torch_wgpu_lora import benchmark
-from torch_wgpu_lora.benchmark import Case, breakdown, measure, run, to_markdown, training_step
-from torch_wgpu_lora.runtime import get_device
+import pytest
+
+from torch_wgpu_lora.benchmarks import cli, lora_op, sweep, timing
+from torch_wgpu_lora.benchmarks.lora_op import Case, breakdown, measure, run
+from torch_wgpu_lora.benchmarks.report import to_markdown
+from torch_wgpu_lora.benchmarks.training_step import training_step
+from torch_wgpu_lora.ops import lora_gpu
+from torch_wgpu_lora.runtime import get_device, shader_checks
+
+
+class FakeClock:
+    """A clock that only moves when a fake iteration says how long it took."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def iterations(self, durations: list[float]):
+        pending = iter(durations)
+
+        def fn() -> None:
+            self.now += next(pending)
+
+        return fn
+
+
+def test_median_wall_is_the_median_of_individually_timed_iterations():
+    clock = FakeClock()
+    # A warm-up (not counted), then five iterations, two of them slow: mean 41.2, median 3.
+    fn = clock.iterations([1000.0, 1.0, 100.0, 2.0, 3.0, 100.0])
+    assert timing.median_wall(fn, 5, clock=clock) == 3.0
+    finished = []
+    fn = clock.iterations([1000.0, 1000.0, 5.0, 7.0, 6.0])
+    assert timing.median_wall(fn, 3, lambda: finished.append(clock.now), warmup=2, clock=clock) == 6.0
+    assert len(finished) == 5  # finish() ends every call, each timed one included
+
+
+def test_steady_wall_is_the_mean_of_back_to_back_iterations_with_one_finish():
+    clock = FakeClock()
+    fn = clock.iterations([1000.0, 1.0, 100.0, 2.0, 3.0, 100.0])
+    finished = []
+    assert timing.steady_wall(fn, 5, lambda: finished.append(clock.now), clock=clock) == pytest.approx(41.2)
+    assert len(finished) == 2  # after the warm-up and once at the end
 
 
 def test_measure_reports_times_checks_and_ratios():
@@ -34,13 +76,36 @@ def test_run_writes_json_markdown_and_chart(tmp_path):
     assert (tmp_path / "lora_op.png").stat().st_size > 0
 
 
+def test_sweep_times_each_variant_and_restores_the_defaults():
+    default_tuning, default_checks = lora_gpu.tuning(get_device()), shader_checks()
+    rows = sweep.sweep(Case(8, 64, 32, 4, True, "tiny"), {"down_quads": [1], "shader_checks": ["full"]}, repeats=1)
+    assert [(r["knob"], r["value"]) for r in rows] == [("down_quads", 1), ("shader_checks", "full")]
+    if get_device().has_timestamps:
+        assert all(r["gpu_us"] > 0 for r in rows)
+    assert lora_gpu.tuning(get_device()) == default_tuning and shader_checks() == default_checks
+
+
+def test_cli_runs_the_op_benchmark_and_its_modes(tmp_path, monkeypatch, capsys):
+    tiny = [Case(8, 64, 32, 4, True, "tiny")]
+    monkeypatch.setattr(lora_op, "quick_cases", lambda: tiny)
+    monkeypatch.setattr(lora_op, "BREAKDOWN_CASES", tiny)
+    assert cli.main(["--out", str(tmp_path), "--quick", "--iters", "2", "--repeats", "1", "--breakdown"]) == 0
+    assert {p.name for p in tmp_path.iterdir()} == {"lora_op.json", "lora_op.md", "lora_op.png", "breakdown.txt"}
+    assert (tmp_path / "breakdown.txt").read_text().startswith("tiny N=8 r=4 fwd+bwd: down ")
+    out = capsys.readouterr().out
+    assert out.startswith(f"adapter: {get_device().name}\n") and "| tiny | 8 | 4 | fwd+bwd |" in out
+
+
 def test_training_step_times_both_backends():
     out = training_step(steps=1, batch_size=2)
     assert out["wgpu_ms"] > 0 and out["torch_ms"] > 0 and out["ratio"] == out["wgpu_ms"] / out["torch_ms"]
 
 
 def test_default_cases_cover_the_issue_grid():
-    cases = benchmark.default_cases()
+    cases = lora_op.default_cases()
     assert {(c.in_features, c.out_features) for c in cases} == {(2560, 2560), (2560, 640)}
     assert {c.rank for c in cases} == {8, 16} and {c.n for c in cases} == {1, 128, 2048}
     assert {c.backward for c in cases} == {False, True}
+    quick = lora_op.quick_cases()
+    assert {(c.name, c.rank) for c in quick} == {("q_proj", 16)}
+    assert [c.n for c in quick if c.backward] == [2048] and {c.n for c in quick if not c.backward} == {1, 128, 2048}

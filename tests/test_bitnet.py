@@ -295,7 +295,10 @@ def test_apply_lora_with_bad_arguments_leaves_the_model_untouched(checkpoints):
 def test_fresh_adapters_leave_the_logits_unchanged(checkpoints, flavour, backend):
     model = load_bitnet(checkpoints[flavour])
     ids = token_batch(4)
-    with torch.no_grad():
+    # Eager: transformers compiles the online flavour's weight quantisation, and a compiled and an
+    # eager call (dynamo falls back to eager once its recompile limit is reached) round the
+    # absmean scale differently; both calls must take the same path for an exact comparison.
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         base = model(input_ids=ids).logits
         apply_lora(model, backend=backend)
         assert torch.equal(model(input_ids=ids).logits, base)  # B = 0: the update is exactly zero

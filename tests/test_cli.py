@@ -250,10 +250,13 @@ def test_a_lone_surrogate_in_data_or_prompt(capsys, tiny, tmp_path):
                "the prompt is not valid Unicode: it holds a lone surrogate '\\udce9' at character 3")
 
 
-def test_a_temperature_too_small_for_float32(capsys, tiny):
+@pytest.mark.parametrize("engine,message", [
+    ("torch", "temperature=1e-45 is too small: logits / temperature overflow float32"),
+    ("wgpu", "temperature=1e-45 is not a normal float32 number"),  # the engine samples on the GPU in float32
+])
+def test_a_temperature_too_small_for_float32(capsys, tiny, engine, message):
     fails_with(capsys, ["generate", "--model", str(tiny["dense"]), "--prompt", "Hi", "--strategy", "top_p",
-                        "--temperature", "1e-45", "--seed", "0"],
-               "temperature=1e-45 is too small: logits / temperature overflow float32")
+                        "--temperature", "1e-45", "--seed", "0", "--engine", engine], message)
 
 
 @pytest.mark.parametrize("command", ["train", "generate", "gradcheck", "demo"])
@@ -399,8 +402,24 @@ def test_gradcheck_exits_1_when_the_kernel_gradients_are_off(capsys, tiny, monke
 
     # A WebGPU path that is 0.1 % off, far above the tolerance (~1e-5 here) and far below a loud bug.
     monkeypatch.setattr(modules, "lora", lambda x, A, B, scaling: webgpu_lora(x, A, B, scaling * 1.001))
-    assert main(["gradcheck", "--model", str(tiny["packed"]), "--batch", "2", "--seq-len", "16"]) == EXIT_FAILED
+    assert main(["gradcheck", "--model", str(tiny["packed"]), "--batch", "2", "--seq-len", "16",
+                 "--engine", "torch"]) == EXIT_FAILED
     assert "ABOVE the tolerance" in capsys.readouterr().out
+
+
+def test_gradcheck_exits_1_when_the_engine_gradients_are_off(capsys, tiny, monkeypatch):
+    from torch_wgpu_lora.engine.model import BitNetEngine
+
+    real = BitNetEngine.loss_and_grads
+
+    def off(self, *args, **kwargs):  # the engine's gradients 0.1 % off
+        loss, grads = real(self, *args, **kwargs)
+        return loss, {p: g * 1.001 for p, g in grads.items()}
+
+    monkeypatch.setattr(BitNetEngine, "loss_and_grads", off)
+    assert main(["gradcheck", "--model", str(tiny["packed"]), "--batch", "2", "--seq-len", "16"]) == EXIT_FAILED
+    out = capsys.readouterr().out
+    assert "ABOVE the tolerance" in out and "BitNetEngine" in out
 
 
 def test_demo_without_a_model_builds_the_demo_model_in_the_cache(capsys, tmp_path, monkeypatch):

@@ -191,7 +191,12 @@ def test_report_renders_as_markdown_rows_and_a_dataframe(checkpoints):
     lines = str(report).splitlines()
     assert lines[0] == "| layer | module | param | max abs error | max rel error |"
     assert lines[2].startswith("| 0 | q_proj | A | ") and lines[9].startswith("| 1 | v_proj | B | ")
-    assert lines[-1].startswith("loss: wgpu ") and f"difference {report.loss_difference:.3e}" in lines[-1]
+    loss_line = next(line for line in lines if line.startswith("loss: wgpu "))
+    assert f"difference {report.loss_difference:.3e}" in loss_line
+    zero_rows = sum(row.reference_zero for row in report.rows)
+    assert zero_rows == 4  # lora_B = 0 here: every dA row compares nothing, and says so
+    assert sum("(reference is 0: compares nothing)" in line for line in lines) == zero_rows
+    assert lines[-1].startswith(f"{zero_rows} of 8 rows have an all-zero reference gradient")
     frame = report.to_dataframe()
     assert list(frame.columns) == ["module", "layer", "target", "param", "max_abs_error", "max_rel_error",
                                    "reference_max"]

@@ -446,3 +446,19 @@ if __name__ == "__main__":
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_pooled_buffer_wgpu_released_is_never_handed_out():
+    # A reference cycle holding a Buffer runs both finalizers: ours pools the wgpu buffer and
+    # wgpu-py's releases it. The pool must not give such a buffer to the next Buffer.
+    b = Buffer((1234,))
+    gpu = b.gpu
+    del b  # pooled
+    gpu._release()  # what wgpu-py's own finalizer does in the same collection
+    fresh = upload(np.ones(1234, np.float32))
+    assert fresh.gpu is not gpu
+    out = np.zeros(1234, np.float32)
+    rec = Recorder()
+    rec.read(fresh, out)
+    rec.submit()
+    assert out.sum() == 1234

@@ -199,12 +199,28 @@ def nan_logits_from(model, step):
     return model.register_forward_hook(hook)
 
 
-def test_a_non_finite_loss_skips_the_step(base, tmp_path):
+def nan_on_the_gpu_from(trainer, step):
+    """On the engine: from optimiser step ``step`` on, the frozen final norm's weight is NaN on the
+    GPU, so the loss is not finite (the adapters themselves stay good)."""
+    from torch_wgpu_lora.runtime import write
+
+    def callback(record):
+        if record.get("step") == step - 1 and "loss" in record:
+            norm = trainer.engine.weights.final_norm
+            write(norm, np.full(norm.shape, np.nan, np.float32))
+
+    trainer.callback = callback
+
+
+@pytest.mark.parametrize("engine", ["torch", "wgpu"])
+def test_a_non_finite_loss_skips_the_step(base, tmp_path, engine):
     model = fresh_model(base)
-    handle = nan_logits_from(model, step=3)
+    trainer = Trainer(model, base[1], RECORDS, engine=engine, **options(tmp_path, max_steps=3, save_every=2))
+    handle = nan_logits_from(model, step=3) if engine == "torch" else nan_on_the_gpu_from(trainer, step=3)
     with pytest.warns(RuntimeWarning, match=r"non-finite loss at step 3: the step was skipped \(1 in a row"):
-        train(model, base[1], RECORDS, **options(tmp_path, max_steps=3, save_every=2))
-    handle.remove()
+        trainer.train()
+    if handle is not None:
+        handle.remove()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in lines] == [False, False, True] and lines[2]["loss"] is None
     # Step 3 changed nothing: the final checkpoint equals step 2's, moments' step counts included.
@@ -222,22 +238,27 @@ def test_a_non_finite_gradient_skips_the_step_and_training_goes_on(base, tmp_pat
         calls["n"] += 1
         return grad * float("inf") if calls["n"] == 2 else grad
 
-    model.model.layers[1].self_attn.q_proj.lora_B.register_hook(poison)
+    model.model.layers[1].self_attn.q_proj.lora_B.register_hook(poison)  # autograd's hooks: the torch path
     with pytest.warns(RuntimeWarning, match="non-finite gradient norm at step 2: the step was skipped"):
-        train(model, base[1], RECORDS, **options(tmp_path, max_steps=3, save_every=0))
+        train(model, base[1], RECORDS, engine="torch", **options(tmp_path, max_steps=3, save_every=0))
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in lines] == [False, True, False]
     state = json.loads((tmp_path / "checkpoints" / "step-000003" / "state.json").read_text())
     assert set(state["optimizer"]["steps"].values()) == {2.0} and state["trainer"]["bad_streak"] == 0
 
 
-def test_non_finite_steps_in_a_row_stop_training_and_keep_the_last_good_adapter(base, tmp_path):
+@pytest.mark.parametrize("engine", ["torch", "wgpu"])
+def test_non_finite_steps_in_a_row_stop_training_and_keep_the_last_good_adapter(base, tmp_path, engine):
     model = fresh_model(base)
-    nan_logits_from(model, step=3)
+    trainer = Trainer(model, base[1], RECORDS, engine=engine, **options(tmp_path, max_steps=10, save_every=2))
+    if engine == "torch":
+        nan_logits_from(model, step=3)
+    else:
+        nan_on_the_gpu_from(trainer, step=3)
     with pytest.warns(RuntimeWarning), pytest.raises(
             TrainingStopped, match=r"training stopped at step 5: 3 steps in a row had a non-finite loss or gradient"
     ) as stopped:
-        train(model, base[1], RECORDS, **options(tmp_path, max_steps=10, save_every=2))
+        trainer.train()
     assert f"the last good adapter is {tmp_path / 'adapter'} (step 4)" in str(stopped.value)
     # Nothing after step 2 was an update; what is on disk is step 2's adapter, and no checkpoint after 4.
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002", "step-000004"]

@@ -33,6 +33,7 @@ _EXPORTS = {
     "Trainer": "training.trainer",
     "train": "training.trainer",
     "generate": "generation",
+    "BitNetEngine": "engine",
 }
 
 __all__ = sorted(_EXPORTS)

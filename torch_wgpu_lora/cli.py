@@ -7,7 +7,7 @@ Subcommands::
     torch-wgpu-lora generate --model DIR --adapter run/adapter --prompt "Name a primary colour."
     torch-wgpu-lora gradcheck --model DIR      # per-layer gradient parity table, WebGPU vs PyTorch
     torch-wgpu-lora info [--json]              # the WebGPU adapter, backend and limits
-    torch-wgpu-lora bench [--quick]            # the LoRA op benchmark (torch_wgpu_lora.benchmark)
+    torch-wgpu-lora bench [--quick]            # the LoRA op benchmark (torch_wgpu_lora.benchmarks)
 
 Exit status: 0 on success; 1 when a check fails (gradcheck or the demo's parity table
 above its tolerance) or training stops on non-finite losses; 2 for a mistake in what
@@ -151,11 +151,12 @@ def cmd_train(args: argparse.Namespace) -> int:
                              lora_dropout=args.dropout, seed=args.seed, backend=args.backend)
     records = read_records(args.data)
     eval_records = None if args.eval_data is None else read_records(args.eval_data)
-    if args.backend == "wgpu":
+    if args.backend == "wgpu" or args.engine != "torch":
         _require_webgpu()
     model, tokenizer = _load(args.model, args.dtype, with_tokenizer=True)
     apply_lora(model, lora_config)
     trainer = Trainer(model, tokenizer, records, eval_data=eval_records, output_dir=output, epochs=args.epochs,
+                      engine=args.engine,
                       max_steps=args.max_steps, batch_size=args.batch_size,
                       gradient_accumulation_steps=args.grad_accum, lr=args.lr, max_grad_norm=args.max_grad_norm,
                       schedule=args.schedule, warmup_ratio=args.warmup_ratio, max_length=args.max_length,
@@ -177,17 +178,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.adapter is not None:
         check_adapter_path(args.adapter)
-    if args.adapter is not None and args.backend == "wgpu":
+    if (args.adapter is not None and args.backend == "wgpu") or args.engine != "torch":
         _require_webgpu()
     model, tokenizer = _load(args.model, args.dtype, with_tokenizer=True)
     if args.adapter is not None:
         set_backend(load_adapter(model, args.adapter), args.backend)
+    from .engine import choose_engine
+
+    runner = choose_engine(model, args.engine) or model
     prompt: Any = args.prompt
     if args.input is not None:
         if not args.template:
             raise UsageError("--input goes into the Alpaca template; it cannot be combined with --no-template")
         prompt = {"instruction": args.prompt, "input": args.input}
-    text = generate(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, strategy=args.strategy,
+    text = generate(runner, tokenizer, prompt, max_new_tokens=args.max_new_tokens, strategy=args.strategy,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     repetition_penalty=args.repetition_penalty, seed=args.seed, use_template=args.template)
     print(text)
@@ -221,7 +225,9 @@ def cmd_gradcheck(args: argparse.Namespace) -> int:
                 m.lora_B.normal_(0.0, 0.1, generator=generator)
     vocab = model.config.vocab_size
     ids = torch.randint(vocab, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(args.seed))
-    parity = check_parity(model, {"input_ids": ids})
+    from .engine import choose_engine
+
+    parity = check_parity(model, {"input_ids": ids}, engine=choose_engine(model, args.engine))
     print(f"model: {path}; batch {args.batch}×{args.seq_len} random tokens (seed {args.seed})")
     print(parity)
     return EXIT_OK if parity.passed else EXIT_FAILED
@@ -260,13 +266,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _require_webgpu()
     result = run_demo(args.model, args.output, steps=args.steps, lr=args.lr, rank=args.rank, lora_alpha=args.alpha,
                       batch_size=args.batch_size, seed=args.seed, prompt_index=args.prompt_index,
-                      max_new_tokens=args.max_new_tokens, dtype=_dtype(args.dtype), progress=not args.no_progress)
+                      max_new_tokens=args.max_new_tokens, dtype=_dtype(args.dtype), progress=not args.no_progress,
+                      engine=args.engine)
     print(f"loss before {result.loss_before:.4f}, after {result.loss_after:.4f}")
     return EXIT_OK if result.parity.passed else EXIT_FAILED
 
 
 def cmd_bench(argv: list[str]) -> int:
-    from .benchmark import main as bench_main
+    from .benchmarks.cli import main as bench_main
 
     if not {"-h", "--help"} & set(argv):
         _require_webgpu()
@@ -279,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .config import LoraConfig
     from .demo import DEMO_STEPS, run_demo
     from .generation import STRATEGIES, generate
+    from .engine import ENGINES
     from .modules import BACKENDS
     from .training.schedule import SCHEDULES
     from .training.trainer import Trainer
@@ -333,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="continue the run in --output from its newest checkpoint, or from CHECKPOINT")
     earlier.add_argument("--overwrite", action="store_true", help="replace an earlier run's output in --output "
                          "(its adapter, metrics and checkpoints); without it such a folder is refused")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="wgpu: the whole model on WebGPU (BitNetEngine); torch: transformers' modules with the "
+                   "adapters on --backend; auto: the engine when it can run the model (default: %(default)s)")
     p.add_argument("--backend", choices=BACKENDS, default=lora["backend"],
                    help="compute the adapters with the WebGPU kernels or plain torch (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -361,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=sampling["max_new_tokens"],
                    help="most tokens to generate (default: %(default)s)")
     p.add_argument("--seed", type=_seed, help="seed for sampling (default: a fresh random seed)")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="wgpu: the whole model on WebGPU (BitNetEngine); torch: transformers' modules with the "
+                   "adapters on --backend; auto: the engine when it can run the model (default: %(default)s)")
     p.add_argument("--backend", choices=BACKENDS, default=lora["backend"],
                    help="compute the adapter with the WebGPU kernels or plain torch (default: %(default)s)")
     p.set_defaults(run=cmd_generate)
@@ -383,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, default=2, help="sequences in the batch (default: %(default)s)")
     p.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence (default: %(default)s)")
     p.add_argument("--seed", type=_seed, default=0, help="seeds the tokens and lora_B (default: %(default)s)")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="wgpu: gradients from the whole-model engine; torch: from the LoRA kernels inside "
+                   "transformers' modules; auto: the engine when it can run the model (default: %(default)s)")
     p.set_defaults(run=cmd_gradcheck)
 
     p = commands.add_parser("info", help="the WebGPU adapter, backend and limits",
@@ -416,10 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "generate for (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=demo["max_new_tokens"], help="tokens to generate "
                    "(default: %(default)s)")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="wgpu: the whole model on WebGPU (BitNetEngine); torch: transformers' modules with the "
+                   "adapters on --backend; auto: the engine when it can run the model (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_demo)
 
-    # Listed for --help; its arguments are torch_wgpu_lora.benchmark's own (main() hands them over).
+    # Listed for --help; its arguments are torch_wgpu_lora.benchmarks.cli's own (main() hands them over).
     commands.add_parser("bench", add_help=False, help="benchmark the LoRA op against torch "
                         "(`torch-wgpu-lora bench --help` for its options)")
     return parser

@@ -191,7 +191,7 @@ def run_demo(model_path: str | os.PathLike | None = None, output_dir: str | os.P
              *, steps: int = DEMO_STEPS, lr: float | None = None, rank: int = 8, lora_alpha: float = 16.0,
              batch_size: int = 8, max_length: int = 256, seed: int = 0, prompt_index: int = 0,
              max_new_tokens: int = 32, dtype: torch.dtype = torch.float32, progress: bool = True,
-             out: Callable[[str], None] = print) -> DemoResult:
+             engine: str = "auto", out: Callable[[str], None] = print) -> DemoResult:
     """Train Q/V LoRA adapters on the bundled dataset and show what changed; returns the numbers.
 
     ``model_path=None`` uses the demo model (``build_demo_checkpoint()``); any BitNet
@@ -203,6 +203,7 @@ def run_demo(model_path: str | os.PathLike | None = None, output_dir: str | os.P
     Trainer's output (``adapter/`` in PEFT's layout, ``checkpoints/``, ``metrics.jsonl``,
     ``loss.png``), replacing an earlier demo run's. ``out`` receives every
     printed line. The same arguments give the same numbers (seeded data order and adapters).
+    ``engine`` as the Trainer's: by default the whole model trains and generates on WebGPU.
 
     >>> # result = run_demo(output_dir="demo-out", steps=120)
     >>> # result.loss_after < result.loss_before
@@ -222,15 +223,17 @@ def run_demo(model_path: str | os.PathLike | None = None, output_dir: str | os.P
         model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype)
         apply_lora(model, lora_config)
         trainer = Trainer(model, tokenizer, records, output_dir=output_dir, max_steps=steps, batch_size=batch_size,
-                          lr=lr, max_length=max_length, seed=seed, save_every=0, progress=progress, overwrite=True)
+                          lr=lr, max_length=max_length, seed=seed, save_every=0, progress=progress, overwrite=True,
+                          engine=engine)
+        runner = trainer.engine or model
         _prepare_output(output_dir, settings)  # after the Trainer checked every argument
         batches = [collate(trainer.examples[i:i + batch_size], trainer.pad_token_id)
                    for i in range(0, len(trainer.examples), batch_size)]
         prompt = {"instruction": records[prompt_index]["instruction"], "input": records[prompt_index]["input"]}
 
         def show_model() -> tuple[float, str]:
-            loss = evaluate(model, batches)
-            text = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, repetition_penalty=1.0)
+            loss = evaluate(runner, batches)
+            text = generate(runner, tokenizer, prompt, max_new_tokens=max_new_tokens, repetition_penalty=1.0)
             out(f"  loss (mean per response token, {len(trainer.examples)} examples): {loss:.4f}")
             out(f"  greedy generation: {text!r}")
             return loss, text
@@ -248,8 +251,9 @@ def run_demo(model_path: str | os.PathLike | None = None, output_dir: str | os.P
         training = trainer.train()
         out("after training:")
         loss_after, generation_after = show_model()
-        out("gradient parity of the trained adapters on one batch (WebGPU kernels vs PyTorch autograd):")
-        parity = check_parity(model, batches[0])
+        out("gradient parity of the trained adapters on one batch ("
+            + ("the WebGPU engine" if trainer.engine else "WebGPU kernels") + " vs PyTorch autograd):")
+        parity = check_parity(model, batches[0], engine=trainer.engine)
         out(str(parity))
         out(f"adapter saved in PEFT layout: {training.adapter}")
     return DemoResult(model=model_path, prompt=prompt, loss_before=loss_before, loss_after=loss_after,

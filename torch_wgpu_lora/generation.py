@@ -203,8 +203,10 @@ def generate(model: nn.Module, tokenizer: Any, prompt: str | Mapping[str, str], 
              seed: int | None = None, use_template: bool = False, return_ids: bool = False) -> str | Generation:
     """Continue ``prompt`` with up to ``max_new_tokens`` tokens; return the new text.
 
-    ``model`` is a transformers causal LM (LoRA adapters in place or not), ``tokenizer``
-    its tokenizer (the prompt is encoded with its default special tokens, e.g. BOS).
+    ``model`` is a transformers causal LM (LoRA adapters in place or not), or a
+    ``BitNetEngine`` (the whole model on WebGPU: KV cache, sampling and token history stay
+    on the GPU), ``tokenizer`` its tokenizer (the prompt is encoded with its default special
+    tokens, e.g. BOS).
     ``use_template=True`` wraps a string prompt in the Alpaca template as the instruction
     (``prompts.format_prompt``); a dict ``{"instruction": ..., "input": ...}`` always is.
 
@@ -212,7 +214,10 @@ def generate(model: nn.Module, tokenizer: Any, prompt: str | Mapping[str, str], 
     unused), ``"top_k"`` or ``"top_p"`` (sampling from the ``top_k`` most likely tokens, or
     from the nucleus of probability ``top_p``, after dividing the logits by ``temperature``).
     ``repetition_penalty`` applies CTRL's rule to every prompt and generated token (1.0: off).
-    ``seed`` makes sampling reproducible (``None``: a fresh random seed each call).
+    ``seed`` makes sampling reproducible (``None``: a fresh random seed each call). Greedy
+    results are the same on both paths; sampled ones are reproducible per seed on each path
+    but differ between them (the engine draws on the GPU with its own counter-based generator,
+    ``engine.kernels.sampling``).
     Generation stops after an EOS token (``eos_token_id``, by default the tokenizer's, else
     the model's generation config's; an int or several) or ``max_new_tokens``.
 
@@ -222,7 +227,10 @@ def generate(model: nn.Module, tokenizer: Any, prompt: str | Mapping[str, str], 
     """
     _check_arguments(max_new_tokens, strategy, temperature, top_k, top_p, repetition_penalty, seed)
     text = _prompt_text(prompt, use_template)
-    eos = _eos_ids(eos_token_id, tokenizer, model)
+    from .engine import BitNetEngine
+
+    engine = model if isinstance(model, BitNetEngine) else None
+    eos = _eos_ids(eos_token_id, tokenizer, engine.model if engine is not None else model)
     device = next(model.parameters()).device
     prompt_ids = torch.as_tensor(tokenizer(text)["input_ids"], dtype=torch.long, device=device).reshape(1, -1)
     if prompt_ids.shape[1] == 0:
@@ -237,7 +245,14 @@ def generate(model: nn.Module, tokenizer: Any, prompt: str | Mapping[str, str], 
 
     new_ids: list[int] = []
     finished_by_eos = False
-    if max_new_tokens > 0:
+    if engine is not None:
+        from .engine.generate import engine_generate
+
+        new_ids, finished_by_eos = engine_generate(
+            engine, prompt_ids[0].tolist(), max_new_tokens, eos, strategy=strategy, temperature=temperature,
+            top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+            seed=int(torch.randint(0, 2**31, (1,))) if seed is None else seed)
+    elif max_new_tokens > 0:
         was_training = model.training
         model.eval()
         try:

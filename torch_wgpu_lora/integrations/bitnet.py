@@ -50,6 +50,29 @@ def layer_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The norm output each projection reads: its quantisation point (q, k and v share one, gate and up another).
+PROJECTION_SITES = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o", "gate_proj": "mlp",
+                    "up_proj": "mlp", "down_proj": "down"}
+
+
+def base_layer(module: nn.Module) -> nn.Module:
+    """The projection under a LoRA wrapper (ours or PEFT's), else the module itself."""
+    return getattr(module, "base_layer", module)
+
+
+def projection(layer: nn.Module, name: str) -> nn.Module:
+    """A decoder layer's projection ``name`` (its LoRA wrapper, if any)."""
+    parent = layer.self_attn if name in PROJECTIONS[:4] else layer.mlp
+    return getattr(parent, name)
+
+
+def projection_modules(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
+    """(layer, name, base projection module) of every projection of a BitNet model."""
+    return [(index, name, base_layer(projection(layer, name)))
+            for index, layer in enumerate(model.model.layers) for name in PROJECTIONS]
+
+
 class _BitLinearSTE(torch.autograd.Function):
     """transformers' ``BitLinear.forward`` with the straight-through backward
     dx = (dy / weight_scale) · W_ternary (through the layer's optional RMSNorm)."""

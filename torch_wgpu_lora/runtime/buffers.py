@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections import defaultdict
 from typing import Any
 
@@ -59,6 +60,12 @@ def _check_size(device: Device, nbytes: int) -> None:
                          f"({device.limits['max-buffer-size']} bytes)")
 
 
+def _alive(gpu: Any) -> bool:
+    """Whether wgpu still holds the buffer. A Buffer handle and its wgpu buffer collected in one
+    reference cycle run both finalizers: ours pools the buffer, wgpu-py's releases it."""
+    return getattr(gpu, "_internal", None) is not None
+
+
 def _storage_usage() -> int:
     import wgpu
 
@@ -80,9 +87,13 @@ class BufferPool:
         _check_size(self.device, size)
         with self.device.lock:
             bucket = self.free.get(size)
-            if bucket:
+            while bucket:
                 self.free_bytes -= size
-                return bucket.pop()
+                gpu, serial = bucket.pop()
+                if _alive(gpu):
+                    return gpu, serial
+                self.device.track(-size)
+        self.device.track(size)
         return self.device.wgpu.create_buffer(size=size, usage=_storage_usage()), next(SERIALS)
 
     def give(self, gpu: Any, serial: int) -> None:
@@ -91,7 +102,20 @@ class BufferPool:
                 self.free[gpu.size].append((gpu, serial))
                 self.free_bytes += gpu.size
                 return
+        self.device.track(-gpu.size)
         gpu.destroy()
+
+
+    def release(self) -> int:
+        """Free every pooled buffer no handle holds (as ``torch.cuda.empty_cache``); returns the bytes."""
+        with self.device.lock:
+            buffers = [gpu for bucket in self.free.values() for gpu, _ in bucket]
+            self.free.clear()
+            self.free_bytes = 0
+        for gpu in buffers:
+            self.device.track(-gpu.size)
+            gpu.destroy()
+        return sum(gpu.size for gpu in buffers)
 
 
 def pool_for(device: Device) -> BufferPool:
@@ -160,9 +184,13 @@ class Buffer:
 
 
 class Arena:
-    """Buffers planned together (a model's weights or activations) as views of a few large
-    wgpu buffers. Each view starts at a multiple of the adapter's offset alignment; a
-    chunk is at most ``max-buffer-size`` bytes and no view spans two chunks.
+    """Buffers planned together as views of a few large wgpu buffers. Each view starts at a
+    multiple of the adapter's offset alignment; a chunk is at most ``max-buffer-size`` bytes
+    and no view spans two chunks.
+
+    For data kernels only read (a model's frozen weights): WebGPU checks a launch's buffer
+    usages per wgpu buffer, not per range, so a launch that writes one view cannot bind any
+    other view of the same chunk. Give written buffers their own ``Buffer``.
 
     >>> arena = Arena()
     >>> x, y = arena.alloc((4, 8)), arena.alloc((16,), "u32")
@@ -188,18 +216,13 @@ class Arena:
             size = max(self.chunk_bytes, nbytes)
             _check_size(self.device, size)
             self.chunks.append(self.device.wgpu.create_buffer(size=size, usage=_storage_usage()))
+            self.device.track(size)
+            weakref.finalize(self, self.device.track, -size)  # the chunk goes when the arena does
             self._serial = next(SERIALS)
             self.nbytes += size
             start = 0
         self._used = start + nbytes
         return Buffer.view(self.chunks[-1], self._serial, start, shape, dtype, self.device)
-
-    def destroy(self) -> None:
-        """Free the GPU memory now (views become invalid)."""
-        for chunk in self.chunks:
-            chunk.destroy()
-        self.chunks.clear()
-        self.nbytes = self._used = 0
 
 
 def dtype_of(array: np.ndarray) -> str:
@@ -265,6 +288,7 @@ class StagingPool:
         import wgpu
 
         size = min(1 << max(12, (nbytes - 1).bit_length()), max(nbytes, self.max_bytes))
+        self.device.track(size)
         return self.device.wgpu.create_buffer(size=size, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
 
     def give(self, gpu: Any) -> None:
@@ -273,6 +297,7 @@ class StagingPool:
             if kept + gpu.size <= self.keep_bytes:
                 self.free.append(gpu)
                 return
+        self.device.track(-gpu.size)
         gpu.destroy()
 
     @property

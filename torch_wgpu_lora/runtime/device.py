@@ -115,6 +115,8 @@ class Device:
         self.lock = threading.RLock()
         self.state: dict[str, Any] = {}
         self.submits = 0
+        self.allocated = 0  # bytes of storage and staging buffers the runtime holds (pooled ones included)
+        self.peak_allocated = 0
         self.forked = False  # set in a forked child: this device belongs to the parent
 
     def owned(self, name: str, make: Callable[[], T]) -> T:
@@ -126,6 +128,12 @@ class Device:
                 if value is None:
                     value = self.state[name] = make()
         return value
+
+    def track(self, nbytes: int) -> None:
+        """Count ``nbytes`` of GPU memory made (positive) or freed (negative) by the runtime."""
+        with self.lock:
+            self.allocated += nbytes
+            self.peak_allocated = max(self.peak_allocated, self.allocated)
 
     def submit(self, command_buffers: list[Any]) -> None:
         """``queue.submit``, counted (tests check how many submits a step makes)."""

@@ -7,7 +7,8 @@ are cached on the device by (file, entry, constants, shader checks).
 
 Binding convention, shared by every kernel: ``@binding(0)`` is a uniform block
 ``struct Params`` of 32-bit scalars (u32, i32, f32), ``@binding(1..)`` are storage
-buffers in the order the host passes them. The layout of ``Params`` is declared once,
+buffers in the order the host passes them (or by number, as a dict, for a file whose entry
+points each use some of its bindings). The layout of ``Params`` is declared once,
 in the WGSL file: the host reads the field names and types from it and packs values
 given by position or by name.
 
@@ -154,11 +155,12 @@ class Kernel:
         data = struct.pack(self._format, *values)
         return data + bytes(-len(data) % 16)
 
-    def _entries(self, uniform: Any, buffers: Sequence[Buffer]) -> list[dict[str, Any]]:
+    def _entries(self, uniform: Any, buffers: Sequence[Buffer] | Mapping[int, Buffer]) -> list[dict[str, Any]]:
         entries = []
         if self.params:
             entries.append({"binding": 0, "resource": {"buffer": uniform, "offset": 0, "size": uniform.size}})
-        for i, b in enumerate(buffers, start=1):
+        numbered = buffers.items() if isinstance(buffers, Mapping) else enumerate(buffers, start=1)
+        for i, b in numbered:
             if b.binding_size > self.device.max_binding:
                 raise ValueError(
                     f"{self.name}: a {b.shape} buffer ({b.nbytes} bytes) exceeds this adapter's "
@@ -167,9 +169,10 @@ class Kernel:
             entries.append({"binding": i, "resource": {"buffer": b.gpu, "offset": b.offset, "size": b.binding_size}})
         return entries
 
-    def bind(self, buffers: Sequence[Buffer], params: Sequence[Any] | Mapping[str, Any] = ()) -> Any:
-        """A new bind group for these buffers and params: what a plan builds once and launches
-        many times."""
+    def bind(self, buffers: Sequence[Buffer] | Mapping[int, Buffer], params: Sequence[Any] | Mapping[str, Any] = ()) -> Any:
+        """A new bind group for these buffers (at bindings 1.. in order, or by binding number when
+        a file's entry points use different bindings) and params: what a plan builds once and
+        launches many times."""
         uniform = params_buffer(self.device, self.pack(params))[0] if self.params else None
         return self.device.wgpu.create_bind_group(layout=self.layout, entries=self._entries(uniform, buffers))
 

@@ -46,11 +46,17 @@ class Launch:
     grid: tuple[int, int, int]
     keep: tuple[Buffer, ...] = ()
 
+    @property
+    def handles(self) -> tuple[Any, Any]:
+        """The native pipeline and bind group handles: what the fast path passes to wgpu-native."""
+        return self.kernel.pipeline._internal, self.bind_group._internal
+
     @classmethod
-    def build(cls, kernel: Kernel, grid: tuple[int, int, int], buffers: Sequence[Buffer],
+    def build(cls, kernel: Kernel, grid: tuple[int, int, int], buffers: Sequence[Buffer] | Mapping[int, Buffer],
               params: Sequence[Any] | Mapping[str, Any] = ()) -> "Launch":
         _check_grid(kernel, grid)
-        return cls(kernel, kernel.bind(buffers, params), tuple(int(g) for g in grid), tuple(buffers))
+        keep = tuple(buffers.values()) if isinstance(buffers, Mapping) else tuple(buffers)
+        return cls(kernel, kernel.bind(buffers, params), tuple(int(g) for g in grid), keep)
 
 
 def _check_grid(kernel: Kernel, grid: tuple[int, int, int]) -> None:
@@ -112,6 +118,23 @@ class Pending:
                                                   np.uint8)
             at += nbytes
         return whole.view(np_dtype)[: read.buf.numel].reshape(read.buf.shape)
+
+
+_NULL: list[Any] = []
+
+
+def _lib() -> Any:
+    """wgpu-native's raw entry points (cffi), for the launch fast path."""
+    global _lib_cached
+    if _lib_cached is None:
+        from wgpu.backends.wgpu_native._ffi import ffi, lib
+
+        _NULL.append(ffi.NULL)
+        _lib_cached = lib
+    return _lib_cached
+
+
+_lib_cached: Any = None
 
 
 def _map_read() -> Any:
@@ -178,6 +201,8 @@ class Recorder:
         self.device = device or get_device()
         self.encoder = self.device.wgpu.create_command_encoder()
         self.pass_: Any = None
+        self._pass_handle: Any = None
+        self._pipeline: Any = None  # the pipeline set last in the open pass (the fast path skips repeats)
         self.keep: list[Any] = []  # handles alive until the GPU is done: nothing recorded is reused early
         self.reads: list[_Read] = []
         self.dispatches = 0
@@ -198,6 +223,8 @@ class Recorder:
                 kwargs["timestamp_writes"] = {"query_set": query_set, "beginning_of_pass_write_index": begin,
                                               "end_of_pass_write_index": end}
             self.pass_ = self.encoder.begin_compute_pass(**kwargs)
+            self._pass_handle = self.pass_._internal
+            self._pipeline = None
             if self._in_pass_stamps and self._times.count == 0:
                 self.pass_._write_timestamp(*self._times.next())
         return self.pass_
@@ -206,6 +233,12 @@ class Recorder:
         if self.pass_ is not None:
             self.pass_.end()
             self.pass_ = None
+            self._pipeline = None
+
+    def _native_pass(self) -> Any:
+        if self.pass_ is None:
+            self._compute_pass()
+        return self._pass_handle
 
     def _launched(self, kernel: Kernel) -> None:
         self.dispatches += 1
@@ -226,17 +259,25 @@ class Recorder:
         group = kernel.bind_group(params, buffers)
         cpass = self._compute_pass()
         cpass.set_pipeline(kernel.pipeline)
+        self._pipeline = kernel.pipeline._internal
         cpass.set_bind_group(0, group)
         cpass.dispatch_workgroups(*grid)
         self.keep.append(tuple(buffers))
         self._launched(kernel)
 
     def launch(self, launch: Launch) -> None:
-        """Record a prebuilt ``Launch`` (its plan keeps its buffers alive)."""
-        cpass = self._compute_pass()
-        cpass.set_pipeline(launch.kernel.pipeline)
-        cpass.set_bind_group(0, launch.bind_group)
-        cpass.dispatch_workgroups(*launch.grid)
+        """Record a prebuilt ``Launch``. The hot path of a model step (hundreds of launches): three
+        calls straight into wgpu-native, the pipeline set only when it changes. (Encoding errors
+        are reported when the command buffer is finished, as with wgpu-py's own calls.)"""
+        native = self._native_pass()
+        pipeline, group = launch.handles
+        if pipeline != self._pipeline:
+            _lib().wgpuComputePassEncoderSetPipeline(native, pipeline)
+            self._pipeline = pipeline
+        _lib().wgpuComputePassEncoderSetBindGroup(native, 0, group, 0, _NULL[0])
+        x, y, z = launch.grid
+        _lib().wgpuComputePassEncoderDispatchWorkgroups(native, x, y, z)
+        self.keep.append(launch)
         self._launched(launch.kernel)
 
     def launch_indirect(self, launch: Launch, args: Buffer, offset: int = 0) -> None:
@@ -244,6 +285,7 @@ class Recorder:
         ``offset``): for grids that depend on values the GPU computed (a KV length)."""
         cpass = self._compute_pass()
         cpass.set_pipeline(launch.kernel.pipeline)
+        self._pipeline = launch.kernel.pipeline._internal
         cpass.set_bind_group(0, launch.bind_group)
         cpass.dispatch_workgroups_indirect(args.gpu, args.offset + offset)
         self.keep.append(args)

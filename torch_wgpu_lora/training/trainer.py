@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ..integrations.adapters import save_adapter
-from ..integrations.bitnet import lora_parameters
+from ..integrations.bitnet import lora_modules, lora_parameters
 from .checkpoint import (DamagedCheckpoint, checkpoint_name, checkpoint_step, latest_checkpoint, list_checkpoints,
                          load_checkpoint, read_checkpoint, remove_unfinished, save_checkpoint)
 from .data import IGNORE_INDEX, Example, collate, encode_records, epoch_order, read_records
@@ -164,6 +164,13 @@ class Trainer:
     evaluation's dict, as in ``metrics.jsonl``) right after it is written, e.g. to draw a
     live loss plot in a notebook.
 
+    ``engine``: ``"wgpu"`` runs the whole model on WebGPU (``BitNetEngine``): each optimizer
+    step, every micro-batch's forward and backward, the clip and the AdamW update, is one
+    command buffer, and gradients and moments never leave the GPU (the Parameters are brought
+    up to date when read: checkpoints, the saved adapter, evaluation, the end of training).
+    ``"torch"`` runs transformers' modules with the adapters on their backend. ``"auto"``
+    (default) takes the engine when it can run the model.
+
     >>> # trainer = Trainer(model, tokenizer, "train.jsonl", eval_data="val.jsonl", max_steps=200)
     >>> # result = trainer.train()             # or trainer.train(resume_from=True) after a stop
     """
@@ -175,7 +182,8 @@ class Trainer:
                  max_grad_norm: float = 1.0, schedule: str = "cosine", warmup_ratio: float = 0.06,
                  max_length: int = 512, seed: int = 42, save_every: int = 100, eval_every: int = 0,
                  save_total_limit: int = 2, max_bad_steps: int = 3, progress: bool = True, plot: bool = True,
-                 overwrite: bool = False, callback: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 overwrite: bool = False, callback: Callable[[dict[str, Any]], None] | None = None,
+                 engine: str = "auto") -> None:
         self.params = lora_parameters(model)
         if not self.params:
             raise ValueError("the model has no LoRA adapters to train; call apply_lora(model, ...) first")
@@ -207,6 +215,12 @@ class Trainer:
         if not isinstance(overwrite, bool):
             raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
         self.overwrite = overwrite
+        from ..engine import choose_engine
+
+        if engine == "auto" and any(m.lora_dropout.p > 0 for m in lora_modules(model).values()
+                                    if hasattr(m.lora_dropout, "p")):
+            engine = "torch"  # the engine applies no LoRA dropout
+        self.engine = choose_engine(model, engine)
         self.optimizer = WgpuAdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.scheduler = make_scheduler(self.optimizer, schedule, self.total_steps, warmup_ratio)
         self.output_dir = Path(output_dir)
@@ -263,6 +277,8 @@ class Trainer:
                         break
         finally:
             bar.close()
+            if self.engine is not None:  # also when training stops early: the Parameters are current
+                self.engine.adapters.pull()
         if self.eval_examples:
             eval_loss = self._evaluate(step)
         checkpoint = self._save(step, epoch, group)
@@ -340,9 +356,14 @@ class Trainer:
         """Optimiser step number ``step`` (from 1) over ``micro_batches``; returns its metrics."""
         start = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
-        loss = accumulate_gradients(self.model, micro_batches)
-        grad_norm = clip_grad_norm(self.params, self.max_grad_norm) if math.isfinite(loss) else math.nan
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if self.engine is not None:  # the whole step in one submit; the update is done when it returns
+            done = self.engine.train_step(micro_batches, self.optimizer, self.max_grad_norm)
+            loss = math.nan if done["skipped"] else done["loss"]
+            grad_norm, skipped = done["grad_norm"], done["skipped"]
+        else:
+            loss = accumulate_gradients(self.model, micro_batches)
+            grad_norm = clip_grad_norm(self.params, self.max_grad_norm) if math.isfinite(loss) else math.nan
+            skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if skipped:
             self.bad_streak += 1
             what = "loss" if not math.isfinite(loss) else "gradient norm"
@@ -350,7 +371,8 @@ class Trainer:
                           f"({self.bad_streak} in a row; training stops at {self.max_bad_steps})", RuntimeWarning,
                           stacklevel=3)
         else:
-            self.optimizer.step()
+            if self.engine is None:
+                self.optimizer.step()
             self.bad_streak = 0
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -361,7 +383,7 @@ class Trainer:
     def _evaluate(self, step: int) -> float:
         batches = [collate(self.eval_examples[i:i + self.batch_size], self.pad_token_id)
                    for i in range(0, len(self.eval_examples), self.batch_size)]
-        loss = evaluate(self.model, batches)
+        loss = evaluate(self.engine or self.model, batches)
         self._log({"step": step, "eval_loss": loss})
         return loss
 
@@ -371,6 +393,8 @@ class Trainer:
             self.callback(record)
 
     def _save(self, step: int, epoch: int, group: int) -> Path:
+        if self.engine is not None:  # the Parameters take the GPU's values before they are written
+            self.engine.adapters.pull()
         state = {"step": step, "epoch": epoch, "group": group, "bad_streak": self.bad_streak,
                  "settings": self.settings}
         folder = save_checkpoint(self.checkpoints / checkpoint_name(step), self.model, self.optimizer,

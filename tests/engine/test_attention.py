@@ -1,0 +1,241 @@
+"""The causal GQA attention kernels (engine/kernels/attention.py, wgsl/attention.wgsl) against
+``attention_reference`` in float64, and the reference against transformers' eager attention.
+
+Tolerance: float32 kernels against float64 torch, max |ours - ref| <= 1e-4 * max |ref| per
+output. float32 keeps 24 bits (eps 6e-8); a score is a sum of head_dim <= 128 products, the
+softmax renormalises in a different order (online, tile by tile) and the output is a sum of
+up to ~300 weighted values, so rounding grows to about sqrt(n)·eps ~ 1e-6 of the scale
+(at most 4.4e-7 in these tests); 1e-4 leaves a wide margin while any masking, indexing
+or rescaling bug gives errors of order 1.
+
+Every run poisons the outputs with NaN first (so an element left unwritten fails) and the
+caches with NaN past each sequence's length (so a key read past the length fails).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from torch_wgpu_lora.engine.kernels import STEP_POS
+from torch_wgpu_lora.engine.kernels.attention import (_PREFILL_TILES, PrefillTile, attention_launches,
+                                                      attention_reference, prefill_tile)
+from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, write
+
+RTOL = 1e-4  # of the reference's max magnitude; see module docstring
+
+
+def assert_close(got: np.ndarray, ref: torch.Tensor, what: str) -> float:
+    """Checks the tolerance; returns the error relative to the reference's scale."""
+    ref = ref.numpy()
+    assert got.shape == ref.shape, what
+    assert np.isfinite(got).all(), f"{what}: {np.count_nonzero(~np.isfinite(got))} elements not finite (unwritten?)"
+    scale = np.abs(ref).max()
+    err = np.abs(got.astype(np.float64) - ref).max()
+    assert err <= RTOL * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
+    return err / scale
+
+
+def random_case(batch, tokens, heads, kv_heads, head_dim, max_len, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch * tokens, heads * head_dim, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, kv_heads, max_len, head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, kv_heads, max_len, head_dim, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+def poisoned(cache: torch.Tensor, lengths) -> np.ndarray:
+    """The cache as float32 with NaN at every position at or past each sequence's length."""
+    x = cache.float().clone()
+    for b, n in enumerate(lengths):
+        x[b, :, n:] = float("nan")
+    return np.ascontiguousarray(x.numpy())
+
+
+class Attention:
+    """Buffers and launches of one attention plan; ``run`` writes inputs, records, reads back."""
+
+    def __init__(self, batch, tokens, heads, kv_heads, head_dim, max_len, *, decode=False, lse=True, **kw):
+        self.shape = dict(batch=batch, tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                          max_len=max_len)
+        self.q = Buffer((batch * tokens, heads * head_dim))
+        self.k = Buffer((batch, kv_heads, max_len, head_dim))
+        self.v = Buffer((batch, kv_heads, max_len, head_dim))
+        self.out = Buffer((batch * tokens, heads * head_dim))
+        self.lse = Buffer((batch * tokens, heads)) if lse else None
+        self.step = Buffer((4,), "u32")
+        self.lengths = Buffer((batch,), "u32")
+        self.launches = attention_launches(self.q, self.k, self.v, self.out, self.step, self.lengths,
+                                           scale=head_dim ** -0.5, lse=self.lse, decode=decode, **self.shape, **kw)
+
+    def set_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, poison_from) -> None:
+        write(self.q, np.ascontiguousarray(q.float().numpy()))
+        write(self.k, poisoned(k, poison_from))
+        write(self.v, poisoned(v, poison_from))
+
+    def run(self, pos: int, lengths) -> tuple[np.ndarray, np.ndarray | None]:
+        step = np.zeros(4, np.uint32)
+        step[STEP_POS] = pos
+        write(self.step, step)
+        write(self.lengths, np.asarray(lengths, np.uint32))
+        write(self.out, np.full(self.out.shape, np.nan, np.float32))
+        out = np.zeros(self.out.shape, np.float32)
+        lse = None
+        rec = Recorder()
+        for launch in self.launches:
+            rec.launch(launch)
+        rec.read(self.out, out)
+        if self.lse is not None:
+            write(self.lse, np.full(self.lse.shape, np.nan, np.float32))
+            lse = np.zeros(self.lse.shape, np.float32)
+            rec.read(self.lse, lse)
+        rec.submit()
+        return out, lse
+
+
+def check_once(batch, tokens, heads, kv_heads, head_dim, pos, lengths, *, decode=False, seed=0, max_len=None, **kw):
+    max_len = max_len or max(pos + tokens, max(lengths))
+    q, k, v = random_case(batch, tokens, heads, kv_heads, head_dim, max_len, seed)
+    attn = Attention(batch, tokens, heads, kv_heads, head_dim, max_len, decode=decode, **kw)
+    attn.set_inputs(q, k, v, lengths)
+    out, lse = attn.run(pos, lengths)
+    ref_out, ref_lse = attention_reference(q, k, v, pos, lengths, heads, kv_heads, head_dim ** -0.5)
+    tag = f"B={batch} T={tokens} H={heads}/{kv_heads} D={head_dim} pos={pos} lengths={lengths} decode={decode} {kw}"
+    return assert_close(out, ref_out, f"out {tag}"), assert_close(lse, ref_lse, f"lse {tag}")
+
+
+# ---- the reference --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("heads,kv_heads,pos", [(4, 4, 0), (8, 2, 5), (20, 5, 3)])
+def test_reference_matches_transformers_eager_attention(heads, kv_heads, pos):
+    from transformers.models.bitnet.modeling_bitnet import eager_attention_forward
+
+    batch, tokens, dim = 3, 9, 16
+    lengths = [pos + tokens, pos + 1, pos + 4]  # right padding: one full, one of a single token
+    q, k, v = random_case(batch, tokens, heads, kv_heads, dim, pos + tokens, seed=heads)
+    ref_out, ref_lse = attention_reference(q, k, v, pos, lengths, heads, kv_heads, dim ** -0.5)
+
+    # HF's 4-D additive mask for causal + right padding: key j is seen by query i (at position
+    # pos + i) when j <= pos + i and j is not padding (j < length).
+    keys = torch.arange(pos + tokens)
+    allowed = (keys[None, None, :] <= (pos + torch.arange(tokens))[None, :, None]) & \
+        (keys[None, None, :] < torch.tensor(lengths)[:, None, None])
+    mask = torch.zeros(batch, 1, tokens, pos + tokens, dtype=torch.float64)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(torch.float64).min)
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups = heads // kv_heads
+    query = q.view(batch, tokens, heads, dim).transpose(1, 2)
+    hf_out, hf_weights = eager_attention_forward(module, query, k, v, mask, scaling=dim ** -0.5)
+    # HF's softmax runs in float32 whatever the input dtype: agreement to float32 rounding
+    hf_out = hf_out.reshape(batch * tokens, heads * dim)
+    assert (hf_out - ref_out).abs().max() <= 1e-6 * ref_out.abs().max()
+    # the lse is the log of the softmax's denominator: exp(s - lse) are HF's weights
+    scores = (query @ k.repeat_interleave(heads // kv_heads, 1).transpose(-1, -2)) * dim ** -0.5
+    weights = torch.exp(scores - ref_lse.view(batch, tokens, heads).transpose(1, 2)[..., None]) * allowed[:, None]
+    assert (weights - hf_weights).abs().max() <= 1e-6
+
+
+# ---- prefill -------------------------------------------------------------------------------
+
+PREFILL_CASES = {
+    # name: (batch, tokens, heads, kv_heads, head_dim, pos, lengths)
+    "padded_gqa2_d20": (3, 37, 4, 2, 20, 0, [37, 1, 20]),  # lengths T, 1 and in between
+    "one_token_d8": (2, 1, 2, 2, 8, 0, [1, 1]),
+    "after_prefix_gqa4_d12": (2, 50, 8, 2, 12, 13, [63, 40]),  # keys 0..pos+T-1; one padded
+    "long_mha_d64": (1, 300, 4, 4, 64, 0, [300]),
+    "long_gqa4_d64": (2, 260, 8, 2, 64, 0, [260, 131]),
+    "bitnet_heads_d128": (2, 70, 20, 5, 128, 6, [76, 33]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+def test_prefill_matches_reference(case):
+    check_once(*PREFILL_CASES[case])
+
+
+def test_prefill_every_tile_that_fits_the_adapter():
+    # the tiles smaller devices get (16 KiB of workgroup memory) must be right too
+    limit = get_device().limits["max-compute-workgroup-storage-size"]
+    chosen = prefill_tile(64)
+    for tile in _PREFILL_TILES + (PrefillTile(2, 16, 4),):  # and 4 key lanes (odd D4: one lane idle)
+        for head_dim in (64, 20):
+            if tile.workgroup_bytes(head_dim) <= limit:
+                check_once(2, 45, 8, 2, head_dim, 3, [48, 7], tile=tile)
+    assert chosen.workgroup_bytes(64) <= limit
+    assert _PREFILL_TILES[0].workgroup_bytes(128) <= 48 * 1024  # NVIDIA's limit: the big tile for BitNet
+    assert any(t.workgroup_bytes(128) <= 16 * 1024 for t in _PREFILL_TILES)  # WebGPU's default limit
+
+
+def test_prefill_without_lse_and_rows_not_filling_a_block():
+    # 3 queries x 1 head: 3 rows in a 32-row block; no lse buffer given
+    q, k, v = random_case(2, 3, 3, 3, 16, 3, seed=1)
+    attn = Attention(2, 3, 3, 3, 16, 3, lse=False)
+    attn.set_inputs(q, k, v, [3, 2])
+    out, lse = attn.run(0, [3, 2])
+    assert lse is None
+    assert_close(out, attention_reference(q, k, v, 0, [3, 2], 3, 3, 0.25)[0], "out")
+
+
+# ---- decode --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("splits", [None, 3, 5])  # None: the default (1 on a CPU adapter)
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 8, 2, 64), (3, 4, 2, 20)])
+def test_decode_steps_record_the_same_launches(splits, tokens, heads, kv_heads, head_dim):
+    # One plan; per step the host rewrites only the step and lengths buffers. Sequence 0 grows
+    # with pos; sequence 1 stopped at length 40 (its queries then see keys 0..39); sequence 2
+    # grows too. Steps cross 64-key tile and split boundaries.
+    batch, max_len = 3, 300
+    q, k, v = random_case(batch, tokens, heads, kv_heads, head_dim, max_len, seed=tokens + head_dim)
+    attn = Attention(batch, tokens, heads, kv_heads, head_dim, max_len, decode=True, splits=splits)
+    last = 200 + tokens
+    attn.set_inputs(q, k, v, [last, 40, last])  # NaN past the longest length any step uses
+    previous = None
+    for pos in (0, 39, 63, 64, 127, 150, 200):
+        lengths = [pos + tokens, min(40, pos + tokens), pos + tokens]
+        out, lse = attn.run(pos, lengths)
+        ref_out, ref_lse = attention_reference(q, k, v, pos, lengths, heads, kv_heads, head_dim ** -0.5)
+        assert_close(out, ref_out, f"out pos={pos} splits={splits}")
+        assert_close(lse, ref_lse, f"lse pos={pos} splits={splits}")
+        if previous is not None:
+            assert not np.allclose(out[:tokens], previous[:tokens]), f"pos={pos}: output did not change"
+        previous = out
+
+
+def test_decode_bitnet_shape_long_cache():
+    # BitNet-2B's heads (20 query, 5 KV, head_dim 128), a long cache, batch 2 of unequal lengths
+    check_once(2, 1, 20, 5, 128, 999, [1000, 321], decode=True, max_len=1024)
+
+
+def test_decode_and_prefill_agree_on_one_token():
+    q, k, v = random_case(2, 1, 4, 2, 32, 90, seed=7)
+    results = []
+    for decode in (False, True):
+        attn = Attention(2, 1, 4, 2, 32, 90, decode=decode, splits=3)
+        attn.set_inputs(q, k, v, [90, 61])
+        results.append(attn.run(89, [90, 61]))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=0, atol=1e-5)
+
+
+# ---- coverage and errors ----------------------------------------------------------------------
+
+def test_every_output_element_is_written():
+    # shapes whose rows fill no block evenly (R=2, T=5: 10 rows; D=12: 3 vec4 columns, CT=1)
+    for decode in (False, True):
+        q, k, v = random_case(3, 5, 6, 3, 12, 20, seed=3)
+        attn = Attention(3, 5, 6, 3, 12, 20, decode=decode)
+        attn.set_inputs(q, k, v, [20, 1, 9])
+        out, lse = attn.run(15, [20, 1, 9])  # run() poisons out and lse with NaN first
+        assert np.isfinite(out).all() and np.isfinite(lse).all()
+
+
+def test_bad_shapes_are_refused():
+    bufs = [Buffer((4, 40)), Buffer((1, 2, 4, 10)), Buffer((1, 2, 4, 10)), Buffer((4, 40)), Buffer((4,), "u32"),
+            Buffer((1,), "u32")]
+    with pytest.raises(ValueError, match="multiple of 4"):
+        attention_launches(*bufs, batch=1, tokens=4, heads=4, kv_heads=2, head_dim=10, max_len=4, scale=1.0)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        attention_launches(*bufs, batch=1, tokens=4, heads=3, kv_heads=2, head_dim=8, max_len=4, scale=1.0)
+    with pytest.raises(ValueError, match="k_cache has"):
+        attention_launches(*bufs, batch=1, tokens=4, heads=4, kv_heads=2, head_dim=8, max_len=8, scale=1.0)

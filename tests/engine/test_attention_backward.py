@@ -1,0 +1,206 @@
+"""The attention backward kernels (``attention_backward_launches``, wgsl/attention_backward.wgsl)
+against float64 torch autograd through ``attention_reference``, fed with the forward kernels'
+own ``out`` and ``lse``; and ``attention_backward_reference`` (explicit formulas) against the
+same autograd.
+
+Tolerance: float32 kernels against float64, max |ours - ref| <= 1e-4 * max |ref| per gradient.
+The kernels recompute P = exp(scale·q·k - lse) from the forward's float32 lse (relative error
+~|lse|·6e-8 ~ 1e-6 in P), scores are sums of head_dim <= 128 products, and each gradient sums
+up to T·R <= 800 terms in another order than torch: about sqrt(n)·eps plus the lse error, ~1e-6
+of the scale (at most ~2e-6 seen in these tests). 1e-4 leaves a wide margin while a masking,
+indexing or group-summing bug gives errors of order 1.
+
+Every run poisons the outputs (d_q, d_k, d_v, and the forward's out and lse) with NaN first, so
+an element left unwritten fails, and the caches with NaN past each sequence's length, so a read
+of a padded key fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from torch_wgpu_lora.engine.kernels import STEP_POS
+from torch_wgpu_lora.engine.kernels.attention import (_BACKWARD_TILES, BackwardTile, attention_backward_launches,
+                                                      attention_backward_reference, attention_launches,
+                                                      attention_reference, backward_tile)
+from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, write
+
+RTOL = 1e-4  # of the reference's max magnitude; see module docstring
+
+
+def f32(x: torch.Tensor) -> torch.Tensor:
+    """float64 values that float32 holds exactly: kernels and reference see the same inputs."""
+    return x.float().double()
+
+
+def random_case(batch, tokens, heads, kv_heads, head_dim, max_len, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch * tokens, heads * head_dim, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, kv_heads, max_len, head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, kv_heads, max_len, head_dim, generator=g, dtype=torch.float64)
+    d_out = torch.randn(batch * tokens, heads * head_dim, generator=g, dtype=torch.float64)
+    return f32(q), f32(k), f32(v), f32(d_out)
+
+
+def autograd_reference(q, k, v, d_out, pos, lengths, heads, kv_heads, scale):
+    """(d_q, d_k, d_v) by float64 autograd through the forward reference."""
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out, _ = attention_reference(q, k, v, pos, lengths, heads, kv_heads, scale)
+    out.backward(d_out)
+    return q.grad, k.grad, v.grad
+
+
+def poisoned(cache: torch.Tensor, lengths) -> np.ndarray:
+    x = cache.float().clone()
+    for b, n in enumerate(lengths):
+        x[b, :, n:] = float("nan")
+    return np.ascontiguousarray(x.numpy())
+
+
+def nan_fill(buf: Buffer) -> None:
+    write(buf, np.full(buf.shape, np.nan, np.float32))
+
+
+class Backward:
+    """One plan: the forward (prefill, with lse) then the backward, recorded together."""
+
+    def __init__(self, batch, tokens, heads, kv_heads, head_dim, max_len, tile=None):
+        self.shape = dict(batch=batch, tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                          max_len=max_len)
+        rows, cache = (batch * tokens, heads * head_dim), (batch, kv_heads, max_len, head_dim)
+        self.q, self.out, self.d_out, self.d_q = (Buffer(rows) for _ in range(4))
+        self.k, self.v, self.d_k, self.d_v = (Buffer(cache) for _ in range(4))
+        self.lse = Buffer((batch * tokens, heads))
+        self.step = Buffer((4,), "u32")
+        self.lengths = Buffer((batch,), "u32")
+        scale = head_dim ** -0.5
+        self.launches = attention_launches(self.q, self.k, self.v, self.out, self.step, self.lengths, scale=scale,
+                                           lse=self.lse, **self.shape)
+        self.launches += attention_backward_launches(self.q, self.k, self.v, self.out, self.lse, self.d_out, self.d_q,
+                                                     self.d_k, self.d_v, self.step, self.lengths, scale=scale,
+                                                     tile=tile, **self.shape)
+
+    def run(self, q, k, v, d_out, pos, lengths):
+        write(self.q, np.ascontiguousarray(q.float().numpy()))
+        write(self.d_out, np.ascontiguousarray(d_out.float().numpy()))
+        write(self.k, poisoned(k, lengths))
+        write(self.v, poisoned(v, lengths))
+        step = np.zeros(4, np.uint32)
+        step[STEP_POS] = pos
+        write(self.step, step)
+        write(self.lengths, np.asarray(lengths, np.uint32))
+        for buf in (self.out, self.lse, self.d_q, self.d_k, self.d_v):
+            nan_fill(buf)
+        rec = Recorder()
+        for launch in self.launches:
+            rec.launch(launch)
+        got = []
+        for buf in (self.d_q, self.d_k, self.d_v):
+            got.append(np.zeros(buf.shape, np.float32))
+            rec.read(buf, got[-1])
+        rec.submit()
+        return got
+
+
+def assert_close(got: np.ndarray, ref: torch.Tensor, what: str) -> float:
+    ref = ref.numpy()
+    assert got.shape == ref.shape, what
+    assert np.isfinite(got).all(), f"{what}: {np.count_nonzero(~np.isfinite(got))} elements not finite (unwritten?)"
+    scale = np.abs(ref).max()
+    err = np.abs(got.astype(np.float64) - ref).max()
+    assert err <= RTOL * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
+    return err / scale if scale else err  # a single key per query: dS = P (dP - D) = 0 exactly
+
+
+def check(plan: Backward, pos, lengths, seed=0) -> float:
+    """Runs ``plan`` on random inputs; checks every gradient; returns the worst relative error."""
+    s = plan.shape
+    batch, tokens, heads, kv_heads, head_dim = (s[n] for n in ("batch", "tokens", "heads", "kv_heads", "head_dim"))
+    q, k, v, d_out = random_case(batch, tokens, heads, kv_heads, head_dim, s["max_len"], seed)
+    d_q, d_k, d_v = plan.run(q, k, v, d_out, pos, lengths)
+    ref_q, ref_k, ref_v = autograd_reference(q, k, v, d_out, pos, lengths, heads, kv_heads, head_dim ** -0.5)
+    tag = f"B={batch} T={tokens} H={heads}/{kv_heads} D={head_dim} pos={pos} lengths={lengths}"
+    written = slice(pos, pos + tokens)  # the key positions of this pass
+    errors = [assert_close(d_q, ref_q, f"d_q {tag}"),
+              assert_close(d_k[:, :, written], ref_k[:, :, written], f"d_k {tag}"),
+              assert_close(d_v[:, :, written], ref_v[:, :, written], f"d_v {tag}")]
+    for b, n in enumerate(lengths):  # padded keys: exactly zero
+        assert (d_k[b, :, max(n, pos): pos + tokens] == 0).all(), f"d_k of padded keys {tag}"
+        assert (d_v[b, :, max(n, pos): pos + tokens] == 0).all(), f"d_v of padded keys {tag}"
+    # nothing written outside this pass's key positions (the cache prefix, rows past pos + T)
+    assert np.isnan(d_k[:, :, :pos]).all() and np.isnan(d_v[:, :, :pos]).all(), tag
+    assert np.isnan(d_k[:, :, pos + tokens:]).all() and np.isnan(d_v[:, :, pos + tokens:]).all(), tag
+    return max(errors)
+
+
+def check_once(batch, tokens, heads, kv_heads, head_dim, pos, lengths, *, seed=0, max_len=None, tile=None) -> float:
+    plan = Backward(batch, tokens, heads, kv_heads, head_dim, max_len or pos + tokens, tile=tile)
+    return check(plan, pos, lengths, seed)
+
+
+# ---- the reference ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("heads,kv_heads,pos,lengths", [(4, 4, 0, [9, 1, 5]), (8, 2, 4, [13, 6, 4]),
+                                                        (20, 5, 0, [9, 9, 2])])
+def test_reference_matches_autograd(heads, kv_heads, pos, lengths):
+    dim, tokens, scale = 12, 9, 12 ** -0.5
+    q, k, v, d_out = random_case(3, tokens, heads, kv_heads, dim, pos + tokens, seed=heads)
+    out, lse = attention_reference(q, k, v, pos, lengths, heads, kv_heads, scale)
+    ours = attention_backward_reference(q, k, v, out, lse, d_out, pos, lengths, heads, kv_heads, scale)
+    for mine, ref in zip(ours, autograd_reference(q, k, v, d_out, pos, lengths, heads, kv_heads, scale)):
+        assert mine.shape == ref.shape
+        assert (mine - ref).abs().max() <= 1e-12 * ref.abs().max()
+
+
+# ---- the kernels --------------------------------------------------------------------------------
+
+CASES = {
+    # name: (batch, tokens, heads, kv_heads, head_dim, pos, lengths)
+    "padded_gqa2_d12": (3, 37, 4, 2, 12, 0, [37, 1, 20]),  # right padding: lengths T, 1 and between
+    "one_token_d8": (2, 1, 2, 2, 8, 0, [1, 1]),  # one key each: d_q = d_k = 0, d_v = d_out
+    "one_token_after_prefix_gqa2_d8": (2, 1, 4, 2, 8, 6, [7, 3]),  # key 6 written; sequence 1 padded there
+    "few_tokens_gqa4_d8": (3, 5, 4, 1, 8, 0, [5, 1, 3]),
+    "mha_d64_200": (1, 200, 2, 2, 64, 0, [200]),
+    "padded_gqa4_d64": (2, 130, 8, 2, 64, 0, [130, 67]),
+    "bitnet_heads_d128": (2, 70, 20, 5, 128, 0, [70, 1]),
+    "gqa2_d128_200": (1, 200, 4, 2, 128, 0, [200]),
+    "after_prefix_gqa4_d20": (2, 30, 4, 1, 20, 13, [43, 25]),  # keys pos..pos+T-1 written; one padded
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_backward_matches_autograd(case):
+    check_once(*CASES[case])
+
+
+def test_every_tile_that_fits_the_adapter():
+    # the tiles smaller devices get (WebGPU's default 16 KiB) must be right too, and odd lane counts
+    limit = get_device().limits["max-compute-workgroup-storage-size"]
+    for tile in _BACKWARD_TILES + (BackwardTile(12, 8, 3), BackwardTile(4, 12, 1)):
+        for head_dim, heads, kv_heads in ((64, 8, 2), (20, 3, 3)):
+            if tile.workgroup_bytes(head_dim) <= limit:
+                check_once(2, 45, heads, kv_heads, head_dim, 0, [45, 7], tile=tile, seed=tile.fixed)
+    assert backward_tile(128).workgroup_bytes(128) <= limit
+    assert _BACKWARD_TILES[0].workgroup_bytes(128) <= 48 * 1024  # NVIDIA's limit: the big tile for BitNet
+    assert any(t.workgroup_bytes(128) <= 16 * 1024 for t in _BACKWARD_TILES)  # WebGPU's default limit
+
+
+def test_plan_reused_with_new_lengths():
+    # one plan, the step and lengths buffers rewritten between runs (as the engine does)
+    plan = Backward(2, 24, 4, 2, 16, 24)
+    for seed, lengths in enumerate(([24, 1], [3, 24], [24, 24])):
+        check(plan, 0, lengths, seed=seed)
+
+
+def test_bad_shapes_are_refused():
+    rows, cache = Buffer((4, 40)), Buffer((1, 2, 4, 10))
+    bufs = [rows, cache, cache, rows, Buffer((4, 4)), rows, rows, cache, cache, Buffer((4,), "u32"),
+            Buffer((1,), "u32")]
+    with pytest.raises(ValueError, match="multiple of 4"):
+        attention_backward_launches(*bufs, batch=1, tokens=4, heads=4, kv_heads=2, head_dim=10, max_len=4, scale=1.0)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        attention_backward_launches(*bufs, batch=1, tokens=4, heads=3, kv_heads=2, head_dim=8, max_len=4, scale=1.0)
+    with pytest.raises(ValueError, match="d_k has|k_cache has"):
+        attention_backward_launches(*bufs, batch=1, tokens=4, heads=4, kv_heads=2, head_dim=8, max_len=8, scale=1.0)

@@ -1,0 +1,108 @@
+"""Generation on the engine against the CPU path (``generate(model, ...)``, transformers' own
+modules with a KV cache): greedy tokens equal for 40 tokens on every flavour, except where a
+quantised model's rounding flip is shown to explain a divergence (``integrations.quantisation``)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from torch_wgpu_lora import BitNetEngine, generate
+from torch_wgpu_lora.demo import demo_records
+from torch_wgpu_lora.engine.generate import engine_generate
+from torch_wgpu_lora.generation import process_logits
+from torch_wgpu_lora.integrations.tiny import FLAVOURS, build_tiny_tokenizer
+from torch_wgpu_lora.integrations.quantisation import FeedStats, feeding_codes
+
+from .helpers import forward_with_codes
+from .test_model import tiny_model
+
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    texts = [r["instruction"] + " " + r["output"] for r in demo_records()]
+    return AutoTokenizer.from_pretrained(build_tiny_tokenizer(tempfile.mkdtemp(), texts))
+
+
+def cpu_generate(model, tokenizer, prompt, **options):
+    with torch.compiler.set_stance("force_eager"):
+        return generate(model, tokenizer, prompt, return_ids=True, eos_token_id=[], **options)
+
+
+def engine_choice_is_explained_by_a_flip(model, engine, ids: list[int], penalty: float) -> tuple[int, int]:
+    """At the position after ``ids``: (the engine's greedy choice, torch's greedy choice when fed the
+    engine's int8 codes), after checking that feeding codes involved at least one near-tie flip."""
+    x = torch.tensor([ids])
+    logits, codes = forward_with_codes(engine, x, [len(ids)])
+    logits = logits[0]
+    stats = FeedStats()
+    with feeding_codes(model, codes, stats), torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        fed = model(input_ids=x).logits[0, -1]
+    assert stats.flips > 0, "the paths diverged without any rounding flip: a real difference"
+    seen = x[0]
+    return (int(torch.argmax(process_logits(logits[-1], seen, repetition_penalty=penalty))),
+            int(torch.argmax(process_logits(fed, seen, repetition_penalty=penalty))))
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_greedy_tokens_equal_the_cpu_paths(flavour, tokenizer):
+    model = tiny_model(flavour, adapters=True, seed=3)
+    engine = BitNetEngine(model)
+    prompt = "Name a primary colour."
+    ours = generate(engine, tokenizer, prompt, max_new_tokens=NEW_TOKENS, return_ids=True, eos_token_id=[])
+    theirs = cpu_generate(model, tokenizer, prompt, max_new_tokens=NEW_TOKENS)
+    assert ours.prompt_ids == theirs.prompt_ids and len(ours.token_ids) == NEW_TOKENS
+    if ours.token_ids == theirs.token_ids:
+        return
+    assert flavour != "dense", f"dense tokens differ: {ours.token_ids} vs {theirs.token_ids}"
+    first = next(i for i, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids)) if a != b)
+    engine_token, fed_token = engine_choice_is_explained_by_a_flip(
+        model, engine, ours.prompt_ids + ours.token_ids[:first], penalty=1.1)
+    assert engine_token == ours.token_ids[first] == fed_token
+
+
+def test_submit_batching_and_eos(tokenizer):
+    model = tiny_model("packed", adapters=True, seed=4)
+    engine = BitNetEngine(model)
+    prompt_ids = tokenizer("Name a primary colour.")["input_ids"]
+    runs = [engine_generate(engine, prompt_ids, 20, set(), tokens_per_submit=k) for k in (1, 3, 8, 64)]
+    assert all(run == runs[0] for run in runs) and len(runs[0][0]) == 20 and runs[0][1] is False
+    stop = runs[0][0][6]
+    first = runs[0][0].index(stop)
+    tokens, by_eos = engine_generate(engine, prompt_ids, 20, {stop}, tokens_per_submit=4)
+    assert by_eos and tokens == runs[0][0][: first + 1]
+
+
+def test_sampling_is_reproducible_per_seed_and_follows_the_strategy(tokenizer):
+    model = tiny_model("dense", adapters=True, seed=5)
+    engine = BitNetEngine(model)
+    prompt = "Name a primary colour."
+    a = generate(engine, tokenizer, prompt, max_new_tokens=12, strategy="top_k", top_k=3, temperature=0.7, seed=11,
+                 return_ids=True, eos_token_id=[])
+    b = generate(engine, tokenizer, prompt, max_new_tokens=12, strategy="top_k", top_k=3, temperature=0.7, seed=11,
+                 return_ids=True, eos_token_id=[])
+    assert a.token_ids == b.token_ids
+    # every sampled token was among the 3 most likely (after the penalty) at its step
+    ids = a.prompt_ids + a.token_ids
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        logits = model(input_ids=torch.tensor([ids])).logits[0]
+    for i, token in enumerate(a.token_ids):
+        position = len(a.prompt_ids) + i - 1
+        processed = process_logits(logits[position], torch.tensor(ids[: position + 1]), repetition_penalty=1.1)
+        assert token in torch.topk(processed, 3).indices.tolist()
+    others = {tuple(generate(engine, tokenizer, prompt, max_new_tokens=12, strategy="top_p", top_p=0.95,
+                             temperature=1.5, seed=s, return_ids=True, eos_token_id=[]).token_ids) for s in range(4)}
+    assert len(others) > 1  # seeds matter
+
+
+def test_generation_past_the_context_is_refused(tokenizer):
+    model = tiny_model("dense", adapters=False)
+    engine = BitNetEngine(model)
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"need {limit + 4} positions; the model's context is {limit}"):
+        engine_generate(engine, [1, 2, 3, 4], limit, set())

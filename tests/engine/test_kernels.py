@@ -1,0 +1,307 @@
+"""The engine's kernel families against their torch references: packing, BitLinear (gemv and
+gemm, every epilogue, LoRA segments), float matmuls (f32 and bf16 weights), RMSNorm with
+activation quantisation and LoRA down-projections, embedding gather, RoPE.
+
+Tolerances. Integer paths are exact: the ternary × int8 dots must equal the float64 reference
+to the last bit before scaling, so BitLinear outputs are compared at 2e-6 relative (one or two
+float32 roundings of the scale step). Float paths (float32 kernels against float64 torch, sums
+of up to a few thousand terms in another order) at 1e-5 of the reference's largest magnitude:
+about 30× the expected √K·eps, while any indexing bug gives O(1) errors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from torch_wgpu_lora.engine.config import pad
+from torch_wgpu_lora.engine.kernels.bitlinear import bitlinear_launch, bitlinear_reference, gate_up_reference, lora_table
+from torch_wgpu_lora.engine.kernels.embedding import embedding_launches, embedding_reference
+from torch_wgpu_lora.engine.kernels.matmul import matmul_launch, matmul_reference
+from torch_wgpu_lora.engine.kernels.norm import quantise_reference, rmsnorm_launch, rmsnorm_reference
+from torch_wgpu_lora.engine.kernels.rope import rope_launch, rope_reference
+from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary, unpack_hf, unpack_ternary
+from torch_wgpu_lora.runtime import Buffer, Recorder, upload, write
+
+FLOAT_RTOL = 1e-5  # see module docstring
+INT_RTOL = 2e-6
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, rtol: float, what: str) -> None:
+    assert got.shape == ref.shape, (what, got.shape, ref.shape)
+    scale = ref.abs().max().item()
+    err = (got.double() - ref.double()).abs().max().item()
+    assert err <= rtol * max(scale, 1e-30), f"{what}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+def run(launches, *reads):
+    rec = Recorder()
+    for launch in launches:
+        rec.launch(launch)
+    outs = []
+    for buf in reads:
+        out = np.empty(buf.shape, {"f32": np.float32, "u32": np.uint32}[buf.dtype])
+        rec.read(buf, out)
+        outs.append(out)
+    rec.submit()
+    return [torch.from_numpy(o) for o in outs]
+
+
+def poisoned(shape, dtype="f32") -> Buffer:
+    buf = Buffer(shape, dtype)
+    write(buf, np.full(shape, np.nan if dtype == "f32" else 0xDEADBEEF, np.float32 if dtype == "f32" else np.uint32))
+    return buf
+
+
+# -- packing ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [1, 16, 63, 64, 100, 2560])
+def test_ternary_packing_round_trips(k):
+    g = torch.Generator().manual_seed(k)
+    values = torch.randint(-1, 2, (5, k), generator=g, dtype=torch.int8)
+    packed = pack_ternary(values)
+    assert packed.shape == (5, pad(k, 64) // 16) and packed.dtype == np.uint32
+    assert torch.equal(unpack_ternary(packed, k), values)
+    assert torch.equal(unpack_ternary(packed, pad(k, 64))[:, k:], torch.zeros(5, pad(k, 64) - k, dtype=torch.int8))
+
+
+def test_our_reading_of_transformers_packed_weights_is_theirs():
+    from transformers.integrations.bitnet import pack_weights, unpack_weights
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randint(-1, 2, (24, 40), generator=g).float()
+    packed = pack_weights(values.clone())
+    assert torch.equal(unpack_hf(packed, 24), values.to(torch.int8))
+    with torch.compiler.set_stance("force_eager"):
+        assert torch.equal(unpack_weights(packed, torch.float32), values)
+
+
+# -- BitLinear ----------------------------------------------------------------------------------
+
+def _codes(tokens: int, k: int, g: torch.Generator):
+    """Random int8 codes as norm.wgsl lays them out: packed rows, scales, sums."""
+    codes = torch.randint(-128, 128, (tokens, k), generator=g, dtype=torch.int32)
+    codes[0, : min(k, 3)] = torch.tensor([-128, 127, 0])[: min(k, 3)]  # the extremes
+    padded = np.zeros((tokens, pad(k, 64)), np.int8)
+    padded[:, :k] = codes.numpy()
+    scales = (torch.rand(tokens, generator=g) * 3 + 0.1).float()
+    meta = np.concatenate([scales.numpy(), codes.sum(1).numpy().astype(np.int32).view(np.float32)])
+    return codes, scales, upload(padded.view(np.uint32).copy()), upload(meta.astype(np.float32))
+
+
+def _projection(values: torch.Tensor, row_scales: torch.Tensor, divide: bool) -> Projection:
+    return Projection(upload(pack_ternary(values)), upload(row_scales.numpy().astype(np.float32)), values.shape[0],
+                      values.shape[1], divide)
+
+
+@pytest.mark.parametrize("gemv", [True, False])
+@pytest.mark.parametrize("divide", [True, False])
+@pytest.mark.parametrize("tokens,k,rows", [(1, 64, 8), (3, 100, 37), (70, 2560, 130), (5, 6912, 24)])
+def test_bitlinear_store_matches_the_exact_integer_reference(gemv, divide, tokens, k, rows):
+    g = torch.Generator().manual_seed(tokens * 1000 + k + rows)
+    codes, scales, xq, xm = _codes(tokens, k, g)
+    values = torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8)
+    row_scales = torch.rand(rows, generator=g) + 0.5
+    out = poisoned((tokens, rows + 3))
+    launch = bitlinear_launch(xq, xm, _projection(values, row_scales, divide), out, tokens=tokens,
+                              out_stride=rows + 3, out_offset=2, gemv=gemv)
+    (got,) = run([launch], out)
+    ref = bitlinear_reference(codes, scales, values, row_scales, divide)
+    close(got[:, 2:rows + 2], ref, INT_RTOL, "bitlinear")
+    assert torch.isnan(got[:, :2]).all() and torch.isnan(got[:, rows + 2:]).all()  # only its columns written
+
+
+@pytest.mark.parametrize("gemv", [True, False])
+def test_bitlinear_adds_into_a_residual_stream(gemv):
+    g = torch.Generator().manual_seed(1)
+    tokens, k, rows = 9, 192, 40
+    codes, scales, xq, xm = _codes(tokens, k, g)
+    values = torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8)
+    row_scales = torch.rand(rows, generator=g) + 0.5
+    residual = torch.randn(tokens, rows, generator=g)
+    out = upload(residual.numpy())
+    launch = bitlinear_launch(xq, xm, _projection(values, row_scales, True), out, tokens=tokens, out_stride=rows,
+                              mode="add", gemv=gemv)
+    (got,) = run([launch, launch], out)  # twice: it adds, never overwrites
+    close(got, residual.double() + 2 * bitlinear_reference(codes, scales, values, row_scales, True), INT_RTOL,
+          "residual")
+
+
+@pytest.mark.parametrize("gemv", [True, False])
+def test_bitlinear_gate_up_pairs_with_lora_and_saved_pairs(gemv):
+    g = torch.Generator().manual_seed(2)
+    tokens, k, f, rank = 6, 128, 20, 3
+    codes, scales, xq, xm = _codes(tokens, k, g)
+    values = torch.randint(-1, 2, (2 * f, k), generator=g, dtype=torch.int8)  # gate j at 2j, up j at 2j+1
+    row_scales = torch.rand(2 * f, generator=g) + 0.5
+    h = torch.randn(tokens, 2 * rank, generator=g)
+    B_gate, B_up = torch.randn(f, rank, generator=g), torch.randn(f, rank, generator=g)
+    lb = np.concatenate([np.zeros(5, np.float32), B_gate.numpy().ravel(), B_up.numpy().ravel()])
+    table = lora_table([(0, 2 * f, 2, 0, 0.5, 5, rank), (1, 2 * f, 2, rank, 2.0, 5 + f * rank, rank)])
+    out, aux = poisoned((tokens, f)), poisoned((tokens, 2 * f))
+    launch = bitlinear_launch(xq, xm, _projection(values, row_scales, False), out, tokens=tokens, out_stride=f,
+                              mode="gate_up", h=upload(h.numpy()), lora_rank=2 * rank, lora=upload(table),
+                              lora_b=upload(lb),
+                              segments=2, aux=aux, gemv=gemv)
+    got, saved = run([launch], out, aux)
+    raw = bitlinear_reference(codes, scales, values, row_scales, False)
+    raw[:, 0::2] += 0.5 * h[:, :rank].double() @ B_gate.double().T
+    raw[:, 1::2] += 2.0 * h[:, rank:].double() @ B_up.double().T
+    close(saved, raw, 1e-5, "saved gate/up")
+    close(got, gate_up_reference(raw), 1e-5, "relu² gate · up")
+
+
+@pytest.mark.parametrize("gemv", [True, False])
+def test_bitlinear_lora_segments_on_a_fused_qkv(gemv):
+    # q rows [0, 8), k [8, 12), v [12, 16): adapters on q and v read columns 0.. and 4.. of h.
+    g = torch.Generator().manual_seed(3)
+    tokens, k = 5, 64
+    codes, scales, xq, xm = _codes(tokens, k, g)
+    values = torch.randint(-1, 2, (16, k), generator=g, dtype=torch.int8)
+    row_scales = torch.rand(16, generator=g) + 0.5
+    h = torch.randn(tokens, 6, generator=g)
+    Bq, Bv = torch.randn(8, 4, generator=g), torch.randn(4, 2, generator=g)
+    lb = np.concatenate([Bv.numpy().ravel(), Bq.numpy().ravel()])  # any offsets into LB
+    table = lora_table([(0, 8, 1, 0, 1.5, Bv.numel(), 4), (12, 16, 1, 4, 0.25, 0, 2)])
+    out = poisoned((tokens, 16))
+    launch = bitlinear_launch(xq, xm, _projection(values, row_scales, True), out, tokens=tokens, out_stride=16,
+                              h=upload(h.numpy()), lora_rank=6, lora=upload(table), lora_b=upload(lb), segments=2,
+                              gemv=gemv)
+    (got,) = run([launch], out)
+    ref = bitlinear_reference(codes, scales, values, row_scales, True)
+    ref[:, :8] += 1.5 * h[:, :4].double() @ Bq.double().T
+    ref[:, 12:] += 0.25 * h[:, 4:].double() @ Bv.double().T
+    close(got, ref, 1e-5, "qkv with LoRA")
+
+
+# -- float matmul -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("gemv", [True, False])
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("tokens,k,rows", [(1, 64, 9), (4, 100, 33), (67, 320, 70)])
+def test_matmul_matches_float64(gemv, bf16, tokens, k, rows):
+    g = torch.Generator().manual_seed(tokens + k + rows)
+    x = torch.zeros(tokens, pad(k, 64))
+    x[:, :k] = torch.randn(tokens, k, generator=g)
+    weight = torch.randn(rows, k, generator=g)
+    if bf16:
+        weight = weight.bfloat16()
+    w = float_rows(weight, bf16)
+    proj = Projection(upload(w), None, rows, k)
+    out = poisoned((tokens, rows))
+    (got,) = run([matmul_launch(upload(x.numpy()), proj, out, tokens=tokens, out_stride=rows, bf16=bf16,
+                                gemv=gemv)], out)
+    close(got, matmul_reference(x[:, :k], weight.float()), FLOAT_RTOL, "matmul")
+
+
+def test_matmul_gate_up_and_add():
+    g = torch.Generator().manual_seed(4)
+    tokens, k, f = 70, 128, 12
+    x = torch.randn(tokens, k, generator=g)
+    weight = torch.randn(2 * f, k, generator=g)
+    proj = Projection(upload(float_rows(weight, False)), None, 2 * f, k)
+    out = poisoned((tokens, f))
+    (got,) = run([matmul_launch(upload(x.numpy()), proj, out, tokens=tokens, out_stride=f, mode="gate_up")], out)
+    close(got, gate_up_reference(matmul_reference(x, weight)), FLOAT_RTOL, "gate_up")
+    residual = torch.randn(tokens, 2 * f, generator=g)
+    res = upload(residual.numpy())
+    (got,) = run([matmul_launch(upload(x.numpy()), proj, res, tokens=tokens, out_stride=2 * f, mode="add")], res)
+    close(got, residual.double() + matmul_reference(x, weight), FLOAT_RTOL, "add")
+
+
+# -- RMSNorm, quantisation, LoRA down -------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens,k", [(1, 64), (3, 100), (17, 2560), (2, 6912)])
+def test_rmsnorm_quantise_and_lora_down(tokens, k):
+    from transformers.models.bitnet.modeling_bitnet import BitNetRMSNorm
+
+    g = torch.Generator().manual_seed(tokens + k)
+    x = torch.randn(tokens, k, generator=g) * 3
+    norm = BitNetRMSNorm(k, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(k, generator=g) + 0.5)
+    rank = 6
+    A = torch.randn(rank, k, generator=g)
+    a = np.zeros((rank, pad(k, 64)), np.float32)
+    a[:, :k] = A.numpy()
+    stride = pad(k, 64)
+    xn, codes, meta, h, rstd = (poisoned((tokens, stride)), poisoned((tokens, stride // 4), "u32"),
+                                poisoned((2 * tokens,)), poisoned((tokens, rank)), poisoned((tokens,)))
+    launch = rmsnorm_launch(upload(x.numpy()), upload(norm.weight.detach().numpy()), xn, tokens=tokens, k=k, eps=1e-5,
+                            codes=codes, meta=meta, lora_a=upload(a), h=h, rank=rank, rstd=rstd)
+    got_xn, got_codes, got_meta, got_h, got_rstd = run([launch], xn, codes, meta, h, rstd)
+    with torch.no_grad():
+        y = norm(x)  # transformers' own module
+    close(got_xn[:, :k], y, 1e-6, "normalised")
+    assert torch.equal(got_xn[:, k:], torch.zeros(tokens, stride - k))
+    close(got_h, y.double() @ A.double().T, FLOAT_RTOL, "h = y·Aᵀ")
+    close(got_rstd, torch.rsqrt(x.double().pow(2).mean(-1) + 1e-5), 1e-6, "1/rms")
+    # Codes from our y must be exactly torch's rounding of our y (the GPU's division 127/m may
+    # differ from torch's by an ulp: compare with the kernel's own scale and allow only ties).
+    ours = torch.from_numpy(got_codes.numpy().view(np.int8).reshape(tokens, -1)[:, :k].astype(np.int64))
+    scale = got_meta[:tokens]
+    close(scale, quantise_reference(got_xn[:, :k])[1], 2e-7, "scales")
+    exact = (got_xn[:, :k] * scale[:, None]).round().clamp(-128, 127)
+    flips = ours != exact
+    assert flips.sum() <= 2, f"{int(flips.sum())} codes differ from rounding the kernel's own y·s"
+    sums = got_meta[tokens:].numpy().view(np.int32)
+    assert np.array_equal(sums, ours.sum(1).numpy())
+
+
+def test_rmsnorm_without_quantisation_reads_a_strided_input():
+    g = torch.Generator().manual_seed(5)
+    tokens, k = 4, 48
+    x = torch.randn(tokens, 50, generator=g)  # rows of 50: only the first 48 are features
+    weight = torch.rand(k, generator=g) + 0.5
+    out = poisoned((tokens, 64))
+    (got,) = run([rmsnorm_launch(upload(x.numpy()), upload(weight.numpy()), out, tokens=tokens, k=k, eps=1e-6)], out)
+    close(got[:, :k], rmsnorm_reference(x[:, :k], weight, 1e-6), 1e-6, "final norm")
+
+
+# -- embedding, RoPE ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_embedding_gather_over_vocabulary_chunks(bf16):
+    g = torch.Generator().manual_seed(6)
+    vocab, k = 50, 70
+    weight = torch.randn(vocab, k, generator=g)
+    if bf16:
+        weight = weight.bfloat16()
+    chunks = [upload(float_rows(weight[:30], bf16)), upload(float_rows(weight[30:], bf16))]
+    ids = torch.tensor([0, 29, 30, 49, 7, 7])
+    out = upload(np.zeros((6, 128), np.float32))
+    (got,) = run(embedding_launches(upload(ids.numpy().astype(np.uint32)), chunks, [30, 20], out, tokens=6, k=k,
+                                    bf16=bf16), out)
+    assert torch.equal(got[:, :k], embedding_reference(ids, weight))
+
+
+def test_rope_matches_transformers_and_fills_the_caches():
+    from transformers import BitNetConfig
+    from transformers.models.bitnet.modeling_bitnet import BitNetRotaryEmbedding, apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(7)
+    batch, T, heads, kv_heads, d, cache_len, pos = 2, 5, 4, 2, 16, 12, 3
+    config = BitNetConfig(hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          max_position_embeddings=cache_len)
+    cos, sin = BitNetRotaryEmbedding(config)(torch.zeros(1), torch.arange(cache_len)[None])
+    q_size, kv_size = heads * d, kv_heads * d
+    qkv = torch.randn(batch * T, q_size + 2 * kv_size + 3, generator=g)  # +3: a row stride past the features
+    step = upload(np.array([pos, 0, 0, 0], np.uint32))
+    q_rot = poisoned((batch * T, q_size))
+    k_cache, v_cache = (upload(np.zeros((batch, kv_heads, cache_len, d), np.float32)) for _ in range(2))
+    launch = rope_launch(upload(qkv.numpy()), upload(cos[0, :, : d // 2].contiguous().numpy()),
+                         upload(sin[0, :, : d // 2].contiguous().numpy()),
+                         step, q_rot, k_cache, v_cache, tokens=batch * T, tokens_per_seq=T, heads=heads,
+                         kv_heads=kv_heads, head_dim=d, cache_len=cache_len)
+    got_q, got_k, got_v = run([launch], q_rot, k_cache, v_cache)
+    q = qkv[:, :q_size].reshape(batch, T, heads, d).transpose(1, 2)
+    k = qkv[:, q_size:q_size + kv_size].reshape(batch, T, kv_heads, d).transpose(1, 2)
+    v = qkv[:, q_size + kv_size:q_size + 2 * kv_size].reshape(batch, T, kv_heads, d).transpose(1, 2)
+    positions = slice(pos, pos + T)
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos[:, positions], sin[:, positions])
+    close(got_q.reshape(batch, T, heads, d).transpose(1, 2), q_ref, 1e-6, "q")
+    close(got_k[:, :, positions], k_ref, 1e-6, "k")
+    assert torch.equal(got_v[:, :, positions], v)
+    assert not got_k[:, :, :pos].any() and not got_k[:, :, pos + T:].any()  # nothing outside its positions
+    close(rope_reference(q, cos[0, positions], sin[0, positions]), q_ref, 1e-7, "reference")

@@ -1,0 +1,185 @@
+"""The engine's training: every adapter gradient of every layer against PyTorch autograd on
+transformers' modules (with the straight-through backward), the loss, ``loss.backward()``
+through the autograd node, the one-submit optimizer step, and training parity with the torch
+path.
+
+Gradient tolerance: ``ParityCheck``'s 2·n·2^-24 of the largest reference gradient, n the longest
+float32 sum (both sides sum the same products in other orders; each row is a real comparison
+because every lora_B is randomised first). Quantised flavours: torch is fed the engine's int8
+codes, every differing code must be a rounding tie, and there are few
+(``integrations.quantisation``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from torch_wgpu_lora import BitNetEngine, WgpuAdamW
+from torch_wgpu_lora.integrations.bitnet import lora_modules, lora_parameters
+from torch_wgpu_lora.integrations.gradcheck import check_parity, compare_gradients, randomize_lora_B
+from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE
+from torch_wgpu_lora.integrations.tiny import FLAVOURS
+from torch_wgpu_lora.ops.adamw import adamw_reference
+from torch_wgpu_lora.runtime import get_device
+
+from .test_model import CONFIGS, batch, tiny_model
+
+LOSS_RTOL = 1e-5
+
+
+def labelled_batch(model, lengths, seed=0):
+    ids, mask = batch(model.config.vocab_size, lengths, seed)
+    labels = ids.clone()
+    labels[:, :2] = -100  # a prompt part without loss, as in instruction tuning
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_every_adapter_gradient_matches_autograd(flavour, config):
+    model = tiny_model(flavour, adapters=True, seed=1, **CONFIGS[config])
+    randomize_lora_B(model, seed=2)
+    engine = BitNetEngine(model)
+    data = labelled_batch(model, [11, 6, 9])
+    parity = check_parity(model, data, engine=engine)
+    report = parity.report
+    assert all(not row.reference_zero for row in report.rows), "a row compares nothing"
+    assert len(report.rows) == 2 * len(lora_modules(model))
+    assert report.max_rel_error <= parity.tolerance, str(parity)
+    assert report.loss_difference <= LOSS_RTOL * abs(report.loss_torch)
+    if flavour != "dense":
+        assert report.codes > 0 and report.flips <= FLIP_SHARE * report.codes
+    assert parity.passed
+
+
+def test_loss_backward_fills_grad_through_the_autograd_node():
+    model = tiny_model("packed", adapters=True, seed=3)
+    randomize_lora_B(model, seed=4)
+    engine = BitNetEngine(model)
+    data = labelled_batch(model, [10, 8])
+    seen = []
+    params = lora_parameters(model)
+    params[0].register_hook(lambda g: seen.append(g.clone()))  # gradient hooks run
+    out = engine(**data)
+    assert out.logits is None and out.loss.requires_grad
+    (2.0 * out.loss).backward()
+    codes: dict = {}
+    loss, grads = engine.loss_and_grads(data["input_ids"], data["labels"], data["attention_mask"].sum(1).tolist(),
+                                        codes=codes)
+    assert abs(out.loss.item() - loss.item()) == 0
+    for p in params:
+        assert torch.equal(p.grad, 2.0 * grads[p])  # the incoming gradient scales them
+    assert torch.equal(seen[0], params[0].grad)
+    total = torch.nn.utils.clip_grad_norm_(params, 1.0)  # torch's own tools work on them
+    assert math.isfinite(float(total))
+
+
+def test_a_parameter_changed_between_forward_and_backward_is_refused():
+    model = tiny_model("dense", adapters=True)
+    engine = BitNetEngine(model)
+    out = engine(**labelled_batch(model, [6]))
+    with torch.no_grad():
+        lora_parameters(model)[1].add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.loss.backward()
+
+
+def test_logits_come_with_the_loss_when_asked():
+    model = tiny_model("dense", adapters=True)
+    engine = BitNetEngine(model)
+    data = labelled_batch(model, [7, 5])
+    out = engine(**data, return_logits=True)
+    with torch.no_grad():
+        ref = model(**data)
+    assert (out.logits - ref.logits).abs().max() <= 1e-4 * ref.logits.abs().max()
+    assert abs(out.loss.item() - ref.loss.item()) <= LOSS_RTOL * ref.loss.item()
+
+
+def _micro_batches(model, seed):
+    return [labelled_batch(model, lengths, seed=seed + i) for i, lengths in enumerate(([9, 5], [7, 7, 3]))]
+
+
+def test_one_optimizer_step_is_one_submit_and_matches_the_torch_path():
+    # Micro-batches of different shapes, accumulation weighted per labelled token, clipping, AdamW.
+    model = tiny_model("dense", adapters=True, seed=5)
+    randomize_lora_B(model, seed=6)
+    twin = copy.deepcopy(model)
+    engine = BitNetEngine(model)
+    # eps comparable to the gradients (not 1e-7): the update is then proportional to the gradient
+    # rather than its sign, so the check sees the gradient's size too
+    opt = WgpuAdamW(lora_parameters(model), lr=1e-2, eps=1e-3)
+    device = get_device()
+    micro = _micro_batches(model, seed=7)
+    before = device.submits
+    done = engine.train_step(micro, opt, max_grad_norm=0.05)
+    assert device.submits - before == 1
+    # the torch path, step by step, on the twin
+    params = lora_parameters(twin)
+    tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+    loss_sum = 0.0
+    for b in micro:
+        out = twin(**b)
+        n = int((b["labels"][:, 1:] != -100).sum())
+        (out.loss * n / tokens).backward()
+        loss_sum += out.loss.item() * n
+    norm = torch.nn.utils.clip_grad_norm_(params, 0.05)
+    assert abs(done["loss"] - loss_sum / tokens) <= 1e-5 * loss_sum / tokens
+    assert abs(done["grad_norm"] - norm.item()) <= 1e-4 * norm.item() and done["tokens"] == tokens
+    for p in params:
+        adamw_reference(p.data, p.grad, torch.zeros_like(p), torch.zeros_like(p), step=1, lr=1e-2,
+                        betas=(0.9, 0.999), eps=1e-3, weight_decay=0.01)
+    engine.adapters.pull()
+    for ours, theirs in zip(lora_parameters(model), params):
+        assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+
+
+def test_twenty_engine_steps_match_twenty_torch_steps():
+    """The engine with WgpuAdamW against the torch path with torch.optim.AdamW, from one start.
+    Tolerance 1e-4 of each adapter tensor's scale after 20 steps: each step's gradients agree
+    to ~1e-6 (float32 orders), and Adam's normalised updates carry such differences forward
+    without growing them much over 20 steps; a wrong gradient or update is off by O(1)."""
+    model = tiny_model("dense", adapters=True, seed=8)
+    randomize_lora_B(model, seed=9)
+    twin = copy.deepcopy(model)
+    engine = BitNetEngine(model)
+    ours = WgpuAdamW(lora_parameters(model), lr=5e-3, eps=1e-3)  # eps: see the one-step test
+    theirs = torch.optim.AdamW(lora_parameters(twin), lr=5e-3, eps=1e-3, weight_decay=0.01, foreach=False)
+    for step in range(20):
+        micro = _micro_batches(model, seed=100 + step)
+        engine.train_step(micro, ours, max_grad_norm=1.0)
+        tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+        for b in micro:
+            n = int((b["labels"][:, 1:] != -100).sum())
+            (twin(**b).loss * n / tokens).backward()
+        torch.nn.utils.clip_grad_norm_(lora_parameters(twin), 1.0)
+        theirs.step()
+        theirs.zero_grad()
+    engine.adapters.pull()
+    for a, b in zip(lora_parameters(model), lora_parameters(twin)):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    # the optimizer's state reads back like torch's
+    state = ours.state_dict()["state"]
+    for i, p in enumerate(lora_parameters(twin)):
+        assert state[i]["step"].item() == 20
+        ref = theirs.state[p]["exp_avg"]
+        assert (state[i]["exp_avg"] - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_a_non_finite_step_is_skipped_on_the_gpu():
+    model = tiny_model("dense", adapters=True, seed=10)
+    engine = BitNetEngine(model)
+    opt = WgpuAdamW(lora_parameters(model), lr=1e-2)
+    with torch.no_grad():
+        lora_modules(model)["model.layers.0.self_attn.q_proj"].lora_B[0, 0] = float("nan")
+    before = [p.detach().clone() for p in lora_parameters(model)]
+    done = engine.train_step(_micro_batches(model, seed=11), opt, max_grad_norm=1.0)
+    assert done["skipped"] and done["loss"] is None
+    engine.adapters.pull()
+    for p, b in zip(lora_parameters(model), before):
+        assert torch.equal(p, b) or (torch.isnan(p) == torch.isnan(b)).all()
+    assert opt.state_dict()["state"][0]["step"].item() == 0

@@ -1,0 +1,372 @@
+"""The whole model at BitNet-2B-4T shapes: the engine against HF transformers + PEFT, one process.
+
+Random weights built in memory (nothing is downloaded): the packed flavour of
+microsoft/bitnet-b1.58-2B-4T (ternary ``BitLinear`` layers, bf16 embeddings, tied head) for
+the engine; for the user's alternative, the same shapes as a dense bf16 ``BitNetForCausalLM``
+with PEFT's LoRA on CUDA when torch has CUDA. Both carry r=8 adapters on q_proj and v_proj.
+
+Figures: prefill tok/s (the prompt pass of generation, last position's logits), decode tok/s
+(``new_tokens`` greedy tokens after a ``prompt``-token prompt), GPU time per pass and per
+kernel family from timestamp queries, dispatches per layer and per decoded token, host time
+per decoded token not hidden behind GPU work, and memory (the engine's own allocations;
+torch's peak on CUDA).
+
+>>> # python -m benchmarks.engine --out $OUT/engine --layers 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..runtime import Recorder, get_device, write
+
+Log = Callable[[str], None]
+
+
+def bitnet_2b_config(layers: int = 30, **overrides: Any) -> Any:
+    """BitNet-2B-4T's shapes: hidden 2560, 20 heads / 5 KV heads, FFN 6912, vocab 128256."""
+    from transformers import BitNetConfig
+
+    settings = dict(hidden_size=2560, intermediate_size=6912, num_hidden_layers=layers, num_attention_heads=20,
+                    num_key_value_heads=5, vocab_size=128256, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                    tie_word_embeddings=True, hidden_act="relu2")  # RoPE θ: BitNetConfig's default, 500000
+    settings.update(overrides)
+    return BitNetConfig(**settings)
+
+
+@torch.no_grad()
+def packed_model(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.nn.Module:
+    """A ``BitNetForCausalLM`` with packed ternary ``BitLinear`` projections and random weights,
+    built in memory without initialising the dense weights it replaces."""
+    from transformers import BitNetForCausalLM
+    from transformers.integrations.bitnet import BitLinear
+    from transformers.models.bitnet.modeling_bitnet import BitNetRotaryEmbedding
+
+    from ..integrations.bitnet import PROJECTIONS, projection
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = BitNetForCausalLM(config)
+    for layer in model.model.layers:
+        for name in PROJECTIONS:
+            dense = projection(layer, name)
+            packed = BitLinear(dense.in_features, dense.out_features, bias=False, dtype=dtype)
+            codes = torch.randint(0, 3, (4, *packed.weight.shape), generator=g, dtype=torch.uint8)
+            packed.weight.copy_(codes[0] | (codes[1] << 2) | (codes[2] << 4) | (codes[3] << 6))
+            packed.weight_scale.fill_(dense.in_features ** 0.5 / 8)  # keeps activations O(1) through 30 layers
+            parent = layer.self_attn if name in PROJECTIONS[:4] else layer.mlp
+            setattr(parent, name, packed)
+    model.to_empty(device="cpu")
+    model.model.embed_tokens.weight.copy_((torch.randn(model.model.embed_tokens.weight.shape, generator=g) * 0.02)
+                                          .to(model.model.embed_tokens.weight.dtype))
+    model.to(dtype)
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.weight.fill_(1.0)
+    model.model.rotary_emb = BitNetRotaryEmbedding(config)
+    model.tie_weights()
+    return model.eval()
+
+
+def _with_adapters(model: torch.nn.Module, rank: int, seed: int) -> torch.nn.Module:
+    from ..integrations.bitnet import apply_lora
+
+    apply_lora(model, r=rank, lora_alpha=2 * rank, target_modules=("q_proj", "v_proj"), seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+    return model
+
+
+def _families(kernel_times: list[tuple[str, float]]) -> dict[str, float]:
+    """GPU µs by kernel entry point."""
+    out: dict[str, float] = defaultdict(float)
+    for name, seconds in kernel_times:
+        out[name] += seconds * 1e6
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def measure_engine(model: torch.nn.Module, prompt: int, new_tokens: int, prefill_tokens: int, repeats: int,
+                   tokens_per_submit: int, log: Log) -> tuple[dict[str, Any], Any]:
+    from ..engine import BitNetEngine
+    from ..engine.generate import engine_generate, session
+
+    start = time.perf_counter()
+    engine = BitNetEngine(model)
+    upload_s = time.perf_counter() - start
+    device = engine.device
+    vocab = engine.engine_config.vocab
+    out: dict[str, Any] = {"upload_s": upload_s, "weights_bytes": engine.weights.nbytes,
+                           "adapter_bytes": engine.adapters.params.nbytes}
+    log(f"engine built in {upload_s:.1f} s; weights {engine.weights.nbytes / 2**30:.2f} GiB on the GPU")
+
+    # prefill: a prompt of prefill_tokens, last position's logits, as generation runs it
+    s = session(engine, prefill_tokens, 1)
+    g = torch.Generator().manual_seed(1)
+    write(s.prefill.ids, torch.randint(0, vocab, (prefill_tokens,), generator=g).numpy().astype(np.uint32))
+    s.cache.set_position(0, [prefill_tokens])
+    gpu, wall = [], []
+    for i in range(repeats + 2):
+        rec = Recorder(device, timestamps=True)
+        t0 = time.perf_counter()
+        s.prefill.record(rec)
+        seconds = rec.submit()
+        if i >= 2:
+            wall.append(time.perf_counter() - t0)
+            gpu.append(seconds)
+    out["prefill"] = {"tokens": prefill_tokens, "wall_ms": statistics.median(wall) * 1e3,
+                      "gpu_ms": statistics.median(gpu) * 1e3 if gpu[0] else None,
+                      "tok_per_s": prefill_tokens / statistics.median(wall), "dispatches": s.prefill.dispatches}
+    rec = Recorder(device, per_dispatch=True)
+    s.prefill.record(rec)
+    rec.submit()
+    out["prefill"]["kernels_us"] = _families(rec.kernel_times)
+    log(f"prefill {prefill_tokens}: {out['prefill']}")
+    del s
+    gc.collect()
+
+    # decode: new_tokens greedy tokens after a prompt of `prompt` tokens
+    prompt_ids = torch.randint(0, vocab, (prompt,), generator=g).tolist()
+    engine_generate(engine, prompt_ids, new_tokens, set(), tokens_per_submit=tokens_per_submit)  # warm-up
+    walls = []
+    for _ in range(max(1, repeats // 2)):
+        t0 = time.perf_counter()
+        tokens, _ = engine_generate(engine, prompt_ids, new_tokens, set(), tokens_per_submit=tokens_per_submit)
+        walls.append(time.perf_counter() - t0)
+    wall = statistics.median(walls)
+    s = session(engine, prompt, new_tokens)
+    write(s.prefill.ids, np.asarray(prompt_ids, np.uint32))
+    s.cache.set_position(prompt + 1, [prompt + 2])
+    write(s.next_token, np.array([tokens[0]], np.uint32))
+    step_gpu, encode = [], []
+    for i in range(6):  # one decode step on its own: GPU time, and host time to record it
+        rec = Recorder(device, timestamps=True)
+        t0 = time.perf_counter()
+        s.decode.record(rec)
+        for launch in s.decode_sampling:
+            rec.launch(launch)
+        encode.append(time.perf_counter() - t0)
+        step_gpu.append(rec.submit())
+    rec = Recorder(device, per_dispatch=True)
+    s.decode.record(rec)
+    for launch in s.decode_sampling:
+        rec.launch(launch)
+    rec.submit()
+    per_token_gpu = statistics.median(step_gpu[2:]) if step_gpu[0] else None
+    layers = engine.engine_config.layers
+    out["decode"] = {"prompt": prompt, "new_tokens": new_tokens, "wall_s": wall, "tok_per_s": new_tokens / wall,
+                     "tokens_per_submit": tokens_per_submit,
+                     "gpu_ms_per_token": per_token_gpu * 1e3 if per_token_gpu else None,
+                     "encode_ms_per_token": statistics.median(encode[2:]) * 1e3,
+                     "dispatches_per_token": s.decode.dispatches + len(s.decode_sampling),
+                     "dispatches_per_layer": (s.decode.dispatches - 1 - 2) / layers,
+                     "kernels_us": _families(rec.kernel_times)}
+    if per_token_gpu:
+        hidden = max(0.0, wall / new_tokens - per_token_gpu)
+        out["decode"]["host_ms_not_hidden_per_token"] = hidden * 1e3
+        out["decode"]["host_share_of_token_wall"] = hidden / (wall / new_tokens)
+    log(f"decode: {out['decode']}")
+    return out, engine
+
+
+def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...], steps: int,
+                            log: Log) -> dict[str, Any]:
+    """Training tok/s of whole optimizer steps (batch 1, every token labelled), GPU time per step
+    and per kernel, and the runtime's peak GPU memory."""
+    from ..integrations.bitnet import lora_parameters
+    from ..training.optim import WgpuAdamW
+
+    from ..runtime.buffers import pool_for
+
+    optimizer = WgpuAdamW(lora_parameters(model), lr=1e-4)
+    g = torch.Generator().manual_seed(2)
+    out: dict[str, Any] = {}
+    engine._plans.clear()  # the generation plans' buffers: not part of training's memory
+    gc.collect()
+    pool_for(engine.device).release()
+    engine.device.peak_allocated = engine.device.allocated
+    for seq in seqs:
+        ids = torch.randint(0, engine.engine_config.vocab, (1, seq), generator=g)
+        micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
+        engine.train_step(micro, optimizer, 1.0)  # warm-up: plan, pipelines
+        walls = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            done = engine.train_step(micro, optimizer, 1.0)
+            walls.append(time.perf_counter() - t0)
+        wall = statistics.median(walls)
+        plan = engine.train_plan(1, seq, 1)
+        rec = Recorder(engine.device, per_dispatch=True)
+        rec.clear(plan.grads)
+        plan.record(rec, 0)
+        rec.submit()
+        kernels = _families(rec.kernel_times)
+        gpu_us = sum(kernels.values())
+        lora_us = sum(us for name, us in kernels.items() if name.startswith("lora_grad"))
+        out[str(seq)] = {"step_s": wall, "tok_per_s": seq / wall, "loss": done["loss"],
+                         "dispatches": plan.dispatches, "gpu_ms_profiled": gpu_us / 1e3,
+                         "lora_grad_kernels_share": lora_us / gpu_us if gpu_us else None, "kernels_us": kernels}
+        log(f"engine training seq {seq}: {seq / wall:.0f} tok/s ({wall * 1e3:.1f} ms/step)")
+    out["peak_gpu_bytes"] = engine.device.peak_allocated
+    return out
+
+
+def measure_hf_peft_training(config: Any, seqs: tuple[int, ...], steps: int, log: Log) -> dict[str, Any] | None:
+    """HF transformers + PEFT training steps on CUDA in bf16 (AdamW on the adapters), batch 1."""
+    if not torch.cuda.is_available():
+        return None
+    from peft import LoraConfig, get_peft_model
+    from transformers import BitNetForCausalLM
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.device("cuda"):
+        model = BitNetForCausalLM(config).to(torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    g = torch.Generator().manual_seed(2)
+    out: dict[str, Any] = {}
+    for seq in seqs:
+        ids = torch.randint(0, config.vocab_size, (1, seq), generator=g).cuda()
+
+        def step() -> None:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()
+        torch.cuda.synchronize()
+        walls = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+        wall = statistics.median(walls)
+        out[str(seq)] = {"step_s": wall, "tok_per_s": seq / wall}
+        log(f"HF + PEFT training seq {seq}: {seq / wall:.0f} tok/s")
+    out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return out
+
+
+def measure_hf_peft(config: Any, prompt: int, new_tokens: int, prefill_tokens: int, repeats: int,
+                    log: Log) -> dict[str, Any] | None:
+    """HF transformers + PEFT on torch CUDA in bf16 (dense BitNet shapes), or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from peft import LoraConfig, get_peft_model
+    from transformers import BitNetForCausalLM
+
+    torch.cuda.reset_peak_memory_stats()
+    with torch.device("cuda"):
+        model = BitNetForCausalLM(config).to(torch.bfloat16).eval()
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (1, prefill_tokens), generator=g).cuda()
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    with torch.no_grad():
+        for _ in range(2):
+            model(input_ids=ids, logits_to_keep=1)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(input_ids=ids, logits_to_keep=1)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out["prefill"] = {"tokens": prefill_tokens, "wall_ms": statistics.median(times) * 1e3,
+                          "tok_per_s": prefill_tokens / statistics.median(times)}
+        short = ids[:, :prompt]
+        model.generate(input_ids=short, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(input_ids=short, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    out["decode"] = {"prompt": prompt, "new_tokens": new_tokens, "wall_s": wall, "tok_per_s": new_tokens / wall}
+    out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+    log(f"HF + PEFT ({out['device']}): {out}")
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="benchmarks/out/engine", help="folder for engine.json")
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers (default: BitNet-2B's 30)")
+    parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill figure")
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens before decoding")
+    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens decoded")
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--tokens-per-submit", type=int, default=8)
+    parser.add_argument("--no-hf", action="store_true", help="skip HF transformers + PEFT")
+    parser.add_argument("--train", default="512,256", help="training sequence lengths ('' to skip)")
+    parser.add_argument("--train-steps", type=int, default=3)
+    parser.add_argument("--small", action="store_true", help="a small model (for a CPU adapter): hidden 256, "
+                        "4 layers, vocab 4096")
+    args = parser.parse_args(argv)
+    log = print
+    device = get_device()
+    config = (bitnet_2b_config(args.layers, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=4096, bos_token_id=0, eos_token_id=1)
+              if args.small else bitnet_2b_config(args.layers))
+    log(f"adapter: {device.name}; model: {config.num_hidden_layers} layers, hidden {config.hidden_size}")
+    result: dict[str, Any] = {"adapter": device.name, "layers": config.num_hidden_layers,
+                              "hidden": config.hidden_size, "vocab": config.vocab_size}
+    t0 = time.perf_counter()
+    model = _with_adapters(packed_model(config), 8, seed=0)
+    log(f"packed model built in {time.perf_counter() - t0:.1f} s")
+    folder = Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every part: a run stopped by a time limit keeps what it measured
+        (folder / "engine.json").write_text(json.dumps(result, indent=1))
+
+    seqs = tuple(int(x) for x in args.train.split(",") if x)
+    engine_result, engine = measure_engine(model, args.prompt, args.new_tokens, args.prefill, args.repeats,
+                                           args.tokens_per_submit, log)
+    result["engine"] = engine_result
+    save()
+    if seqs:
+        result["engine_training"] = measure_engine_training(model, engine, seqs, args.train_steps, log)
+        save()
+    del model, engine
+    gc.collect()
+    if not args.no_hf:
+        result["hf_peft"] = measure_hf_peft(config, args.prompt, args.new_tokens, args.prefill, args.repeats, log)
+        save()
+        if seqs:
+            result["hf_peft_training"] = measure_hf_peft_training(config, seqs, args.train_steps, log)
+            save()
+    hf, hf_train = result.get("hf_peft"), result.get("hf_peft_training")
+    ratios = {}
+    if hf:
+        ratios["prefill_tok_per_s"] = result["engine"]["prefill"]["tok_per_s"] / hf["prefill"]["tok_per_s"]
+        ratios["decode_tok_per_s"] = result["engine"]["decode"]["tok_per_s"] / hf["decode"]["tok_per_s"]
+    if hf_train:
+        for seq in seqs:
+            ratios[f"training_tok_per_s_{seq}"] = (result["engine_training"][str(seq)]["tok_per_s"]
+                                                   / hf_train[str(seq)]["tok_per_s"])
+        ratios["peak_memory"] = result["engine_training"]["peak_gpu_bytes"] / hf_train["peak_memory_bytes"]
+    result["ratios"] = ratios
+    save()
+    log(json.dumps(ratios, indent=1))
+    return 0

@@ -1,0 +1,89 @@
+"""How the benchmarks take a time: GPU time from timestamp queries, wall time, copy bandwidth.
+
+Two wall times, for two questions:
+
+* ``median_wall``: the latency of one call, the median of individually timed calls
+  (each one followed by ``finish``).
+* ``steady_wall``: the steady-state cost of a call when calls run back to back (one
+  ``finish`` at the end), i.e. the total over the count: a mean by construction, which
+  is what a pipelined device-resident loop costs per iteration.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+from ..runtime import Buffer, Recorder, get_device, kernel
+
+
+def _nothing() -> None:
+    pass
+
+
+def median_wall(fn: Callable[[], None], iters: int, finish: Callable[[], None] = _nothing, warmup: int = 1,
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median wall seconds of ``iters`` calls of ``fn``, each timed on its own up to the end
+    of ``finish()`` (after ``warmup`` untimed calls)."""
+    for _ in range(warmup):
+        fn()
+        finish()
+    times = []
+    for _ in range(iters):
+        start = clock()
+        fn()
+        finish()
+        times.append(clock() - start)
+    return statistics.median(times)
+
+
+def steady_wall(fn: Callable[[], None], iters: int, finish: Callable[[], None] = _nothing,
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """Wall seconds per call over ``iters`` back-to-back calls of ``fn`` and one ``finish()``
+    at the end (after one untimed warm-up call): the steady-state mean, not a median."""
+    fn()
+    finish()
+    start = clock()
+    for _ in range(iters):
+        fn()
+    finish()
+    return (clock() - start) / iters
+
+
+def _timed_recordings(record: Callable[[Recorder], None], repeats: int, warmup: int,
+                      per_dispatch: bool) -> list[tuple[Recorder, float | None]]:
+    runs = []
+    for i in range(warmup + repeats):
+        rec = Recorder(timestamps=True, per_dispatch=per_dispatch)
+        record(rec)
+        seconds = rec.submit()
+        if i >= warmup:
+            runs.append((rec, seconds))
+    return runs
+
+
+def gpu_times(record: Callable[[Recorder], None], repeats: int, warmup: int = 2) -> list[float]:
+    """GPU seconds of ``repeats`` recordings of ``record(rec)``, each submitted on its own
+    after ``warmup`` untimed ones (compiles, pools, caches); empty without ``timestamp-query``."""
+    return [seconds for _, seconds in _timed_recordings(record, repeats, warmup, False) if seconds is not None]
+
+
+def kernel_times(record: Callable[[Recorder], None], repeats: int,
+                 warmup: int = 2) -> list[list[tuple[str, float]]]:
+    """Per launch (kernel name, GPU seconds) of ``repeats`` recordings of ``record(rec)``, after
+    ``warmup`` untimed ones; each list is empty without ``timestamp-query``."""
+    return [rec.kernel_times for rec, _ in _timed_recordings(record, repeats, warmup, True)]
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float | None:
+    """Bytes/s of a GPU buffer-to-buffer copy (read + write counted), from timestamps."""
+    device = get_device()
+    if not device.has_timestamps:
+        return None
+    nbytes = min(nbytes, device.max_binding)
+    src, dst = Buffer((nbytes // 4,)), Buffer((nbytes // 4,))
+    k = kernel("copy.wgsl", "copy", device)
+    grid = (min(device.max_workgroups, -(-nbytes // (16 * 256 * 4))), 1, 1)
+    times = gpu_times(lambda rec: rec.dispatch(k, grid, (src, dst), (nbytes // 16,)), repeats, warmup=1)
+    return 2 * nbytes / statistics.median(times)

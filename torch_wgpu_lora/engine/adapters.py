@@ -1,0 +1,255 @@
+"""The model's LoRA adapters as the engine's kernels read them, kept equal to the torch Parameters.
+
+Each decoder layer has four inputs that projections read, each produced by a norm kernel:
+
+    site "attn"  (input_layernorm)          → q_proj, k_proj, v_proj   (one fused projection)
+    site "o"     (attn_sub_norm)            → o_proj
+    site "mlp"   (post_attention_layernorm) → gate_proj, up_proj       (one fused, rows interleaved)
+    site "down"  (ffn_sub_norm)             → down_proj
+
+Every adapter value lives in one flat float32 buffer, ``params``: per site, the A matrices
+of its adapters stacked ([ranks, K64]: the norm kernel computes every h = A·x of the site
+at once), then each adapter's B ([out, r], torch's own layout). Each region starts on a
+256-byte boundary so kernels can bind it as a view. A site's projection gets a small
+header table (``bitlinear.lora_table``): a segment per adapter naming its output rows, its
+columns of h, its scale and where its B lies in ``params``. Gradients, when training, use
+the same layout in ``grads``, so one AdamW launch updates every adapter.
+
+The Parameters are shared, not copied. Before every call ``sync`` compares each one with
+the values last uploaded and writes those that changed (an optimizer step, ``load_adapter``,
+any in-place edit), so the engine never drifts from them. When the engine itself updates
+``params`` (training with the GPU optimizer), ``pull`` writes the values back.
+
+>>> # adapters = EngineAdapters(model, config, device); adapters.sync()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..integrations.bitnet import projection
+from ..modules import LoRALinear
+from ..runtime import Buffer, Device, Recorder, upload, write
+from .config import EngineConfig, pad
+from .kernels.bitlinear import lora_table
+
+SITES = {"attn": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "mlp": ("gate_proj", "up_proj"),
+         "down": ("down_proj",)}
+_ALIGN = 64  # floats: 256 bytes, the largest offset alignment adapters ask of views
+
+
+@dataclass
+class Adapter:
+    """One LoRALinear as the engine places it."""
+
+    module: LoRALinear
+    layer: int
+    name: str
+    a_row: int  # first row of its A in the site's stacked A (= its first column of h)
+    b_offset: int  # where its B [out, r] starts in ``params`` (floats)
+    segment: int  # its header's index in the site's table
+    rows: tuple[int, int, int]  # (first, end, step) of its output rows in the fused projection
+
+
+@dataclass
+class Site:
+    """One norm site of one layer: its stacked A (a view of ``params``) and the header table of
+    the projection it feeds."""
+
+    k: int
+    rank: int  # total rank (rows of A, columns of h)
+    a_offset: int  # floats into ``params``
+    a: Buffer | None
+    table: Buffer | None
+    segments: int
+    adapters: list[Adapter]
+
+
+def rows_of(config: EngineConfig, name: str) -> tuple[int, int, int]:
+    """(first row, end row, step) of a projection's outputs in its site's fused projection."""
+    q, kv, f = config.q_size, config.kv_size, config.intermediate
+    return {"q_proj": (0, q, 1), "k_proj": (q, q + kv, 1), "v_proj": (q + kv, q + 2 * kv, 1),
+            "o_proj": (0, config.hidden, 1), "gate_proj": (0, 2 * f, 2), "up_proj": (1, 2 * f, 2),
+            "down_proj": (0, config.hidden, 1)}[name]
+
+
+class EngineAdapters:
+    """Every adapter of the model on the GPU, by layer and site, synced with the Parameters."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig, device: Device) -> None:
+        self.config, self.device = config, device
+        self.sites: list[dict[str, Site]] = []
+        size = 0
+        for index, layer in enumerate(model.model.layers[: config.layers]):
+            sites = {}
+            for site, names in SITES.items():
+                k = config.intermediate if site == "down" else config.hidden
+                modules = [(n, projection(layer, n)) for n in names]
+                modules = [(n, m) for n, m in modules if isinstance(m, LoRALinear)]
+                rank = sum(m.r for _, m in modules)
+                a_offset, size = size, size + pad(rank * pad(k, 64), _ALIGN)
+                adapters, a_row = [], 0
+                for n, m in modules:
+                    adapters.append(Adapter(m, index, n, a_row, size, len(adapters), rows_of(config, n)))
+                    a_row += m.r
+                    size += pad(m.lora_B.numel(), _ALIGN)
+                sites[site] = Site(k, rank, a_offset, None, None, len(adapters), adapters)
+            self.sites.append(sites)
+        self.size = max(size, _ALIGN)
+        self.params = Buffer((self.size,), device=device)
+        self._grads: Buffer | None = None
+        for sites in self.sites:
+            for site in sites.values():
+                if site.rank:
+                    site.a = Buffer.view(self.params.gpu, self.params.serial, self.params.offset + 4 * site.a_offset,
+                                         (site.rank, pad(site.k, 64)), "f32", device)
+                    site.table = upload(lora_table(self._segments(site)), device)
+        self.modules = [a.module for sites in self.sites for s in sites.values() for a in s.adapters]
+        self._uploaded: dict[int, torch.Tensor] = {}  # id(parameter) -> the values on the GPU
+        self._scaling: dict[int, float] = {}  # id(module) -> the scaling in its segment header
+        self.gpu_is_newer = False  # set when the engine's own optimizer step changed ``params``
+        rec = Recorder(device)
+        rec.clear(self.params)  # padding between regions reads as zero
+        rec.submit()
+        self.sync(force=True)
+
+    @staticmethod
+    def _segments(site: Site) -> list[tuple]:
+        return [(*a.rows[:3], a.a_row, a.module.scaling, a.b_offset, a.module.r) for a in site.adapters]
+
+    @property
+    def max_rank(self) -> int:
+        return max((s.rank for sites in self.sites for s in sites.values()), default=0)
+
+    @property
+    def adapters(self) -> list[Adapter]:
+        return [a for sites in self.sites for s in sites.values() for a in s.adapters]
+
+    def grads(self) -> Buffer:
+        """The gradient buffer, laid out like ``params`` (made on first use)."""
+        if self._grads is None:
+            self._grads = Buffer((self.size,), device=self.device)
+        return self._grads
+
+    def check_trainable(self) -> None:
+        """The engine applies no dropout: refuse adapters that would, in training mode."""
+        for m in self.modules:
+            if m.training and not isinstance(m.lora_dropout, nn.Identity):
+                raise ValueError(f"BitNetEngine does not apply LoRA dropout (lora_dropout={m.lora_dropout.p}); "
+                                 "use lora_dropout=0, or eval mode")
+
+    def _changed(self, t: torch.Tensor) -> bool:
+        last = self._uploaded.get(id(t))
+        return last is None or not torch.equal(last, t.detach())
+
+    def _site_of(self, adapter: Adapter) -> Site:
+        return next(s for s in self.sites[adapter.layer].values() if adapter in s.adapters)
+
+    def sync(self, force: bool = False) -> int:
+        """Upload every adapter tensor whose values changed since its last upload; returns how many.
+
+        After the engine's own optimizer steps the GPU holds newer values than the Parameters:
+        they are pulled first, so nothing is lost (a Parameter edited in the meantime wins)."""
+        if self.gpu_is_newer and not force:
+            self.pull()
+        count = 0
+        for adapter in self.adapters:
+            m, site = adapter.module, self._site_of(adapter)
+            if m.merged:
+                raise ValueError(f"layer {adapter.layer} {adapter.name}: the adapter is merged into its base weight, "
+                                 "which the engine has already uploaded; unmerge it")
+            if force or self._scaling.get(id(m)) != m.scaling:  # load_adapter may bring another alpha
+                word = np.array([m.scaling], np.float32).view(np.uint32)
+                write(site.table, word, offset=(8 * adapter.segment + 6) * 4)
+                self._scaling[id(m)] = m.scaling
+            if force or self._changed(m.lora_A):
+                a = np.zeros((m.r, pad(site.k, 64)), np.float32)
+                a[:, : site.k] = m.lora_A.detach().float().numpy()
+                write(self.params, a, offset=4 * (site.a_offset + adapter.a_row * a.shape[1]))
+                self._uploaded[id(m.lora_A)] = m.lora_A.detach().clone()
+                count += 1
+            if force or self._changed(m.lora_B):
+                b = np.ascontiguousarray(m.lora_B.detach().float().numpy().reshape(-1))
+                write(self.params, b, offset=4 * adapter.b_offset)
+                self._uploaded[id(m.lora_B)] = m.lora_B.detach().clone()
+                count += 1
+        return count
+
+    def read(self, buffer: Buffer, rec: Recorder) -> dict[torch.Tensor, torch.Tensor]:
+        """Record reading ``buffer`` (``params`` or ``grads``) back as one tensor per Parameter:
+        returns {parameter: values}, filled when ``rec`` is submitted."""
+        out: dict[torch.Tensor, torch.Tensor] = {}
+        where = []
+        for adapter in self.adapters:
+            m, site = adapter.module, self._site_of(adapter)
+            where.append((m.lora_A, site.a_offset + adapter.a_row * pad(site.k, 64), pad(site.k, 64), site.k))
+            where.append((m.lora_B, adapter.b_offset, m.lora_B.shape[1], m.lora_B.shape[1]))
+
+        def sink(flat: np.ndarray) -> None:
+            for param, offset, stride, width in where:
+                rows = param.shape[0]
+                out[param] = torch.from_numpy(flat[offset: offset + rows * stride].reshape(rows, stride)[:, :width].copy())
+
+        rec.read(buffer, sink)
+        return out
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        """Write the GPU's adapter values into the Parameters (after the engine's optimizer steps).
+
+        A Parameter that was changed in torch since its last upload keeps its new value (it will
+        be uploaded by the next ``sync``). Each copy bumps the Parameter's version, as an optimizer
+        step does."""
+        if not self.gpu_is_newer:
+            return
+        rec = Recorder(self.device)
+        values = self.read(self.params, rec)
+        rec.submit()
+        for param, value in values.items():
+            if self._changed(param):
+                continue
+            param.copy_(value.to(param.dtype))
+            self._uploaded[id(param)] = param.detach().clone()
+        self.gpu_is_newer = False
+
+    def views(self, buffers: tuple[Buffer, ...]) -> dict[torch.Tensor, tuple]:
+        """For each Parameter, ("rows4" or "flat", its view in each of ``buffers``): flat buffers laid
+        out like ``params`` (optimizer moments) seen per Parameter."""
+        out = {}
+        for adapter in self.adapters:
+            m, site = adapter.module, self._site_of(adapter)
+            width = pad(site.k, 64)
+            a_at, b_at = site.a_offset + adapter.a_row * width, adapter.b_offset
+            out[m.lora_A] = ("rows4", *(Buffer.view(b.gpu, b.serial, b.offset + 4 * a_at, (m.r, width), "f32",
+                                                    self.device) for b in buffers))
+            out[m.lora_B] = ("flat", *(Buffer.view(b.gpu, b.serial, b.offset + 4 * b_at, (m.lora_B.numel(),), "f32",
+                                                   self.device) for b in buffers))
+        return out
+
+    def load_moments(self, optimizer, flat: tuple[Buffer, Buffer]) -> None:
+        """Copy ``optimizer``'s per-Parameter moments (a WgpuAdamW's, e.g. after ``load_state_dict``)
+        into the flat buffers; Parameters without moments start from zero."""
+        from ..runtime.tensors import into
+
+        rec = Recorder(self.device)
+        values = []
+        for param, (layout, m, v) in list(optimizer._moments.items()):
+            pair = (torch.empty_like(param), torch.empty_like(param))
+            rec.read(m, into(pair[0], layout))
+            rec.read(v, into(pair[1], layout))
+            values.append((param, pair))
+        rec.submit()
+        views = self.views(flat)
+        for param, pair in values:
+            layout = views[param][0]
+            for t, target in zip(pair, views[param][1:]):
+                if layout == "rows4":
+                    rows = np.zeros(target.shape, np.float32)
+                    rows[:, : t.shape[1]] = t.numpy()
+                else:
+                    rows = np.ascontiguousarray(t.numpy().reshape(-1))
+                write(target, rows)

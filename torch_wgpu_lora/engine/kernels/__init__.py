@@ -1,0 +1,19 @@
+"""The engine's kernel families: one module per WGSL file, each with its launch builders and
+the torch reference of the same math beside them.
+
+Conventions shared by every family:
+
+* Activations are float32, row-major, token-major: ``[tokens, features]`` with tokens
+  ordered batch-major (``b * T + t``).
+* A family's builder returns ``runtime.Launch`` objects (bind groups built once). A plan
+  builds them once per shape and records them on every step; nothing is allocated then.
+* Values that change from step to step (positions, lengths, token ids) are never baked
+  into uniforms: kernels read them from small storage buffers the plan writes once per
+  step, or that other kernels update on the GPU (decoding several tokens per submit).
+* The step buffer (``u32``, see ``STEP_FIELDS``) holds the absolute position of the first
+  token of this pass at ``STEP_POS``; the lengths buffer (``u32 [batch]``) holds, per
+  sequence, how many key positions are valid (cache included).
+"""
+
+STEP_FIELDS = ("pos", "seed", "token_count", "reserved")
+STEP_POS, STEP_SEED, STEP_TOKEN_COUNT = 0, 1, 2

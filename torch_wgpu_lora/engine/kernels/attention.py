@@ -1,0 +1,416 @@
+"""Causal grouped-query attention over a KV cache (``attention.wgsl``), and its torch reference.
+
+The math is transformers' ``eager_attention_forward`` with ``repeat_kv``, in float32: for
+sequence ``b``, query token ``i`` at absolute position ``p = pos + i`` (``pos`` read from the
+step buffer at ``STEP_POS``) and query head ``h`` (KV head ``g = h // (heads // kv_heads)``)::
+
+    lim    = min(p, lengths[b] - 1)                       # the last key the query sees
+    s_j    = scale * q[b, i, h] · K[b, g, j]              for j in 0..lim
+    out    = softmax(s) · V[b, g, 0..lim]                 lse = logsumexp(s)  (natural log)
+
+``lengths[b]`` counts the valid key positions of sequence ``b``, cache included: with right
+padding it is the real length, and a padded query then attends to every real key (HF's
+causal + padding mask); when decoding it is ``pos + 1``. The kernels read it clamped to
+``1..max_len``, so no read leaves the sequence's cache rows.
+
+Layouts (float32): ``q`` and ``out`` ``[batch*tokens, heads*head_dim]`` (``q.view(B, T, H, D)``);
+``k_cache`` and ``v_cache`` ``[batch, kv_heads, max_len, head_dim]``; ``lse``
+``[batch*tokens, heads]``; ``step`` u32 (``STEP_FIELDS``), ``lengths`` u32 ``[batch]``.
+``head_dim`` must be a multiple of 4 (kernels load vec4s).
+
+Launch shapes, built once per plan (``attention_launches``); positions and lengths reach the
+kernels only through the step and lengths buffers, so a plan records the same ``Launch``
+objects at every step:
+
+* **prefill** (``decode=False``, any ``tokens``): one workgroup per (block of ``4*RG`` rows,
+  KV head, sequence), where a row is one (query, head of the KV group) pair: the block's
+  queries *and* the ``heads // kv_heads`` heads that share the KV head read every K/V tile
+  once from workgroup memory. A loop over key tiles of ``BK`` keys keeps an online
+  (flash-attention) softmax, so memory stays bounded for any length; causality bounds the
+  loop per block (a block stops at its last row's key), and the heaviest blocks launch first.
+  Thread (kl, rg, ct) holds 4 rows x 4 vec4 columns of the output in named registers (16 vec4
+  accumulators, no arrays); scores are computed in 4-row x 4-key register blocks from q and k
+  in workgroup memory. ``KL`` key lanes split the head dim for the scores and the tile's keys
+  for P·V, summed once at the end. Tile loads keep four vec4 loads in flight per thread. The
+  tile (``PrefillTile``: RG, BK, KL) is the first of ``_PREFILL_TILES`` whose workgroup memory
+  fits ``max-compute-workgroup-storage-size`` (48 KiB on NVIDIA: 64 rows x 16 keys, 128
+  threads; 32 KiB on lavapipe; WebGPU's default 16 KiB gets 16 rows x 8 keys).
+* **decode** (``decode=True``, few tokens, typically 1): flash-decoding in two launches. The
+  partial launch has a grid of (``splits``, 4-row blocks x KV heads, batch) workgroups of 256
+  threads; each attends to one span of the keys in 64-key tiles (8 threads per key for the
+  scores, one thread per (key lane, vec4 column) for P·V, every cache read coalesced) and
+  writes unnormalised sums and (max, sum) pairs into scratch buffers the builder allocates
+  (kept alive by the Launch's ``keep``). The combine launch (a workgroup per output row)
+  merges the spans.
+
+  How the keys are split: the split *count* is fixed at plan time (``decode_splits``: from
+  ``max_len`` and the workgroups the adapter wants, enough to fill a GPU even with 5 KV heads
+  and batch 1), and the span *size* is computed on the GPU at every step from the lengths
+  buffer, ``ceil(n / splits)`` rounded up to a 64-key tile (``n``: the keys the row block
+  sees). So every split takes a share of the current length, instead of fixed slices of
+  ``max_len`` where all but the first few workgroups would exit at short lengths, and no
+  indirect dispatch or grid kernel is needed. Workgroups whose span starts past ``n`` (short
+  lengths, where tile rounding leaves spans empty) exit at once; the combine launch computes
+  the same spans from the same buffers and reads only the non-empty ones.
+
+Measured on an H200 through Vulkan, BitNet-2B heads (20 query, 5 KV, head_dim 128), one
+layer: prefill of 4096 tokens 6.8 ms (12.6 TFLOP/s) with shader checks off, 9.4 ms with
+wgpu's full runtime checks (the default); decode of one token against 4096 keys 18 us (27 us
+with full checks), batch 8 against 4096 keys 89 us (1.9 TB/s of K/V).
+
+Scores are kept in the log2 domain (q is scaled by ``scale * log2(e)`` as it is loaded) and
+masked probabilities are forced to 0 with ``select``; cache rows past a sequence's length
+are never read (tile loads clamp to the last valid key), so stale or NaN cache contents there
+cannot leak into the results. No subgroup operations: the portable path is the only one.
+
+>>> # launches = attention_launches(q, k_cache, v_cache, out, step, lengths, batch=B, tokens=T,
+>>> #                               heads=20, kv_heads=5, head_dim=128, max_len=S, scale=128 ** -0.5)
+>>> # for launch in launches: rec.launch(launch)      # every step, after writing step/lengths
+
+The backward (``attention_backward_launches``, ``attention_backward.wgsl``) is flash-attention-2
+style: it recomputes the probabilities from the forward's ``lse`` and takes the same layouts
+and masking; ``attention_backward_reference`` is its torch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ...runtime import Buffer, Device, Launch, get_device, kernel
+
+__all__ = ["BackwardTile", "PrefillTile", "attention_backward_launches", "attention_backward_reference",
+           "attention_launches", "attention_reference", "backward_tile", "decode_splits", "prefill_tile"]
+
+FILE = "attention.wgsl"
+
+# decode_partial's key tile (DBK): spans are rounded up to it
+_DECODE_KEYS = 64
+
+
+@dataclass(frozen=True)
+class PrefillTile:
+    """A prefill workgroup's shape: ``row_quads`` (RG: 4*RG rows of (query, head) pairs),
+    ``key_tile`` (BK: keys per tile, a multiple of 4 and of 2*KL) and ``key_lanes`` (KL: threads
+    sharing a (row quad, column) cell, splitting the head dim for scores and the keys for PV)."""
+
+    row_quads: int
+    key_tile: int
+    key_lanes: int = 1
+
+    def columns(self, head_dim: int) -> int:
+        """Column threads (CT): each owns 4 of the head's ``head_dim // 4`` vec4 columns."""
+        return -(-(head_dim // 4) // 4)
+
+    def threads(self, head_dim: int) -> int:
+        return self.row_quads * self.columns(head_dim) * self.key_lanes
+
+    def workgroup_bytes(self, head_dim: int) -> int:
+        """Workgroup memory of the prefill kernel with this tile (Qs, KVs, Ps, As, Mrun, Lrun)."""
+        d4, rg, bk = head_dim // 4, self.row_quads, self.key_tile
+        return 16 * (4 * rg * (d4 + 1) + bk * (d4 + 1) + bk * rg * self.key_lanes + 3 * rg)
+
+    def valid(self) -> bool:
+        return self.key_tile % 4 == 0 and self.key_tile % (2 * self.key_lanes) == 0 and self.row_quads > 0
+
+
+# In order of preference: the first whose workgroup memory fits the adapter's limit is used.
+# Measured on an H200 through Vulkan (BitNet-2B heads, T=4096): (16,16,1) 6.8 ms a layer with
+# shader checks off, 9.4 ms with wgpu's full checks; (8,32,2) 6.5 / 13.1; (8,32,1) 10.4 / 14.7;
+# (8,16,2) 8.2 / 15.5; (8,16,1) 14.3 / 19.4. Sizes at head_dim 128: 46.0, 41.4, 29.1, 27.1 KiB;
+# the tiles from (4, 8, 2) on fit WebGPU's default 16 KiB.
+_PREFILL_TILES = (PrefillTile(16, 16), PrefillTile(8, 32, 2), PrefillTile(8, 16, 2), PrefillTile(8, 16),
+                  PrefillTile(4, 16, 2), PrefillTile(4, 8, 2), PrefillTile(4, 8), PrefillTile(2, 8),
+                  PrefillTile(1, 8), PrefillTile(1, 4))
+
+
+def prefill_tile(head_dim: int, device: Device | None = None) -> PrefillTile:
+    """The largest prefill tile whose workgroup memory and thread count fit ``device``."""
+    device = device or get_device()
+    limit = int(device.limits["max-compute-workgroup-storage-size"])
+    threads = min(int(device.limits["max-compute-invocations-per-workgroup"]),
+                  int(device.limits["max-compute-workgroup-size-x"]))
+    for tile in _PREFILL_TILES:
+        if tile.workgroup_bytes(head_dim) <= limit and tile.threads(head_dim) <= threads:
+            return tile
+    raise ValueError(f"head_dim={head_dim}: no prefill tile fits this adapter's workgroup memory ({limit} bytes)")
+
+
+def decode_splits(batch: int, kv_heads: int, row_blocks: int, max_len: int, device: Device | None = None) -> int:
+    """Key spans per decode row block: enough workgroups to fill the adapter (about 512 on a
+    GPU, a few on a CPU adapter), at most one 64-key tile of ``max_len`` each."""
+    device = device or get_device()
+    target = 4 if device.is_cpu else 512
+    want = -(-target // max(1, batch * kv_heads * row_blocks))
+    return max(1, min(want, -(-max_len // _DECODE_KEYS)))
+
+
+def _decode_shape(d4: int) -> dict[str, int]:
+    """decode_partial's override constants: 256 threads (more for head_dim > 1024), 8 lanes per
+    key in the score phase, 64-key tiles, and the PV phase's key lanes."""
+    threads = max(256, 1 << (d4 - 1).bit_length())  # D4 <= DNT: one PV column per thread
+    lanes = 8
+    while _DECODE_KEYS * lanes < threads:  # dRed also holds one row of the final reduction
+        lanes *= 2
+    return {"DNT": threads, "LPK": lanes, "DBK": _DECODE_KEYS, "DKL": min(threads // d4, _DECODE_KEYS)}
+
+
+def _check_size(name: str, buf: Buffer, numel: int) -> None:
+    if buf.numel < numel:
+        raise ValueError(f"attention: {name} has {buf.numel} elements, needs {numel}")
+
+
+def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, step: Buffer, lengths: Buffer, *,
+                       batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int, scale: float,
+                       lse: Buffer | None = None, decode: bool = False, device: Device | None = None,
+                       tile: PrefillTile | None = None, splits: int | None = None) -> list[Launch]:
+    """The launches of one attention call, to record in order at every step.
+
+    ``q``/``out`` f32 ``[batch*tokens, heads*head_dim]``; ``k_cache``/``v_cache`` f32
+    ``[batch, kv_heads, max_len, head_dim]``; ``step`` u32 (position at ``STEP_POS``);
+    ``lengths`` u32 ``[batch]``; ``lse`` (optional) f32 ``[batch*tokens, heads]``. The
+    caches must hold keys 0..lengths[b]-1 of every sequence when the launches run.
+
+    ``decode=False``: one prefill launch (any ``tokens``). ``decode=True``: a partial launch
+    and a combine launch (flash-decoding) for few tokens; its scratch buffers are allocated
+    here and kept alive by the launches. ``tile`` and ``splits`` override the chosen prefill
+    tile and the decode split count (tests and benchmarks).
+
+    >>> # launches = attention_launches(q, kc, vc, out, step, lengths, batch=1, tokens=1, heads=20,
+    >>> #                               kv_heads=5, head_dim=128, max_len=4096, scale=128 ** -0.5,
+    >>> #                               decode=True)
+    >>> # rec = Recorder(); [rec.launch(x) for x in launches]; rec.read(out, dst); rec.submit()
+    """
+    device = device or get_device()
+    if head_dim % 4 or head_dim <= 0:
+        raise ValueError(f"attention: head_dim must be a positive multiple of 4, got {head_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"attention: heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if min(batch, tokens, max_len) <= 0:
+        raise ValueError("attention: batch, tokens and max_len must be positive")
+    group, d4 = heads // kv_heads, head_dim // 4
+    _check_size("q", q, batch * tokens * heads * head_dim)
+    _check_size("out", out, batch * tokens * heads * head_dim)
+    _check_size("k_cache", k_cache, batch * kv_heads * max_len * head_dim)
+    _check_size("v_cache", v_cache, batch * kv_heads * max_len * head_dim)
+    _check_size("lengths", lengths, batch)
+    if lse is not None:
+        _check_size("lse", lse, batch * tokens * heads)
+    lse_buf = lse if lse is not None else Buffer((4,), "f32", device)
+    rows = tokens * group
+
+    if not decode:
+        tile = tile or prefill_tile(head_dim, device)
+        ct = tile.columns(head_dim)
+        if not tile.valid() or tile.workgroup_bytes(head_dim) > device.limits["max-compute-workgroup-storage-size"]:
+            raise ValueError(f"attention: prefill tile {tile} does not fit head_dim={head_dim} on this adapter")
+        kern = kernel(FILE, "prefill", device, D4=d4, R=group, RG=tile.row_quads, CT=ct,
+                      KL=tile.key_lanes, BK=tile.key_tile)
+        params = (batch, tokens, kv_heads, max_len, 1, int(lse is not None), float(scale))
+        grid = (-(-rows // (4 * tile.row_quads)), kv_heads, batch)
+        return [Launch.build(kern, grid, (step, lengths, q, k_cache, v_cache, out, lse_buf), params)]
+
+    shape = _decode_shape(d4)
+    blocks = -(-rows // 4)
+    splits = splits or decode_splits(batch, kv_heads, blocks, max_len, device)
+    rows_total = batch * tokens * heads
+    partial_o = Buffer((splits, rows_total, head_dim), "f32", device)
+    partial_ml = Buffer((splits, rows_total, 2), "f32", device)
+    params = (batch, tokens, kv_heads, max_len, splits, int(lse is not None), float(scale))
+    part = kernel(FILE, "decode_partial", device, D4=d4, R=group, **shape)
+    cwg = max(64, 1 << (d4 - 1).bit_length())
+    combine = kernel(FILE, "decode_combine", device, D4=d4, R=group, CWG=cwg, CL=cwg // d4)
+    limit = device.max_workgroups
+    return [
+        Launch.build(part, (splits, kv_heads * blocks, batch), (step, lengths, q, k_cache, v_cache, partial_o, partial_ml),
+                     params),
+        Launch.build(combine, (min(rows_total, limit), -(-rows_total // limit), 1),
+                     (step, lengths, partial_o, partial_ml, out, lse_buf), params),
+    ]
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
+                        lengths: torch.Tensor | Sequence[int], heads: int, kv_heads: int,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch attention in the kernels' layouts and masking, in ``q``'s dtype (float64
+    for tests): ``q`` ``[B*T, H*D]``, ``k``/``v`` ``[B, KVH, S, D]`` (S >= the longest length);
+    returns ``out`` ``[B*T, H*D]`` and ``lse`` ``[B*T, H]``.
+
+    Written as matmul + mask + softmax, independently of the kernels.
+
+    >>> q, k = torch.randn(2 * 3, 4 * 8), torch.randn(2, 2, 5, 8)
+    >>> out, lse = attention_reference(q, k, k, 0, [3, 2], heads=4, kv_heads=2, scale=8 ** -0.5)
+    >>> out.shape, lse.shape
+    (torch.Size([6, 32]), torch.Size([6, 4]))
+    """
+    batch, _, keys, dim = k.shape
+    tokens = q.shape[0] // batch
+    lengths = torch.as_tensor(lengths, dtype=torch.long).reshape(batch)
+    qh = q.reshape(batch, tokens, heads, dim).transpose(1, 2)  # [B, H, T, D]
+    kh = k.repeat_interleave(heads // kv_heads, dim=1)  # [B, H, S, D]
+    vh = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = (qh @ kh.transpose(-1, -2)) * scale  # [B, H, T, S]
+    last = torch.minimum(pos + torch.arange(tokens).view(1, tokens, 1), (lengths - 1).view(batch, 1, 1))
+    allowed = torch.arange(keys).view(1, 1, keys) <= last  # [B, T, S]
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]
+    out = torch.softmax(scores, dim=-1) @ vh  # [B, H, T, D]
+    return (out.transpose(1, 2).reshape(batch * tokens, heads * dim),
+            lse.transpose(1, 2).reshape(batch * tokens, heads))
+
+
+# ---- backward ---------------------------------------------------------------------------------
+
+BACKWARD_FILE = "attention_backward.wgsl"
+
+
+@dataclass(frozen=True)
+class BackwardTile:
+    """The tile of the backward kernels (``attention_backward.wgsl``): ``fixed`` rows (``dq``)
+    or keys (``dkdv``) a workgroup owns, ``looped`` keys (``dq``) or rows (``dkdv``) per tile of
+    its loop, and ``lanes`` (KL) splitting the head dim in the score phase. Both kernels use
+    ``(fixed / 4) * ceil(head_dim / 8)`` threads and the same workgroup memory: q and dO of the
+    rows, k and v of the keys, the lanes' partial scores, P and dS."""
+
+    fixed: int
+    looped: int
+    lanes: int
+
+    def column_threads(self, head_dim: int) -> int:
+        return (head_dim // 4 + 1) // 2
+
+    def threads(self, head_dim: int) -> int:
+        return self.fixed // 4 * self.column_threads(head_dim)
+
+    def workgroup_bytes(self, head_dim: int) -> int:
+        """Workgroup memory of ``dkdv`` (``dq``'s is a little less: no Pm)."""
+        rows, keys = self.fixed, self.looped  # symmetric in rows and keys
+        qst = head_dim // 4 + 1
+        return 16 * qst * 2 * (rows + keys) + 4 * rows * keys * (2 * self.lanes + 2) + 12 * max(rows, keys)
+
+    def valid(self) -> bool:
+        return self.fixed % 4 == 0 and self.looped % 4 == 0 and self.fixed > 0 and self.looped > 0 and self.lanes > 0
+
+
+# In order of preference, the first that fits the adapter is used. Sizes at head_dim 128:
+# 43.2 KiB (NVIDIA's 48 KiB), 29.9 KiB (lavapipe's 32 KiB), 14.7 KiB (WebGPU's default 16 KiB).
+# At head_dim 128 both kernels have 64 threads; the score phase has 4x4 blocks x lanes units:
+# 64, 32 and 16 of them.
+_BACKWARD_TILES = (BackwardTile(16, 16, 4), BackwardTile(16, 8, 4), BackwardTile(8, 4, 8), BackwardTile(4, 4, 8),
+                   BackwardTile(4, 4, 4))
+
+
+def backward_tile(head_dim: int, device: Device | None = None) -> BackwardTile:
+    """The first backward tile whose workgroup memory and thread count fit ``device``."""
+    device = device or get_device()
+    limit = int(device.limits["max-compute-workgroup-storage-size"])
+    threads = min(int(device.limits["max-compute-invocations-per-workgroup"]),
+                  int(device.limits["max-compute-workgroup-size-x"]))
+    for tile in _BACKWARD_TILES:
+        if tile.workgroup_bytes(head_dim) <= limit and tile.threads(head_dim) <= threads:
+            return tile
+    raise ValueError(f"head_dim={head_dim}: no attention backward tile fits this adapter ({limit} bytes)")
+
+
+def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, lse: Buffer, d_out: Buffer,
+                                d_q: Buffer, d_k: Buffer, d_v: Buffer, step: Buffer, lengths: Buffer, *, batch: int,
+                                tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int, scale: float,
+                                device: Device | None = None, tile: BackwardTile | None = None) -> list[Launch]:
+    """The launches of one attention backward (flash-attention-2 style), to record in order.
+
+    Inputs in the forward's layouts: ``q``, ``out`` (the forward's output) and ``d_out`` f32
+    ``[batch*tokens, heads*head_dim]``; ``k_cache``/``v_cache`` f32 ``[batch, kv_heads, max_len,
+    head_dim]``; ``lse`` f32 ``[batch*tokens, heads]`` (the forward's, natural log); ``step``
+    u32 (position at ``STEP_POS``); ``lengths`` u32 ``[batch]``. Same masking as the forward.
+
+    Outputs: ``d_q`` ``[batch*tokens, heads*head_dim]``, every row written; ``d_k``/``d_v``
+    ``[batch, kv_heads, max_len, head_dim]``, written at key positions ``pos .. pos+tokens-1``
+    (below ``max_len``) of every sequence, the sums over the group's query heads and every
+    query of the pass (zero where no query attends, e.g. positions >= lengths[b]). Gradients of
+    cache keys before ``pos`` are not computed.
+
+    Three launches: ``row_dot`` (D = rowsum(dO * O), into a scratch buffer allocated here and
+    kept alive by the launches), ``dq`` (a workgroup per block of ``tile.fixed`` (query, head)
+    rows of a KV head, looping over key tiles) and ``dkdv`` (a workgroup per block of
+    ``tile.fixed`` keys of a KV head, looping over every query tile of the group's heads that
+    sees it: no atomics). ``tile`` overrides the chosen tile (tests).
+    """
+    device = device or get_device()
+    if head_dim % 4 or head_dim <= 0:
+        raise ValueError(f"attention backward: head_dim must be a positive multiple of 4, got {head_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"attention backward: heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if min(batch, tokens, max_len) <= 0:
+        raise ValueError("attention backward: batch, tokens and max_len must be positive")
+    group, d4 = heads // kv_heads, head_dim // 4
+    rows_total = batch * tokens * heads
+    for name, buf in (("q", q), ("out", out), ("d_out", d_out), ("d_q", d_q)):
+        _check_size(name, buf, rows_total * head_dim)
+    for name, buf in (("k_cache", k_cache), ("v_cache", v_cache), ("d_k", d_k), ("d_v", d_v)):
+        _check_size(name, buf, batch * kv_heads * max_len * head_dim)
+    _check_size("lse", lse, rows_total)
+    _check_size("lengths", lengths, batch)
+    tile = tile or backward_tile(head_dim, device)
+    if not tile.valid() or tile.workgroup_bytes(head_dim) > device.limits["max-compute-workgroup-storage-size"]:
+        raise ValueError(f"attention backward: tile {tile} does not fit head_dim={head_dim} on this adapter")
+
+    params = (batch, tokens, kv_heads, max_len, float(scale))
+    rd = Buffer((rows_total,), "f32", device)
+    lanes_per_row, row_threads = 8, 256
+    row_dot = kernel(BACKWARD_FILE, "row_dot", device, D4=d4, R=group, RL=lanes_per_row, RW=row_threads)
+    blocks = -(-rows_total // (row_threads // lanes_per_row))
+    limit = device.max_workgroups
+    ct = tile.column_threads(head_dim)
+    shape = dict(D4=d4, R=group, KL=tile.lanes, CT=ct, NT=tile.threads(head_dim))
+    dq = kernel(BACKWARD_FILE, "dq", device, BQ=tile.fixed, BK=tile.looped, **shape)
+    dkdv = kernel(BACKWARD_FILE, "dkdv", device, BQ=tile.looped, BK=tile.fixed, **shape)
+    common = {1: step, 2: lengths, 3: q, 4: k_cache, 5: v_cache, 6: d_out, 7: lse, 8: rd}
+    return [
+        Launch.build(row_dot, (min(blocks, limit), -(-blocks // limit), 1), {6: d_out, 12: out, 13: rd}, params),
+        Launch.build(dq, (-(-tokens * group // tile.fixed), kv_heads, batch), {**common, 9: d_q}, params),
+        Launch.build(dkdv, (-(-tokens // tile.fixed), kv_heads, batch), {**common, 10: d_k, 11: d_v}, params),
+    ]
+
+
+def attention_backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                 lse: torch.Tensor, d_out: torch.Tensor, pos: int,
+                                 lengths: torch.Tensor | Sequence[int], heads: int, kv_heads: int,
+                                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention backward from explicit formulas, in the kernels' layouts and ``q``'s dtype:
+    ``q``, ``out``, ``d_out`` ``[B*T, H*D]``, ``k``/``v`` ``[B, KVH, S, D]``, ``lse`` ``[B*T, H]``;
+    returns ``(d_q, d_k, d_v)``, ``d_k``/``d_v`` over all ``S`` key positions (zero where no
+    query attends). P is recomputed from ``lse``, as the kernels do::
+
+        P = exp(scale q·k - lse) (masked)   dV = Pᵀ dO   dS = P ∘ (dO vᵀ - rowsum(dO ∘ O))
+        dQ = scale dS k                     dK = scale dSᵀ q    (summed over each group's heads)
+
+    >>> q, k = torch.randn(2 * 3, 4 * 8, dtype=torch.float64), torch.randn(2, 2, 5, 8, dtype=torch.float64)
+    >>> out, lse = attention_reference(q, k, k, 0, [3, 2], 4, 2, 8 ** -0.5)
+    >>> dq, dk, dv = attention_backward_reference(q, k, k, out, lse, torch.ones_like(out), 0, [3, 2], 4, 2, 8 ** -0.5)
+    >>> dq.shape, dk.shape, bool(dk[1, :, 2:].abs().max() == 0)
+    (torch.Size([6, 32]), torch.Size([2, 2, 5, 8]), True)
+    """
+    batch, _, keys, dim = k.shape
+    tokens, group = q.shape[0] // batch, heads // kv_heads
+    lengths = torch.as_tensor(lengths, dtype=torch.long).reshape(batch)
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:  # [B*T, H*D] -> [B, H, T, D]
+        return x.reshape(batch, tokens, heads, dim).transpose(1, 2)
+
+    qh, oh, doh = heads_first(q), heads_first(out), heads_first(d_out)
+    kh = k.repeat_interleave(group, dim=1)  # [B, H, S, D]
+    vh = v.repeat_interleave(group, dim=1)
+    last = torch.minimum(pos + torch.arange(tokens).view(1, tokens, 1), (lengths - 1).view(batch, 1, 1))
+    allowed = (torch.arange(keys).view(1, 1, keys) <= last)[:, None]  # [B, 1, T, S]
+    lse_h = lse.reshape(batch, tokens, heads).transpose(1, 2)[..., None]  # [B, H, T, 1]
+    probs = torch.where(allowed, torch.exp(qh @ kh.transpose(-1, -2) * scale - lse_h), 0.0)
+    d_v = probs.transpose(-1, -2) @ doh  # [B, H, S, D]
+    delta = (doh * oh).sum(-1, keepdim=True)
+    d_s = probs * (doh @ vh.transpose(-1, -2) - delta)
+    d_q = scale * d_s @ kh
+    d_k = scale * d_s.transpose(-1, -2) @ qh
+    d_k = d_k.reshape(batch, kv_heads, group, keys, dim).sum(2)
+    d_v = d_v.reshape(batch, kv_heads, group, keys, dim).sum(2)
+    return d_q.transpose(1, 2).reshape(batch * tokens, heads * dim), d_k, d_v

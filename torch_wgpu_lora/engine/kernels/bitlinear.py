@@ -1,0 +1,116 @@
+"""Ternary BitLinear projections (``bitlinear.wgsl``) and their torch reference.
+
+>>> # launch = bitlinear_launch(codes, meta, projection, out, tokens=n, out_stride=q_size)
+>>> # rec.launch(launch)
+
+``gemv`` serves few tokens (decoding), ``gemm`` many (prefill, training); both give the same
+exact integer dots. The epilogue modes: ``"store"``, ``"add"`` (into a residual stream),
+``"gate_up"`` (interleaved gate/up rows → relu(gate)²·up, optionally saving the raw pair).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...runtime import Buffer, Device, Launch, get_device, kernel
+from ..weights import Projection
+
+MODES = {"store": 0, "add": 1, "gate_up": 2}
+GEMV_MAX_TOKENS = 4  # up to this many tokens, a gemv per token reads the weights no faster than gemm
+
+
+def dummy(device: Device, slot: str = "read") -> Buffer:
+    """A small buffer bound where a kernel's optional input or output is unused. WebGPU forbids
+    binding one buffer twice in a launch when either binding is writable, so each writable
+    slot has its own."""
+    return device.owned(f"engine_dummy_{slot}", lambda: Buffer((4,), device=device))
+
+
+def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_stride: int,
+                     out_offset: int = 0, mode: str = "store", h: Buffer | None = None, lora_rank: int = 0,
+                     lora: Buffer | None = None, lora_b: Buffer | None = None, segments: int = 0,
+                     aux: Buffer | None = None, gemv: bool | None = None, device: Device | None = None) -> Launch:
+    """One launch computing ``proj`` over ``tokens`` rows of activation codes into ``out``.
+
+    ``codes``: u32 [tokens, k_words · 4] (``norm.rmsnorm_launch`` writes them), ``meta``: f32 [2 · tokens]
+    (scales, then code sums). LoRA (``segments`` > 0): ``h`` [tokens, lora_rank] and the
+    segment table ``lora`` (``lora_table``) whose B offsets index ``lora_b`` (f32). ``aux`` [tokens, rows]:
+    the raw gate/up pairs.
+    """
+    device = device or get_device()
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    k_words = proj.weight.shape[1]
+    if codes.shape[-1] != 4 * k_words:
+        raise ValueError(f"codes have {codes.shape[-1]} words per token; the weights need {4 * k_words}")
+    gemv = tokens <= GEMV_MAX_TOKENS if gemv is None else gemv
+    rows_per_group = 8
+    kern = kernel("bitlinear.wgsl", "gemv" if gemv else "gemm", device, MODE=MODES[mode], DIVIDE=proj.divide,
+                  SAVE=aux is not None, **({"ROWS": rows_per_group} if gemv else {}))
+    grid = ((-(-proj.rows // rows_per_group), tokens, 1) if gemv
+            else (-(-proj.rows // 64), -(-tokens // 64), 1))
+    pad = dummy(device)
+    buffers = (codes, meta, proj.weight, proj.scale, out, h or pad, lora or pad, lora_b or pad, aux or dummy(device, "aux"))
+    return Launch.build(kern, grid, buffers, (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank,
+                                              segments, proj.rows))
+
+
+def bitlinear_reference(codes: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, row_scales: torch.Tensor,
+                        divide: bool) -> torch.Tensor:
+    """y[n][j] from int codes [N, K], per-token scales [N], ternary values [rows, K] and per-row
+    scales [rows], in float64: the flavour's rule applied to the exact integer dot.
+
+    >>> bitlinear_reference(torch.tensor([[2, -1]]), torch.tensor([2.0]), torch.tensor([[1, 1]]),
+    ...                     torch.tensor([0.5]), divide=True)
+    tensor([[1.]], dtype=torch.float64)
+    """
+    dot = codes.double() @ values.double().T
+    if divide:
+        return dot / (row_scales.double()[None, :] * scales.double()[:, None])
+    return dot / scales.double()[:, None] * row_scales.double()[None, :]
+
+
+def gate_up_reference(y: torch.Tensor) -> torch.Tensor:
+    """Interleaved gate/up columns [N, 2F] → relu(gate)²·up [N, F] (BitNet's relu2 MLP)."""
+    gate, up = y[:, 0::2], y[:, 1::2]
+    return torch.relu(gate).square() * up
+
+
+def lora_table(segments: list[tuple[int, int, int, int, float, int, int]]) -> np.ndarray:
+    """The LORA headers of ``bitlinear.wgsl``/``matmul.wgsl``: for each segment (row_begin,
+    row_end, row_step, h_col, scale, b_offset, rank) 8 u32 words; its B [rows, rank] lies at
+    ``b_offset`` (floats) in the LB buffer.
+
+    >>> lora_table([(0, 4, 1, 0, 2.0, 64, 2)]).shape
+    (8,)
+    """
+    header = np.zeros((max(len(segments), 1), 8), np.uint32)
+    for i, (begin, end, step, h_col, scale, b_offset, rank) in enumerate(segments):
+        header[i] = (begin, end, step, h_col, b_offset, rank, np.float32(scale).view(np.uint32), 0)
+    return header.reshape(-1)
+
+
+def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k: int, accumulate: bool = False,
+                       dh: Buffer | None = None, lora_a: Buffer | None = None, lora_rank: int = 0,
+                       device: Device | None = None) -> Launch:
+    """The straight-through input gradient of ``proj`` (``bitlinear_t.wgsl``): ``out (+)= (dy ∘ c)·T``
+    for ``tokens`` rows of ``dy`` (f32 [tokens, ≥ rows]), plus ``dh·A`` for the adapters (``dh``
+    [tokens, ≥ lora_rank] already scaled, ``lora_a`` their stacked A [lora_rank, K64])."""
+    device = device or get_device()
+    kern = kernel("bitlinear_t.wgsl", "gemm_t", device, DIVIDE=proj.divide)
+    k_words = proj.weight.shape[1]
+    pad = dummy(device)
+    return Launch.build(kern, (k_words // 4, -(-tokens // 64), 1),
+                        (dy, proj.weight, proj.scale, out, dh or pad, lora_a or pad),
+                        (tokens, proj.rows, k_words, dy.shape[-1], out.shape[-1], k, lora_rank,
+                         dh.shape[-1] if dh is not None else 0, lora_a.shape[-1] if lora_a is not None else 0,
+                         int(accumulate)))
+
+
+def bitlinear_t_reference(dy: torch.Tensor, values: torch.Tensor, row_scales: torch.Tensor,
+                          divide: bool) -> torch.Tensor:
+    """dx = (dy ∘ c)·T in float64: c divides by the row scales (BitLinear, online AutoBitLinear)
+    or multiplies (offline AutoBitLinear), the straight-through rule of each flavour."""
+    c = 1 / row_scales.double() if divide else row_scales.double()
+    return (dy.double() * c[None, :]) @ values.double()

@@ -1,0 +1,27 @@
+"""Embedding gather (``embedding.wgsl``) over vocabulary chunks, and its torch reference.
+
+>>> # launches = embedding_launches(ids, weights.embedding, weights.embedding_rows, out, tokens=n, k=hidden)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...runtime import Buffer, Device, Launch, get_device, kernel
+
+
+def embedding_launches(ids: Buffer, chunks: list[Buffer], chunk_rows: list[int], out: Buffer, *, tokens: int,
+                       k: int, bf16: bool = False, device: Device | None = None) -> list[Launch]:
+    """One launch per vocabulary chunk; each writes the rows of the ids it holds."""
+    device = device or get_device()
+    kern = kernel("embedding.wgsl", "gather", device, BF16=bf16)
+    launches, begin = [], 0
+    for chunk, rows in zip(chunks, chunk_rows):
+        launches.append(Launch.build(kern, (-(-k // 256), tokens, 1), (ids, chunk, out),
+                                     (tokens, k, out.shape[-1], chunk.shape[-1], begin, rows)))
+        begin += rows
+    return launches
+
+
+def embedding_reference(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return weight[ids].float()

@@ -1,0 +1,60 @@
+"""LoRA gradients inside the engine's backward (``lora_grad.wgsl``), and the torch reference.
+
+For an adapter whose output rows are a segment of a fused projection (``engine.adapters``):
+``dh`` (scaled by the adapter's s), then ``db`` into its B's gradient; for a site, ``da`` into
+the stacked A's gradient from every adapter's dh. The adapters' input gradient dh·A is added
+by the transposed projection (``bitlinear_t_launch``/``matmul_t_launch``).
+
+>>> # launches = [dh_launch(dy, site_table_b, dh, adapter, ...), db_launch(...), da_launch(...)]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...runtime import Buffer, Device, Launch, get_device, kernel
+
+_FILE = "lora_grad.wgsl"
+
+
+def _params(tokens: int, rows: tuple[int, int, int], rank: int, h_col: int, b_offset: int, a_offset: int,
+            dy_stride: int, h_stride: int, x_stride: int, k: int, accumulate: bool, scale: float) -> tuple:
+    return (tokens, *rows, rank, h_col, b_offset, a_offset, dy_stride, h_stride, x_stride, k, int(accumulate),
+            float(scale))
+
+
+def dh_launch(dy: Buffer, lb: Buffer, dh: Buffer, *, tokens: int, rows: tuple[int, int, int], rank: int, h_col: int,
+              b_offset: int, scale: float, device: Device | None = None) -> Launch:
+    """DH[:, h_col:h_col+rank] = scale · dY[:, rows]·B (B at ``b_offset`` of ``lb``)."""
+    device = device or get_device()
+    return Launch.build(kernel(_FILE, "dh", device), (tokens, 1, 1), {1: dy, 2: lb, 3: dh},
+                        _params(tokens, rows, rank, h_col, b_offset, 0, dy.shape[-1], dh.shape[-1], 0, 0, False,
+                                scale))
+
+
+def db_launch(dy: Buffer, h: Buffer, grads: Buffer, *, tokens: int, rows: tuple[int, int, int], rank: int,
+              h_col: int, b_offset: int, scale: float, accumulate: bool = True,
+              device: Device | None = None) -> Launch:
+    """grads[B's place] (+)= scale · dY[:, rows]ᵀ·H[:, h_col:h_col+rank]."""
+    device = device or get_device()
+    count = -(-(rows[1] - rows[0]) // rows[2])
+    return Launch.build(kernel(_FILE, "db", device), (-(-count // 64), -(-rank // 16), 1), {1: dy, 4: h, 5: grads},
+                        _params(tokens, rows, rank, h_col, b_offset, 0, dy.shape[-1], h.shape[-1], 0, 0, accumulate,
+                                scale))
+
+
+def da_launch(dh: Buffer, x: Buffer, grads: Buffer, *, tokens: int, rank: int, k: int, a_offset: int,
+              accumulate: bool = True, device: Device | None = None) -> Launch:
+    """grads[the site's stacked A] (+)= DH[:, :rank]ᵀ·X (X: the site's normalised input)."""
+    device = device or get_device()
+    return Launch.build(kernel(_FILE, "da", device), (-(-k // 64), -(-rank // 16), 1), {5: grads, 6: x, 7: dh},
+                        _params(tokens, (0, 1, 1), rank, 0, 0, a_offset, 0, dh.shape[-1], x.shape[-1], k, accumulate,
+                                1.0))
+
+
+def lora_grad_reference(x: torch.Tensor, dy: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dA, dB, dx) of y = scale·(x·Aᵀ)·Bᵀ for x [N, K], dy [N, out], in float64 autograd."""
+    x, A, B = (t.double().requires_grad_() for t in (x, A, B))
+    y = scale * (x @ A.T) @ B.T
+    return torch.autograd.grad(y, (A, B, x), dy.double())

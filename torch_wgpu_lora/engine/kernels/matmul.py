@@ -1,0 +1,56 @@
+"""Float projections (``matmul.wgsl``): the dense flavour's projections and the LM head, with
+the epilogues of ``bitlinear`` (store, add, gate/up, LoRA segments); and the torch reference.
+
+>>> # rec.launch(matmul_launch(x, projection, out, tokens=n, out_stride=vocab))
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...runtime import Buffer, Device, Launch, get_device, kernel
+from ..weights import Projection
+from .bitlinear import GEMV_MAX_TOKENS, MODES, dummy
+
+
+def matmul_launch(x: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_stride: int, out_offset: int = 0,
+                  mode: str = "store", bf16: bool = False, h: Buffer | None = None, lora_rank: int = 0,
+                  lora: Buffer | None = None, lora_b: Buffer | None = None, segments: int = 0,
+                  aux: Buffer | None = None,
+                  gemv: bool | None = None, device: Device | None = None) -> Launch:
+    """One launch computing ``out (+)= x·Wᵀ`` for ``tokens`` rows of ``x`` (f32 [tokens, K64])."""
+    device = device or get_device()
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    x_words = x.shape[-1] // 4
+    w_words = proj.weight.shape[1] // 4
+    if w_words * (8 if bf16 else 4) != 4 * x_words:
+        raise ValueError(f"x rows hold {4 * x_words} floats; the weight rows {w_words * (8 if bf16 else 4)}")
+    gemv = tokens <= GEMV_MAX_TOKENS if gemv is None else gemv
+    kern = kernel("matmul.wgsl", "gemv" if gemv else "gemm", device, MODE=MODES[mode], BF16=bf16,
+                  SAVE=aux is not None)
+    grid = ((-(-proj.rows // 8), tokens, 1) if gemv else (-(-proj.rows // 64), -(-tokens // 64), 1))
+    pad = dummy(device)
+    return Launch.build(kern, grid, (x, proj.weight, out, h or pad, lora or pad, lora_b or pad, aux or dummy(device, "aux")),
+                        (tokens, proj.rows, w_words, x_words, out_stride, out_offset, lora_rank, segments, proj.rows))
+
+
+def matmul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [N, K] · weight [rows, K]ᵀ in float64."""
+    return x.double() @ weight.double().T
+
+
+def matmul_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k: int, bf16: bool = False,
+                    accumulate: bool = False, dy_col: int = 0, dh: Buffer | None = None, lora_a: Buffer | None = None,
+                    lora_rank: int = 0, device: Device | None = None) -> Launch:
+    """The input gradient of a float projection (``matmul_t.wgsl``): ``out (+)= dy·W`` (+ ``dh·A``),
+    reading ``dy``'s columns from ``dy_col`` (a vocabulary chunk of the logits' gradient)."""
+    device = device or get_device()
+    kern = kernel("matmul_t.wgsl", "gemm_t", device, BF16=bf16)
+    w_words = proj.weight.shape[1]
+    k64 = w_words * (2 if bf16 else 1)
+    pad = dummy(device)
+    return Launch.build(kern, (k64 // 64, -(-tokens // 64), 1), (dy, proj.weight, out, dh or pad, lora_a or pad),
+                        (tokens, proj.rows, w_words, dy.shape[-1], dy_col, out.shape[-1], k, lora_rank,
+                         dh.shape[-1] if dh is not None else 0, lora_a.shape[-1] if lora_a is not None else 0,
+                         int(accumulate)))

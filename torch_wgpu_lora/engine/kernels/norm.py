@@ -1,0 +1,58 @@
+"""RMSNorm with BitLinear's activation quantisation and the LoRA down-projections fused
+(``norm.wgsl``), and the torch reference of each step.
+
+>>> # rec.launch(rmsnorm_launch(x, weight, xn, tokens=n, k=hidden, eps=1e-5, codes=c, meta=m))
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...runtime import Buffer, Device, Launch, get_device, kernel
+from .bitlinear import dummy
+
+
+def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: int, eps: float,
+                   codes: Buffer | None = None, meta: Buffer | None = None, lora_a: Buffer | None = None,
+                   h: Buffer | None = None, rank: int = 0, rstd: Buffer | None = None,
+                   device: Device | None = None) -> Launch:
+    """One launch normalising ``tokens`` rows of ``x`` (f32 [tokens, ≥ k]) into ``out`` (f32 [tokens,
+    stride], stride = k padded to a multiple of 64); with ``codes`` and ``meta`` it also quantises
+    them (u32 [tokens, stride / 4], f32 [2 · tokens]);
+    with ``rank`` > 0 it writes ``h = y·Aᵀ`` into the first ``rank`` columns of ``h`` ([tokens, ≥ rank])
+    from ``lora_a`` [rank, stride]; with
+    ``rstd`` it keeps 1/rms per token."""
+    device = device or get_device()
+    stride = out.shape[-1]
+    if stride % 64 or stride < k or x.shape[-1] < k:
+        raise ValueError(f"out rows must hold k={k} padded to a multiple of 64, x rows at least k: x {x.shape}, "
+                         f"out {out.shape}")
+    quant = codes is not None
+    kern = kernel("norm.wgsl", "rmsnorm", device, QUANT=quant, SAVE=rstd is not None)
+    buffers = (x, weight, out, codes or dummy(device, "codes"), meta or dummy(device, "meta"), lora_a or dummy(device),
+               h or dummy(device, "h"), rstd or dummy(device, "rstd"))
+    h_stride = h.shape[-1] if h is not None else 0
+    return Launch.build(kern, (tokens, 1, 1), buffers, (tokens, k, x.shape[-1], stride, stride // 4, rank, h_stride,
+                                                        eps))
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' BitNetRMSNorm / LlamaRMSNorm in float32, op for op."""
+    x = x.float()
+    return weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def quantise_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BitLinear's per-token absmax int8 quantisation, op for op: (codes, scales)."""
+    scale = 127 / y.abs().max(dim=-1, keepdim=True).values.clamp(min=1e-5)
+    return (y * scale).round().clamp(-128, 127), scale[..., 0]
+
+
+def rmsnorm_backward_launch(dy: Buffer, x: Buffer, rstd: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: int,
+                            accumulate: bool = False, device: Device | None = None) -> Launch:
+    """The input gradient of ``rmsnorm`` from its saved 1/rms (``norm_backward.wgsl``), stored or
+    added into ``out`` (a residual stream's gradient)."""
+    device = device or get_device()
+    kern = kernel("norm_backward.wgsl", "rmsnorm_backward", device)
+    return Launch.build(kern, (tokens, 1, 1), (dy, x, rstd, weight, out),
+                        (k, dy.shape[-1], x.shape[-1], out.shape[-1], int(accumulate)))

@@ -1,0 +1,345 @@
+"""``BitNetEngine``: a transformers ``BitNetForCausalLM`` run whole on WebGPU.
+
+>>> # model = load_bitnet("bitnet-b1.58-2B-4T"); apply_lora(model)
+>>> # engine = BitNetEngine(model)                 # uploads the frozen weights once
+>>> # out = engine(input_ids, attention_mask=mask, labels=labels)
+>>> # out.logits, out.loss                         # like transformers' CausalLMOutputWithPast
+
+The engine shares the model's LoRA Parameters (it does not copy them): whatever changes them
+(a torch optimizer, ``load_adapter``, an in-place edit) is uploaded before the next call. The
+frozen base weights are read once, at construction: build a new engine after changing them.
+
+Batches are right-padded: ``attention_mask`` rows are ones then zeros. Positions are 0, 1, …
+for every sequence, as transformers numbers them without ``position_ids``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..runtime import Buffer, Device, Recorder, get_device, upload, write
+from .adapters import EngineAdapters
+from .config import EngineConfig
+from .plan import ForwardPlan, KVCache, read_codes
+from .train_plan import TrainPlan
+from .weights import EngineWeights, upload_weights
+
+IGNORE_INDEX = -100
+_PLANS_KEPT = 4  # forward plans (shapes) kept ready; each holds its activations and caches
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over labels != -100, each position predicting the next (transformers' shift).
+
+    >>> causal_lm_loss(torch.zeros(1, 3, 4), torch.tensor([[-100, 1, 2]])).item() == np.log(4)
+    True
+    """
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
+class BitNetEngine(nn.Module):
+    """The whole BitNet forward on WebGPU, as an ``nn.Module`` holding the model it runs.
+
+    ``engine(input_ids, attention_mask=None, labels=None)`` returns a transformers
+    ``CausalLMOutputWithPast`` with ``logits`` (CPU float32, [batch, tokens, vocab]) and,
+    given ``labels``, ``loss``. ``engine.model`` is the transformers model (its LoRA
+    Parameters are the engine's: ``engine.parameters()`` yields them).
+    """
+
+    def __init__(self, model: nn.Module, device: Device | None = None) -> None:
+        super().__init__()
+        self.engine_config = EngineConfig.from_model(model)
+        if self.engine_config.projection_norm_eps is not None:
+            raise ValueError("BitNetEngine does not run BitLinear layers with their own RMSNorm "
+                             "(quantization_config.use_rms_norm); use the torch path for this model")
+        self.device = device or get_device()
+        self.model = model
+        self.weights: EngineWeights = upload_weights(model, self.engine_config, self.device)
+        self.adapters = EngineAdapters(model, self.engine_config, self.device)
+        self._plans: OrderedDict[tuple, ForwardPlan | TrainPlan] = OrderedDict()
+        self._optimizer_state: tuple[Buffer, Buffer] | None = None  # flat AdamW moments of train_step
+        self._stats = Buffer((4,), device=self.device)
+        self._partials = Buffer((256,), device=self.device)
+        # Torch code reading the Parameters after the engine's optimizer steps gets current values.
+        # (Weak references: the model must not keep its engine, and its GPU memory, alive.)
+        adapters = weakref.ref(self.adapters)
+
+        def pull(*_: Any) -> None:
+            live = adapters()
+            if live is not None:
+                live.pull()
+
+        model.register_forward_pre_hook(pull)
+        model.register_state_dict_pre_hook(pull)
+
+    @property
+    def config(self) -> Any:
+        """The transformers config of the model (as ``model.config``)."""
+        return self.model.config
+
+    def plan(self, batch: int, tokens: int, logits: str = "all") -> ForwardPlan:
+        """The forward plan for ``batch`` sequences of ``tokens`` positions (built once, then reused)."""
+        return self._cached(("forward", batch, tokens, logits), lambda: ForwardPlan(
+            self.weights, self.adapters, KVCache(self.engine_config, batch, tokens, self.device), tokens,
+            logits=logits))
+
+    def train_plan(self, batch: int, tokens: int, slots: int = 1) -> TrainPlan:
+        """The forward + loss + backward plan for ``slots`` micro-batches of one shape."""
+        return self._cached(("train", batch, tokens, slots),
+                            lambda: TrainPlan(self.weights, self.adapters, batch, tokens, slots))
+
+    def _cached(self, key: tuple, make: Any) -> Any:
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = make()
+            while len(self._plans) > _PLANS_KEPT:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    def check_inputs(self, input_ids: Any, attention_mask: Any = None, labels: Any = None) -> tuple[torch.Tensor, list[int]]:
+        """Validate a batch; returns the ids as int64 [batch, tokens] and each sequence's length."""
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
+            raise ValueError(f"input_ids must be [batch, tokens] with both at least 1, got {tuple(input_ids.shape)}")
+        ids = input_ids.detach().cpu().long()
+        batch, tokens = ids.shape
+        c = self.engine_config
+        if tokens > c.max_positions:
+            raise ValueError(f"{tokens} tokens exceed the model's context of {c.max_positions} positions "
+                             "(max_position_embeddings)")
+        bad = (ids < 0) | (ids >= c.vocab)
+        if bad.any():
+            where = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"token id {int(ids[where])} at {where} is outside the vocabulary [0, {c.vocab})")
+        if attention_mask is None:
+            lengths = [tokens] * batch
+        else:
+            if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, tokens):
+                shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+                raise ValueError(f"attention_mask must be a tensor shaped like input_ids {(batch, tokens)}, got {shape}")
+            mask = attention_mask.detach().cpu().long()
+            lengths = mask.sum(1).tolist()
+            expected = torch.arange(tokens)[None, :] < torch.tensor(lengths)[:, None]
+            if not torch.equal(mask.bool(), expected) or ((mask != 0) & (mask != 1)).any():
+                raise ValueError("attention_mask must right-pad: each row ones, then zeros (BitNetEngine does not "
+                                 "take left padding or holes)")
+            if min(lengths) == 0:
+                raise ValueError("attention_mask has a row with no tokens")
+        if labels is not None:
+            if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (batch, tokens):
+                shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels)
+                raise ValueError(f"labels must be a tensor shaped like input_ids {(batch, tokens)}, got {shape}")
+            lab = labels.detach().cpu().long()
+            bad = (lab != IGNORE_INDEX) & ((lab < 0) | (lab >= c.vocab))
+            if bad.any():
+                raise ValueError(f"labels hold {int(lab[bad][0])}, neither -100 nor a token id in [0, {c.vocab})")
+        return ids, lengths
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, return_logits: bool | None = None, **unused: Any) -> Any:
+        """Logits (and the loss, given labels) of a right-padded batch, computed on WebGPU.
+
+        With labels, while autograd records and some adapter Parameter requires grad, the loss
+        is differentiable by the adapters (``loss.backward()`` fills their ``.grad``): the engine
+        then computes the adapters' gradients in the same submit as the loss, and the logits
+        (a [batch, tokens, vocab] readback) are returned only when ``return_logits=True``.
+        """
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        if unused.get("use_cache") or unused.get("past_key_values") is not None or unused.get("cache") is not None:
+            raise ValueError("BitNetEngine keeps its KV cache on the GPU; use torch_wgpu_lora.generate for decoding")
+        ids, lengths = self.check_inputs(input_ids, attention_mask, labels)
+        params = [p for m in self.adapters.modules for p in (m.lora_A, m.lora_B)]
+        if labels is not None and torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            self.adapters.check_trainable()
+            loss = _EngineLoss.apply(self, ids, labels.detach().cpu().long(), lengths, *params)
+            logits = self._logits(ids, lengths) if return_logits else None
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+        logits = self._logits(ids, lengths)
+        loss = causal_lm_loss(logits, labels.cpu().long()) if labels is not None else None
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def _logits(self, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        batch, tokens = ids.shape
+        self.adapters.sync()
+        plan = self.plan(batch, tokens)
+        write(plan.ids, ids.numpy().astype(np.uint32).reshape(-1))
+        plan.cache.set_position(0, lengths)
+        logits = torch.empty(batch * tokens, self.engine_config.vocab, dtype=torch.float32)
+        rec = Recorder(self.device)
+        plan.record(rec)
+        plan.read_logits(rec, logits.numpy())
+        rec.submit()
+        return logits.reshape(batch, tokens, -1)
+
+    def loss_and_grads(self, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int],
+                       codes: dict | None = None) -> tuple[torch.Tensor, dict[torch.Tensor, torch.Tensor]]:
+        """The mean loss over labelled tokens and every adapter Parameter's gradient of it, in one
+        submit (what ``loss.backward()`` hands to autograd). ``codes``, a dict, receives the
+        pass's int8 activation codes (``plan.read_codes``' format) for comparisons."""
+        self.adapters.sync()
+        batch, tokens = ids.shape
+        plan = self.train_plan(batch, tokens)
+        count = plan.write_inputs(0, ids, labels, lengths)
+        if count == 0:
+            raise ValueError("the labels hold no labelled token (all -100 after the shift): no loss to compute")
+        plan.set_scale(1.0 / count)
+        losses = np.empty(plan.rows, np.float32)
+        rec = Recorder(self.device)
+        rec.clear(plan.grads)
+        capture = {} if codes is not None else None
+        plan.record(rec, 0, capture=capture)
+        rec.read(plan.slots[0].losses, losses)
+        grads = self.adapters.read(plan.grads, rec)
+        rec.submit()
+        if codes is not None:
+            codes.update(read_codes(capture, batch, tokens, self.engine_config))
+        return torch.tensor(float(losses.astype(np.float64).sum()) / count, dtype=torch.float32), grads
+
+    # -- the fast path: a whole optimizer step in one submit -------------------------------------
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], optimizer: Any,
+                   max_grad_norm: float) -> dict[str, Any]:
+        """One optimizer step in one command buffer: every micro-batch's forward, loss and
+        backward (gradients accumulated, the loss weighted per labelled token over the whole
+        step, as ``training.trainer.accumulate_gradients``), the global-norm clip, and the
+        AdamW update of ``optimizer`` (a ``WgpuAdamW`` over this model's adapters), all on the
+        GPU. One small readback: loss, labelled tokens, gradient norm and whether the step was
+        skipped (a non-finite loss or norm leaves the adapters and moments untouched).
+
+        Micro-batches are padded to one shape. Returns {"loss", "tokens", "grad_norm", "skipped"}.
+        """
+        group = self._check_optimizer(optimizer)
+        self.adapters.check_trainable()
+        self.adapters.sync()
+        tokens = max(int(b["input_ids"].shape[1]) for b in micro_batches)
+        batch = max(int(b["input_ids"].shape[0]) for b in micro_batches)
+        plan = self.train_plan(batch, tokens, len(micro_batches))
+        labelled = 0
+        for slot, b in enumerate(micro_batches):
+            ids, mask, labels = _padded(b, batch, tokens)
+            ids, lengths = self.check_inputs(ids, mask, labels)
+            labelled += plan.write_inputs(slot, ids, labels, lengths)
+        if labelled == 0:
+            raise ValueError("the micro-batches hold no labelled token: nothing to compute a loss on")
+        plan.set_scale(1.0 / labelled)
+        exp_avg, exp_avg_sq = self._moments(optimizer)
+        step = int(optimizer.state[optimizer.param_groups[0]["params"][0]]["step"].item()) + 1
+        from .kernels.optimizer import adamw_launch, clip_launches
+
+        stats = np.empty(4, np.float32)
+        rec = Recorder(self.device)
+        rec.clear(plan.grads)
+        for slot in range(len(micro_batches)):
+            plan.record(rec, slot)
+        for launch in clip_launches(plan.grads, plan.losses, self._stats, self._partials, n=self.adapters.size,
+                                    rows=plan.losses.numel, max_norm=max_grad_norm, device=self.device):
+            rec.launch(launch)
+        rec.launch(adamw_launch(self.adapters.params, plan.grads, exp_avg, exp_avg_sq, self._stats,
+                                n=self.adapters.size, step=step, lr=group["lr"], betas=group["betas"],
+                                eps=group["eps"], weight_decay=group["weight_decay"], device=self.device))
+        rec.read(self._stats, stats)
+        rec.submit()
+        norm, _, skipped, loss_sum = (float(v) for v in stats)
+        if not skipped:
+            for p in optimizer.param_groups[0]["params"]:
+                optimizer.state[p]["step"] += 1
+            self.adapters.gpu_is_newer = True
+        return {"loss": None if skipped else loss_sum / labelled, "tokens": labelled, "grad_norm": norm,
+                "skipped": bool(skipped)}
+
+    def _check_optimizer(self, optimizer: Any) -> dict[str, Any]:
+        from ..training.optim import WgpuAdamW
+
+        if not isinstance(optimizer, WgpuAdamW) or len(optimizer.param_groups) != 1:
+            raise ValueError("BitNetEngine.train_step runs WgpuAdamW with one parameter group")
+        ours = {id(p) for m in self.adapters.modules for p in (m.lora_A, m.lora_B)}
+        theirs = {id(p) for p in optimizer.param_groups[0]["params"]}
+        if ours != theirs:
+            raise ValueError("the optimizer must hold exactly this model's adapter Parameters")
+        for p in optimizer.param_groups[0]["params"]:
+            optimizer.state[p].setdefault("step", torch.tensor(0.0))
+        return optimizer.param_groups[0]
+
+    def _moments(self, optimizer: Any) -> tuple[Buffer, Buffer]:
+        """The flat AdamW moments, taken over from ``optimizer`` (whose per-Parameter moments
+        become views of them, so its ``state_dict`` keeps working)."""
+        if self._optimizer_state is None:
+            zeros = np.zeros(self.adapters.size, np.float32)
+            self._optimizer_state = (upload(zeros, self.device), upload(zeros, self.device))
+            self._views = self.adapters.views(self._optimizer_state)
+        flat, views = self._optimizer_state, self._views
+        if any(optimizer._moments.get(p, (None, None))[1] is not views[p][1] for p in views):
+            if optimizer._moments:  # e.g. loaded from a checkpoint: their values move into the flat buffers
+                self.adapters.load_moments(optimizer, flat)
+            optimizer._moments = dict(views)
+        return flat
+
+
+class _EngineLoss(torch.autograd.Function):
+    """The engine's loss as an autograd node over the adapter Parameters. The gradients are
+    computed with the loss (one submit, see ``BitNetEngine.loss_and_grads``); backward scales
+    them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, engine: BitNetEngine, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int],
+                *params: torch.Tensor) -> torch.Tensor:
+        loss, grads = engine.loss_and_grads(ids, labels, lengths)
+        ctx.grads = [grads[p] for p in params]
+        ctx.save_for_backward(*params)  # autograd then refuses a backward after a Parameter changed in place
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ctx.saved_tensors  # noqa: B018 - the version check
+        return (None, None, None, None, *(g * grad for g in ctx.grads))
+
+
+def _padded(batch: dict[str, torch.Tensor], rows: int, tokens: int) -> tuple[torch.Tensor, ...]:
+    """A micro-batch right-padded to [rows, tokens]: extra rows are one padding token, unlabelled."""
+    ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    r, t = ids.shape
+    out_ids = torch.zeros(rows, tokens, dtype=torch.long)
+    out_mask = torch.zeros(rows, tokens, dtype=torch.long)
+    out_labels = torch.full((rows, tokens), IGNORE_INDEX, dtype=torch.long)
+    out_ids[:r, :t], out_mask[:r, :t], out_labels[:r, :t] = ids, mask, labels
+    out_mask[r:, 0] = 1  # an empty row is one (unlabelled) token
+    return out_ids, out_mask, out_labels
+
+
+ENGINES = ("auto", "wgpu", "torch")
+
+
+def choose_engine(model: nn.Module, engine: str = "auto") -> BitNetEngine | None:
+    """The engine to run ``model`` on: ``"wgpu"`` a ``BitNetEngine`` (errors name what it cannot
+    run), ``"torch"`` none (transformers' modules, adapters on their own backend), ``"auto"`` the
+    engine when it can run the model, else none.
+
+    >>> # runner = choose_engine(model, "auto") or model
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "torch":
+        return None
+    if isinstance(model, BitNetEngine):
+        return model
+    try:
+        return BitNetEngine(model)
+    except ValueError:
+        if engine == "wgpu":
+            raise
+        return None

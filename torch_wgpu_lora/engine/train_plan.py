@@ -1,0 +1,301 @@
+"""A training pass of the whole model planned once per shape: forward keeping what the backward
+needs, the loss fused with the LM head over token chunks, and the backward into the adapters'
+gradients, all as launches recorded into the caller's command buffer.
+
+``slots`` micro-batches of one shape (``batch`` sequences × ``tokens``) share the activation
+buffers; each slot has its own inputs (token ids, shifted targets, lengths), written before
+the submit, so one command buffer can hold every micro-batch of an optimizer step. Gradients
+add into ``adapters.grads()`` (clear it at the start of a step).
+
+Kept from the forward, per layer: the residual stream before the attention and before the MLP,
+each norm's 1/rms, the queries, keys, values, attention output and log-sum-exp, the raw
+gate/up pairs and the MLP activation, and, where a site has adapters, its normalised input and
+its h. Nothing is recomputed. At BitNet-2B shapes that is about 70 MB per layer at 512 tokens.
+
+The loss: position t of a sequence predicts label t + 1 (transformers' shift); per token
+chunk the LM head writes the logits, ``cross_entropy.wgsl`` turns them into the loss and its
+gradient (scaled by the ``scale`` buffer: 1 / labelled tokens of the step), and the head's
+transposed matmul sends it back. The [tokens, vocab] logits are never stored whole.
+
+Backward per layer, in reverse: through down_proj (+ its adapters), ffn_sub_norm, relu²·up,
+gate/up (+ adapters), post_attention_layernorm (added into the residual gradient), o_proj
+(+ adapters), attn_sub_norm, attention, RoPE, q/k/v (+ adapters), input_layernorm (added).
+
+>>> # plan = TrainPlan(weights, adapters, batch=4, tokens=256, slots=2)
+>>> # plan.write_inputs(0, ids, labels, lengths); rec = Recorder(); plan.record(rec, 0); rec.submit()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..runtime import Buffer, Device, Launch, Recorder, write
+from .adapters import EngineAdapters, Site
+from .config import pad
+from .kernels.attention import attention_backward_launches, attention_launches
+from .kernels.bitlinear import bitlinear_launch, bitlinear_t_launch
+from .kernels.cross_entropy import cross_entropy_launch, shifted_targets
+from .kernels.embedding import embedding_launches
+from .kernels.ffn import relu2_backward_launch
+from .kernels.lora_grad import da_launch, db_launch, dh_launch
+from .kernels.matmul import matmul_launch, matmul_t_launch
+from .kernels.norm import rmsnorm_backward_launch, rmsnorm_launch
+from .kernels.rope import rope_backward_launch, rope_launch
+from .weights import EngineWeights, Projection
+
+
+@dataclass
+class _Slot:
+    ids: Buffer
+    targets: Buffer
+    lengths: Buffer
+    losses: Buffer  # a view of the plan's losses buffer: this slot's rows
+    launches: list[Launch] = field(default_factory=list)
+    points: dict[int, tuple] = field(default_factory=dict)  # id(quantising norm launch) -> ((layer, site), codes)
+
+
+@dataclass
+class _SiteSaved:
+    xn: Buffer  # the norm's output (the adapters' input), own buffer only when the site has adapters
+    h: Buffer | None
+    rstd: Buffer
+
+
+class TrainPlan:
+    """Buffers and launches of a forward + loss + backward of ``slots`` micro-batch shapes."""
+
+    def __init__(self, weights: EngineWeights, adapters: EngineAdapters, batch: int, tokens: int,
+                 slots: int = 1) -> None:
+        c, device = weights.config, adapters.device
+        self.config, self.weights, self.adapters, self.device = c, weights, adapters, device
+        self.batch, self.tokens, self.rows = batch, tokens, batch * tokens
+        n = self.rows
+        H, F, Q = pad(c.hidden, 64), pad(c.intermediate, 64), pad(c.q_size, 64)
+        quant = c.quantised
+        B = lambda *shape, dtype="f32": Buffer(shape, dtype, device)  # noqa: E731 - every activation its own buffer
+        self.step = B(4, dtype="u32")
+        write(self.step, np.zeros(4, np.uint32))  # training passes start at position 0
+        self.scale = B(1)
+        stride = pad(n, 64)  # slot views start on 256-byte boundaries
+        self.losses = B(slots * stride)
+        write(self.losses, np.zeros(slots * stride, np.float32))  # rows between slots stay zero
+        self.slots = [_Slot(B(n, dtype="u32"), B(n, dtype="i32"), B(batch, dtype="u32"),
+                            Buffer.view(self.losses.gpu, self.losses.serial, self.losses.offset + 4 * s * stride, (n,),
+                                        "f32", device)) for s in range(slots)]
+        # forward scratch
+        self.residual, self.xn, self.qkv = B(n, H), B(n, H), B(n, c.q_size + 2 * c.kv_size)
+        self.codes = B(n, H // 4, dtype="u32") if quant else None
+        self.ffn_codes = B(n, F // 4, dtype="u32") if quant else None
+        self.meta = B(2 * n) if quant else None
+        self.ffn_xn = B(n, F)
+        # kept for the backward, per layer
+        shape_kv = (batch, c.kv_heads, tokens, c.head_dim)
+        self.saved = []
+        for index in range(c.layers):
+            sites = adapters.sites[index]
+
+            def site_saved(site: str, width: int, scratch: Buffer) -> _SiteSaved:
+                rank = sites[site].rank
+                return _SiteSaved(B(n, width) if rank else scratch, B(n, rank) if rank else None, B(n))
+
+            self.saved.append(dict(
+                resid_in=B(n, H), resid_mid=B(n, H), q=B(n, c.q_size), k=B(*shape_kv), v=B(*shape_kv),
+                o=B(n, c.q_size), lse=B(n, c.heads), pairs=B(n, 2 * c.intermediate), ffn=B(n, F),
+                attn=site_saved("attn", H, self.xn), o_site=site_saved("o", H, self.xn),
+                mlp=site_saved("mlp", H, self.xn), down=site_saved("down", F, self.ffn_xn)))
+        self.resid_final, self.xn_final, self.rstd_final = B(n, H), B(n, H), B(n)
+        # backward scratch
+        self.d_resid, self.d_xn, self.d_final = B(n, H), B(n, H), B(n, H)
+        self.d_xn_o, self.d_o, self.d_q = B(n, Q), B(n, c.q_size), B(n, c.q_size)
+        self.d_k, self.d_v = B(*shape_kv), B(*shape_kv)
+        self.d_qkv = B(n, c.q_size + 2 * c.kv_size)
+        self.d_ffn_xn, self.d_h, self.d_pairs = B(n, F), B(n, c.intermediate), B(n, 2 * c.intermediate)
+        self.dh = B(n, max(adapters.max_rank, 1))
+        self.grads = adapters.grads()
+        per = min(n, max(64, device.max_binding // (4 * c.vocab) // 64 * 64))  # chunk views stay aligned
+        self.token_chunks = [(r, min(per, n - r)) for r in range(0, n, per)]
+        self.logits = B(self.token_chunks[0][1], c.vocab)
+        for slot in self.slots:
+            self._points = slot.points  # filled by _norm while the slot's program is built
+            slot.launches = self._assemble(slot)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _rows_view(self, buf: Buffer, first: int, count: int) -> Buffer:
+        """Rows ``first`` .. ``first + count`` of a [rows, width] (or [rows]) buffer."""
+        width = buf.shape[-1] if len(buf.shape) > 1 else 1
+        shape = (count, width) if len(buf.shape) > 1 else (count,)
+        return Buffer.view(buf.gpu, buf.serial, buf.offset + 4 * first * width, shape, buf.dtype, self.device)
+
+    def _norm(self, x: Buffer, weight: Buffer, site: Site | None, saved: _SiteSaved, codes: Buffer | None,
+              k: int, point: tuple[int, str] | None = None) -> Launch:
+        lora = site is not None and site.rank > 0
+        launch = rmsnorm_launch(x, weight, saved.xn, tokens=self.rows, k=k, eps=self.config.rms_eps, codes=codes,
+                                meta=self.meta if codes is not None else None, lora_a=site.a if lora else None,
+                                h=saved.h if lora else None, rank=site.rank if lora else 0, rstd=saved.rstd,
+                                device=self.device)
+        if codes is not None and point is not None:
+            self._points[id(launch)] = (point, codes)
+        return launch
+
+    def _project(self, proj: Projection, saved: _SiteSaved, codes: Buffer | None, out: Buffer, mode: str, site: Site,
+                 aux: Buffer | None = None) -> Launch:
+        lora = (dict(h=saved.h, lora_rank=site.rank, lora=site.table, lora_b=self.adapters.params,
+                     segments=site.segments) if site.rank else {})
+        if self.config.quantised:
+            return bitlinear_launch(codes, self.meta, proj, out, tokens=self.rows, out_stride=out.shape[-1], mode=mode,
+                                    aux=aux, gemv=False, device=self.device, **lora)
+        return matmul_launch(saved.xn, proj, out, tokens=self.rows, out_stride=out.shape[-1], mode=mode,
+                             bf16=self.weights.bf16, aux=aux, gemv=False, device=self.device, **lora)
+
+    def _project_t(self, proj: Projection, dy: Buffer, out: Buffer, k: int, site: Site) -> Launch:
+        lora = dict(dh=self.dh, lora_a=site.a, lora_rank=site.rank) if site.rank else {}
+        if self.config.quantised:
+            return bitlinear_t_launch(dy, proj, out, tokens=self.rows, k=k, device=self.device, **lora)
+        return matmul_t_launch(dy, proj, out, tokens=self.rows, k=k, bf16=self.weights.bf16, device=self.device,
+                               **lora)
+
+    def _adapter_grads(self, site: Site, dy: Buffer, saved: _SiteSaved) -> list[Launch]:
+        """dh and dB of every adapter of the site, then dA of the site's stacked A."""
+        if not site.rank:
+            return []
+        launches = []
+        for a in site.adapters:
+            m = a.module
+            launches.append(dh_launch(dy, self.adapters.params, self.dh, tokens=self.rows, rows=a.rows, rank=m.r,
+                                      h_col=a.a_row, b_offset=a.b_offset, scale=m.scaling, device=self.device))
+            launches.append(db_launch(dy, saved.h, self.grads, tokens=self.rows, rows=a.rows, rank=m.r, h_col=a.a_row,
+                                      b_offset=a.b_offset, scale=m.scaling, device=self.device))
+        launches.append(da_launch(self.dh, saved.xn, self.grads, tokens=self.rows, rank=site.rank, k=site.k,
+                                  a_offset=site.a_offset, device=self.device))
+        return launches
+
+    # -- the program ------------------------------------------------------------------------------
+
+    def _assemble(self, slot: _Slot) -> list:
+        """The slot's whole program: launches, and ("copy", src, dst) items for the saved residuals."""
+        c, w, a = self.config, self.weights, self.adapters
+        d = self.device
+        out: list = embedding_launches(slot.ids, w.embedding, w.embedding_rows, self.residual, tokens=self.rows,
+                                       k=c.hidden, bf16=w.bf16, device=d)
+        for index, layer in enumerate(w.layers):
+            sites, s = a.sites[index], self.saved[index]
+            out += [
+                ("copy", self.residual, s["resid_in"]),
+                self._norm(self.residual, layer.input_norm, sites["attn"], s["attn"], self.codes, c.hidden,
+                           (index, "attn")),
+                self._project(layer.qkv, s["attn"], self.codes, self.qkv, "store", sites["attn"]),
+                rope_launch(self.qkv, w.rope_cos, w.rope_sin, self.step, s["q"], s["k"], s["v"], tokens=self.rows,
+                            tokens_per_seq=self.tokens, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
+                            cache_len=self.tokens, device=d),
+                *attention_launches(s["q"], s["k"], s["v"], s["o"], self.step, slot.lengths, batch=self.batch,
+                                    tokens=self.tokens, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
+                                    max_len=self.tokens, scale=c.head_dim ** -0.5, lse=s["lse"], device=d),
+                self._norm(s["o"], layer.attn_sub_norm, sites["o"], s["o_site"], self.codes, c.q_size, (index, "o")),
+                self._project(layer.o, s["o_site"], self.codes, self.residual, "add", sites["o"]),
+                ("copy", self.residual, s["resid_mid"]),
+                self._norm(self.residual, layer.post_norm, sites["mlp"], s["mlp"], self.codes, c.hidden,
+                           (index, "mlp")),
+                self._project(layer.gate_up, s["mlp"], self.codes, s["ffn"], "gate_up", sites["mlp"], aux=s["pairs"]),
+                self._norm(s["ffn"], layer.ffn_sub_norm, sites["down"], s["down"], self.ffn_codes, c.intermediate,
+                           (index, "down")),
+                self._project(layer.down, s["down"], self.ffn_codes, self.residual, "add", sites["down"]),
+            ]
+        out.append(("copy", self.residual, self.resid_final))
+        out.append(rmsnorm_launch(self.residual, w.final_norm, self.xn_final, tokens=self.rows, k=c.hidden,
+                                  eps=c.rms_eps, rstd=self.rstd_final, device=d))
+        for first, count in self.token_chunks:  # the loss, token chunk by token chunk
+            x = self._rows_view(self.xn_final, first, count)
+            logits = self._rows_view(self.logits, 0, count)
+            begin = 0
+            for chunk, rows in zip(w.head, w.head_rows):
+                out.append(matmul_launch(x, Projection(chunk, None, rows, c.hidden), logits, tokens=count,
+                                         out_stride=c.vocab, out_offset=begin, bf16=w.bf16, gemv=False, device=d))
+                begin += rows
+            out.append(cross_entropy_launch(logits, self._rows_view(slot.targets, first, count), self.scale,
+                                            self._rows_view(slot.losses, first, count), rows=count, vocab=c.vocab,
+                                            device=d))
+            begin = 0
+            for i, (chunk, rows) in enumerate(zip(w.head, w.head_rows)):
+                out.append(matmul_t_launch(logits, Projection(chunk, None, rows, c.hidden),
+                                           self._rows_view(self.d_final, first, count), tokens=count, k=c.hidden,
+                                           bf16=w.bf16, accumulate=i > 0, dy_col=begin, device=d))
+                begin += rows
+        out.append(rmsnorm_backward_launch(self.d_final, self.resid_final, self.rstd_final, w.final_norm,
+                                           self.d_resid, tokens=self.rows, k=c.hidden, device=d))
+        for index in reversed(range(c.layers)):
+            layer, sites, s = w.layers[index], a.sites[index], self.saved[index]
+            out += self._adapter_grads(sites["down"], self.d_resid, s["down"])
+            out += [
+                self._project_t(layer.down, self.d_resid, self.d_ffn_xn, c.intermediate, sites["down"]),
+                rmsnorm_backward_launch(self.d_ffn_xn, s["ffn"], s["down"].rstd, layer.ffn_sub_norm, self.d_h,
+                                        tokens=self.rows, k=c.intermediate, device=d),
+                relu2_backward_launch(self.d_h, s["pairs"], self.d_pairs, tokens=self.rows, features=c.intermediate,
+                                      device=d),
+            ]
+            out += self._adapter_grads(sites["mlp"], self.d_pairs, s["mlp"])
+            out += [
+                self._project_t(layer.gate_up, self.d_pairs, self.d_xn, c.hidden, sites["mlp"]),
+                rmsnorm_backward_launch(self.d_xn, s["resid_mid"], s["mlp"].rstd, layer.post_norm, self.d_resid,
+                                        tokens=self.rows, k=c.hidden, accumulate=True, device=d),
+            ]
+            out += self._adapter_grads(sites["o"], self.d_resid, s["o_site"])
+            out += [
+                self._project_t(layer.o, self.d_resid, self.d_xn_o, c.q_size, sites["o"]),
+                rmsnorm_backward_launch(self.d_xn_o, s["o"], s["o_site"].rstd, layer.attn_sub_norm, self.d_o,
+                                        tokens=self.rows, k=c.q_size, device=d),
+                *attention_backward_launches(s["q"], s["k"], s["v"], s["o"], s["lse"], self.d_o, self.d_q, self.d_k,
+                                             self.d_v, self.step, slot.lengths, batch=self.batch, tokens=self.tokens,
+                                             heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
+                                             max_len=self.tokens, scale=c.head_dim ** -0.5, device=d),
+                rope_backward_launch(self.d_q, self.d_k, self.d_v, w.rope_cos, w.rope_sin, self.step, self.d_qkv,
+                                     tokens=self.rows, tokens_per_seq=self.tokens, heads=c.heads, kv_heads=c.kv_heads,
+                                     head_dim=c.head_dim, cache_len=self.tokens, device=d),
+            ]
+            out += self._adapter_grads(sites["attn"], self.d_qkv, s["attn"])
+            out += [
+                self._project_t(layer.qkv, self.d_qkv, self.d_xn, c.hidden, sites["attn"]),
+                rmsnorm_backward_launch(self.d_xn, s["resid_in"], s["attn"].rstd, layer.input_norm, self.d_resid,
+                                        tokens=self.rows, k=c.hidden, accumulate=True, device=d),
+            ]
+        return out
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def write_inputs(self, slot: int, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int]) -> int:
+        """Write micro-batch ``slot``'s token ids and labels [batch, tokens]; returns its labelled
+        positions (those whose next label is not -100)."""
+        s = self.slots[slot]
+        targets = shifted_targets(labels.long())
+        write(s.ids, ids.numpy().astype(np.uint32).reshape(-1))
+        write(s.targets, targets.numpy().astype(np.int32).reshape(-1))
+        write(s.lengths, np.asarray(lengths, np.uint32))
+        return int((targets >= 0).sum())
+
+    def set_scale(self, scale: float) -> None:
+        """The loss gradient's factor per labelled token (1 / the step's labelled tokens)."""
+        write(self.scale, np.array([scale], np.float32))
+
+    def record(self, rec: Recorder, slot: int, capture: dict | None = None) -> None:
+        """Forward, loss and backward of micro-batch ``slot`` (gradients add into ``grads``).
+        ``capture`` receives copies of the activation codes, as ``ForwardPlan.record``'s."""
+        points = self.slots[slot].points if capture is not None else {}
+        for item in self.slots[slot].launches:
+            if isinstance(item, tuple):
+                _, src, dst = item
+                rec.copy(src, dst)
+                continue
+            rec.launch(item)
+            if id(item) in points:
+                point, codes = points[id(item)]
+                copies = (Buffer(codes.shape, "u32", self.device), Buffer(self.meta.shape, "f32", self.device))
+                rec.copy(codes, copies[0])
+                rec.copy(self.meta, copies[1])
+                capture[point] = copies
+
+    @property
+    def dispatches(self) -> int:
+        return sum(1 for item in self.slots[0].launches if not isinstance(item, tuple))

@@ -1,0 +1,68 @@
+// Cross-entropy of logit rows against their targets, and its gradient in place, one row a
+// workgroup (the rows the LM head just wrote; the vocabulary is not split here):
+//   lse = max + log Σ exp(l − max),   LOSS[n] = lse − l[label]        (0 where label < 0)
+//   L[n][v] ← (exp(l[v] − lse) − [v = label]) · SCALE[0]              (0 rows where label < 0)
+// SCALE is a buffer (the step's 1 / labelled tokens, or the loss's incoming gradient) so the
+// launch stays the same from step to step.
+
+struct Params {
+  vocab: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read_write> L: array<f32>;
+@group(0) @binding(2) var<storage, read> TARGET: array<i32>;
+@group(0) @binding(3) var<storage, read> SCALE: array<f32>;
+@group(0) @binding(4) var<storage, read_write> LOSS: array<f32>;
+
+override WG: u32 = 256u;
+
+var<workgroup> red: array<f32, WG>;
+
+fn reduce_max(t: u32, v: f32) -> f32 {
+  red[t] = v;
+  workgroupBarrier();
+  for (var s = WG / 2u; s > 0u; s >>= 1u) {
+    if (t < s) { red[t] = max(red[t], red[t + s]); }
+    workgroupBarrier();
+  }
+  let r = red[0];
+  workgroupBarrier();
+  return r;
+}
+
+fn reduce_sum(t: u32, v: f32) -> f32 {
+  red[t] = v;
+  workgroupBarrier();
+  for (var s = WG / 2u; s > 0u; s >>= 1u) {
+    if (t < s) { red[t] += red[t + s]; }
+    workgroupBarrier();
+  }
+  let r = red[0];
+  workgroupBarrier();
+  return r;
+}
+
+@compute @workgroup_size(WG)
+fn rows(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+  let n = wg.x;
+  let row = n * p.vocab;
+  let label = TARGET[n];
+  var m = -3.4028235e38;
+  for (var v = t; v < p.vocab; v += WG) { m = max(m, L[row + v]); }
+  m = reduce_max(t, m);
+  var s = 0.0;
+  for (var v = t; v < p.vocab; v += WG) { s += exp(L[row + v] - m); }
+  let lse = m + log(reduce_sum(t, s));
+  if (t == 0u && label < 0) { LOSS[n] = 0.0; }
+  let scale = select(0.0, SCALE[0], label >= 0);
+  for (var v = t; v < p.vocab; v += WG) {
+    let l = L[row + v];
+    var d = exp(l - lse);
+    if (i32(v) == label) {  // the thread that owns the label reads it before overwriting it
+      LOSS[n] = lse - l;
+      d -= 1.0;
+    }
+    L[row + v] = d * scale;
+  }
+}

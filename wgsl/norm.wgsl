@@ -1,0 +1,155 @@
+// RMSNorm of one row per workgroup, in transformers' order of operations,
+//   r = 1 / sqrt(mean(x²) + eps),  y = g · (x · r),
+// written to XN (rows padded with zeros to the stride), and with QUANT the per-token absmax
+// int8 codes BitLinear's activation quantisation makes of y:
+//   s = 127 / max(max|y|, 1e-5),  q = clamp(round(y · s), −128, 127)   (round half to even)
+// packed four to a u32 in XQ, with s at XM[n] and Σ q (i32 bits) at XM[tokens + n]. With
+// LORA_RANK > 0 it also computes the LoRA down-projections of y for every adapter reading
+// this input: H[n][r] = Σ_k A[r][k] · y_k (A: the adapters' A matrices stacked). With SAVE
+// it keeps r in RS[n] for the backward pass.
+
+struct Params {
+  tokens: u32,
+  k: u32,           // features
+  x_stride: u32,    // floats per row of X
+  stride: u32,      // floats per row of XN and A (k padded to a multiple of 64)
+  code_words: u32,  // u32 words per row of XQ (stride / 4)
+  rank: u32,        // rows of A (0: no LoRA)
+  h_stride: u32,    // floats per row of H
+  eps: f32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> X: array<f32>;
+@group(0) @binding(2) var<storage, read> G: array<f32>;
+@group(0) @binding(3) var<storage, read_write> XN: array<f32>;
+@group(0) @binding(4) var<storage, read_write> XQ: array<u32>;
+@group(0) @binding(5) var<storage, read_write> XM: array<f32>;
+@group(0) @binding(6) var<storage, read> A: array<f32>;
+@group(0) @binding(7) var<storage, read_write> H: array<f32>;
+@group(0) @binding(8) var<storage, read_write> RS: array<f32>;
+
+override WG: u32 = 256u;  // a multiple of 32
+override QUANT: bool = true;
+override SAVE: bool = false;
+
+// Reductions over the workgroup in two barriers: each thread's value into workgroup memory, a
+// serial sum (or max) over 32 of them by WG / 32 threads, then every thread combines those few.
+// (A tree takes log2(WG) barriers; on a GPU each costs more than the short serial loops.)
+var<workgroup> red: array<f32, WG>;
+var<workgroup> red2: array<f32, WG / 32u>;
+var<workgroup> red_i: array<i32, WG>;
+var<workgroup> red2_i: array<i32, WG / 32u>;
+var<workgroup> red4: array<vec4<f32>, WG>;
+var<workgroup> red24: array<vec4<f32>, WG / 32u>;
+
+fn sum_all(t: u32, v: f32) -> f32 {
+  red[t] = v;
+  workgroupBarrier();
+  if (t < WG / 32u) {
+    var s = 0.0;
+    for (var i = 0u; i < 32u; i++) { s += red[32u * t + i]; }
+    red2[t] = s;
+  }
+  workgroupBarrier();
+  var total = 0.0;
+  for (var i = 0u; i < WG / 32u; i++) { total += red2[i]; }
+  return total;
+}
+
+fn max_all(t: u32, v: f32) -> f32 {
+  red[t] = v;
+  workgroupBarrier();
+  if (t < WG / 32u) {
+    var m = 0.0;
+    for (var i = 0u; i < 32u; i++) { m = max(m, red[32u * t + i]); }
+    red2[t] = m;
+  }
+  workgroupBarrier();
+  var total = 0.0;
+  for (var i = 0u; i < WG / 32u; i++) { total = max(total, red2[i]); }
+  return total;
+}
+
+fn sum_all_i(t: u32, v: i32) -> i32 {
+  red_i[t] = v;
+  workgroupBarrier();
+  if (t < WG / 32u) {
+    var s = 0i;
+    for (var i = 0u; i < 32u; i++) { s += red_i[32u * t + i]; }
+    red2_i[t] = s;
+  }
+  workgroupBarrier();
+  var total = 0i;
+  for (var i = 0u; i < WG / 32u; i++) { total += red2_i[i]; }
+  return total;
+}
+
+fn sum_all4(t: u32, v: vec4<f32>) -> vec4<f32> {
+  red4[t] = v;
+  workgroupBarrier();
+  if (t < WG / 32u) {
+    var s = vec4<f32>(0.0);
+    for (var i = 0u; i < 32u; i++) { s += red4[32u * t + i]; }
+    red24[t] = s;
+  }
+  workgroupBarrier();
+  var total = vec4<f32>(0.0);
+  for (var i = 0u; i < WG / 32u; i++) { total += red24[i]; }
+  return total;
+}
+
+@compute @workgroup_size(WG)
+fn rmsnorm(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+  let n = wg.x;
+  let row = n * p.x_stride;
+  let out = n * p.stride;
+  var ss = 0.0;
+  for (var k = t; k < p.k; k += WG) { let v = X[row + k]; ss += v * v; }
+  let r = inverseSqrt(sum_all(t, ss) / f32(p.k) + p.eps);
+  var m = 0.0;
+  for (var k = t; k < p.stride; k += WG) {
+    var y = 0.0;
+    if (k < p.k) { y = G[k] * (X[row + k] * r); }
+    XN[out + k] = y;
+    m = max(m, abs(y));
+  }
+  if (SAVE && t == 0u) { RS[n] = r; }
+  if (QUANT) {
+    let s = 127.0 / max(max_all(t, m), 1e-5);
+    var total = 0i;
+    for (var w = t; w < p.code_words; w += WG) {
+      var q = vec4<i32>(0);
+      for (var l = 0u; l < 4u; l++) {  // recomputed rather than read back: XN is not visible across threads yet
+        let k = 4u * w + l;
+        if (k < p.k) { q[l] = i32(clamp(round(G[k] * (X[row + k] * r) * s), -128.0, 127.0)); }
+      }
+      XQ[n * p.code_words + w] = pack4xI8(q);
+      total += q.x + q.y + q.z + q.w;
+    }
+    let sum = sum_all_i(t, total);
+    if (t == 0u) {
+      XM[n] = s;
+      XM[p.tokens + n] = bitcast<f32>(sum);
+    }
+  }
+  // LoRA down-projections, four adapter ranks at a time.
+  for (var j = 0u; j < p.rank; j += 4u) {
+    let last = p.rank - 1u;
+    let a0 = min(j, last) * p.stride;
+    let a1 = min(j + 1u, last) * p.stride;
+    let a2 = min(j + 2u, last) * p.stride;
+    let a3 = min(j + 3u, last) * p.stride;
+    var acc = vec4<f32>(0.0);
+    for (var k = t; k < p.k; k += WG) {
+      let y = G[k] * (X[row + k] * r);
+      acc += y * vec4<f32>(A[a0 + k], A[a1 + k], A[a2 + k], A[a3 + k]);
+    }
+    let v = sum_all4(t, acc);
+    if (t == 0u) {
+      for (var l = 0u; l < 4u; l++) {
+        if (j + l < p.rank) { H[n * p.h_stride + j + l] = v[l]; }
+      }
+    }
+  }
+}
