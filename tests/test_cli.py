@@ -417,7 +417,8 @@ def test_gradcheck_exits_1_when_the_engine_gradients_are_off(capsys, tiny, monke
         return loss, {p: g * 1.001 for p, g in grads.items()}
 
     monkeypatch.setattr(BitNetEngine, "loss_and_grads", off)
-    assert main(["gradcheck", "--model", str(tiny["packed"]), "--batch", "2", "--seq-len", "16"]) == EXIT_FAILED
+    assert main(["gradcheck", "--model", str(tiny["packed"]), "--batch", "2", "--seq-len", "16",
+                 "--engine", "wgpu"]) == EXIT_FAILED
     out = capsys.readouterr().out
     assert "ABOVE the tolerance" in out and "BitNetEngine" in out
 

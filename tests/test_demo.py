@@ -109,3 +109,17 @@ def test_run_demo_trains_compares_and_saves_a_loadable_adapter(demo_model, tmp_p
     again = run_demo(demo_model, tmp_path / "out", out=lambda line: None, **options)
     assert (again.loss_before, again.loss_after) == (result.loss_before, result.loss_after)
     assert (again.generation_before, again.generation_after) == (result.generation_before, result.generation_after)
+
+
+def test_run_demo_on_the_engine_trains_and_its_parity_table_is_the_engines(demo_model, tmp_path):
+    # On a CPU adapter "auto" keeps the base model in torch (see engine.choose_engine); the engine is
+    # asked for by name here, as `torch-wgpu-lora demo --engine wgpu` does.
+    lines: list[str] = []
+    result = run_demo(demo_model, tmp_path / "out", steps=6, max_new_tokens=4, progress=False, engine="wgpu",
+                      out=lines.append)
+    text = "\n".join(lines)
+    assert result.loss_after < result.loss_before - 0.5, (result.loss_before, result.loss_after)
+    assert "the whole model on WebGPU (BitNetEngine)" in text and "the WebGPU engine vs PyTorch autograd" in text
+    report = result.parity.report
+    assert report.codes > 0  # torch was fed the engine's int8 codes: the packed demo model is quantised
+    assert result.parity.passed

@@ -16,15 +16,8 @@ from transformers.generation.logits_process import (
 )
 
 import torch_wgpu_lora
-from torch_wgpu_lora.generation import (
-    Generation,
-    _eos_ids,
-    apply_repetition_penalty,
-    generate,
-    process_logits,
-    top_k_filter,
-    top_p_filter,
-)
+from torch_wgpu_lora.generation import Generation, _eos_ids, generate
+from torch_wgpu_lora.logits import apply_repetition_penalty, process_logits, top_k_filter, top_p_filter
 from torch_wgpu_lora.integrations.bitnet import apply_lora, lora_modules
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
 from torch_wgpu_lora.prompts import format_prompt

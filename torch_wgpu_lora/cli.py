@@ -16,6 +16,12 @@ not a BitNet checkpoint, bad option values), reported as one line
 ``torch-wgpu-lora: error: <what was wrong>`` on stderr. Anything else is a bug and
 keeps its traceback.
 
+Several processes (data-parallel training, ``torchrun --nproc-per-node N -m torch_wgpu_lora
+train ...`` or ``accelerate launch``): ``train`` makes the torch.distributed process group
+(gloo, with ``--dist-timeout``) when ``WORLD_SIZE`` > 1 and none exists; rank 0 alone checks
+the output folder, writes and prints; every rank's error line names its rank; a rank that
+died or hung ends the others with exit status 1 (``training.distributed.RankLost``).
+
 Every command runs PyTorch eagerly. transformers wraps BitNet's weight unpacking and
 activation quantisation in ``torch.compile``; on the CPU, where the base model runs, the
 first call compiles with inductor for tens of seconds (again for new shapes), while
@@ -46,10 +52,24 @@ class UsageError(Exception):
 
 
 def _training_stopped() -> tuple[type[BaseException], ...]:
-    """``TrainingStopped`` if the trainer is loaded (nothing else raises it), without importing it:
-    an import here, while reporting an error, could fail again (e.g. on a bad environment variable)."""
+    """``TrainingStopped`` (and data-parallel training's ``DistributedError``) if their modules are
+    loaded (nothing else raises them), without importing them: an import here, while reporting an
+    error, could fail again (e.g. on a bad environment variable)."""
     trainer = sys.modules.get(f"{__package__}.training.trainer")
-    return () if trainer is None else (trainer.TrainingStopped,)
+    distributed = sys.modules.get(f"{__package__}.training.distributed")
+    return ((() if trainer is None else (trainer.TrainingStopped,))
+            + (() if distributed is None else (distributed.DistributedError,)))
+
+
+def _rank_tag() -> str:
+    """`` (rank R of W)`` in a data-parallel run, else empty (without importing torch.distributed)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return f" (rank {dist.get_rank()} of {dist.get_world_size()})"
+    except Exception:  # reporting an error must not fail
+        pass
+    return ""
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -135,17 +155,40 @@ def _add_model(parser: argparse.ArgumentParser, required: bool = True, default_h
 # -- subcommands ----------------------------------------------------------------------------------
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .training.distributed import check_timeout, init_from_env
+
+    if args.dist_timeout is not None:
+        check_timeout(args.dist_timeout, "--dist-timeout")
+    created = init_from_env(args.dist_timeout)  # several processes (torchrun): the process group first
+    status = _train(args)
+    if created:
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
+    return status
+
+
+def _train(args: argparse.Namespace) -> int:
     from .config import LoraConfig
     from .integrations.bitnet import apply_lora
     from .training.data import read_records
+    from .training.distributed import DataParallel
     from .training.trainer import Trainer, earlier_run
 
+    parallel = DataParallel.current()  # None in a single process
     output = Path(args.output)
-    found = earlier_run(output)
-    if not args.resume and not args.overwrite and found is not None:
-        resume = "--resume to continue it, " if found.startswith("checkpoints") else ""
-        raise UsageError(f"{output} already holds {found} of an earlier run: pass {resume}--overwrite to replace "
-                         "it, or choose another --output")
+
+    def check_output() -> None:  # the output folder is rank 0's: it decides for every rank
+        found = earlier_run(output)
+        if not args.resume and not args.overwrite and found is not None:
+            resume = "--resume to continue it, " if found.startswith("checkpoints") else ""
+            raise UsageError(f"{output} already holds {found} of an earlier run: pass {resume}--overwrite to "
+                             "replace it, or choose another --output")
+
+    if parallel is None:
+        check_output()
+    else:
+        parallel.on_rank0(check_output, "checking the output folder on rank 0")
     # Check the settings and read the data first: a mistake in them should not wait for a large model to load.
     lora_config = LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=args.targets,
                              lora_dropout=args.dropout, seed=args.seed, backend=args.backend)
@@ -163,6 +206,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                       seed=args.seed, save_every=args.save_every, eval_every=args.eval_every,
                       progress=not args.no_progress, overwrite=args.overwrite)
     result = trainer.train(resume_from=args.resume)
+    if parallel is not None and not parallel.is_main:
+        return EXIT_OK  # rank 0 reports
     loss = "skipped" if result.loss is None else f"{result.loss:.4f}"
     print(f"trained {result.steps} steps; last loss {loss}"
           + ("" if result.eval_loss is None else f", eval loss {result.eval_loss:.4f}"))
@@ -251,6 +296,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"adapter:  {info['adapter']}")
     print(f"vendor:   {info['vendor']}")
     print(f"backend:  {info['backend']} ({info['adapter_type']})")
+    print(f"chosen:   {info['choice']}")
     print(f"features: {', '.join(info['features']) or '(none)'}")
     print("limits:")
     width = max(map(len, info["limits"]))
@@ -285,7 +331,8 @@ def cmd_bench(argv: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .config import LoraConfig
     from .demo import DEMO_STEPS, run_demo
-    from .generation import STRATEGIES, generate
+    from .generation import generate
+    from .logits import STRATEGIES
     from .engine import ENGINES
     from .modules import BACKENDS
     from .training.schedule import SCHEDULES
@@ -346,6 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "adapters on --backend; auto: the engine when it can run the model (default: %(default)s)")
     p.add_argument("--backend", choices=BACKENDS, default=lora["backend"],
                    help="compute the adapters with the WebGPU kernels or plain torch (default: %(default)s)")
+    p.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
+                   help="several processes (torchrun, accelerate launch): how long a process waits for the others "
+                   "in a collective before the run stops with an error (default: $TORCH_WGPU_LORA_DIST_TIMEOUT "
+                   "or 300)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_train)
 
@@ -462,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with torch.compiler.set_stance("force_eager"):  # see the module docstring
             return args.run(args)
     except _user_errors() as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
+        print(f"{PROG}: error{_rank_tag()}: {error}", file=sys.stderr)
         return _exit_code(error)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

@@ -242,7 +242,9 @@ def run_demo(model_path: str | os.PathLike | None = None, output_dir: str | os.P
         out(f"model: {model_path} ({frozen / 1e6:.1f} M frozen parameters"
             + (", the small randomly initialised demo BitNet)" if is_demo_model else ")"))
         out(f"adapters: LoRA r={rank}, alpha={lora_alpha} on q_proj and v_proj of {len(lora_modules(model)) // 2} "
-            f"layers, {sum(p.numel() for p in trainer.params):,} trainable parameters, WebGPU backend")
+            f"layers, {sum(p.numel() for p in trainer.params):,} trainable parameters; "
+            + ("the whole model on WebGPU (BitNetEngine)" if trainer.engine else
+               "the base model in torch, the adapters on WebGPU"))
         out(f"prompt: {format_prompt(prompt['instruction'], prompt['input'])!r}")
         out(f"  expected: {records[prompt_index]['output']!r}")
         out("before training:")

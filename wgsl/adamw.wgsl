@@ -7,7 +7,10 @@
 //   P = P + neg_step_size * M / (sqrt(V) / bc2_sqrt + eps)
 // The host works the scalars out in float64 from the step count (step_size = lr / (1 - beta1^t),
 // bc2_sqrt = sqrt(1 - beta2^t)), exactly as torch does, and passes them rounded to float32.
-// P, M and V are updated in place; G is read only.
+// The gradient used is STATS[1] · G, and nothing changes when STATS[2] is not 0: the engine's
+// stats kernel (optimizer.wgsl) puts its clip coefficient and non-finite flag there, so clipping
+// and skipping need no readback; WgpuAdamW passes [0, 1, 0, 0] (× 1 is exact).
+// P, M and V are updated in place; G and STATS are read only.
 
 struct Params {
   n: u32,
@@ -25,6 +28,7 @@ struct Params {
 @group(0) @binding(2) var<storage, read> G: array<f32>;
 @group(0) @binding(3) var<storage, read_write> M: array<f32>;
 @group(0) @binding(4) var<storage, read_write> V: array<f32>;
+@group(0) @binding(5) var<storage, read> STATS: array<f32>;  // [norm, gradient factor, skip flag, loss]
 
 override WG: u32 = 256u;
 
@@ -32,8 +36,8 @@ override WG: u32 = 256u;
 fn adamw_step(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) groups: vec3<u32>) {
   // A 2-D grid lets tensors longer than 65535 workgroups * WG elements through.
   let i = gid.y * groups.x * WG + gid.x;
-  if (i >= p.n) { return; }
-  let g = G[i];
+  if (i >= p.n || STATS[2] != 0.0) { return; }
+  let g = G[i] * STATS[1];
   let param = P[i] * p.decay;
   let m_old = M[i];
   // torch's lerp: start + w * (end - start) for |w| < 0.5, else end - (end - start) * (1 - w).

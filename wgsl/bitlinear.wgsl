@@ -57,23 +57,7 @@ fn dot16(a: vec4<u32>, d: vec4<u32>) -> i32 {
   return dot4I8Packed(a.x, d.x) + dot4I8Packed(a.y, d.y) + dot4I8Packed(a.z, d.z) + dot4I8Packed(a.w, d.w);
 }
 
-fn lora(n: u32, j: u32) -> f32 {
-  var v = 0.0;
-  for (var s = 0u; s < p.segments; s++) {
-    let hdr = s * 8u;
-    let begin = LORA[hdr];
-    let step = LORA[hdr + 2u];
-    if (j >= begin && j < LORA[hdr + 1u] && (j - begin) % step == 0u) {
-      let rank = LORA[hdr + 5u];
-      let b = LORA[hdr + 4u] + ((j - begin) / step) * rank;
-      let h = n * p.lora_rank + LORA[hdr + 3u];
-      var sum = 0.0;
-      for (var r = 0u; r < rank; r++) { sum += LB[b + r] * H[h + r]; }
-      v += bitcast<f32>(LORA[hdr + 6u]) * sum;
-    }
-  }
-  return v;
-}
+// @include _projection_epilogue.wgsl
 
 // The projection's value for token n, row j, from the raw integer accumulator.
 fn value(n: u32, j: u32, acc: i32) -> f32 {
@@ -82,22 +66,6 @@ fn value(n: u32, j: u32, acc: i32) -> f32 {
   if (DIVIDE) { v = dot / (WS[j] * XM[n]); } else { v = dot / XM[n] * WS[j]; }
   if (p.segments > 0u) { v += lora(n, j); }
   return v;
-}
-
-// Store (MODE 0) or add (MODE 1) one output.
-fn put(n: u32, j: u32, v: f32) {
-  let o = n * p.out_stride + p.out_offset + j;
-  if (MODE == 1u) { OUT[o] += v; } else { OUT[o] = v; }
-}
-
-// A gate/up pair (rows 2i, 2i + 1) for token n: relu(gate)² · up.
-fn put_pair(n: u32, i: u32, gate: f32, up: f32) {
-  let g = max(gate, 0.0);
-  OUT[n * p.out_stride + p.out_offset + i] = g * g * up;
-  if (SAVE) {
-    AUX[n * p.aux_stride + 2u * i] = gate;
-    AUX[n * p.aux_stride + 2u * i + 1u] = up;
-  }
 }
 
 var<workgroup> partial: array<i32, GEMV_WG>;

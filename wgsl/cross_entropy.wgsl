@@ -17,31 +17,7 @@ struct Params {
 
 override WG: u32 = 256u;
 
-var<workgroup> red: array<f32, WG>;
-
-fn reduce_max(t: u32, v: f32) -> f32 {
-  red[t] = v;
-  workgroupBarrier();
-  for (var s = WG / 2u; s > 0u; s >>= 1u) {
-    if (t < s) { red[t] = max(red[t], red[t + s]); }
-    workgroupBarrier();
-  }
-  let r = red[0];
-  workgroupBarrier();
-  return r;
-}
-
-fn reduce_sum(t: u32, v: f32) -> f32 {
-  red[t] = v;
-  workgroupBarrier();
-  for (var s = WG / 2u; s > 0u; s >>= 1u) {
-    if (t < s) { red[t] += red[t + s]; }
-    workgroupBarrier();
-  }
-  let r = red[0];
-  workgroupBarrier();
-  return r;
-}
+// @include _reductions.wgsl
 
 @compute @workgroup_size(WG)
 fn rows(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
@@ -50,10 +26,10 @@ fn rows(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
   let label = TARGET[n];
   var m = -3.4028235e38;
   for (var v = t; v < p.vocab; v += WG) { m = max(m, L[row + v]); }
-  m = reduce_max(t, m);
+  m = max_all(t, m);
   var s = 0.0;
   for (var v = t; v < p.vocab; v += WG) { s += exp(L[row + v] - m); }
-  let lse = m + log(reduce_sum(t, s));
+  let lse = m + log(sum_all(t, s));
   if (t == 0u && label < 0) { LOSS[n] = 0.0; }
   let scale = select(0.0, SCALE[0], label >= 0);
   for (var v = t; v < p.vocab; v += WG) {

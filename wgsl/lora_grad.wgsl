@@ -109,3 +109,18 @@ fn da(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u
     }
   }
 }
+
+// dh with one token per invocation and no barriers: for CPU adapters (see norm.wgsl).
+@compute @workgroup_size(64)
+fn dh_rows(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let n = gid.x;
+  if (n >= p.tokens) { return; }
+  let count = rows();
+  for (var r = 0u; r < p.rank; r++) {
+    var acc = 0.0;
+    for (var i = 0u; i < count; i++) {
+      acc += DY[n * p.dy_stride + p.begin + p.step * i] * LB[p.b_offset + i * p.rank + r];
+    }
+    DH[n * p.h_stride + p.h_col + r] = p.scale * acc;
+  }
+}

@@ -7,8 +7,9 @@
 // two to a u32 (element 2i in the low half), widened exactly in registers.
 //
 // gemv: one token per grid row, ROWS rows a workgroup, LANES threads a row striding over its
-// vec4 words (coalesced), a tree in workgroup memory. gemm: 64 tokens × 64 rows a workgroup,
-// 4 × 4 a thread, K in steps of 16 through workgroup memory.
+// vec4 words (coalesced), one barrier, then a thread a row sums its lanes. gemm: 64 tokens × 64
+// rows a workgroup of 128 threads, 8 tokens × 4 rows a thread, K in steps of 16 through
+// workgroup memory.
 
 struct Params {
   tokens: u32,
@@ -41,41 +42,11 @@ override GEMV_WG: u32 = ROWS * LANES;
 fn lo(w: u32) -> f32 { return bitcast<f32>(w << 16u); }
 fn hi(w: u32) -> f32 { return bitcast<f32>(w & 0xffff0000u); }
 
-fn lora(n: u32, j: u32) -> f32 {
-  var v = 0.0;
-  for (var s = 0u; s < p.segments; s++) {
-    let hdr = s * 8u;
-    let begin = LORA[hdr];
-    let step = LORA[hdr + 2u];
-    if (j >= begin && j < LORA[hdr + 1u] && (j - begin) % step == 0u) {
-      let rank = LORA[hdr + 5u];
-      let b = LORA[hdr + 4u] + ((j - begin) / step) * rank;
-      let h = n * p.lora_rank + LORA[hdr + 3u];
-      var sum = 0.0;
-      for (var r = 0u; r < rank; r++) { sum += LB[b + r] * H[h + r]; }
-      v += bitcast<f32>(LORA[hdr + 6u]) * sum;
-    }
-  }
-  return v;
-}
+// @include _projection_epilogue.wgsl
 
 fn value(n: u32, j: u32, acc: f32) -> f32 {
   if (p.segments > 0u) { return acc + lora(n, j); }
   return acc;
-}
-
-fn put(n: u32, j: u32, v: f32) {
-  let o = n * p.out_stride + p.out_offset + j;
-  if (MODE == 1u) { OUT[o] += v; } else { OUT[o] = v; }
-}
-
-fn put_pair(n: u32, i: u32, gate: f32, up: f32) {
-  let g = max(gate, 0.0);
-  OUT[n * p.out_stride + p.out_offset + i] = g * g * up;
-  if (SAVE) {
-    AUX[n * p.aux_stride + 2u * i] = gate;
-    AUX[n * p.aux_stride + 2u * i + 1u] = up;
-  }
 }
 
 var<workgroup> partial: array<f32, GEMV_WG>;
@@ -118,26 +89,27 @@ fn gemv(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
 var<workgroup> xs: array<vec4<f32>, 256>;  // [token][k4] of the current K step (16 floats)
 var<workgroup> ws: array<vec4<f32>, 256>;  // [row][k4]
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(128)
 fn gemm(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
-  let tr = t % 16u;
-  let tt = t / 16u;
+  let tr = t % 16u;  // rows 4tr..
+  let tt = t / 16u;  // tokens 8tt..
   let n0 = wg.y * 64u;
   let j0 = wg.x * 64u;
-  let load_n = min(n0 + t / 4u, p.tokens - 1u) * p.x_words + t % 4u;
-  let w_row = min(j0 + t / 4u, p.rows - 1u) * p.w_words;
   var a0 = vec4<f32>(0.0); var a1 = vec4<f32>(0.0); var a2 = vec4<f32>(0.0); var a3 = vec4<f32>(0.0);
+  var a4 = vec4<f32>(0.0); var a5 = vec4<f32>(0.0); var a6 = vec4<f32>(0.0); var a7 = vec4<f32>(0.0);
   for (var k = 0u; k < p.x_words; k += 4u) {
-    xs[t] = X[load_n + k];
-    if (BF16) {  // 16 values of a row are two words: threads with t % 4 < 2 widen one each
-      if (t % 4u < 2u) {
-        let w = W[w_row + k / 2u + t % 4u];
-        let base = (t / 4u) * 4u + 2u * (t % 4u);
-        ws[base] = vec4<f32>(lo(w.x), hi(w.x), lo(w.y), hi(w.y));
-        ws[base + 1u] = vec4<f32>(lo(w.z), hi(w.z), lo(w.w), hi(w.w));
+    for (var h = 0u; h < 2u; h++) {  // 64 tokens × 4 words and 64 rows × 4 words: two of each a thread
+      let idx = t + 128u * h;
+      xs[idx] = X[min(n0 + idx / 4u, p.tokens - 1u) * p.x_words + k + idx % 4u];
+      if (!BF16) {
+        ws[idx] = bitcast<vec4<f32>>(W[min(j0 + idx / 4u, p.rows - 1u) * p.w_words + k + idx % 4u]);
       }
-    } else {
-      ws[t] = bitcast<vec4<f32>>(W[w_row + k + t % 4u]);
+    }
+    if (BF16) {  // 16 values of a row are two words: one a thread, widened into two vec4s
+      let w = W[min(j0 + t / 2u, p.rows - 1u) * p.w_words + k / 2u + t % 2u];
+      let base = (t / 2u) * 4u + 2u * (t % 2u);
+      ws[base] = vec4<f32>(lo(w.x), hi(w.x), lo(w.y), hi(w.y));
+      ws[base + 1u] = vec4<f32>(lo(w.z), hi(w.z), lo(w.w), hi(w.w));
     }
     workgroupBarrier();
     for (var c = 0u; c < 4u; c++) {
@@ -145,22 +117,29 @@ fn gemm(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
       let w1 = ws[(4u * tr + 1u) * 4u + c];
       let w2 = ws[(4u * tr + 2u) * 4u + c];
       let w3 = ws[(4u * tr + 3u) * 4u + c];
-      let x0 = xs[(4u * tt) * 4u + c];
-      let x1 = xs[(4u * tt + 1u) * 4u + c];
-      let x2 = xs[(4u * tt + 2u) * 4u + c];
-      let x3 = xs[(4u * tt + 3u) * 4u + c];
+      let x0 = xs[(8u * tt) * 4u + c];
+      let x1 = xs[(8u * tt + 1u) * 4u + c];
+      let x2 = xs[(8u * tt + 2u) * 4u + c];
+      let x3 = xs[(8u * tt + 3u) * 4u + c];
+      let x4 = xs[(8u * tt + 4u) * 4u + c];
+      let x5 = xs[(8u * tt + 5u) * 4u + c];
+      let x6 = xs[(8u * tt + 6u) * 4u + c];
+      let x7 = xs[(8u * tt + 7u) * 4u + c];
       a0 += vec4<f32>(dot(x0, w0), dot(x0, w1), dot(x0, w2), dot(x0, w3));
       a1 += vec4<f32>(dot(x1, w0), dot(x1, w1), dot(x1, w2), dot(x1, w3));
       a2 += vec4<f32>(dot(x2, w0), dot(x2, w1), dot(x2, w2), dot(x2, w3));
       a3 += vec4<f32>(dot(x3, w0), dot(x3, w1), dot(x3, w2), dot(x3, w3));
+      a4 += vec4<f32>(dot(x4, w0), dot(x4, w1), dot(x4, w2), dot(x4, w3));
+      a5 += vec4<f32>(dot(x5, w0), dot(x5, w1), dot(x5, w2), dot(x5, w3));
+      a6 += vec4<f32>(dot(x6, w0), dot(x6, w1), dot(x6, w2), dot(x6, w3));
+      a7 += vec4<f32>(dot(x7, w0), dot(x7, w1), dot(x7, w2), dot(x7, w3));
     }
     workgroupBarrier();
   }
   let j = j0 + 4u * tr;
-  store4(n0 + 4u * tt, j, a0);
-  store4(n0 + 4u * tt + 1u, j, a1);
-  store4(n0 + 4u * tt + 2u, j, a2);
-  store4(n0 + 4u * tt + 3u, j, a3);
+  let n = n0 + 8u * tt;
+  store4(n, j, a0); store4(n + 1u, j, a1); store4(n + 2u, j, a2); store4(n + 3u, j, a3);
+  store4(n + 4u, j, a4); store4(n + 5u, j, a5); store4(n + 6u, j, a6); store4(n + 7u, j, a7);
 }
 
 fn store4(n: u32, j: u32, acc: vec4<f32>) {

@@ -44,14 +44,19 @@ fn gemm_t(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: ve
   let k0 = wg.x * 64u;
   var a0 = vec4<f32>(0.0); var a1 = vec4<f32>(0.0); var a2 = vec4<f32>(0.0); var a3 = vec4<f32>(0.0);
   var a4 = vec4<f32>(0.0); var a5 = vec4<f32>(0.0); var a6 = vec4<f32>(0.0); var a7 = vec4<f32>(0.0);
-  let token = t / 2u;
-  let load_n = min(n0 + token, p.tokens - 1u) * p.a_stride + p.a_col;
+  let jl = t % 16u;
   let row_words = p.w_words / 4u;  // vec4 words per weight row
   for (var j0 = 0u; j0 < p.rows; j0 += 16u) {
-    for (var i = 0u; i < 8u; i++) {
-      let jj = 8u * (t % 2u) + i;
-      let j = j0 + jj;
-      as_[jj * 16u + token / 4u][token % 4u] = select(0.0, A[load_n + min(j, p.rows - 1u)], j < p.rows);
+    let j = j0 + jl;
+    for (var h = 0u; h < 2u; h++) {  // A: rows t % 16 of the step, token quads t / 16 and t / 16 + 8
+      let quad = t / 16u + 8u * h;
+      var v = vec4<f32>(0.0);
+      if (j < p.rows) {
+        for (var i = 0u; i < 4u; i++) {
+          v[i] = A[min(n0 + 4u * quad + i, p.tokens - 1u) * p.a_stride + p.a_col + j];
+        }
+      }
+      as_[jl * 16u + quad] = v;
     }
     if (BF16) {  // a row's 64 features are 8 words of 8 bfloat16 values: one word a thread
       let j = j0 + t / 8u;
@@ -84,15 +89,4 @@ fn gemm_t(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: ve
   store(n + 4u, k, a4); store(n + 5u, k, a5); store(n + 6u, k, a6); store(n + 7u, k, a7);
 }
 
-fn store(n: u32, k: u32, v: vec4<f32>) {
-  if (n >= p.tokens) { return; }
-  for (var c = 0u; c < 4u; c++) {
-    let kc = k + c;
-    if (kc < p.k) {
-      var x = v[c];
-      for (var r = 0u; r < p.lora_rank; r++) { x += DH[n * p.dh_stride + r] * LA[r * p.la_stride + kc]; }
-      let o = n * p.out_stride + kc;
-      if (p.accumulate != 0u) { OUT[o] += x; } else { OUT[o] = x; }
-    }
-  }
-}
+// @include _input_grad_store.wgsl

@@ -33,43 +33,13 @@ override WG: u32 = 256u;  // a multiple of 32
 override QUANT: bool = true;
 override SAVE: bool = false;
 
-// Reductions over the workgroup in two barriers: each thread's value into workgroup memory, a
-// serial sum (or max) over 32 of them by WG / 32 threads, then every thread combines those few.
-// (A tree takes log2(WG) barriers; on a GPU each costs more than the short serial loops.)
-var<workgroup> red: array<f32, WG>;
-var<workgroup> red2: array<f32, WG / 32u>;
+// @include _reductions.wgsl
+
+// The same two-barrier shape for the code sums and the LoRA dot products.
 var<workgroup> red_i: array<i32, WG>;
 var<workgroup> red2_i: array<i32, WG / 32u>;
 var<workgroup> red4: array<vec4<f32>, WG>;
 var<workgroup> red24: array<vec4<f32>, WG / 32u>;
-
-fn sum_all(t: u32, v: f32) -> f32 {
-  red[t] = v;
-  workgroupBarrier();
-  if (t < WG / 32u) {
-    var s = 0.0;
-    for (var i = 0u; i < 32u; i++) { s += red[32u * t + i]; }
-    red2[t] = s;
-  }
-  workgroupBarrier();
-  var total = 0.0;
-  for (var i = 0u; i < WG / 32u; i++) { total += red2[i]; }
-  return total;
-}
-
-fn max_all(t: u32, v: f32) -> f32 {
-  red[t] = v;
-  workgroupBarrier();
-  if (t < WG / 32u) {
-    var m = 0.0;
-    for (var i = 0u; i < 32u; i++) { m = max(m, red[32u * t + i]); }
-    red2[t] = m;
-  }
-  workgroupBarrier();
-  var total = 0.0;
-  for (var i = 0u; i < WG / 32u; i++) { total = max(total, red2[i]); }
-  return total;
-}
 
 fn sum_all_i(t: u32, v: i32) -> i32 {
   red_i[t] = v;
@@ -151,5 +121,48 @@ fn rmsnorm(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: v
         if (j + l < p.rank) { H[n * p.h_stride + j + l] = v[l]; }
       }
     }
+  }
+}
+
+// The same, one row per invocation with no barriers: for CPU adapters (lavapipe runs a
+// workgroup's invocations as SIMD lanes, where many small barrier-separated steps cost more than
+// a serial loop over a row), many rows and short ones. The arithmetic is the workgroup kernel's,
+// element for element; only the order of the sums differs.
+@compute @workgroup_size(64)
+fn rmsnorm_rows(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let n = gid.x;
+  if (n >= p.tokens) { return; }
+  let row = n * p.x_stride;
+  let out = n * p.stride;
+  var ss = 0.0;
+  for (var k = 0u; k < p.k; k++) { let v = X[row + k]; ss += v * v; }
+  let r = inverseSqrt(ss / f32(p.k) + p.eps);
+  var m = 0.0;
+  for (var k = 0u; k < p.stride; k++) {
+    var y = 0.0;
+    if (k < p.k) { y = G[k] * (X[row + k] * r); }
+    XN[out + k] = y;
+    m = max(m, abs(y));
+  }
+  if (SAVE) { RS[n] = r; }
+  if (QUANT) {
+    let s = 127.0 / max(m, 1e-5);
+    var total = 0i;
+    for (var w = 0u; w < p.code_words; w++) {
+      var q = vec4<i32>(0);
+      for (var l = 0u; l < 4u; l++) {
+        let k = 4u * w + l;
+        if (k < p.k) { q[l] = i32(clamp(round(G[k] * (X[row + k] * r) * s), -128.0, 127.0)); }
+      }
+      XQ[n * p.code_words + w] = pack4xI8(q);
+      total += q.x + q.y + q.z + q.w;
+    }
+    XM[n] = s;
+    XM[p.tokens + n] = bitcast<f32>(total);
+  }
+  for (var j = 0u; j < p.rank; j++) {
+    var acc = 0.0;
+    for (var k = 0u; k < p.k; k++) { acc += G[k] * (X[row + k] * r) * A[j * p.stride + k]; }
+    H[n * p.h_stride + j] = acc;
   }
 }

@@ -3,6 +3,7 @@
 // stored, or added into OUT (a residual stream's running gradient: never overwritten there).
 
 struct Params {
+  tokens: u32,
   k: u32,
   dy_stride: u32,
   x_stride: u32,
@@ -19,7 +20,7 @@ struct Params {
 
 override WG: u32 = 256u;
 
-var<workgroup> red: array<f32, WG>;
+// @include _reductions.wgsl
 
 @compute @workgroup_size(WG)
 fn rmsnorm_backward(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
@@ -28,16 +29,29 @@ fn rmsnorm_backward(@builtin(local_invocation_index) t: u32, @builtin(workgroup_
   let x = n * p.x_stride;
   var s = 0.0;
   for (var k = t; k < p.k; k += WG) { s += G[k] * DY[dy + k] * X[x + k]; }
-  red[t] = s;
-  workgroupBarrier();
-  for (var st = WG / 2u; st > 0u; st >>= 1u) {
-    if (t < st) { red[t] += red[t + st]; }
-    workgroupBarrier();
-  }
+  let total = sum_all(t, s);
   let r = RS[n];
-  let c = r * r * r * red[0] / f32(p.k);
+  let c = r * r * r * total / f32(p.k);
   let o = n * p.out_stride;
   for (var k = t; k < p.k; k += WG) {
+    let v = r * (G[k] * DY[dy + k]) - X[x + k] * c;
+    if (p.accumulate != 0u) { OUT[o + k] += v; } else { OUT[o + k] = v; }
+  }
+}
+
+// The same, one row per invocation with no barriers (for CPU adapters, see norm.wgsl).
+@compute @workgroup_size(64)
+fn rmsnorm_backward_rows(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let n = gid.x;
+  if (n >= p.tokens) { return; }
+  let dy = n * p.dy_stride;
+  let x = n * p.x_stride;
+  var s = 0.0;
+  for (var k = 0u; k < p.k; k++) { s += G[k] * DY[dy + k] * X[x + k]; }
+  let r = RS[n];
+  let c = r * r * r * s / f32(p.k);
+  let o = n * p.out_stride;
+  for (var k = 0u; k < p.k; k++) {
     let v = r * (G[k] * DY[dy + k]) - X[x + k] * c;
     if (p.accumulate != 0u) { OUT[o + k] += v; } else { OUT[o + k] = v; }
   }

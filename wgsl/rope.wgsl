@@ -1,4 +1,6 @@
-// Rotary position embedding of the fused q/k/v projection's output, one token per workgroup:
+// Rotary position embedding of the fused q/k/v projection's output, workgroup (n, c) doing chunk
+// c of token n (a chunk: WG rotation pairs and WG value elements; one row's work spread over
+// several workgroups, so that decoding's single token is not a long serial loop):
 // rotated queries into QR [tokens, heads·D]; rotated keys and the values into the KV caches
 // [batch, kv_heads, S, D] at the token's position. transformers' rule, with its own cos/sin
 // table (COS, SIN: [positions, D/2]; the second half of each row repeats the first):
@@ -29,13 +31,14 @@ override WG: u32 = 128u;
 @compute @workgroup_size(WG)
 fn rope(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let n = wg.x;
+  let i = wg.y * WG + t;
   let b = n / p.tokens_per_seq;
   let pos = STEP[0] + n % p.tokens_per_seq;
   let half = p.head_dim / 2u;
   let row = n * p.qkv_stride;
   let q_size = p.heads * p.head_dim;
   let kv_size = p.kv_heads * p.head_dim;
-  for (var i = t; i < (p.heads + p.kv_heads) * half; i += WG) {
+  if (i < (p.heads + p.kv_heads) * half) {
     let head = i / half;
     let d = i % half;
     let c = COS[pos * half + d];
@@ -55,7 +58,7 @@ fn rope(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
       KC[dst + half] = r2;
     }
   }
-  for (var i = t; i < kv_size; i += WG) {
+  if (i < kv_size) {
     let g = i / p.head_dim;
     VC[((b * p.kv_heads + g) * p.cache_len + pos) * p.head_dim + i % p.head_dim] = QKV[row + q_size + kv_size + i];
   }

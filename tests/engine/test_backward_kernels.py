@@ -20,11 +20,12 @@ from torch_wgpu_lora.engine.kernels.ffn import relu2_backward_launch
 from torch_wgpu_lora.engine.kernels.lora_grad import da_launch, db_launch, dh_launch, lora_grad_reference
 from torch_wgpu_lora.engine.kernels.matmul import matmul_t_launch
 from torch_wgpu_lora.engine.kernels.norm import rmsnorm_backward_launch, rmsnorm_reference
-from torch_wgpu_lora.engine.kernels.optimizer import adamw_launch, clip_launches
+from torch_wgpu_lora.engine.kernels.optimizer import clip_launches
+from torch_wgpu_lora.ops.adamw import adamw_launch
 from torch_wgpu_lora.engine.kernels.rope import rope_backward_launch, rope_reference
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary
 from torch_wgpu_lora.ops.adamw import adamw_reference
-from torch_wgpu_lora.runtime import Buffer, upload, write
+from torch_wgpu_lora.runtime import Buffer, upload
 
 from .test_kernels import close, poisoned, run
 
@@ -70,7 +71,8 @@ def test_matmul_input_gradient(bf16, tokens, rows, k):
     close(got[:, :k], dy.double() @ weight.double(), RTOL, "dx")
 
 
-def test_rmsnorm_backward_adds_into_a_residual_gradient():
+@pytest.mark.parametrize("per_row", [False, True], ids=["workgroup-a-row", "invocation-a-row"])
+def test_rmsnorm_backward_adds_into_a_residual_gradient(per_row):
     g = torch.Generator().manual_seed(1)
     tokens, k = 5, 100
     x = torch.randn(tokens, k, generator=g)
@@ -82,7 +84,8 @@ def test_rmsnorm_backward_adds_into_a_residual_gradient():
     base = torch.randn(tokens, 128, generator=g)
     out = upload(base.numpy().copy())
     (got,) = run([rmsnorm_backward_launch(upload(padded(dy, 128)), upload(padded(x, 128)), upload(rstd.numpy()),
-                                          upload(w.numpy()), out, tokens=tokens, k=k, accumulate=True)], out)
+                                          upload(w.numpy()), out, tokens=tokens, k=k, accumulate=True,
+                                          per_row=per_row)], out)
     close(got[:, :k], base[:, :k].double() + dx, RTOL, "d residual")
 
 
@@ -148,7 +151,8 @@ def test_cross_entropy_rows_loss_and_gradient_in_place():
     assert not got_grad[[1, 5]].any()
 
 
-def test_lora_gradients_for_an_interleaved_segment_and_a_stacked_site():
+@pytest.mark.parametrize("per_row", [False, True], ids=["workgroup-a-token", "invocation-a-token"])
+def test_lora_gradients_for_an_interleaved_segment_and_a_stacked_site(per_row):
     # An "up" adapter: rows 1, 3, 5, … of a fused gate/up output; its h at column 3 of H.
     g = torch.Generator().manual_seed(5)
     tokens, f, k, rank, scale = 9, 12, 70, 4, 0.75
@@ -165,7 +169,7 @@ def test_lora_gradients_for_an_interleaved_segment_and_a_stacked_site():
     dh = upload(np.zeros((tokens, 8), np.float32))
     rows = (1, 2 * f, 2)
     launches = [dh_launch(upload(dy_pairs.numpy()), upload(lb), dh, tokens=tokens, rows=rows, rank=rank, h_col=3,
-                          b_offset=b_offset, scale=scale),
+                          b_offset=b_offset, scale=scale, per_row=per_row),
                 db_launch(upload(dy_pairs.numpy()), upload(h.numpy()), grads, tokens=tokens, rows=rows, rank=rank,
                           h_col=3, b_offset=b_offset, scale=scale),
                 da_launch(dh, upload(padded(x, pad(k, 64))), grads, tokens=tokens, rank=8, k=k, a_offset=a_offset)]
@@ -189,7 +193,7 @@ def test_clipped_adamw_step_matches_torch(max_norm):
     stats, partials = poisoned((4,)), Buffer((256,))
     options = dict(step=3, lr=1e-2, betas=(0.9, 0.999), eps=1e-7, weight_decay=0.01)
     launches = clip_launches(G, upload(losses.numpy()), stats, partials, n=n, rows=10, max_norm=max_norm)
-    launches.append(adamw_launch(P, G, M, V, stats, n=n, **options))
+    launches.append(adamw_launch(P, G, M, V, stats=stats, n=n, **options))
     got_p, got_m, got_v, got_stats = run(launches, P, M, V, stats)
     norm = grad.double().norm().item()
     coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
@@ -215,7 +219,7 @@ def test_a_non_finite_loss_or_gradient_skips_the_update():
             upload(np.zeros(n, np.float32))
         stats = Buffer((4,))
         launches = clip_launches(G, upload(losses.numpy()), stats, Buffer((256,)), n=n, rows=3, max_norm=1.0)
-        launches.append(adamw_launch(P, G, M, V, stats, n=n, step=1, lr=0.1, betas=(0.9, 0.999), eps=1e-8,
+        launches.append(adamw_launch(P, G, M, V, stats=stats, n=n, step=1, lr=0.1, betas=(0.9, 0.999), eps=1e-8,
                                      weight_decay=0.0))
         got_p, got_stats = run(launches, P, stats)
         assert got_stats[2].item() == 1.0 and torch.equal(got_p, p), bad

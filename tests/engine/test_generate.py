@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from torch_wgpu_lora import BitNetEngine, generate
 from torch_wgpu_lora.demo import demo_records
 from torch_wgpu_lora.engine.generate import engine_generate
-from torch_wgpu_lora.generation import process_logits
+from torch_wgpu_lora.logits import process_logits
 from torch_wgpu_lora.integrations.tiny import FLAVOURS, build_tiny_tokenizer
 from torch_wgpu_lora.integrations.quantisation import FeedStats, feeding_codes
 

@@ -212,8 +212,9 @@ def test_matmul_gate_up_and_add():
 
 # -- RMSNorm, quantisation, LoRA down -------------------------------------------------------------
 
-@pytest.mark.parametrize("tokens,k", [(1, 64), (3, 100), (17, 2560), (2, 6912)])
-def test_rmsnorm_quantise_and_lora_down(tokens, k):
+@pytest.mark.parametrize("per_row", [False, True], ids=["workgroup-a-row", "invocation-a-row"])
+@pytest.mark.parametrize("tokens,k", [(1, 64), (3, 100), (17, 2560), (2, 6912), (70, 300)])
+def test_rmsnorm_quantise_and_lora_down(tokens, k, per_row):
     from transformers.models.bitnet.modeling_bitnet import BitNetRMSNorm
 
     g = torch.Generator().manual_seed(tokens + k)
@@ -229,7 +230,7 @@ def test_rmsnorm_quantise_and_lora_down(tokens, k):
     xn, codes, meta, h, rstd = (poisoned((tokens, stride)), poisoned((tokens, stride // 4), "u32"),
                                 poisoned((2 * tokens,)), poisoned((tokens, rank)), poisoned((tokens,)))
     launch = rmsnorm_launch(upload(x.numpy()), upload(norm.weight.detach().numpy()), xn, tokens=tokens, k=k, eps=1e-5,
-                            codes=codes, meta=meta, lora_a=upload(a), h=h, rank=rank, rstd=rstd)
+                            codes=codes, meta=meta, lora_a=upload(a), h=h, rank=rank, rstd=rstd, per_row=per_row)
     got_xn, got_codes, got_meta, got_h, got_rstd = run([launch], xn, codes, meta, h, rstd)
     with torch.no_grad():
         y = norm(x)  # transformers' own module

@@ -14,7 +14,7 @@ import torch
 from torch_wgpu_lora.engine.kernels import STEP_POS, STEP_SEED, STEP_TOKEN_COUNT
 from torch_wgpu_lora.engine.kernels.sampling import (SEARCH_PASSES, inverse_cdf, plan_shape, sample_reference,
                                                      sampling_launches, uniform)
-from torch_wgpu_lora.generation import process_logits
+from torch_wgpu_lora.logits import process_logits
 from torch_wgpu_lora.runtime import Arena, Buffer, Recorder, get_device, upload, write
 
 

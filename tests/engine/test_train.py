@@ -20,7 +20,7 @@ import torch
 
 from torch_wgpu_lora import BitNetEngine, WgpuAdamW
 from torch_wgpu_lora.integrations.bitnet import lora_modules, lora_parameters
-from torch_wgpu_lora.integrations.gradcheck import check_parity, compare_gradients, randomize_lora_B
+from torch_wgpu_lora.integrations.gradcheck import check_parity, randomize_lora_B
 from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE
 from torch_wgpu_lora.integrations.tiny import FLAVOURS
 from torch_wgpu_lora.ops.adamw import adamw_reference

@@ -44,6 +44,12 @@ def bitnet_2b_config(layers: int = 30, **overrides: Any) -> Any:
     return BitNetConfig(**settings)
 
 
+def small_config(layers: int) -> Any:
+    """A small BitNet for a CPU adapter: hidden 256, 4 heads / 2 KV heads, FFN 512, vocab 4096."""
+    return bitnet_2b_config(layers, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=4096, bos_token_id=0, eos_token_id=1)
+
+
 @torch.no_grad()
 def packed_model(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.nn.Module:
     """A ``BitNetForCausalLM`` with packed ternary ``BitLinear`` projections and random weights,
@@ -57,16 +63,18 @@ def packed_model(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0
     g = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         model = BitNetForCausalLM(config)
+        for layer in model.model.layers:
+            for name in PROJECTIONS:
+                dense = projection(layer, name)
+                parent = layer.self_attn if name in PROJECTIONS[:4] else layer.mlp
+                setattr(parent, name, BitLinear(dense.in_features, dense.out_features, bias=False, dtype=dtype))
+    model.to_empty(device="cpu")  # every tensor is now allocated, none initialised: fill each below
     for layer in model.model.layers:
         for name in PROJECTIONS:
-            dense = projection(layer, name)
-            packed = BitLinear(dense.in_features, dense.out_features, bias=False, dtype=dtype)
+            packed = projection(layer, name)
             codes = torch.randint(0, 3, (4, *packed.weight.shape), generator=g, dtype=torch.uint8)
             packed.weight.copy_(codes[0] | (codes[1] << 2) | (codes[2] << 4) | (codes[3] << 6))
-            packed.weight_scale.fill_(dense.in_features ** 0.5 / 8)  # keeps activations O(1) through 30 layers
-            parent = layer.self_attn if name in PROJECTIONS[:4] else layer.mlp
-            setattr(parent, name, packed)
-    model.to_empty(device="cpu")
+            packed.weight_scale.fill_(packed.in_features ** 0.5 / 8)  # keeps activations O(1) through 30 layers
     model.model.embed_tokens.weight.copy_((torch.randn(model.model.embed_tokens.weight.shape, generator=g) * 0.02)
                                           .to(model.model.embed_tokens.weight.dtype))
     model.to(dtype)
@@ -75,6 +83,8 @@ def packed_model(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0
             module.weight.fill_(1.0)
     model.model.rotary_emb = BitNetRotaryEmbedding(config)
     model.tie_weights()
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=g) * 0.02)
     return model.eval()
 
 
@@ -98,19 +108,14 @@ def _families(kernel_times: list[tuple[str, float]]) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def measure_engine(model: torch.nn.Module, prompt: int, new_tokens: int, prefill_tokens: int, repeats: int,
-                   tokens_per_submit: int, log: Log) -> tuple[dict[str, Any], Any]:
-    from ..engine import BitNetEngine
+def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: int, repeats: int,
+                   tokens_per_submit: int, log: Log) -> dict[str, Any]:
+    """Prefill and decode figures of ``engine`` (see the module docstring)."""
     from ..engine.generate import engine_generate, session
 
-    start = time.perf_counter()
-    engine = BitNetEngine(model)
-    upload_s = time.perf_counter() - start
     device = engine.device
     vocab = engine.engine_config.vocab
-    out: dict[str, Any] = {"upload_s": upload_s, "weights_bytes": engine.weights.nbytes,
-                           "adapter_bytes": engine.adapters.params.nbytes}
-    log(f"engine built in {upload_s:.1f} s; weights {engine.weights.nbytes / 2**30:.2f} GiB on the GPU")
+    out: dict[str, Any] = {}
 
     # prefill: a prompt of prefill_tokens, last position's logits, as generation runs it
     s = session(engine, prefill_tokens, 1)
@@ -178,7 +183,7 @@ def measure_engine(model: torch.nn.Module, prompt: int, new_tokens: int, prefill
         out["decode"]["host_ms_not_hidden_per_token"] = hidden * 1e3
         out["decode"]["host_share_of_token_wall"] = hidden / (wall / new_tokens)
     log(f"decode: {out['decode']}")
-    return out, engine
+    return out
 
 
 def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...], steps: int,
@@ -223,6 +228,37 @@ def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int
     return out
 
 
+def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, Any]:
+    """The drop-in path: a CPU torch model (packed BitNet, float32) whose Q/V adapters are
+    ``LoRALinear(backend="wgpu")``, against the same with ``backend="torch"``: one training step's
+    wall time (forward, backward, AdamW on the adapters), batch 1."""
+    from ..integrations.bitnet import lora_parameters, set_backend
+
+    model = _with_adapters(packed_model(config, dtype=torch.float32), 8, seed=0)
+    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(3))
+    optimizer = torch.optim.AdamW(lora_parameters(model), lr=1e-4)
+    out: dict[str, Any] = {"seq": seq}
+    with torch.compiler.set_stance("force_eager"):
+        for backend in ("wgpu", "torch"):
+            set_backend(model, backend)
+
+            def step() -> None:
+                model(input_ids=ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+            step()
+            walls = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                step()
+                walls.append(time.perf_counter() - t0)
+            out[backend] = {"step_s": statistics.median(walls), "tok_per_s": seq / statistics.median(walls)}
+            log(f"drop-in training step, adapters on {backend}: {statistics.median(walls):.2f} s")
+    out["wgpu_over_torch"] = out["wgpu"]["step_s"] / out["torch"]["step_s"]
+    return out
+
+
 def measure_hf_peft_training(config: Any, seqs: tuple[int, ...], steps: int, log: Log) -> dict[str, Any] | None:
     """HF transformers + PEFT training steps on CUDA in bf16 (AdamW on the adapters), batch 1."""
     if not torch.cuda.is_available():
@@ -261,8 +297,6 @@ def measure_hf_peft_training(config: Any, seqs: tuple[int, ...], steps: int, log
         out[str(seq)] = {"step_s": wall, "tok_per_s": seq / wall}
         log(f"HF + PEFT training seq {seq}: {seq / wall:.0f} tok/s")
     out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
-    del model, optimizer
-    torch.cuda.empty_cache()
     return out
 
 
@@ -320,14 +354,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers + PEFT")
     parser.add_argument("--train", default="512,256", help="training sequence lengths ('' to skip)")
     parser.add_argument("--train-steps", type=int, default=3)
+    parser.add_argument("--checks", default="full", help="shader-check modes to measure the engine in, "
+                        "e.g. full,none (TORCH_WGPU_LORA_SHADER_CHECKS)")
+    parser.add_argument("--drop-in", type=int, default=0, metavar="SEQ",
+                        help="also time the drop-in path (CPU model, LoRALinear on WebGPU vs torch) at SEQ tokens")
     parser.add_argument("--small", action="store_true", help="a small model (for a CPU adapter): hidden 256, "
-                        "4 layers, vocab 4096")
+                        "FFN 512, vocab 4096, --layers layers")
     args = parser.parse_args(argv)
     log = print
     device = get_device()
-    config = (bitnet_2b_config(args.layers, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=4096, bos_token_id=0, eos_token_id=1)
-              if args.small else bitnet_2b_config(args.layers))
+    config = small_config(args.layers) if args.small else bitnet_2b_config(args.layers)
     log(f"adapter: {device.name}; model: {config.num_hidden_layers} layers, hidden {config.hidden_size}")
     result: dict[str, Any] = {"adapter": device.name, "layers": config.num_hidden_layers,
                               "hidden": config.hidden_size, "vocab": config.vocab_size}
@@ -340,14 +376,26 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:  # after every part: a run stopped by a time limit keeps what it measured
         (folder / "engine.json").write_text(json.dumps(result, indent=1))
 
+    from ..engine import BitNetEngine
+    from ..runtime import set_shader_checks
+
     seqs = tuple(int(x) for x in args.train.split(",") if x)
-    engine_result, engine = measure_engine(model, args.prompt, args.new_tokens, args.prefill, args.repeats,
-                                           args.tokens_per_submit, log)
-    result["engine"] = engine_result
-    save()
-    if seqs:
-        result["engine_training"] = measure_engine_training(model, engine, seqs, args.train_steps, log)
+    start = time.perf_counter()
+    engine = BitNetEngine(model)
+    result["engine_build"] = {"upload_s": time.perf_counter() - start, "weights_bytes": engine.weights.nbytes,
+                              "adapter_bytes": engine.adapters.params.nbytes}
+    log(f"engine built: {result['engine_build']}")
+    for checks in args.checks.split(","):  # kernels and plans are keyed on the mode: each gets its own
+        set_shader_checks(checks)
+        engine._plans.clear()
+        suffix = "" if checks == "full" else f"_{checks}"
+        result["engine" + suffix] = measure_engine(engine, args.prompt, args.new_tokens, args.prefill, args.repeats,
+                                                   args.tokens_per_submit, log)
         save()
+        if seqs:
+            result["engine_training" + suffix] = measure_engine_training(model, engine, seqs, args.train_steps, log)
+            save()
+    set_shader_checks(None)
     del model, engine
     gc.collect()
     if not args.no_hf:
@@ -356,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         if seqs:
             result["hf_peft_training"] = measure_hf_peft_training(config, seqs, args.train_steps, log)
             save()
+    if args.drop_in:
+        result["drop_in"] = measure_drop_in(config, args.drop_in, 2, log)
+        save()
     hf, hf_train = result.get("hf_peft"), result.get("hf_peft_training")
     ratios = {}
     if hf:

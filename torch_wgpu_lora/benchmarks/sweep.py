@@ -24,6 +24,7 @@ SWEEP_VARIANTS = {
     "down_quads": [1, 2, 4],
     "outer_quads": [1, 2, 4],
     "outer_cols": [32, 64, 128],
+    "shader_checks": ["full", "bounds", "none"],  # wgpu-native's trusted modules (launch plans key on it)
 }
 
 # The key cases ``--sweep`` runs SWEEP_VARIANTS on.

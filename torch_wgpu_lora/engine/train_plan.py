@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..runtime import Buffer, Device, Launch, Recorder, write
+from ..runtime import Buffer, Launch, Recorder, write
 from .adapters import EngineAdapters, Site
 from .config import pad
 from .kernels.attention import attention_backward_launches, attention_launches

@@ -64,7 +64,6 @@ def unpack_ternary(packed: np.ndarray, k: int) -> torch.Tensor:
 def unpack_hf(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """transformers' packed ``BitLinear`` weight (uint8 [out/4, in]; code slot i of byte row r is
     output row i·out/4 + r, stored as value + 1) → int8 values [out, in]."""
-    rows = packed.shape[0]
     slots = [((packed.to(torch.int16) >> (2 * i)) & 3) - 1 for i in range(4)]
     return torch.cat(slots, dim=0)[:out_features].to(torch.int8)
 

@@ -7,9 +7,12 @@ The math is torch.optim.AdamW's (decoupled weight decay), step t counted from 1:
     exp_avg_sq = β2·exp_avg_sq + (1 - β2)·grad²
     param    -= lr / (1 - β1ᵗ) · exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - β2ᵗ) + eps)
 
-``adamw_step`` records that update for one flat float32 tensor whose parameter,
+``adamw_launch`` builds that update for one flat float32 tensor whose parameter,
 gradient and moments are ``Buffer``s; parameter and moments are updated in place on
-the GPU. ``adamw_reference`` is the same step in torch ops, in place on CPU tensors.
+the GPU. It reads the gradient's factor and a skip flag from a small stats buffer on the
+GPU, which the engine's clip kernels fill (``engine.kernels.optimizer``); without one the
+gradient is used as is. ``adamw_step`` records it into a ``Recorder``.
+``adamw_reference`` is the same step in torch ops, in place on CPU tensors.
 ``training.optim.WgpuAdamW`` is the ``torch.optim.Optimizer`` built on ``adamw_step``.
 
 >>> import numpy as np
@@ -27,11 +30,14 @@ import math
 
 import torch
 
-from ..runtime import Buffer, Recorder, kernel
+import numpy as np
 
-__all__ = ["adamw_reference", "adamw_scalars", "adamw_step"]
+from ..runtime import Buffer, Device, Launch, Recorder, kernel, upload
+
+__all__ = ["adamw_launch", "adamw_reference", "adamw_scalars", "adamw_step"]
 
 _WG = 256  # threads per workgroup of adamw.wgsl
+_UNIT_STATS = np.array([0.0, 1.0, 0.0, 0.0], np.float32)  # [norm, gradient factor, skip flag, loss]
 
 
 def adamw_scalars(step: int, lr: float, betas: tuple[float, float], eps: float,
@@ -47,27 +53,42 @@ def adamw_scalars(step: int, lr: float, betas: tuple[float, float], eps: float,
             bias_correction2**0.5, eps)
 
 
+def adamw_launch(param: Buffer, grad: Buffer, exp_avg: Buffer, exp_avg_sq: Buffer, *, step: int, lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float, stats: Buffer | None = None,
+                 n: int | None = None, device: Device | None = None) -> Launch:
+    """One AdamW update of the first ``n`` (default: all) elements of ``param``, ``exp_avg`` and
+    ``exp_avg_sq`` (in place) from ``stats[1]`` · ``grad``, skipped when ``stats[2]`` is not 0.
+
+    All four buffers hold float32; ``step`` is this update's count, from 1 (it sets the bias
+    corrections). Without ``stats`` the gradient is used as is.
+    """
+    device = device or param.device
+    n = param.numel if n is None else n
+    for name, buf in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if buf.numel < n or buf.dtype != "f32":
+            raise ValueError(f"adamw: {name} is {buf.shape} {buf.dtype}; expected at least {n} f32 elements")
+    if step < 1:
+        raise ValueError(f"adamw: step counts from 1, got {step}")
+    if stats is None:
+        stats = device.owned("adamw_unit_stats", lambda: upload(_UNIT_STATS, device))
+    groups = max(1, math.ceil(n / _WG))
+    grid_x = min(groups, device.max_workgroups)
+    return Launch.build(kernel("adamw.wgsl", "adamw_step", device, WG=_WG), (grid_x, math.ceil(groups / grid_x), 1),
+                        (param, grad, exp_avg, exp_avg_sq, stats),
+                        (n, *adamw_scalars(step, lr, betas, eps, weight_decay)))
+
+
 def adamw_step(rec: Recorder, param: Buffer, grad: Buffer, exp_avg: Buffer, exp_avg_sq: Buffer, *, step: int,
                lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """Record one AdamW update of ``param``, ``exp_avg`` and ``exp_avg_sq`` (in place) from ``grad``.
-
-    All four buffers hold the same number of float32 elements; ``step`` is this update's
-    count, from 1 (it sets the bias corrections).
-    """
-    n = param.numel
+    """Record one AdamW update of ``param``, ``exp_avg`` and ``exp_avg_sq`` (in place) from ``grad``,
+    four buffers of the same number of float32 elements."""
     for name, buf in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if buf.numel != n or buf.dtype != "f32":
-            raise ValueError(f"adamw_step: {name} is {buf.shape} {buf.dtype}; expected {n} f32 elements "
-                             f"like param {param.shape}")
-    if step < 1:
-        raise ValueError(f"adamw_step: step counts from 1, got {step}")
-    if n == 0:
-        return
-    k = kernel("adamw.wgsl", "adamw_step", rec.device, WG=_WG)
-    groups = math.ceil(n / _WG)
-    grid_x = min(groups, rec.device.max_workgroups)
-    rec.dispatch(k, (grid_x, math.ceil(groups / grid_x), 1), (param, grad, exp_avg, exp_avg_sq),
-                 (n, *adamw_scalars(step, lr, betas, eps, weight_decay)))
+        if buf.numel != param.numel:
+            raise ValueError(f"adamw_step: {name} is {buf.shape}; expected {param.numel} elements like param "
+                             f"{param.shape}")
+    if param.numel:
+        rec.launch(adamw_launch(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps,
+                                weight_decay=weight_decay, device=rec.device))
 
 
 @torch.no_grad()

@@ -11,6 +11,17 @@ adapter's name) wins; otherwise a discrete GPU, then an integrated or virtual GP
 then a CPU adapter (Mesa's lavapipe). Native backends (Vulkan, Metal, D3D12) come
 before OpenGL, whose compute support is the thinnest.
 
+Several processes per machine (``torchrun``, ``accelerate launch``: data-parallel training):
+when ``LOCAL_RANK`` is set and ``TORCH_WGPU_LORA_ADAPTER`` is not, process ``LOCAL_RANK``
+takes the ``LOCAL_RANK``-th adapter (in wgpu's enumeration order) of the preferred kind,
+the best (backend, type) class present, e.g. the fourth Vulkan discrete GPU. With fewer
+such adapters than local ranks it is an error naming them, except on a CPU adapter
+(lavapipe): there every process shares it (each with its own device), because the
+processes share the same CPU cores whichever adapter object they use, and nothing is
+gained by refusing. ``device_info()`` reports the local rank, the adapter's index among
+those of its kind and why it was chosen. ``TORCH_WGPU_LORA_ADAPTER`` set per process
+picks adapters by hand (every process with the same value shares the adapter it names).
+
 State belongs to the device: the buffer pool, the staging buffers, compiled kernels,
 interned uniforms, launch plans and resident weights all live in ``Device.state``
 (created on first use by the module that owns each), guarded by ``Device.lock``, so
@@ -31,9 +42,11 @@ import contextlib
 import os
 import tempfile
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
 
 ADAPTER_ENV = "TORCH_WGPU_LORA_ADAPTER"
+LOCAL_RANK_ENV = "LOCAL_RANK"  # set by torchrun and accelerate launch for each process of a machine
 
 INSTALL_HINT = (
     "No WebGPU adapter was found. torch_wgpu_lora needs a GPU driver with Vulkan, Metal "
@@ -62,11 +75,36 @@ def _adapter_name(info: Any) -> str:
     return f"{info.get('device', '')} ({info.get('description', '')})".strip()
 
 
-def choose_adapter(adapters: list[Any], override: str | None) -> Any:
-    """Pick the adapter to use from ``adapters`` (wgpu GPUAdapter objects).
+def _kind(a: Any) -> tuple[int, int]:
+    """The adapter's class, lower is better: (backend, type)."""
+    info = a.info
+    return (_BACKEND_RANK.get(info.get("backend_type", ""), 2), _TYPE_RANK.get(info.get("adapter_type", ""), 4))
+
+
+def _kind_name(a: Any) -> str:
+    return f"{a.info.get('backend_type', '?')} {a.info.get('adapter_type', '?')}"
+
+
+@dataclass(frozen=True)
+class AdapterChoice:
+    """The adapter a process uses and why (``pick_adapter``'s answer)."""
+
+    adapter: Any
+    index: int  # its position among the adapters of its kind (wgpu's enumeration order)
+    of_kind: int  # how many adapters of that kind there are
+    local_rank: int | None  # the process's local rank, when one was given
+    reason: str
+
+
+def pick_adapter(adapters: list[Any], override: str | None, local_rank: int | None = None) -> AdapterChoice:
+    """Pick the adapter to use from ``adapters`` (wgpu GPUAdapter objects), and say why.
 
     ``override`` is a substring of the adapter name (device, description or vendor),
-    matched case-insensitively. Raises RuntimeError naming the choices when nothing fits.
+    matched case-insensitively; it wins over ``local_rank``. Otherwise the preferred kind is
+    the best (backend, type) class present, and ``local_rank`` (a process's rank on its
+    machine) picks the ``local_rank``-th adapter of that kind; None picks the first. Fewer
+    adapters of the kind than ``local_rank + 1``: RuntimeError, except on a CPU adapter,
+    which the processes share. Raises RuntimeError naming the choices when nothing fits.
     """
     if not adapters:
         raise RuntimeError(INSTALL_HINT)
@@ -79,13 +117,53 @@ def choose_adapter(adapters: list[Any], override: str | None) -> Any:
         if not matches:
             names = ", ".join(sorted({_adapter_name(a.info) for a in adapters}))
             raise RuntimeError(f"{ADAPTER_ENV}={override!r} matches no adapter; adapters found: {names}")
-        adapters = matches
+        best = min(matches, key=_kind)
+        same = [a for a in matches if _kind(a) == _kind(best)]
+        why = f"{ADAPTER_ENV}={override!r} names it"
+        if local_rank is not None:
+            why += f" ({ADAPTER_ENV} wins over {LOCAL_RANK_ENV}={local_rank})"
+        return AdapterChoice(best, same.index(best), len(same), local_rank, why)
+    if isinstance(local_rank, bool) or (local_rank is not None and (not isinstance(local_rank, int) or local_rank < 0)):
+        raise RuntimeError(f"{LOCAL_RANK_ENV} must be an integer >= 0, got {local_rank!r}")
+    kind = min(_kind(a) for a in adapters)
+    candidates = [a for a in adapters if _kind(a) == kind]
+    n, what = len(candidates), _kind_name(candidates[0])
+    if local_rank is None:
+        return AdapterChoice(candidates[0], 0, n, None, f"the first of {n} {what} adapter(s), the best kind found")
+    if local_rank < n:
+        return AdapterChoice(candidates[local_rank], local_rank, n, local_rank,
+                             f"{LOCAL_RANK_ENV}={local_rank}: adapter {local_rank} of the {n} {what} adapter(s), "
+                             "the best kind found")
+    if candidates[0].info.get("adapter_type") == "CPU":
+        index = local_rank % n
+        return AdapterChoice(candidates[index], index, n, local_rank,
+                             f"{LOCAL_RANK_ENV}={local_rank}, but only {n} {what} adapter(s): the processes share "
+                             f"adapter {index}, each with its own device (a CPU adapter runs on the cores all "
+                             "processes share anyway, so sharing loses nothing)")
+    names = "; ".join(f"{i}: {_adapter_name(a.info)}" for i, a in enumerate(candidates))
+    raise RuntimeError(f"{LOCAL_RANK_ENV}={local_rank} needs {local_rank + 1} WebGPU adapters of the preferred kind "
+                       f"({what}), but this machine has {n} ({names}). Start at most {n} processes per machine "
+                       f"(torchrun --nproc-per-node {n}), or set {ADAPTER_ENV} in each process to choose by hand")
 
-    def rank(a: Any) -> tuple[int, int]:
-        info = a.info
-        return (_BACKEND_RANK.get(info.get("backend_type", ""), 2), _TYPE_RANK.get(info.get("adapter_type", ""), 4))
 
-    return min(adapters, key=rank)
+def choose_adapter(adapters: list[Any], override: str | None, local_rank: int | None = None) -> Any:
+    """The adapter ``pick_adapter`` picks (see there): ``override`` (a case-insensitive substring of
+    the adapter's name) wins, else the ``local_rank``-th (or first) adapter of the best kind."""
+    return pick_adapter(adapters, override, local_rank).adapter
+
+
+def local_rank_from_env() -> int | None:
+    """``LOCAL_RANK`` as an int (None when unset); RuntimeError when it is not an integer >= 0."""
+    text = os.environ.get(LOCAL_RANK_ENV)
+    if text is None or not text.strip():
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise RuntimeError(f"{LOCAL_RANK_ENV} must be an integer >= 0, got {text!r}")
+    return value
 
 
 class Device:
@@ -98,7 +176,7 @@ class Device:
     offset must be a multiple of), ``submits`` (command buffers submitted so far).
     """
 
-    def __init__(self, adapter: Any) -> None:
+    def __init__(self, adapter: Any, choice: AdapterChoice | None = None) -> None:
         want = [f for f in _WANTED_FEATURES if f in adapter.features]
         limits = {name: adapter.limits[name] for name in _LIMIT_NAMES if name in adapter.limits}
         self.adapter = adapter
@@ -118,6 +196,7 @@ class Device:
         self.allocated = 0  # bytes of storage and staging buffers the runtime holds (pooled ones included)
         self.peak_allocated = 0
         self.forked = False  # set in a forked child: this device belongs to the parent
+        self.choice = choice or AdapterChoice(adapter, 0, 1, None, "given")
 
     def owned(self, name: str, make: Callable[[], T]) -> T:
         """The device's ``name`` state, made by ``make()`` on first use (thread-safe)."""
@@ -158,6 +237,10 @@ class Device:
             "adapter_type": self.info.get("adapter_type", ""),
             "limits": {k: int(v) for k, v in sorted(self.limits.items())},
             "features": sorted(self.features),
+            "local_rank": self.choice.local_rank,  # LOCAL_RANK of this process, None when unset
+            "adapter_index": self.choice.index,  # among the adapters of its kind
+            "adapters_of_kind": self.choice.of_kind,
+            "choice": self.choice.reason,
         }
 
     def __repr__(self) -> str:
@@ -223,13 +306,16 @@ def get_device() -> Device:
                         adapters = wgpu.gpu.enumerate_adapters_sync()
                     except Exception as e:  # the native loader itself can fail without drivers
                         raise RuntimeError(f"{INSTALL_HINT} (wgpu said: {e})") from e
-                    _device = Device(choose_adapter(adapters, os.environ.get(ADAPTER_ENV)))
+                    choice = pick_adapter(adapters, os.environ.get(ADAPTER_ENV), local_rank_from_env())
+                    _device = Device(choice.adapter, choice)
             device = _device
     return device
 
 
 def device_info() -> dict[str, Any]:
-    """Adapter name, backend, limits and features of the device in use.
+    """Adapter name, backend, limits and features of the device in use, and how it was chosen:
+    ``local_rank`` (None outside a multi-process launch), ``adapter_index`` among the
+    ``adapters_of_kind`` adapters of its kind, ``choice`` (why, in words).
 
     >>> info = device_info()
     >>> info["backend"] in ("Vulkan", "Metal", "D3D12", "OpenGL")

@@ -1,6 +1,7 @@
 """WGSL kernels as data: load a file, set its override constants, cache the pipeline.
 
-Each ``.wgsl`` file in ``wgsl/`` is valid WGSL on its own. Tuning knobs are WGSL
+Each ``.wgsl`` file in ``wgsl/`` is a kernel family; parts shared by several families live in
+``wgsl/_*.wgsl`` and are pulled in by a line ``// @include _part.wgsl``. Tuning knobs are WGSL
 ``override`` declarations (``override ROWS: u32 = 4u;``); ``kernel(file, entry, ROWS=8)``
 sets them when the pipeline is created, so the source is never rewritten. Pipelines
 are cached on the device by (file, entry, constants, shader checks).
@@ -47,6 +48,22 @@ def wgsl_path(name: str) -> Path:
         if path.is_file():
             return path
     raise FileNotFoundError(f"WGSL file {name!r} not found in {[str(d) for d in WGSL_DIRS]}")
+
+
+_INCLUDE = re.compile(r"^// @include (\S+\.wgsl)[ \t]*$", re.MULTILINE)
+
+
+def wgsl_source(name: str) -> str:
+    """A WGSL file's text with its ``// @include _part.wgsl`` lines replaced by those files: code two
+    kernel families share (an epilogue, a reduction) is written once. Parts are not nested.
+
+    >>> "fn lora(" in wgsl_source("bitlinear.wgsl")
+    True
+    """
+    def part(match: re.Match) -> str:
+        return f"// ---- {match.group(1)} ----\n" + wgsl_path(match.group(1)).read_text()
+
+    return _INCLUDE.sub(part, wgsl_path(name).read_text())
 
 
 def shader_checks() -> str:
@@ -128,7 +145,7 @@ class Kernel:
         self.device = device
         self.name = f"{file}:{entry}"
         self.constants = dict(constants)
-        source = wgsl_path(file).read_text()
+        source = wgsl_source(file)
         self.params, self._format = params_layout(source)
         try:
             module = _shader_module(device, source, self.name, checks)

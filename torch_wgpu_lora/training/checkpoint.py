@@ -8,6 +8,12 @@ A checkpoint is a folder ``step-000123`` holding
 * ``state.json``: the optimiser's param groups and step counts, the scheduler's state,
   Python's and numpy's RNG states and the trainer's own state (step, data position, ...).
 
+A data-parallel run (several processes) is saved by rank 0 alone: the adapter and optimiser
+state are every rank's (they are identical), and the random states of ranks 1.. are kept
+beside rank 0's (``state.json``'s ``rng.ranks`` and ``"torch.rank1"``, ... in
+``rng.safetensors``; ``read_rank_rngs`` reads them back), so each rank resumes its own
+random streams (LoRA dropout).
+
 The folder is filled under a temporary name beside it (``.step-000123.XXXXXXXX.tmp``)
 and renamed into place, so a checkpoint is complete or absent: a crash while saving
 leaves the previous ones as they were. ``latest_checkpoint`` sees only complete ones;
@@ -38,7 +44,8 @@ from ..files import make_temp_dir, sync_dir, write_atomic
 from ..integrations.adapters import load_adapter, save_adapter
 
 __all__ = ["DamagedCheckpoint", "checkpoint_name", "checkpoint_step", "latest_checkpoint", "list_checkpoints",
-           "load_checkpoint", "read_checkpoint", "read_state", "remove_unfinished", "save_checkpoint"]
+           "load_checkpoint", "read_checkpoint", "read_rank_rngs", "read_state", "remove_unfinished", "rng_state",
+           "save_checkpoint", "set_rng_state"]
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^step-(\d+)$")
@@ -124,12 +131,25 @@ def _set_rng_states(states: dict[str, Any], torch_state: torch.Tensor) -> None:
     torch.set_rng_state(torch_state)
 
 
+def rng_state() -> dict[str, Any]:
+    """This process's Python, numpy (JSON-able) and torch (``"torch"``, a uint8 tensor) RNG states."""
+    return {**_rng_states(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` (or ``read_rank_rngs``) returned."""
+    _set_rng_states(state, state["torch"])
+
+
 def save_checkpoint(folder: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler, trainer_state: dict[str, Any]) -> Path:
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, trainer_state: dict[str, Any],
+                    rank_rngs: list[dict[str, Any]] | None = None) -> Path:
     """Write a checkpoint to ``folder`` (its name says the step), atomically; returns ``folder``.
 
     ``trainer_state`` is JSON-able data the trainer needs back (``load_checkpoint`` returns it).
-    An existing checkpoint of the same name is replaced.
+    ``rank_rngs``: in a data-parallel run, the ``rng_state()`` of ranks 1, 2, ... (this
+    process, rank 0, saves its own as always). An existing checkpoint of the same name is
+    replaced.
     """
     from safetensors.torch import save
 
@@ -146,12 +166,16 @@ def save_checkpoint(folder: str | os.PathLike, model: torch.nn.Module, optimizer
         "scheduler": scheduler.state_dict(),
         "rng": _rng_states(),
     }
+    rngs = {"torch": torch.get_rng_state()}
+    if rank_rngs:
+        state["rng"]["ranks"] = [{"python": r["python"], "numpy": r["numpy"]} for r in rank_rngs]
+        rngs.update({f"torch.rank{i}": r["torch"].contiguous() for i, r in enumerate(rank_rngs, start=1)})
     text = json.dumps(state, indent=1)  # before anything is written: a state that isn't JSON fails here
     tmp = make_temp_dir(folder)
     try:
         save_adapter(model, tmp / "adapter", format="peft")
         write_atomic(tmp / "optimizer.safetensors", save(moments))
-        write_atomic(tmp / "rng.safetensors", save({"torch": torch.get_rng_state()}))
+        write_atomic(tmp / "rng.safetensors", save(rngs))
         write_atomic(tmp / "state.json", text.encode("utf-8"))
         if folder.exists():  # move the old one aside first: a folder cannot be renamed over a full one
             old = make_temp_dir(folder, suffix=".old")
@@ -226,6 +250,19 @@ def read_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str
     moments = _read_tensors(folder, "optimizer.safetensors", [f"{i}.{name}" for i in steps for name in _MOMENTS])
     torch_rng = _read_tensors(folder, "rng.safetensors", ["torch"])["torch"]
     return state, moments, torch_rng
+
+
+def read_rank_rngs(folder: str | os.PathLike) -> list[dict[str, Any]]:
+    """The random states of ranks 1, 2, ... saved in ``folder`` by a data-parallel run (``[]`` for a
+    one-process run), each as ``rng_state()`` returns them; DamagedCheckpoint when one is missing."""
+    folder = Path(folder)
+    ranks = read_state(folder)["rng"].get("ranks", [])
+    if not isinstance(ranks, list) or not all(isinstance(r, dict) and "python" in r and "numpy" in r for r in ranks):
+        raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {folder / 'state.json'} has a malformed rng.ranks")
+    if not ranks:
+        return []
+    tensors = _read_tensors(folder, "rng.safetensors", [f"torch.rank{i}" for i in range(1, len(ranks) + 1)])
+    return [{**r, "torch": tensors[f"torch.rank{i}"]} for i, r in enumerate(ranks, start=1)]
 
 
 def load_checkpoint(folder: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

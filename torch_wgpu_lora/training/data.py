@@ -16,6 +16,9 @@ covers only the response and EOS. Sequences longer than ``max_length`` are cut a
 the end; one whose prompt alone fills ``max_length`` has nothing to learn and is
 dropped with a warning. Batches hold whole sequences, right-padded, with an
 attention mask; the order of examples is a seeded permutation per epoch.
+
+Data-parallel training (several processes): every process computes the same epoch order and
+takes its ``shard`` of it, dealt out as torch's ``DistributedSampler`` deals indices.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 from ..prompts import check_unicode, format_prompt
 
-__all__ = ["IGNORE_INDEX", "Example", "collate", "encode_records", "epoch_order", "read_records"]
+__all__ = ["IGNORE_INDEX", "Example", "collate", "encode_records", "epoch_order", "read_records", "shard"]
 
 IGNORE_INDEX = -100  # label of positions without loss (cross_entropy's ignore_index)
 
@@ -173,3 +176,29 @@ def epoch_order(num_examples: int, epoch: int, seed: int) -> np.ndarray:
     [0, 1, 2, 3, 4]
     """
     return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def shard(order: Sequence[int] | np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """Process ``rank``'s share of ``order`` among ``world_size`` processes, as torch's
+    ``DistributedSampler`` deals it: ``order`` is padded by wrapping around to a multiple of
+    ``world_size`` (so every process gets ceil(n / world_size) examples and takes the same
+    number of steps), then dealt round-robin (``padded[rank::world_size]``).
+
+    Dealing round-robin keeps steps equal across world sizes: the first k examples of each of
+    W shards are the first W·k examples of ``order``, so W processes with batch k train each
+    step on the examples one process with batch W·k would (when W·k divides the epoch; only
+    an epoch's last, short step can differ: the shards' padding repeats its first examples).
+
+    >>> shard(np.arange(5), 0, 2).tolist(), shard(np.arange(5), 1, 2).tolist()
+    ([0, 2, 4], [1, 3, 0])
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+    order = np.asarray(order)
+    if world_size == 1 or len(order) == 0:
+        return order
+    total = -(-len(order) // world_size) * world_size
+    padded = np.resize(order, total)  # repeats order from its start: DistributedSampler's wrap-around padding
+    return padded[rank::world_size]

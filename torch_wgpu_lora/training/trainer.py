@@ -26,6 +26,23 @@ Files under ``output_dir``: ``metrics.jsonl`` (one line per step and per evaluat
 newest checkpoint, bit for bit as if the run had not stopped. A fresh run refuses an
 ``output_dir`` that holds an earlier run's output unless told to ``overwrite`` it. Every
 run starts by deleting the temporary checkpoint folders a killed run left behind.
+
+Data-parallel training: a ``Trainer`` made in each process of an initialised
+``torch.distributed`` process group of more than one process (``torchrun --nproc-per-node N
+-m torch_wgpu_lora train ...``, ``accelerate launch``, or a program of one's own) trains one
+adapter over all of them; ``training.distributed`` says what they exchange. Each epoch's
+seeded order is dealt out among the ranks as ``DistributedSampler`` deals it (``data.shard``),
+so with ``batch_size`` b on each of W ranks, each step covers the examples one process with
+batch W·b would. Each step all-reduces the labelled-token count first and scales every rank's
+loss by the global count, then all-reduces the flattened adapter gradients (with the loss):
+the loss, the gradient, the clip and the AdamW update are those of one process with the
+whole batch, up to float32 summation order, and every rank applies the same update (a
+checksum all-gather every ``check_every`` steps and before each checkpoint proves it).
+Rank 0 alone touches ``output_dir`` (checkpoints, ``metrics.jsonl``, the adapter, the plot;
+the logged loss and token counts are global); the others wait for it at each checkpoint.
+Checkpoints store the world size and every rank's random state: resuming needs the same
+number of processes, and refuses another. A rank that dies or hangs ends the others with
+``RankLost`` (the process group's timeout), not a hang.
 """
 
 from __future__ import annotations
@@ -47,8 +64,10 @@ import torch.nn.functional as F
 from ..integrations.adapters import save_adapter
 from ..integrations.bitnet import lora_modules, lora_parameters
 from .checkpoint import (DamagedCheckpoint, checkpoint_name, checkpoint_step, latest_checkpoint, list_checkpoints,
-                         load_checkpoint, read_checkpoint, remove_unfinished, save_checkpoint)
-from .data import IGNORE_INDEX, Example, collate, encode_records, epoch_order, read_records
+                         load_checkpoint, read_checkpoint, read_rank_rngs, remove_unfinished, rng_state,
+                         save_checkpoint, set_rng_state)
+from .data import IGNORE_INDEX, Example, collate, encode_records, epoch_order, read_records, shard
+from .distributed import DataParallel, RankLost
 from .metrics import MetricsLog, plot_loss
 from .optim import WgpuAdamW, clip_grad_norm
 from .schedule import make_scheduler
@@ -88,13 +107,18 @@ def _loss_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
-def accumulate_gradients(model: torch.nn.Module, micro_batches: Sequence[dict[str, torch.Tensor]]) -> float:
+def accumulate_gradients(model: torch.nn.Module, micro_batches: Sequence[dict[str, torch.Tensor]],
+                         total_tokens: int | None = None) -> float:
     """Backpropagate the mean loss per labelled token over all ``micro_batches`` into ``.grad``.
 
     Returns that mean loss, or NaN (stopping early) when a micro-batch's loss is not finite.
     Gradients add to what ``.grad`` holds; zero them between optimiser steps.
+    ``total_tokens`` replaces the micro-batches' own count of labelled tokens as the divisor:
+    in data-parallel training, the count over every process, so that the processes' losses
+    and gradients add up to the mean over the whole global batch.
     """
-    total_tokens = sum(_loss_tokens(b) for b in micro_batches)
+    if total_tokens is None:
+        total_tokens = sum(_loss_tokens(b) for b in micro_batches)
     if total_tokens == 0:
         raise ValueError("the micro-batches hold no labelled token: nothing to compute a loss on")
     loss_sum = 0.0
@@ -108,15 +132,21 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: Sequence[dict[st
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor]]) -> float:
-    """Mean loss per labelled token over ``batches``, in eval mode (the mode is restored)."""
+def _loss_sums(model: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor]]) -> tuple[float, int]:
+    """Summed loss and labelled tokens over ``batches``, in eval mode (the mode is restored)."""
     was_training = model.training
     model.eval()
     try:
         loss_sum = sum(_summed_token_loss(model, b).item() for b in batches)
     finally:
         model.train(was_training)
-    return loss_sum / sum(_loss_tokens(b) for b in batches)
+    return loss_sum, sum(_loss_tokens(b) for b in batches)
+
+
+def evaluate(model: torch.nn.Module, batches: Sequence[dict[str, torch.Tensor]]) -> float:
+    """Mean loss per labelled token over ``batches``, in eval mode (the mode is restored)."""
+    loss_sum, tokens = _loss_sums(model, batches)
+    return loss_sum / tokens
 
 
 def _positive_int(name: str, value: Any, allow_zero: bool = False) -> int:
@@ -171,6 +201,14 @@ class Trainer:
     ``"torch"`` runs transformers' modules with the adapters on their backend. ``"auto"``
     (default) takes the engine when it can run the model.
 
+    In an initialised ``torch.distributed`` group of more than one process, every process makes
+    its own ``Trainer`` with the same arguments and they train together (see the module
+    docstring): ``batch_size`` is per process, ``seed`` also seeds each rank's own random
+    streams (rank 0 takes ``seed`` itself), ``callback`` runs on every rank with the global
+    record, the progress bar and every file belong to rank 0, and ``check_every`` (steps, 0 =
+    only at checkpoints) says how often the ranks compare checksums of their adapters. The
+    engine's step is then two submits (``BitNetEngine.train_step``'s ``all_reduce``).
+
     >>> # trainer = Trainer(model, tokenizer, "train.jsonl", eval_data="val.jsonl", max_steps=200)
     >>> # result = trainer.train()             # or trainer.train(resume_from=True) after a stop
     """
@@ -183,7 +221,7 @@ class Trainer:
                  max_length: int = 512, seed: int = 42, save_every: int = 100, eval_every: int = 0,
                  save_total_limit: int = 2, max_bad_steps: int = 3, progress: bool = True, plot: bool = True,
                  overwrite: bool = False, callback: Callable[[dict[str, Any]], None] | None = None,
-                 engine: str = "auto") -> None:
+                 engine: str = "auto", check_every: int = 50) -> None:
         self.params = lora_parameters(model)
         if not self.params:
             raise ValueError("the model has no LoRA adapters to train; call apply_lora(model, ...) first")
@@ -196,6 +234,7 @@ class Trainer:
         self.eval_every = _positive_int("eval_every", eval_every, allow_zero=True)
         self.save_total_limit = _positive_int("save_total_limit", save_total_limit)
         self.max_bad_steps = _positive_int("max_bad_steps", max_bad_steps)
+        self.check_every = _positive_int("check_every", check_every, allow_zero=True)
         self.max_grad_norm = max_grad_norm
         clip_grad_norm([], max_grad_norm)  # checks the value now rather than at the first step
         if callback is not None and not callable(callback):
@@ -205,7 +244,10 @@ class Trainer:
         self.eval_examples = None if eval_data is None else encode_records(tokenizer, read_records(eval_data),
                                                                            max_length)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        steps_per_epoch = math.ceil(math.ceil(len(self.examples) / self.batch_size) / self.accumulation)
+        self.dist = DataParallel.current()  # None when this process trains alone
+        self.rank, self.world_size = (0, 1) if self.dist is None else (self.dist.rank, self.dist.world_size)
+        per_rank = math.ceil(len(self.examples) / self.world_size)  # each rank's shard of an epoch (data.shard)
+        steps_per_epoch = math.ceil(math.ceil(per_rank / self.batch_size) / self.accumulation)
         if max_steps is not None and epochs is not None:
             raise ValueError(f"give epochs or max_steps, not both (got epochs={epochs!r}, max_steps={max_steps!r})")
         if max_steps is None:
@@ -234,6 +276,7 @@ class Trainer:
             "gradient_accumulation_steps": self.accumulation, "total_steps": self.total_steps,
             "seed": self.seed, "schedule": schedule, "warmup_ratio": warmup_ratio, "lr": lr,
             "betas": list(betas), "eps": eps, "weight_decay": weight_decay, "max_grad_norm": max_grad_norm,
+            "world_size": self.world_size,
         }
 
     # -- the run --------------------------------------------------------------------------------
@@ -244,15 +287,24 @@ class Trainer:
 
         if resume_from and self.overwrite:
             raise ValueError("resume_from continues the run in output_dir and overwrite replaces it: pass one of them")
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        remove_unfinished(self.checkpoints)
-        position = self._resume(resume_from) if resume_from else self._start()
+        self.last_saved = None
+        try:
+            return self._train(resume_from, tqdm)
+        except RankLost as err:  # say where to resume from
+            saved = (f"the newest checkpoint is {self.checkpoints / checkpoint_name(self.last_saved)} (step "
+                     f"{self.last_saved}): resume from it with all {self.world_size} processes" if self.last_saved
+                     else "no checkpoint had been saved yet")
+            raise RankLost(f"{err}; {saved}") from err.__cause__
+
+    def _train(self, resume_from: str | Path | bool | None, tqdm: Any) -> TrainResult:
+        position = self._begin(resume_from)
         step, epoch, group = position["step"], position["epoch"], position["group"]
         self.bad_streak = position["bad_streak"]
         self.last_saved = position["step"] if resume_from else None
         last_loss = eval_loss = None
         self.model.train()
-        bar = tqdm(total=self.total_steps, initial=step, desc="training", unit="step", disable=not self.progress)
+        bar = tqdm(total=self.total_steps, initial=step, desc="training", unit="step",
+                   disable=not self.progress or self.rank != 0)
         try:
             while step < self.total_steps:
                 groups = self._epoch_groups(epoch)
@@ -268,6 +320,8 @@ class Trainer:
                         raise TrainingStopped(self._stop_message(step))
                     if group == len(groups):  # positions are saved as (next epoch, 0), never (epoch, len)
                         epoch, group = epoch + 1, 0
+                    if self.dist is not None and self.check_every and step % self.check_every == 0:
+                        self._check_in_sync(step)
                     if step < self.total_steps:
                         if self.eval_examples and self.eval_every and step % self.eval_every == 0:
                             self._evaluate(step)
@@ -282,20 +336,72 @@ class Trainer:
         if self.eval_examples:
             eval_loss = self._evaluate(step)
         checkpoint = self._save(step, epoch, group)
-        plot = plot_loss(self.metrics.read(), self.output_dir / "loss.png") if self.plot else None
+        plot = self._on_rank0(lambda: plot_loss(self.metrics.read(), self.output_dir / "loss.png"),
+                              "drawing the loss plot") if self.plot else None
         return TrainResult(steps=step, loss=last_loss, eval_loss=eval_loss, adapter=self.adapter_path,
                            checkpoint=checkpoint, metrics=self.metrics.path, plot=plot)
 
+    def _on_rank0(self, fn: Callable[[], Any], what: str) -> Any:
+        """``fn()`` on rank 0 alone, its result (or error) on every rank (``DataParallel.on_rank0``)."""
+        return fn() if self.dist is None else self.dist.on_rank0(fn, what)
+
+    def _begin(self, resume_from: str | Path | bool | None) -> dict[str, int]:
+        """Prepare the output folder and the state to start from; returns the trainer state."""
+        if self.dist is None:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            remove_unfinished(self.checkpoints)
+            position = self._resume(resume_from) if resume_from else self._start()
+            if not resume_from:
+                self._seed(self.seed)
+            return position
+
+        # Whatever decides the ranks' sequence of collectives must agree, or they would wait on each other.
+        self.dist.check_same({**self.settings, "engine": "torch" if self.engine is None else "wgpu",
+                              "eval_data": None if self.eval_examples is None else _fingerprint(self.eval_examples),
+                              "eval_every": self.eval_every, "save_every": self.save_every,
+                              "check_every": self.check_every, "resume_from": bool(resume_from),
+                              "adapters": [list(p.shape) for p in self.params]}, "training settings")
+
+        def prepare() -> dict[str, Any]:  # rank 0: the files; what it read goes to every rank
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            remove_unfinished(self.checkpoints)
+            if not resume_from:
+                return {"position": self._start()}
+            position = self._resume(resume_from)
+            rngs = read_rank_rngs(self._resumed_from)
+            if len(rngs) != self.world_size - 1:
+                raise DamagedCheckpoint(f"checkpoint {self._resumed_from} is damaged: it holds the random states "
+                                        f"of {len(rngs) + 1} processes, its settings say {self.world_size}")
+            return {"position": position, "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(), "rngs": rngs}
+
+        shared = self.dist.on_rank0(prepare, "resuming from rank 0's checkpoint" if resume_from
+                                    else "preparing the output folder on rank 0")
+        # Every rank starts from rank 0's adapters (fresh: whatever each was initialised with).
+        self.dist.broadcast_(self.params, "the broadcast of rank 0's adapters")
+        if not resume_from:
+            self._seed(self.seed if self.rank == 0 else int(np.random.SeedSequence([self.seed, self.rank])
+                                                            .generate_state(1)[0]))
+        elif self.rank != 0:
+            self.optimizer.load_state_dict(shared["optimizer"])
+            self.scheduler.load_state_dict(shared["scheduler"])
+            set_rng_state(shared["rngs"][self.rank - 1])
+        return shared["position"]
+
+    @staticmethod
+    def _seed(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
     def _start(self) -> dict[str, int]:
+        """A fresh run's files: refuse or clear an earlier run's output (rank 0's part of a start)."""
         found = earlier_run(self.output_dir)
         if found is not None and not self.overwrite:
             resume = "resume_from=True to continue that run, " if found.startswith("checkpoints") else ""
             raise ValueError(f"{self.output_dir} already holds {found} of an earlier run; pass {resume}"
                              "overwrite=True to replace it, or choose another output_dir")
         shutil.rmtree(self.checkpoints, ignore_errors=True)  # an earlier run's: overwrite=True said so
-        random.seed(self.seed)
-        np.random.seed(self.seed)
-        torch.manual_seed(self.seed)
         self.metrics.clear()
         return {"step": 0, "epoch": 0, "group": 0, "bad_streak": 0}
 
@@ -310,6 +416,14 @@ class Trainer:
             saved = self._read_checkpoint(folder)["settings"]  # checked before anything is loaded
         except DamagedCheckpoint as err:
             raise DamagedCheckpoint(f"{err}; {self._previous_good(folder)}") from None
+        saved = {"world_size": 1, **saved}  # checkpoints from before data-parallel training: one process
+        if saved["world_size"] != self.world_size:
+            there = saved["world_size"]
+            raise ValueError(f"{folder} was written by a run of {there} process{'es' if there != 1 else ''} (world "
+                             f"size {there}); this run has {self.world_size}. Resume it with {there} "
+                             f"process{'es' if there != 1 else ''} (e.g. torchrun --nproc-per-node {there} ...): "
+                             "each process's share of the data, the batch of a step and the saved random states all "
+                             "depend on the world size, so another one would not continue that run")
         differ = [f"{key}: {saved.get(key)!r} there, {value!r} here" for key, value in self.settings.items()
                   if saved.get(key) != value]
         if differ:
@@ -317,6 +431,7 @@ class Trainer:
                              "would not continue that run. Use the same settings and data, or a new output_dir")
         state = load_checkpoint(folder, self.model, self.optimizer, self.scheduler)
         self.metrics.keep_until(state["step"])
+        self._resumed_from = folder
         return state
 
     @staticmethod
@@ -348,6 +463,8 @@ class Trainer:
     def _epoch_groups(self, epoch: int) -> list[list[list[Example]]]:
         """The epoch's optimiser steps, each a list of micro-batches of examples."""
         order = epoch_order(len(self.examples), epoch, self.seed)
+        if self.dist is not None:  # this rank's share, as DistributedSampler deals it
+            order = shard(order, self.rank, self.world_size)
         micro = [[self.examples[i] for i in order[start:start + self.batch_size]]
                  for start in range(0, len(order), self.batch_size)]
         return [micro[start:start + self.accumulation] for start in range(0, len(micro), self.accumulation)]
@@ -356,39 +473,61 @@ class Trainer:
         """Optimiser step number ``step`` (from 1) over ``micro_batches``; returns its metrics."""
         start = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
-        if self.engine is not None:  # the whole step in one submit; the update is done when it returns
-            done = self.engine.train_step(micro_batches, self.optimizer, self.max_grad_norm)
+        labelled = sum(_loss_tokens(b) for b in micro_batches)
+        tokens = int(sum(b["attention_mask"].sum() for b in micro_batches))
+        if self.dist is not None:  # global counts first: every rank divides its loss by the global count
+            labelled, tokens = self.dist.sum_ints([labelled, tokens], f"the token-count all-reduce of step {step}")
+        if self.engine is not None:  # the whole step in one submit (two when data-parallel)
+            reduce = None if self.dist is None else (
+                lambda flat: self.dist.all_reduce_(flat, f"the gradient all-reduce of step {step}"))
+            done = self.engine.train_step(micro_batches, self.optimizer, self.max_grad_norm, all_reduce=reduce,
+                                          labelled_total=None if self.dist is None else labelled)
             loss = math.nan if done["skipped"] else done["loss"]
             grad_norm, skipped = done["grad_norm"], done["skipped"]
         else:
-            loss = accumulate_gradients(self.model, micro_batches)
+            if self.dist is None:
+                loss = accumulate_gradients(self.model, micro_batches)
+            else:  # this rank's share of the global mean, then the sum of the shares (and of the gradients)
+                share = accumulate_gradients(self.model, micro_batches, total_tokens=labelled)
+                loss = self.dist.reduce_gradients(self.params, share, f"the gradient all-reduce of step {step}")
             grad_norm = clip_grad_norm(self.params, self.max_grad_norm) if math.isfinite(loss) else math.nan
             skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if skipped:
             self.bad_streak += 1
             what = "loss" if not math.isfinite(loss) else "gradient norm"
-            warnings.warn(f"non-finite {what} at step {step}: the step was skipped "
-                          f"({self.bad_streak} in a row; training stops at {self.max_bad_steps})", RuntimeWarning,
-                          stacklevel=3)
+            if self.rank == 0:
+                warnings.warn(f"non-finite {what} at step {step}: the step was skipped "
+                              f"({self.bad_streak} in a row; training stops at {self.max_bad_steps})", RuntimeWarning,
+                              stacklevel=4)
         else:
             if self.engine is None:
                 self.optimizer.step()
             self.bad_streak = 0
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        tokens = int(sum(b["attention_mask"].sum() for b in micro_batches))
         return {"loss": None if skipped else loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                 "tokens_per_s": tokens / (time.perf_counter() - start), "skipped": skipped}
 
+    def _check_in_sync(self, step: int) -> None:
+        """Data-parallel: RanksDiverged unless every rank holds rank 0's adapter values."""
+        if self.engine is not None:
+            self.engine.adapters.pull()
+        self.dist.check_in_sync(self.params, step)
+
     def _evaluate(self, step: int) -> float:
-        batches = [collate(self.eval_examples[i:i + self.batch_size], self.pad_token_id)
-                   for i in range(0, len(self.eval_examples), self.batch_size)]
-        loss = evaluate(self.engine or self.model, batches)
+        examples = self.eval_examples if self.dist is None else self.eval_examples[self.rank::self.world_size]
+        batches = [collate(examples[i:i + self.batch_size], self.pad_token_id)
+                   for i in range(0, len(examples), self.batch_size)]
+        loss_sum, tokens = _loss_sums(self.engine or self.model, batches)
+        if self.dist is not None:  # each rank evaluated its share; the loss is over all of them
+            loss_sum, tokens = self.dist.sum_floats([loss_sum, tokens], f"the evaluation all-reduce at step {step}")
+        loss = loss_sum / tokens
         self._log({"step": step, "eval_loss": loss})
         return loss
 
     def _log(self, record: dict[str, Any]) -> None:
-        self.metrics.append(record)
+        if self.rank == 0:
+            self.metrics.append(record)
         if self.callback is not None:
             self.callback(record)
 
@@ -397,12 +536,21 @@ class Trainer:
             self.engine.adapters.pull()
         state = {"step": step, "epoch": epoch, "group": group, "bad_streak": self.bad_streak,
                  "settings": self.settings}
-        folder = save_checkpoint(self.checkpoints / checkpoint_name(step), self.model, self.optimizer,
-                                 self.scheduler, state)
-        save_adapter(self.model, self.adapter_path, format="peft")
+        rank_rngs = None
+        if self.dist is not None:  # rank 0 writes what every rank holds, and the others' random states
+            self._check_in_sync(step)
+            rank_rngs = self.dist.gather_objects(rng_state(), f"gathering random states for step {step}'s checkpoint")
+
+        def write() -> Path:
+            folder = save_checkpoint(self.checkpoints / checkpoint_name(step), self.model, self.optimizer,
+                                     self.scheduler, state, rank_rngs=rank_rngs[1:] if rank_rngs else None)
+            save_adapter(self.model, self.adapter_path, format="peft")
+            for old in list_checkpoints(self.checkpoints)[:-self.save_total_limit]:
+                shutil.rmtree(old)
+            return folder
+
+        folder = self._on_rank0(write, f"saving the checkpoint of step {step} on rank 0")
         self.last_saved = step
-        for old in list_checkpoints(self.checkpoints)[:-self.save_total_limit]:
-            shutil.rmtree(old)
         return folder
 
     def _stop_message(self, step: int) -> str:

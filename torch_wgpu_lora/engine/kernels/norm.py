@@ -14,26 +14,28 @@ from .bitlinear import dummy
 
 def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: int, eps: float,
                    codes: Buffer | None = None, meta: Buffer | None = None, lora_a: Buffer | None = None,
-                   h: Buffer | None = None, rank: int = 0, rstd: Buffer | None = None,
+                   h: Buffer | None = None, rank: int = 0, rstd: Buffer | None = None, per_row: bool | None = None,
                    device: Device | None = None) -> Launch:
     """One launch normalising ``tokens`` rows of ``x`` (f32 [tokens, ≥ k]) into ``out`` (f32 [tokens,
     stride], stride = k padded to a multiple of 64); with ``codes`` and ``meta`` it also quantises
     them (u32 [tokens, stride / 4], f32 [2 · tokens]);
     with ``rank`` > 0 it writes ``h = y·Aᵀ`` into the first ``rank`` columns of ``h`` ([tokens, ≥ rank])
     from ``lora_a`` [rank, stride]; with
-    ``rstd`` it keeps 1/rms per token."""
+    ``rstd`` it keeps 1/rms per token. ``per_row``: one invocation a row (no barriers; the default on
+    CPU adapters) rather than a workgroup a row (the default on GPUs)."""
     device = device or get_device()
     stride = out.shape[-1]
     if stride % 64 or stride < k or x.shape[-1] < k:
         raise ValueError(f"out rows must hold k={k} padded to a multiple of 64, x rows at least k: x {x.shape}, "
                          f"out {out.shape}")
     quant = codes is not None
-    kern = kernel("norm.wgsl", "rmsnorm", device, QUANT=quant, SAVE=rstd is not None)
+    rows = device.is_cpu if per_row is None else per_row
+    kern = kernel("norm.wgsl", "rmsnorm_rows" if rows else "rmsnorm", device, QUANT=quant, SAVE=rstd is not None)
     buffers = (x, weight, out, codes or dummy(device, "codes"), meta or dummy(device, "meta"), lora_a or dummy(device),
                h or dummy(device, "h"), rstd or dummy(device, "rstd"))
     h_stride = h.shape[-1] if h is not None else 0
-    return Launch.build(kern, (tokens, 1, 1), buffers, (tokens, k, x.shape[-1], stride, stride // 4, rank, h_stride,
-                                                        eps))
+    grid = (-(-tokens // 64), 1, 1) if rows else (tokens, 1, 1)
+    return Launch.build(kern, grid, buffers, (tokens, k, x.shape[-1], stride, stride // 4, rank, h_stride, eps))
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,10 +51,12 @@ def quantise_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def rmsnorm_backward_launch(dy: Buffer, x: Buffer, rstd: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: int,
-                            accumulate: bool = False, device: Device | None = None) -> Launch:
+                            accumulate: bool = False, per_row: bool | None = None,
+                            device: Device | None = None) -> Launch:
     """The input gradient of ``rmsnorm`` from its saved 1/rms (``norm_backward.wgsl``), stored or
-    added into ``out`` (a residual stream's gradient)."""
+    added into ``out`` (a residual stream's gradient). ``per_row`` as ``rmsnorm_launch``'s."""
     device = device or get_device()
-    kern = kernel("norm_backward.wgsl", "rmsnorm_backward", device)
-    return Launch.build(kern, (tokens, 1, 1), (dy, x, rstd, weight, out),
-                        (k, dy.shape[-1], x.shape[-1], out.shape[-1], int(accumulate)))
+    rows = device.is_cpu if per_row is None else per_row
+    kern = kernel("norm_backward.wgsl", "rmsnorm_backward_rows" if rows else "rmsnorm_backward", device)
+    return Launch.build(kern, (-(-tokens // 64) if rows else tokens, 1, 1), (dy, x, rstd, weight, out),
+                        (tokens, k, dy.shape[-1], x.shape[-1], out.shape[-1], int(accumulate)))

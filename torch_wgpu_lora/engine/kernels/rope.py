@@ -9,14 +9,17 @@ import torch
 
 from ...runtime import Buffer, Device, Launch, get_device, kernel
 
+_WG = 128  # rope.wgsl's invocations per workgroup
+
 
 def rope_launch(qkv: Buffer, cos: Buffer, sin: Buffer, step: Buffer, q_rot: Buffer, k_cache: Buffer,
                 v_cache: Buffer, *, tokens: int, tokens_per_seq: int, heads: int, kv_heads: int, head_dim: int,
                 cache_len: int, device: Device | None = None) -> Launch:
     """One launch over ``tokens`` rows of the fused q/k/v output (f32 [tokens, qkv_stride])."""
     device = device or get_device()
-    kern = kernel("rope.wgsl", "rope", device)
-    return Launch.build(kern, (tokens, 1, 1), (qkv, cos, sin, step, q_rot, k_cache, v_cache),
+    kern = kernel("rope.wgsl", "rope", device, WG=_WG)
+    chunks = -(-max((heads + kv_heads) * head_dim // 2, kv_heads * head_dim) // _WG)
+    return Launch.build(kern, (tokens, chunks, 1), (qkv, cos, sin, step, q_rot, k_cache, v_cache),
                         (tokens_per_seq, heads, kv_heads, head_dim, cache_len, qkv.shape[-1]))
 
 

@@ -57,16 +57,16 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from ...logits import check_processing, process_logits
 from ...runtime import Buffer, Device, Launch, get_device, kernel, write
 from . import STEP_FIELDS, STEP_POS, STEP_SEED, STEP_TOKEN_COUNT
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SEARCH_PASSES", "STRATEGIES", "inverse_cdf", "plan_shape", "sample_reference", "sampling_launches",
+__all__ = ["SEARCH_PASSES", "inverse_cdf", "plan_shape", "sample_reference", "sampling_launches",
            "uniform"]
 
-STRATEGIES = ("greedy", "top_k", "top_p")
 SEARCH_PASSES = 8  # 17 ** 8 > 2 ** 32: 8 folds narrow any interval of 32-bit keys to one
 WORKGROUP = 128  # threads per workgroup of every launch (the WGSL's WG)
 GPU_GROUPS, CPU_GROUPS = 128, 16  # most workgroups of a multi-workgroup launch (at most WORKGROUP)
@@ -123,8 +123,6 @@ def sample_reference(logits: "torch.Tensor", seen_ids: "torch.Tensor", strategy:
     """
     import torch
 
-    from ...generation import process_logits
-
     processed = process_logits(logits, seen_ids, strategy=strategy, temperature=temperature, top_k=top_k,
                                top_p=top_p, repetition_penalty=repetition_penalty)
     if strategy == "greedy":
@@ -133,10 +131,6 @@ def sample_reference(logits: "torch.Tensor", seen_ids: "torch.Tensor", strategy:
 
 
 # -- the launches ---------------------------------------------------------------------------
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _normal_f32(value: float) -> bool:
     """Whether ``value`` as a float32 is a finite normal number (the divisions need one)."""
     try:
@@ -159,24 +153,13 @@ def _check_buffer(name: str, buf: Any, dtype: str, size: int | None = None, at_l
 
 def _check_arguments(vocab: int, strategy: str, temperature: float, top_k: int, top_p: float,
                      repetition_penalty: float) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    check_processing(strategy, temperature, top_k, top_p, repetition_penalty)
     if isinstance(vocab, bool) or not isinstance(vocab, int) or not 1 <= vocab < 2 ** 30:
         raise ValueError(f"vocab must be an integer in [1, 2**30), got {vocab!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
-    if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not _is_number(repetition_penalty) or not repetition_penalty > 0:
-        raise ValueError(f"repetition_penalty must be > 0 (1.0 means no penalty), got {repetition_penalty!r}")
     if not _normal_f32(repetition_penalty):
         raise ValueError(f"repetition_penalty={repetition_penalty!r} is not a normal float32 number")
-    if strategy != "greedy":
-        if not _is_number(temperature) or not temperature > 0:
-            raise ValueError(f"temperature must be > 0 for sampling (strategy={strategy!r}), got {temperature!r}; "
-                             "use strategy='greedy' for deterministic decoding")
-        if not _normal_f32(temperature):
-            raise ValueError(f"temperature={temperature!r} is not a normal float32 number")
+    if strategy != "greedy" and not _normal_f32(temperature):
+        raise ValueError(f"temperature={temperature!r} is not a normal float32 number")
 
 
 def plan_shape(vocab: int, device: Device) -> tuple[int, int]:

@@ -186,6 +186,37 @@ def test_resume_continues_bit_identically(base, tmp_path):
     assert [r["loss"] for r in logs[1]] == [r["loss"] for r in logs[0]]
 
 
+def test_resume_on_the_engine_continues_bit_identically(base, tmp_path, monkeypatch):
+    # The engine's step is one submit; a crash inside step 8 (after the step-5 checkpoint), then a
+    # resume: the moments come back from the checkpoint into the engine's flat buffers.
+    from torch_wgpu_lora.engine.model import BitNetEngine
+
+    settings = dict(max_steps=10, save_every=5, gradient_accumulation_steps=2, seed=3, engine="wgpu")
+    straight = fresh_model(base)
+    train(straight, base[1], RECORDS, **options(tmp_path / "straight", **settings))
+
+    real_step, calls = BitNetEngine.train_step, {"n": 0}
+
+    def crashing_step(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise Crash("step 8")
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(BitNetEngine, "train_step", crashing_step)
+    with pytest.raises(Crash):
+        train(fresh_model(base), base[1], RECORDS, **options(tmp_path / "resumed", **settings))
+    monkeypatch.setattr(BitNetEngine, "train_step", real_step)
+    resumed = fresh_model(base)
+    result = train(resumed, base[1], RECORDS, resume_from=True, **options(tmp_path / "resumed", **settings))
+
+    assert result.steps == 10
+    assert_same_adapter(adapter_tensors(resumed), adapter_tensors(straight))
+    logs = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+            for run in ("straight", "resumed")]
+    assert [r["loss"] for r in logs[1]] == [r["loss"] for r in logs[0]]
+
+
 def nan_logits_from(model, step):
     """Make every forward from optimiser step ``step`` on (one micro-batch a step) give NaN logits."""
     calls = {"n": 0}

@@ -14,7 +14,8 @@ import torch
 from torch_wgpu_lora.runtime import (Arena, Buffer, Launch, Recorder, device_info, get_device, kernel,
                                      set_shader_checks, synchronize, upload, write)
 from torch_wgpu_lora.runtime.buffers import pool_for, staging_for
-from torch_wgpu_lora.runtime.device import ADAPTER_ENV, INSTALL_HINT, choose_adapter
+from torch_wgpu_lora.runtime.device import (ADAPTER_ENV, INSTALL_HINT, LOCAL_RANK_ENV, choose_adapter,
+                                            local_rank_from_env, pick_adapter)
 from torch_wgpu_lora.runtime.kernels import SHADER_CHECKS_ENV, params_layout, shader_checks
 from torch_wgpu_lora.runtime.tensors import into, refresh, resident, to_gpu
 
@@ -46,6 +47,48 @@ def test_choose_adapter_override_is_a_case_insensitive_substring():
         choose_adapter([dgpu, cpu], "radeon")
 
 
+def test_each_local_rank_takes_its_own_adapter_of_the_preferred_kind():
+    # wgpu lists each GPU once per backend; the preferred kind here is Vulkan discrete GPUs
+    gpus = [FakeAdapter(f"NVIDIA H200 #{i}", "DiscreteGPU") for i in range(2)]
+    others = [FakeAdapter("NVIDIA H200 #0", "DiscreteGPU", backend="OpenGL"), FakeAdapter("llvmpipe", "CPU"),
+              FakeAdapter("Intel Iris", "IntegratedGPU")]
+    adapters = [others[0], gpus[0], others[1], gpus[1], others[2]]
+    assert choose_adapter(adapters, None) is gpus[0]  # no local rank: the first, as before
+    for rank in (0, 1):
+        choice = pick_adapter(adapters, None, local_rank=rank)
+        assert choice.adapter is gpus[rank] and (choice.index, choice.of_kind, choice.local_rank) == (rank, 2, rank)
+        assert f"{LOCAL_RANK_ENV}={rank}: adapter {rank} of the 2 Vulkan DiscreteGPU" in choice.reason
+    # a third process on a machine with two such GPUs: refused, naming them (never silently an iGPU or OpenGL)
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=2 needs 3 WebGPU adapters of the preferred kind \(Vulkan "
+                                           r"DiscreteGPU\), but this machine has 2 \(0: NVIDIA H200 #0.*1: NVIDIA H200 "
+                                           r"#1.*\)\. Start at most 2 processes per machine"):
+        choose_adapter(adapters, None, local_rank=2)
+    # the variable wins over the local rank: it names the adapter by hand
+    choice = pick_adapter(adapters, "iris", local_rank=1)
+    assert choice.adapter is others[2] and f"{ADAPTER_ENV}='iris' names it" in choice.reason
+
+
+def test_local_ranks_share_a_cpu_adapter():
+    cpu = FakeAdapter("llvmpipe (LLVM 15)", "CPU")
+    gl = FakeAdapter("llvmpipe (LLVM 15)", "CPU", backend="OpenGL")
+    for rank in range(4):
+        choice = pick_adapter([gl, cpu], None, local_rank=rank)
+        assert choice.adapter is cpu and choice.index == 0 and choice.of_kind == 1
+    assert "the processes share adapter 0" in pick_adapter([cpu], None, local_rank=3).reason
+    with pytest.raises(RuntimeError, match="LOCAL_RANK must be an integer >= 0, got -1"):
+        pick_adapter([cpu], None, local_rank=-1)
+
+
+def test_local_rank_is_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv(LOCAL_RANK_ENV, raising=False)
+    assert local_rank_from_env() is None
+    monkeypatch.setenv(LOCAL_RANK_ENV, "3")
+    assert local_rank_from_env() == 3
+    monkeypatch.setenv(LOCAL_RANK_ENV, "first")
+    with pytest.raises(RuntimeError, match="LOCAL_RANK must be an integer >= 0, got 'first'"):
+        local_rank_from_env()
+
+
 def test_no_adapter_error_says_what_to_install():
     with pytest.raises(RuntimeError) as err:
         choose_adapter([], None)
@@ -56,6 +99,8 @@ def test_no_adapter_error_says_what_to_install():
 def test_device_info_reports_adapter_backend_limits_features():
     info = device_info()
     assert info["adapter"] and info["backend"] in ("Vulkan", "Metal", "D3D12", "OpenGL")
+    assert info["adapter_index"] < info["adapters_of_kind"] and info["choice"]
+    assert info["local_rank"] == local_rank_from_env()
     assert info["limits"]["max-storage-buffer-binding-size"] == get_device().max_binding > 0
     assert isinstance(info["features"], list)
     assert get_device() is get_device()  # one device per process

@@ -70,7 +70,7 @@ def test_kernel_rejects_mismatched_buffers_and_step_zero():
     p, g = upload(np.zeros(8, np.float32)), upload(np.zeros(4, np.float32))
     m, v = upload(np.zeros(8, np.float32)), upload(np.zeros(8, np.float32))
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-7, weight_decay=0.0)
-    with pytest.raises(ValueError, match=r"grad is \(4,\) f32; expected 8 f32 elements"):
+    with pytest.raises(ValueError, match=r"grad is \(4,\); expected 8 elements like param"):
         adamw_step(Recorder(), p, g, m, v, step=1, **hyper)
     with pytest.raises(ValueError, match="step counts from 1, got 0"):
         adamw_step(Recorder(), p, upload(np.zeros(8, np.float32)), m, v, step=0, **hyper)

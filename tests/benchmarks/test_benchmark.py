@@ -55,7 +55,7 @@ def test_measure_reports_times_checks_and_ratios():
     result = measure(Case(64, 128, 96, 8, True, "tiny"), iters=3, repeats=2)
     assert result.wall_us > 0 and result.staged_us > 0 and result.torch_wall_us > 0
     assert result.dispatches >= 4  # forward (down, up) and the gradient kernels
-    assert result.extra["max_rel_err"] < 1e-4  # the same float32 bound as tests/test_ops_lora.py
+    assert result.extra["max_rel_err"] < 1e-4  # the same float32 bound as tests/ops/test_lora.py
     if get_device().has_timestamps:
         assert 0 < result.gpu_us and result.tbps > 0
     row = result.row()
@@ -109,3 +109,35 @@ def test_default_cases_cover_the_issue_grid():
     quick = lora_op.quick_cases()
     assert {(c.name, c.rank) for c in quick} == {("q_proj", 16)}
     assert [c.n for c in quick if c.backward] == [2048] and {c.n for c in quick if not c.backward} == {1, 128, 2048}
+
+
+def test_packed_model_initialises_every_weight_from_its_seed():
+    import torch
+
+    from torch_wgpu_lora.benchmarks.engine import packed_model, small_config
+
+    first, second = packed_model(small_config(2), seed=3), packed_model(small_config(2), seed=3)
+    other = packed_model(small_config(2), seed=4)
+    state, again = first.state_dict(), second.state_dict()
+    assert state.keys() == again.keys()
+    for name, tensor in state.items():  # uninitialised memory would differ between two builds
+        assert torch.equal(tensor, again[name]), name
+    assert not torch.equal(state["model.layers.0.mlp.down_proj.weight"],
+                           other.state_dict()["model.layers.0.mlp.down_proj.weight"])
+    proj = first.model.layers[1].mlp.down_proj
+    assert proj.weight_scale.item() == pytest.approx(512 ** 0.5 / 8, rel=1e-2)  # bf16
+    ids = torch.arange(1, 17)[None]
+    with torch.no_grad():
+        logits = first(ids).logits.float()
+    assert torch.isfinite(logits).all() and logits.std() > 0.1
+
+
+def test_engine_benchmark_trains_on_real_steps(tmp_path):
+    from torch_wgpu_lora.benchmarks import engine
+
+    engine.main(["--small", "--layers", "1", "--no-hf", "--out", str(tmp_path), "--prefill", "16", "--prompt", "4",
+                 "--new-tokens", "4", "--repeats", "1", "--train", "16", "--train-steps", "1"])
+    result = json.loads((tmp_path / "engine.json").read_text())
+    training = result["engine_training"]["16"]
+    assert training["loss"] is not None and 0 < training["loss"] < 20  # None: the step was skipped (non-finite)
+    assert result["engine"]["prefill"]["tok_per_s"] > 0 and result["engine"]["decode"]["tok_per_s"] > 0

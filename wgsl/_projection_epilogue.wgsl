@@ -1,0 +1,38 @@
+// Shared by bitlinear.wgsl and matmul.wgsl (// @include): a projection's epilogue. The including
+// file declares Params (tokens, out_stride, out_offset, lora_rank, segments, aux_stride), the
+// bindings OUT, H, LORA, LB, AUX, and the overrides MODE and SAVE.
+
+// The LoRA segments' contribution to output row j of token n: scale_s · B_s[j'] · h[n][c_s ..].
+fn lora(n: u32, j: u32) -> f32 {
+  var v = 0.0;
+  for (var s = 0u; s < p.segments; s++) {
+    let hdr = s * 8u;
+    let begin = LORA[hdr];
+    let step = LORA[hdr + 2u];
+    if (j >= begin && j < LORA[hdr + 1u] && (j - begin) % step == 0u) {
+      let rank = LORA[hdr + 5u];
+      let b = LORA[hdr + 4u] + ((j - begin) / step) * rank;
+      let h = n * p.lora_rank + LORA[hdr + 3u];
+      var sum = 0.0;
+      for (var r = 0u; r < rank; r++) { sum += LB[b + r] * H[h + r]; }
+      v += bitcast<f32>(LORA[hdr + 6u]) * sum;
+    }
+  }
+  return v;
+}
+
+// Store (MODE 0) or add (MODE 1) one output.
+fn put(n: u32, j: u32, v: f32) {
+  let o = n * p.out_stride + p.out_offset + j;
+  if (MODE == 1u) { OUT[o] += v; } else { OUT[o] = v; }
+}
+
+// A gate/up pair (rows 2i, 2i + 1) for token n: relu(gate)² · up.
+fn put_pair(n: u32, i: u32, gate: f32, up: f32) {
+  let g = max(gate, 0.0);
+  OUT[n * p.out_stride + p.out_offset + i] = g * g * up;
+  if (SAVE) {
+    AUX[n * p.aux_stride + 2u * i] = gate;
+    AUX[n * p.aux_stride + 2u * i + 1u] = up;
+  }
+}

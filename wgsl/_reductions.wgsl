@@ -1,0 +1,36 @@
+// Shared reductions (// @include) over a workgroup of WG invocations (an override, a multiple of
+// 32) in two barriers: every value into workgroup memory, WG / 32 invocations each fold 32 of
+// them, then every invocation folds those few. (A tree takes log2(WG) barriers, each of which
+// costs a GPU more than the short serial loops; on a CPU adapter, far more.) Call in uniform
+// control flow; every invocation gets the result.
+
+var<workgroup> red: array<f32, WG>;
+var<workgroup> red2: array<f32, WG / 32u>;
+
+fn sum_all(t: u32, v: f32) -> f32 {
+  red[t] = v;
+  workgroupBarrier();
+  if (t < WG / 32u) {
+    var s = 0.0;
+    for (var i = 0u; i < 32u; i++) { s += red[32u * t + i]; }
+    red2[t] = s;
+  }
+  workgroupBarrier();
+  var total = 0.0;
+  for (var i = 0u; i < WG / 32u; i++) { total += red2[i]; }
+  return total;
+}
+
+fn max_all(t: u32, v: f32) -> f32 {
+  red[t] = v;
+  workgroupBarrier();
+  if (t < WG / 32u) {
+    var m = red[32u * t];
+    for (var i = 1u; i < 32u; i++) { m = max(m, red[32u * t + i]); }
+    red2[t] = m;
+  }
+  workgroupBarrier();
+  var total = red2[0];
+  for (var i = 1u; i < WG / 32u; i++) { total = max(total, red2[i]); }
+  return total;
+}
