@@ -1,4 +1,5 @@
-"""Shared by the engine's model tests: run a pass and read back the int8 codes it chose."""
+"""Shared by the engine's tests: run a pass and read back the int8 codes it chose; compare a
+kernel's output with a float64 reference."""
 
 from __future__ import annotations
 
@@ -22,3 +23,15 @@ def forward_with_codes(engine, ids: torch.Tensor, lengths: list[int]) -> tuple[t
     plan.read_logits(rec, logits.numpy())
     rec.submit()
     return logits.reshape(batch, tokens, -1), read_codes(capture, batch, tokens, engine.engine_config)
+
+
+def assert_close(got: np.ndarray, ref: torch.Tensor, what: str, rtol: float) -> float:
+    """Checks max |got - ref| <= rtol · max |ref| (and that every element is finite); returns the
+    error relative to the reference's scale (the absolute error when the reference is all zeros)."""
+    ref = ref.numpy()
+    assert got.shape == ref.shape, what
+    assert np.isfinite(got).all(), f"{what}: {np.count_nonzero(~np.isfinite(got))} elements not finite (unwritten?)"
+    scale = np.abs(ref).max()
+    err = np.abs(got.astype(np.float64) - ref).max()
+    assert err <= rtol * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
+    return err / scale if scale else err

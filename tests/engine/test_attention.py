@@ -23,18 +23,9 @@ from torch_wgpu_lora.engine.kernels.attention import (_PREFILL_TILES, PrefillTil
                                                       attention_reference, prefill_tile)
 from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, write
 
+from .helpers import assert_close
+
 RTOL = 1e-4  # of the reference's max magnitude; see module docstring
-
-
-def assert_close(got: np.ndarray, ref: torch.Tensor, what: str) -> float:
-    """Checks the tolerance; returns the error relative to the reference's scale."""
-    ref = ref.numpy()
-    assert got.shape == ref.shape, what
-    assert np.isfinite(got).all(), f"{what}: {np.count_nonzero(~np.isfinite(got))} elements not finite (unwritten?)"
-    scale = np.abs(ref).max()
-    err = np.abs(got.astype(np.float64) - ref).max()
-    assert err <= RTOL * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
-    return err / scale
 
 
 def random_case(batch, tokens, heads, kv_heads, head_dim, max_len, seed):
@@ -102,7 +93,7 @@ def check_once(batch, tokens, heads, kv_heads, head_dim, pos, lengths, *, decode
     out, lse = attn.run(pos, lengths)
     ref_out, ref_lse = attention_reference(q, k, v, pos, lengths, heads, kv_heads, head_dim ** -0.5)
     tag = f"B={batch} T={tokens} H={heads}/{kv_heads} D={head_dim} pos={pos} lengths={lengths} decode={decode} {kw}"
-    return assert_close(out, ref_out, f"out {tag}"), assert_close(lse, ref_lse, f"lse {tag}")
+    return assert_close(out, ref_out, f"out {tag}", RTOL), assert_close(lse, ref_lse, f"lse {tag}", RTOL)
 
 
 # ---- the reference --------------------------------------------------------------------------
@@ -174,7 +165,7 @@ def test_prefill_without_lse_and_rows_not_filling_a_block():
     attn.set_inputs(q, k, v, [3, 2])
     out, lse = attn.run(0, [3, 2])
     assert lse is None
-    assert_close(out, attention_reference(q, k, v, 0, [3, 2], 3, 3, 0.25)[0], "out")
+    assert_close(out, attention_reference(q, k, v, 0, [3, 2], 3, 3, 0.25)[0], "out", RTOL)
 
 
 # ---- decode --------------------------------------------------------------------------------
@@ -195,8 +186,8 @@ def test_decode_steps_record_the_same_launches(splits, tokens, heads, kv_heads, 
         lengths = [pos + tokens, min(40, pos + tokens), pos + tokens]
         out, lse = attn.run(pos, lengths)
         ref_out, ref_lse = attention_reference(q, k, v, pos, lengths, heads, kv_heads, head_dim ** -0.5)
-        assert_close(out, ref_out, f"out pos={pos} splits={splits}")
-        assert_close(lse, ref_lse, f"lse pos={pos} splits={splits}")
+        assert_close(out, ref_out, f"out pos={pos} splits={splits}", RTOL)
+        assert_close(lse, ref_lse, f"lse pos={pos} splits={splits}", RTOL)
         if previous is not None:
             assert not np.allclose(out[:tokens], previous[:tokens]), f"pos={pos}: output did not change"
         previous = out

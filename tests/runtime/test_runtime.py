@@ -15,7 +15,7 @@ from torch_wgpu_lora.runtime import (Arena, Buffer, Launch, Recorder, device_inf
                                      set_shader_checks, synchronize, upload, write)
 from torch_wgpu_lora.runtime.buffers import pool_for, staging_for
 from torch_wgpu_lora.runtime.device import (ADAPTER_ENV, INSTALL_HINT, LOCAL_RANK_ENV, choose_adapter,
-                                            local_rank_from_env, pick_adapter)
+                                            local_rank_from_env)
 from torch_wgpu_lora.runtime.kernels import SHADER_CHECKS_ENV, params_layout, shader_checks
 from torch_wgpu_lora.runtime.tensors import into, refresh, resident, to_gpu
 
@@ -35,14 +35,14 @@ def test_choose_adapter_prefers_gpus_and_native_backends():
     igpu = FakeAdapter("Intel Iris", "IntegratedGPU")
     dgpu_gl = FakeAdapter("NVIDIA H200", "DiscreteGPU", backend="OpenGL")
     dgpu = FakeAdapter("NVIDIA H200", "DiscreteGPU")
-    assert choose_adapter([cpu, igpu, dgpu_gl, dgpu], None) is dgpu
-    assert choose_adapter([cpu, igpu], None) is igpu
-    assert choose_adapter([dgpu_gl, cpu], None) is cpu  # OpenGL only as a last resort
+    assert choose_adapter([cpu, igpu, dgpu_gl, dgpu], None).adapter is dgpu
+    assert choose_adapter([cpu, igpu], None).adapter is igpu
+    assert choose_adapter([dgpu_gl, cpu], None).adapter is cpu  # OpenGL only as a last resort
 
 
 def test_choose_adapter_override_is_a_case_insensitive_substring():
     cpu, dgpu = FakeAdapter("llvmpipe (LLVM 15)", "CPU"), FakeAdapter("NVIDIA H200", "DiscreteGPU")
-    assert choose_adapter([dgpu, cpu], "LLVMPIPE") is cpu
+    assert choose_adapter([dgpu, cpu], "LLVMPIPE").adapter is cpu
     with pytest.raises(RuntimeError, match=rf"{ADAPTER_ENV}='radeon' matches no adapter; adapters found: .*H200"):
         choose_adapter([dgpu, cpu], "radeon")
 
@@ -53,9 +53,9 @@ def test_each_local_rank_takes_its_own_adapter_of_the_preferred_kind():
     others = [FakeAdapter("NVIDIA H200 #0", "DiscreteGPU", backend="OpenGL"), FakeAdapter("llvmpipe", "CPU"),
               FakeAdapter("Intel Iris", "IntegratedGPU")]
     adapters = [others[0], gpus[0], others[1], gpus[1], others[2]]
-    assert choose_adapter(adapters, None) is gpus[0]  # no local rank: the first, as before
+    assert choose_adapter(adapters, None).adapter is gpus[0]  # no local rank: the first, as before
     for rank in (0, 1):
-        choice = pick_adapter(adapters, None, local_rank=rank)
+        choice = choose_adapter(adapters, None, local_rank=rank)
         assert choice.adapter is gpus[rank] and (choice.index, choice.of_kind, choice.local_rank) == (rank, 2, rank)
         assert f"{LOCAL_RANK_ENV}={rank}: adapter {rank} of the 2 Vulkan DiscreteGPU" in choice.reason
     # a third process on a machine with two such GPUs: refused, naming them (never silently an iGPU or OpenGL)
@@ -64,7 +64,7 @@ def test_each_local_rank_takes_its_own_adapter_of_the_preferred_kind():
                                            r"#1.*\)\. Start at most 2 processes per machine"):
         choose_adapter(adapters, None, local_rank=2)
     # the variable wins over the local rank: it names the adapter by hand
-    choice = pick_adapter(adapters, "iris", local_rank=1)
+    choice = choose_adapter(adapters, "iris", local_rank=1)
     assert choice.adapter is others[2] and f"{ADAPTER_ENV}='iris' names it" in choice.reason
 
 
@@ -72,11 +72,11 @@ def test_local_ranks_share_a_cpu_adapter():
     cpu = FakeAdapter("llvmpipe (LLVM 15)", "CPU")
     gl = FakeAdapter("llvmpipe (LLVM 15)", "CPU", backend="OpenGL")
     for rank in range(4):
-        choice = pick_adapter([gl, cpu], None, local_rank=rank)
+        choice = choose_adapter([gl, cpu], None, local_rank=rank)
         assert choice.adapter is cpu and choice.index == 0 and choice.of_kind == 1
-    assert "the processes share adapter 0" in pick_adapter([cpu], None, local_rank=3).reason
+    assert "the processes share adapter 0" in choose_adapter([cpu], None, local_rank=3).reason
     with pytest.raises(RuntimeError, match="LOCAL_RANK must be an integer >= 0, got -1"):
-        pick_adapter([cpu], None, local_rank=-1)
+        choose_adapter([cpu], None, local_rank=-1)
 
 
 def test_local_rank_is_read_from_the_environment(monkeypatch):

@@ -87,7 +87,7 @@ def _kind_name(a: Any) -> str:
 
 @dataclass(frozen=True)
 class AdapterChoice:
-    """The adapter a process uses and why (``pick_adapter``'s answer)."""
+    """The adapter a process uses and why (``choose_adapter``'s answer)."""
 
     adapter: Any
     index: int  # its position among the adapters of its kind (wgpu's enumeration order)
@@ -96,7 +96,7 @@ class AdapterChoice:
     reason: str
 
 
-def pick_adapter(adapters: list[Any], override: str | None, local_rank: int | None = None) -> AdapterChoice:
+def choose_adapter(adapters: list[Any], override: str | None, local_rank: int | None = None) -> AdapterChoice:
     """Pick the adapter to use from ``adapters`` (wgpu GPUAdapter objects), and say why.
 
     ``override`` is a substring of the adapter name (device, description or vendor),
@@ -144,12 +144,6 @@ def pick_adapter(adapters: list[Any], override: str | None, local_rank: int | No
     raise RuntimeError(f"{LOCAL_RANK_ENV}={local_rank} needs {local_rank + 1} WebGPU adapters of the preferred kind "
                        f"({what}), but this machine has {n} ({names}). Start at most {n} processes per machine "
                        f"(torchrun --nproc-per-node {n}), or set {ADAPTER_ENV} in each process to choose by hand")
-
-
-def choose_adapter(adapters: list[Any], override: str | None, local_rank: int | None = None) -> Any:
-    """The adapter ``pick_adapter`` picks (see there): ``override`` (a case-insensitive substring of
-    the adapter's name) wins, else the ``local_rank``-th (or first) adapter of the best kind."""
-    return pick_adapter(adapters, override, local_rank).adapter
 
 
 def local_rank_from_env() -> int | None:
@@ -306,7 +300,7 @@ def get_device() -> Device:
                         adapters = wgpu.gpu.enumerate_adapters_sync()
                     except Exception as e:  # the native loader itself can fail without drivers
                         raise RuntimeError(f"{INSTALL_HINT} (wgpu said: {e})") from e
-                    choice = pick_adapter(adapters, os.environ.get(ADAPTER_ENV), local_rank_from_env())
+                    choice = choose_adapter(adapters, os.environ.get(ADAPTER_ENV), local_rank_from_env())
                     _device = Device(choice.adapter, choice)
             device = _device
     return device

@@ -243,7 +243,8 @@ class DataParallel:
         self._run(what, lambda: self.dist.all_gather(sizes, size, group=self.group))
         longest = max(int(s[0]) for s in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         every = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
         self._run(what, lambda: self.dist.all_gather(every, mine, group=self.group))
         return [t[:int(s[0])].numpy().tobytes() for t, s in zip(every, sizes)]
