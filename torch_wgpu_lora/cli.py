@@ -432,11 +432,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("gradcheck", help="per-layer gradient parity table, WebGPU kernels vs PyTorch",
                             description="Compare every adapter gradient computed by the WebGPU kernels with "
-                            "PyTorch autograd on one batch of random tokens, and print the table. Both passes see "
-                            "the same forward (see torch_wgpu_lora.integrations.gradcheck), so the table is the "
+                            "PyTorch autograd in float64 on one batch of random tokens, and print the table. Both passes "
+                            "see the same forward (see torch_wgpu_lora.integrations.gradcheck), so the table is the "
                             "kernels' error alone; the error of two independent forwards is printed below it. "
-                            "Exits 1 when an error exceeds the tolerance 2·n·2^-24 (float32 summation order, n "
-                            "the longest sum). Without --adapter the adapters get seeded random lora_B values so "
+                            "Exits 1 when an error exceeds the tolerance: twice PyTorch float32's own error against "
+                            "float64 (at least n·2^-24, n the longest sum). The float64 copy of the model needs twice "
+                            "its memory. Without --adapter the adapters get seeded random lora_B values so "
                             "that lora_A's gradient is not zero.")
     _add_model(p, required=False, default_help=" (default: the demo model)")
     p.add_argument("--adapter", metavar="PATH", help="check this trained adapter (PEFT folder or Hesper file)")

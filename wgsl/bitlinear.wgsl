@@ -6,9 +6,11 @@
 // then the epilogue (MODE): 0 store, 1 add into OUT (a residual stream), 2 gate/up pairs
 // (rows 2i, 2i+1): OUT[n][i] = relu(gate)² · up, and with SAVE the raw pair into AUX.
 //
-// Two entry points. gemv: one token per workgroup row of the grid, ROWS weight rows a
-// workgroup, LANES threads a row striding over its words (coalesced), a tree in workgroup
-// memory to finish each row. gemm: 64 tokens × 64 rows a workgroup, 4 × 4 a thread, K in
+// Two entry points. gemv (a decoded token: a stream of the weights at memory bandwidth): one
+// token per workgroup row of the grid, ROWS weight rows a workgroup, LANES threads a row, each
+// reading 16 bytes (64 weights) at a time through W4 (the same weights as W), the row's length
+// a pipeline constant so that every load of a thread is issued at once; one barrier, then one
+// thread a row sums its lanes. gemm: 64 tokens × 64 rows a workgroup, 4 × 4 a thread, K in
 // steps of 64 through workgroup memory; weights decoded once per step with one shift and
 // mask per four of them.
 //
@@ -39,12 +41,14 @@ struct Params {
 @group(0) @binding(7) var<storage, read> LORA: array<u32>;
 @group(0) @binding(8) var<storage, read> LB: array<f32>;
 @group(0) @binding(9) var<storage, read_write> AUX: array<f32>;
+@group(0) @binding(10) var<storage, read> W4: array<vec4<u32>>;
 
 override MODE: u32 = 0u;
 override DIVIDE: bool = true;
 override SAVE: bool = false;
-override ROWS: u32 = 8u;    // gemv: weight rows per workgroup (even: gate/up pairs stay together)
-override LANES: u32 = 32u;  // gemv: threads per row, a power of two
+override ROWS: u32 = 16u;   // gemv: weight rows per workgroup (even: gate/up pairs stay together)
+override LANES: u32 = 8u;   // gemv: threads per row
+override ROW_VECS: u32 = 4u;  // gemv: vec4 words per weight row (k_words / 4)
 override GEMV_WG: u32 = ROWS * LANES;
 
 const M2: u32 = 0x03030303u;
@@ -82,14 +86,20 @@ fn gemv(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
   let r = t / LANES;
   let n = wg.y;
   let j = wg.x * ROWS + r;
-  let row = min(j, p.rows - 1u) * p.k_words;  // rows past the edge repeat the last one; not stored
+  let row = min(j, p.rows - 1u) * ROW_VECS;  // rows past the edge repeat the last one; not stored
   let x = n * p.k_words;
   var acc = 0i;
-  for (var u = lane; u < p.k_words; u += LANES) {
-    acc += dot16(XQ[x + u], spread(W[row + u]));
+  for (var i = 0u; i < (ROW_VECS + LANES - 1u) / LANES; i++) {
+    let u = lane + LANES * i;
+    if (u < ROW_VECS) {
+      let w = W4[row + u];
+      let c = x + 4u * u;
+      acc += dot16(XQ[c], spread(w.x)) + dot16(XQ[c + 1u], spread(w.y)) + dot16(XQ[c + 2u], spread(w.z))
+           + dot16(XQ[c + 3u], spread(w.w));
+    }
   }
   partial[t] = acc;
-  workgroupBarrier();  // then one thread a row sums its lanes: one barrier, not log2(LANES)
+  workgroupBarrier();
   if (lane != 0u || j >= p.rows) { return; }
   if (MODE == 2u) {
     if (r % 2u == 0u) {

@@ -66,46 +66,65 @@ fn dh(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u
   }
 }
 
-// db: 64 rows of B × 4 rank quads a workgroup; every thread loops over the tokens.
+// db and da: 32 outputs × one rank quad a workgroup. The tokens are split over SLICES slices of
+// 32 invocations (every SLICES-th token each), so each sums a few dozen tokens rather than all
+// of them one after another, and the slices' sums are added in workgroup memory.
+const SLICES: u32 = 8u;
+
+fn slices_sum(t: u32, acc: vec4<f32>) -> vec4<f32> {  // the total, for invocations t < 32
+  red[t] = acc;
+  workgroupBarrier();
+  var total = vec4<f32>(0.0);
+  if (t < 32u) {
+    for (var s = 0u; s < SLICES; s++) { total += red[32u * s + t]; }
+  }
+  return total;
+}
+
+fn quad(buf_index: u32, r0: u32) -> vec4<u32> {  // the four rank columns r0.. (the last repeated past the rank)
+  let last = p.rank - 1u;
+  return vec4<u32>(buf_index + min(r0, last), buf_index + min(r0 + 1u, last), buf_index + min(r0 + 2u, last),
+                   buf_index + min(r0 + 3u, last));
+}
+
 @compute @workgroup_size(256)
 fn db(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
-  let i = wg.x * 64u + t % 64u;
-  let r0 = (wg.y * 4u + t / 64u) * 4u;
-  if (i >= rows() || r0 >= p.rank) { return; }
-  let j = p.begin + p.step * i;
-  let last = p.rank - 1u;
+  let i = wg.x * 32u + t % 32u;
+  let r0 = wg.y * 4u;
+  let count = rows();
+  let j = p.begin + p.step * min(i, count - 1u);
   var acc = vec4<f32>(0.0);
-  for (var n = 0u; n < p.tokens; n++) {
-    let h = n * p.h_stride + p.h_col;
-    acc += DY[n * p.dy_stride + j] * vec4<f32>(H[h + r0], H[h + min(r0 + 1u, last)], H[h + min(r0 + 2u, last)],
-                                                H[h + min(r0 + 3u, last)]);
+  for (var n = t / 32u; n < p.tokens; n += SLICES) {
+    let c = quad(n * p.h_stride + p.h_col, r0);
+    acc += DY[n * p.dy_stride + j] * vec4<f32>(H[c.x], H[c.y], H[c.z], H[c.w]);
   }
+  let total = slices_sum(t, acc);
+  if (t >= 32u || i >= count) { return; }
   for (var c = 0u; c < 4u; c++) {
     if (r0 + c < p.rank) {
       let o = p.b_offset + i * p.rank + r0 + c;
-      let v = p.scale * acc[c];
+      let v = p.scale * total[c];
       if (p.accumulate != 0u) { G[o] += v; } else { G[o] = v; }
     }
   }
 }
 
-// da: 64 input features × 4 rank quads a workgroup; every thread loops over the tokens.
 @compute @workgroup_size(256)
 fn da(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
-  let k = wg.x * 64u + t % 64u;
-  let r0 = (wg.y * 4u + t / 64u) * 4u;
-  if (k >= p.k || r0 >= p.rank) { return; }
-  let last = p.rank - 1u;
+  let k = wg.x * 32u + t % 32u;
+  let r0 = wg.y * 4u;
+  let kk = min(k, p.k - 1u);
   var acc = vec4<f32>(0.0);
-  for (var n = 0u; n < p.tokens; n++) {
-    let h = n * p.h_stride;
-    acc += X[n * p.x_stride + k] * vec4<f32>(DHR[h + r0], DHR[h + min(r0 + 1u, last)], DHR[h + min(r0 + 2u, last)],
-                                             DHR[h + min(r0 + 3u, last)]);
+  for (var n = t / 32u; n < p.tokens; n += SLICES) {
+    let c = quad(n * p.h_stride, r0);
+    acc += X[n * p.x_stride + kk] * vec4<f32>(DHR[c.x], DHR[c.y], DHR[c.z], DHR[c.w]);
   }
+  let total = slices_sum(t, acc);
+  if (t >= 32u || k >= p.k) { return; }
   for (var c = 0u; c < 4u; c++) {
     if (r0 + c < p.rank) {
       let o = p.a_offset + (r0 + c) * p.x_stride + k;
-      if (p.accumulate != 0u) { G[o] += acc[c]; } else { G[o] = acc[c]; }
+      if (p.accumulate != 0u) { G[o] += total[c]; } else { G[o] = total[c]; }
     }
   }
 }

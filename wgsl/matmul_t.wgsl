@@ -4,8 +4,9 @@
 // bfloat16 pairs (widened once as each step's tile is loaded). The LoRA term is the adapters' own
 // input gradient (DH = s·dY·B, LA their A).
 //
-// 64 tokens × 64 features a workgroup of 128 threads, 8 tokens × 4 features a thread, rows j in
-// steps of 16 through workgroup memory.
+// Tiling (_gemm_t_tile.wgsl): 64 tokens × 64 features a workgroup of 128 threads, 8 tokens × 8
+// features a thread, rows j in steps of 32 through workgroup memory, each half of the workgroup
+// summing 16 rows of a step.
 
 struct Params {
   tokens: u32,
@@ -30,63 +31,61 @@ struct Params {
 
 override BF16: bool = false;
 
-var<workgroup> as_: array<vec4<f32>, 256>;  // [j (16)][token quad (16)]
-var<workgroup> ws_: array<vec4<f32>, 256>;  // [j (16)][feature quad (16)]
-
 fn lo(w: u32) -> f32 { return bitcast<f32>(w << 16u); }
 fn hi(w: u32) -> f32 { return bitcast<f32>(w & 0xffff0000u); }
 
-@compute @workgroup_size(128)
-fn gemm_t(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
-  let tk = t % 16u;
-  let tt = t / 16u;
-  let n0 = wg.y * 64u;
-  let k0 = wg.x * 64u;
-  var a0 = vec4<f32>(0.0); var a1 = vec4<f32>(0.0); var a2 = vec4<f32>(0.0); var a3 = vec4<f32>(0.0);
-  var a4 = vec4<f32>(0.0); var a5 = vec4<f32>(0.0); var a6 = vec4<f32>(0.0); var a7 = vec4<f32>(0.0);
-  let jl = t % 16u;
-  let row_words = p.w_words / 4u;  // vec4 words per weight row
-  for (var j0 = 0u; j0 < p.rows; j0 += 16u) {
-    let j = j0 + jl;
-    for (var h = 0u; h < 2u; h++) {  // A: rows t % 16 of the step, token quads t / 16 and t / 16 + 8
-      let quad = t / 16u + 8u * h;
-      var v = vec4<f32>(0.0);
-      if (j < p.rows) {
-        for (var i = 0u; i < 4u; i++) {
-          v[i] = A[min(n0 + 4u * quad + i, p.tokens - 1u) * p.a_stride + p.a_col + j];
-        }
-      }
-      as_[jl * 16u + quad] = v;
-    }
-    if (BF16) {  // a row's 64 features are 8 words of 8 bfloat16 values: one word a thread
-      let j = j0 + t / 8u;
-      let w = W[min(j, p.rows - 1u) * row_words + k0 / 8u + t % 8u];
-      let live = select(0.0, 1.0, j < p.rows);
-      let at = (t / 8u) * 16u + 2u * (t % 8u);
-      ws_[at] = live * vec4<f32>(lo(w.x), hi(w.x), lo(w.y), hi(w.y));
-      ws_[at + 1u] = live * vec4<f32>(lo(w.z), hi(w.z), lo(w.w), hi(w.w));
-    } else {  // 16 words of 4 floats a row: two a thread
-      for (var i = 0u; i < 2u; i++) {
-        let idx = t + 128u * i;
-        let j = j0 + idx / 16u;
-        let live = select(0.0, 1.0, j < p.rows);
-        ws_[idx] = live * bitcast<vec4<f32>>(W[min(j, p.rows - 1u) * row_words + k0 / 4u + idx % 16u]);
-      }
-    }
-    workgroupBarrier();
-    for (var jj = 0u; jj < 16u; jj++) {
-      let w = ws_[jj * 16u + tk];
-      let x0 = as_[jj * 16u + 2u * tt];
-      let x1 = as_[jj * 16u + 2u * tt + 1u];
-      a0 += x0.x * w; a1 += x0.y * w; a2 += x0.z * w; a3 += x0.w * w;
-      a4 += x1.x * w; a5 += x1.y * w; a6 += x1.z * w; a7 += x1.w * w;
-    }
-    workgroupBarrier();
-  }
-  let n = n0 + 8u * tt;
-  let k = k0 + 4u * tk;
-  store(n, k, a0); store(n + 1u, k, a1); store(n + 2u, k, a2); store(n + 3u, k, a3);
-  store(n + 4u, k, a4); store(n + 5u, k, a5); store(n + 6u, k, a6); store(n + 7u, k, a7);
+struct Staged {
+  a: mat4x4<f32>,          // fetch_a
+  w: array<vec4<u32>, 4>,  // float32: quad t % 16 of rows j0 + t / 16 + 8i; BF16 (w[0], w[1]):
+                           // word t % 8 (8 bfloat16 values) of rows j0 + t / 8 + 16i
 }
 
+// W's vec4 word `word` of row j; zeros past the last row.
+fn weight_word(j: u32, word: u32) -> vec4<u32> {
+  return select(vec4<u32>(0u), W[min(j, p.rows - 1u) * (p.w_words / 4u) + word], j < p.rows);
+}
+
+fn fetch(t: u32, n0: u32, k0: u32, j0: u32) -> Staged {
+  var s: Staged;
+  s.a = fetch_a(t, n0, j0, p.a_col);
+  if (BF16) {  // a row's 64 features are 8 words
+    let j = j0 + t / 8u;
+    let word = k0 / 8u + t % 8u;
+    s.w[0] = weight_word(j, word);
+    s.w[1] = weight_word(j + 16u, word);
+  } else {  // 16 words a row
+    let j = j0 + t / 16u;
+    let word = k0 / 4u + t % 16u;
+    s.w[0] = weight_word(j, word);
+    s.w[1] = weight_word(j + 8u, word);
+    s.w[2] = weight_word(j + 16u, word);
+    s.w[3] = weight_word(j + 24u, word);
+  }
+  return s;
+}
+
+// Eight bfloat16 values, widened exactly, into quads `quad` and quad + 1 of step row j.
+fn put_bf16(j: u32, quad: u32, w: vec4<u32>) {
+  tile[W_TILE + at(j, quad)] = vec4<f32>(lo(w.x), hi(w.x), lo(w.y), hi(w.y));
+  tile[W_TILE + at(j, quad + 1u)] = vec4<f32>(lo(w.z), hi(w.z), lo(w.w), hi(w.w));
+}
+
+fn put(t: u32, s: Staged) {
+  put_a(t, s.a);
+  if (BF16) {
+    let j = t / 8u;
+    let quad = 2u * (t % 8u);
+    put_bf16(j, quad, s.w[0]);
+    put_bf16(j + 16u, quad, s.w[1]);
+  } else {
+    let j = t / 16u;
+    let quad = t % 16u;
+    tile[W_TILE + at(j, quad)] = bitcast<vec4<f32>>(s.w[0]);
+    tile[W_TILE + at(j + 8u, quad)] = bitcast<vec4<f32>>(s.w[1]);
+    tile[W_TILE + at(j + 16u, quad)] = bitcast<vec4<f32>>(s.w[2]);
+    tile[W_TILE + at(j + 24u, quad)] = bitcast<vec4<f32>>(s.w[3]);
+  }
+}
+
+// @include _gemm_t_tile.wgsl
 // @include _input_grad_store.wgsl

@@ -32,6 +32,8 @@ struct Params {
 override WG: u32 = 256u;  // a multiple of 32
 override QUANT: bool = true;
 override SAVE: bool = false;
+override K: u32 = 64u;       // rmsnorm: features
+override STRIDE: u32 = 64u;  // rmsnorm: K padded to a multiple of 64
 
 // @include _reductions.wgsl
 
@@ -69,33 +71,70 @@ fn sum_all4(t: u32, v: vec4<f32>) -> vec4<f32> {
   return total;
 }
 
+// A row's 4-feature words are spread over the invocations (word t + WG·i for invocation t), held
+// in registers from the one read of X to the codes; K and STRIDE are pipeline constants so the
+// loops have fixed trip counts and the driver can unroll them, issuing every load of a phase
+// at once (a decoded token normalises one row: this kernel's latency is the token's).
+const MAX_WORDS: u32 = 8u;   // words an invocation holds: STRIDE ≤ 32 · WG (rmsnorm_launch picks WG)
+
+fn lora_a(row: u32, w: u32) -> mat4x4<f32> {  // rows row.. of A at features 4w.. (row-major 4 × 4)
+  let last = p.rank - 1u;
+  return mat4x4<f32>(
+    vec4<f32>(A[min(row, last) * STRIDE + 4u * w], A[min(row, last) * STRIDE + 4u * w + 1u],
+              A[min(row, last) * STRIDE + 4u * w + 2u], A[min(row, last) * STRIDE + 4u * w + 3u]),
+    vec4<f32>(A[min(row + 1u, last) * STRIDE + 4u * w], A[min(row + 1u, last) * STRIDE + 4u * w + 1u],
+              A[min(row + 1u, last) * STRIDE + 4u * w + 2u], A[min(row + 1u, last) * STRIDE + 4u * w + 3u]),
+    vec4<f32>(A[min(row + 2u, last) * STRIDE + 4u * w], A[min(row + 2u, last) * STRIDE + 4u * w + 1u],
+              A[min(row + 2u, last) * STRIDE + 4u * w + 2u], A[min(row + 2u, last) * STRIDE + 4u * w + 3u]),
+    vec4<f32>(A[min(row + 3u, last) * STRIDE + 4u * w], A[min(row + 3u, last) * STRIDE + 4u * w + 1u],
+              A[min(row + 3u, last) * STRIDE + 4u * w + 2u], A[min(row + 3u, last) * STRIDE + 4u * w + 3u]));
+}
+
 @compute @workgroup_size(WG)
 fn rmsnorm(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let n = wg.x;
   let row = n * p.x_stride;
-  let out = n * p.stride;
+  let out = n * STRIDE;
+  let row_words = STRIDE / 4u;
+  let words = (row_words + WG - 1u) / WG;
+  var y: array<vec4<f32>, MAX_WORDS>;
   var ss = 0.0;
-  for (var k = t; k < p.k; k += WG) { let v = X[row + k]; ss += v * v; }
-  let r = inverseSqrt(sum_all(t, ss) / f32(p.k) + p.eps);
+  for (var i = 0u; i < words; i++) {
+    let k = 4u * (t + WG * i);
+    var v = vec4<f32>(0.0);
+    for (var l = 0u; l < 4u; l++) {
+      if (k + l < K) { v[l] = X[row + k + l]; }
+    }
+    y[i] = v;
+    ss += dot(v, v);
+  }
+  let r = inverseSqrt(sum_all(t, ss) / f32(K) + p.eps);
   var m = 0.0;
-  for (var k = t; k < p.stride; k += WG) {
-    var y = 0.0;
-    if (k < p.k) { y = G[k] * (X[row + k] * r); }
-    XN[out + k] = y;
-    m = max(m, abs(y));
+  for (var i = 0u; i < words; i++) {
+    let w = t + WG * i;
+    if (w < row_words) {
+      var g = vec4<f32>(0.0);
+      for (var l = 0u; l < 4u; l++) {
+        if (4u * w + l < K) { g[l] = G[4u * w + l]; }
+      }
+      let v = g * (y[i] * r);
+      y[i] = v;
+      for (var l = 0u; l < 4u; l++) { XN[out + 4u * w + l] = v[l]; }
+      let a = abs(v);
+      m = max(m, max(max(a.x, a.y), max(a.z, a.w)));
+    }
   }
   if (SAVE && t == 0u) { RS[n] = r; }
   if (QUANT) {
     let s = 127.0 / max(max_all(t, m), 1e-5);
     var total = 0i;
-    for (var w = t; w < p.code_words; w += WG) {
-      var q = vec4<i32>(0);
-      for (var l = 0u; l < 4u; l++) {  // recomputed rather than read back: XN is not visible across threads yet
-        let k = 4u * w + l;
-        if (k < p.k) { q[l] = i32(clamp(round(G[k] * (X[row + k] * r) * s), -128.0, 127.0)); }
+    for (var i = 0u; i < words; i++) {
+      let w = t + WG * i;
+      if (w < row_words) {
+        let q = vec4<i32>(clamp(round(y[i] * s), vec4<f32>(-128.0), vec4<f32>(127.0)));
+        XQ[n * row_words + w] = pack4xI8(q);
+        total += q.x + q.y + q.z + q.w;
       }
-      XQ[n * p.code_words + w] = pack4xI8(q);
-      total += q.x + q.y + q.z + q.w;
     }
     let sum = sum_all_i(t, total);
     if (t == 0u) {
@@ -103,24 +142,30 @@ fn rmsnorm(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: v
       XM[p.tokens + n] = bitcast<f32>(sum);
     }
   }
-  // LoRA down-projections, four adapter ranks at a time.
-  for (var j = 0u; j < p.rank; j += 4u) {
-    let last = p.rank - 1u;
-    let a0 = min(j, last) * p.stride;
-    let a1 = min(j + 1u, last) * p.stride;
-    let a2 = min(j + 2u, last) * p.stride;
-    let a3 = min(j + 3u, last) * p.stride;
-    var acc = vec4<f32>(0.0);
-    for (var k = t; k < p.k; k += WG) {
-      let y = G[k] * (X[row + k] * r);
-      acc += y * vec4<f32>(A[a0 + k], A[a1 + k], A[a2 + k], A[a3 + k]);
-    }
-    let v = sum_all4(t, acc);
-    if (t == 0u) {
-      for (var l = 0u; l < 4u; l++) {
-        if (j + l < p.rank) { H[n * p.h_stride + j + l] = v[l]; }
+  // LoRA down-projections, 16 adapter ranks a pass: every load of the pass issued together,
+  // then four reductions.
+  for (var j = 0u; j < p.rank; j += 16u) {
+    var acc0 = vec4<f32>(0.0); var acc1 = vec4<f32>(0.0); var acc2 = vec4<f32>(0.0); var acc3 = vec4<f32>(0.0);
+    for (var i = 0u; i < words; i++) {
+      let w = t + WG * i;
+      if (w < row_words) {
+        acc0 += y[i] * lora_a(j, w);
+        acc1 += y[i] * lora_a(j + 4u, w);
+        acc2 += y[i] * lora_a(j + 8u, w);
+        acc3 += y[i] * lora_a(j + 12u, w);
       }
     }
+    store_h(n, j, sum_all4(t, acc0), t);
+    store_h(n, j + 4u, sum_all4(t, acc1), t);
+    store_h(n, j + 8u, sum_all4(t, acc2), t);
+    store_h(n, j + 12u, sum_all4(t, acc3), t);
+  }
+}
+
+fn store_h(n: u32, j: u32, v: vec4<f32>, t: u32) {
+  if (t != 0u) { return; }
+  for (var l = 0u; l < 4u; l++) {
+    if (j + l < p.rank) { H[n * p.h_stride + j + l] = v[l]; }
   }
 }
 

@@ -39,7 +39,7 @@ def padded(x: torch.Tensor, width: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("divide", [True, False])
-@pytest.mark.parametrize("tokens,rows,k", [(1, 8, 64), (37, 70, 100), (130, 40, 2560)])
+@pytest.mark.parametrize("tokens,rows,k", [(1, 8, 64), (37, 70, 100), (64, 96, 192), (130, 40, 2560)])
 def test_bitlinear_input_gradient_with_lora(divide, tokens, rows, k):
     g = torch.Generator().manual_seed(tokens + rows + k)
     dy = torch.randn(tokens, rows, generator=g)
@@ -69,6 +69,28 @@ def test_matmul_input_gradient(bf16, tokens, rows, k):
     out = poisoned((tokens, pad(k, 64)))
     (got,) = run([matmul_t_launch(upload(dy.numpy()), proj, out, tokens=tokens, k=k, bf16=bf16)], out)
     close(got[:, :k], dy.double() @ weight.double(), RTOL, "dx")
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_matmul_input_gradient_of_a_vocabulary_chunk_adds_with_lora(bf16):
+    # The LM head's use: columns [dy_col, dy_col + rows) of a wider dlogits, accumulated.
+    g = torch.Generator().manual_seed(7)
+    tokens, rows, k, dy_col, rank = 65, 96, 130, 13, 3
+    dlogits = torch.randn(tokens, dy_col + rows + 5, generator=g)
+    weight = torch.randn(rows, k, generator=g)
+    if bf16:
+        weight = weight.bfloat16()
+    proj = Projection(upload(float_rows(weight, bf16)), None, rows, k)
+    dh, A = torch.randn(tokens, rank, generator=g), torch.randn(rank, k, generator=g)
+    base = torch.randn(tokens, pad(k, 64), generator=g)
+    out = upload(base.numpy().copy())
+    (got,) = run([matmul_t_launch(upload(dlogits.numpy()), proj, out, tokens=tokens, k=k, bf16=bf16, accumulate=True,
+                                  dy_col=dy_col, dh=upload(dh.numpy()), lora_a=upload(padded(A, pad(k, 64))),
+                                  lora_rank=rank)], out)
+    dy = dlogits[:, dy_col:dy_col + rows]
+    ref = base[:, :k].double() + dy.double() @ weight.double() + dh.double() @ A.double()
+    close(got[:, :k], ref, RTOL, "dx")
+    assert torch.equal(got[:, k:], base[:, k:])
 
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["workgroup-a-row", "invocation-a-row"])

@@ -22,7 +22,7 @@ from torch_wgpu_lora.engine.kernels.matmul import matmul_launch, matmul_referenc
 from torch_wgpu_lora.engine.kernels.norm import quantise_reference, rmsnorm_launch, rmsnorm_reference
 from torch_wgpu_lora.engine.kernels.rope import rope_launch, rope_reference
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary, unpack_hf, unpack_ternary
-from torch_wgpu_lora.runtime import Buffer, Recorder, upload, write
+from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, upload, write
 
 FLOAT_RTOL = 1e-5  # see module docstring
 INT_RTOL = 2e-6
@@ -213,8 +213,12 @@ def test_matmul_gate_up_and_add():
 # -- RMSNorm, quantisation, LoRA down -------------------------------------------------------------
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["workgroup-a-row", "invocation-a-row"])
-@pytest.mark.parametrize("tokens,k", [(1, 64), (3, 100), (17, 2560), (2, 6912), (70, 300)])
-def test_rmsnorm_quantise_and_lora_down(tokens, k, per_row):
+@pytest.mark.parametrize("tokens,k", [(1, 64), (3, 100), (17, 2560), (2, 6912), (70, 300), (1, 9000)])
+def test_rmsnorm_quantise_and_lora_down(tokens, k, per_row, request):
+    if per_row and k > 8192 and get_device().is_cpu:  # strict: it must still fail, until found and fixed
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "lavapipe (Mesa 22.3.6) returns a wrong last LoRA rank from the invocation-a-row kernel for rows over "
+            "8192 features (BitNet's are 2560 and 6912); cause not found")))
     from transformers.models.bitnet.modeling_bitnet import BitNetRMSNorm
 
     g = torch.Generator().manual_seed(tokens + k)
@@ -222,7 +226,7 @@ def test_rmsnorm_quantise_and_lora_down(tokens, k, per_row):
     norm = BitNetRMSNorm(k, eps=1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(k, generator=g) + 0.5)
-    rank = 6
+    rank = 19 if k == 100 else 6  # 19: more than one pass of 16 ranks
     A = torch.randn(rank, k, generator=g)
     a = np.zeros((rank, pad(k, 64)), np.float32)
     a[:, :k] = A.numpy()

@@ -65,7 +65,7 @@ def feeding_codes(model: nn.Module, codes: dict, stats: FeedStats) -> Iterator[F
     def substitute(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = current.pop()
         ours, _ = codes[key]
-        x = x.detach().float()
+        x = x.detach().to(torch.promote_types(x.dtype, torch.float32))  # a float64 reference stays exact
         scale = 127 / x.abs().max(dim=-1, keepdim=True).values.clamp(min=1e-5)
         value = x * scale
         theirs = value.round().clamp(-128, 127)

@@ -18,6 +18,7 @@ from ..weights import Projection
 
 MODES = {"store": 0, "add": 1, "gate_up": 2}
 GEMV_MAX_TOKENS = 4  # up to this many tokens, a gemv per token reads the weights no faster than gemm
+GEMV_ROWS = 16  # weight rows a gemv workgroup computes
 
 
 def dummy(device: Device, slot: str = "read") -> Buffer:
@@ -45,13 +46,16 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     if codes.shape[-1] != 4 * k_words:
         raise ValueError(f"codes have {codes.shape[-1]} words per token; the weights need {4 * k_words}")
     gemv = tokens <= GEMV_MAX_TOKENS if gemv is None else gemv
-    rows_per_group = 8
-    kern = kernel("bitlinear.wgsl", "gemv" if gemv else "gemm", device, MODE=MODES[mode], DIVIDE=proj.divide,
-                  SAVE=aux is not None, **({"ROWS": rows_per_group} if gemv else {}))
-    grid = ((-(-proj.rows // rows_per_group), tokens, 1) if gemv
-            else (-(-proj.rows // 64), -(-tokens // 64), 1))
     pad = dummy(device)
-    buffers = (codes, meta, proj.weight, proj.scale, out, h or pad, lora or pad, lora_b or pad, aux or dummy(device, "aux"))
+    buffers = {1: codes, 2: meta, 4: proj.scale, 5: out, 6: h or pad, 7: lora or pad, 8: lora_b or pad,
+               9: aux or dummy(device, "aux")}
+    if gemv:  # the weights bound as vec4 words (binding 10); K is padded to 64, so rows are whole vec4s
+        kern = kernel("bitlinear.wgsl", "gemv", device, MODE=MODES[mode], DIVIDE=proj.divide, SAVE=aux is not None,
+                      ROWS=GEMV_ROWS, ROW_VECS=k_words // 4)
+        grid, buffers[10] = (-(-proj.rows // GEMV_ROWS), tokens, 1), proj.weight
+    else:
+        kern = kernel("bitlinear.wgsl", "gemm", device, MODE=MODES[mode], DIVIDE=proj.divide, SAVE=aux is not None)
+        grid, buffers[3] = (-(-proj.rows // 64), -(-tokens // 64), 1), proj.weight
     return Launch.build(kern, grid, buffers, (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank,
                                               segments, proj.rows))
 

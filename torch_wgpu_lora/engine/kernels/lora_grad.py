@@ -41,7 +41,7 @@ def db_launch(dy: Buffer, h: Buffer, grads: Buffer, *, tokens: int, rows: tuple[
     """grads[B's place] (+)= scale · dY[:, rows]ᵀ·H[:, h_col:h_col+rank]."""
     device = device or get_device()
     count = -(-(rows[1] - rows[0]) // rows[2])
-    return Launch.build(kernel(_FILE, "db", device), (-(-count // 64), -(-rank // 16), 1), {1: dy, 4: h, 5: grads},
+    return Launch.build(kernel(_FILE, "db", device), (-(-count // 32), -(-rank // 4), 1), {1: dy, 4: h, 5: grads},
                         _params(tokens, rows, rank, h_col, b_offset, 0, dy.shape[-1], h.shape[-1], 0, 0, accumulate,
                                 scale))
 
@@ -50,7 +50,7 @@ def da_launch(dh: Buffer, x: Buffer, grads: Buffer, *, tokens: int, rank: int, k
               accumulate: bool = True, device: Device | None = None) -> Launch:
     """grads[the site's stacked A] (+)= DH[:, :rank]ᵀ·X (X: the site's normalised input)."""
     device = device or get_device()
-    return Launch.build(kernel(_FILE, "da", device), (-(-k // 64), -(-rank // 16), 1), {5: grads, 6: x, 7: dh},
+    return Launch.build(kernel(_FILE, "da", device), (-(-k // 32), -(-rank // 4), 1), {5: grads, 6: x, 7: dh},
                         _params(tokens, (0, 1, 1), rank, 0, 0, a_offset, 0, dh.shape[-1], x.shape[-1], k, accumulate,
                                 1.0))
 

@@ -30,7 +30,13 @@ def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: in
                          f"out {out.shape}")
     quant = codes is not None
     rows = device.is_cpu if per_row is None else per_row
-    kern = kernel("norm.wgsl", "rmsnorm_rows" if rows else "rmsnorm", device, QUANT=quant, SAVE=rstd is not None)
+    if rows:
+        kern = kernel("norm.wgsl", "rmsnorm_rows", device, QUANT=quant, SAVE=rstd is not None)
+    else:  # an invocation holds up to 8 words of 4 features: 256 invocations up to 8192 features
+        group = max(256, -(-stride // (32 * 32)) * 32)
+        if group > int(device.limits["max-compute-invocations-per-workgroup"]):
+            raise ValueError(f"rows of {k} features are too long for one workgroup of this adapter")
+        kern = kernel("norm.wgsl", "rmsnorm", device, QUANT=quant, SAVE=rstd is not None, K=k, STRIDE=stride, WG=group)
     buffers = (x, weight, out, codes or dummy(device, "codes"), meta or dummy(device, "meta"), lora_a or dummy(device),
                h or dummy(device, "h"), rstd or dummy(device, "rstd"))
     h_stride = h.shape[-1] if h is not None else 0
