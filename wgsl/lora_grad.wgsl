@@ -38,18 +38,21 @@ var<workgroup> red: array<vec4<f32>, WG>;
 
 fn rows() -> u32 { return (p.end - p.begin + p.step - 1u) / p.step; }
 
+fn quad(base: u32, r0: u32) -> vec4<u32> {  // the four rank columns r0.. (the last repeated past the rank)
+  let last = p.rank - 1u;
+  return vec4<u32>(base + min(r0, last), base + min(r0 + 1u, last), base + min(r0 + 2u, last),
+                   base + min(r0 + 3u, last));
+}
+
 @compute @workgroup_size(WG)
 fn dh(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let n = wg.x;
   let count = rows();
   for (var r0 = 0u; r0 < p.rank; r0 += 4u) {
     var acc = vec4<f32>(0.0);
-    let last = p.rank - 1u;
     for (var i = t; i < count; i += WG) {
-      let dy = DY[n * p.dy_stride + p.begin + p.step * i];
-      let b = p.b_offset + i * p.rank;
-      acc += dy * vec4<f32>(LB[b + r0], LB[b + min(r0 + 1u, last)], LB[b + min(r0 + 2u, last)],
-                            LB[b + min(r0 + 3u, last)]);
+      let c = quad(p.b_offset + i * p.rank, r0);
+      acc += DY[n * p.dy_stride + p.begin + p.step * i] * vec4<f32>(LB[c.x], LB[c.y], LB[c.z], LB[c.w]);
     }
     red[t] = acc;
     workgroupBarrier();
@@ -79,12 +82,6 @@ fn slices_sum(t: u32, acc: vec4<f32>) -> vec4<f32> {  // the total, for invocati
     for (var s = 0u; s < SLICES; s++) { total += red[32u * s + t]; }
   }
   return total;
-}
-
-fn quad(buf_index: u32, r0: u32) -> vec4<u32> {  // the four rank columns r0.. (the last repeated past the rank)
-  let last = p.rank - 1u;
-  return vec4<u32>(buf_index + min(r0, last), buf_index + min(r0 + 1u, last), buf_index + min(r0 + 2u, last),
-                   buf_index + min(r0 + 3u, last));
 }
 
 @compute @workgroup_size(256)

@@ -4,7 +4,7 @@
 // int8 codes BitLinear's activation quantisation makes of y:
 //   s = 127 / max(max|y|, 1e-5),  q = clamp(round(y · s), −128, 127)   (round half to even)
 // packed four to a u32 in XQ, with s at XM[n] and Σ q (i32 bits) at XM[tokens + n]. With
-// LORA_RANK > 0 it also computes the LoRA down-projections of y for every adapter reading
+// rank > 0 it also computes the LoRA down-projections of y for every adapter reading
 // this input: H[n][r] = Σ_k A[r][k] · y_k (A: the adapters' A matrices stacked). With SAVE
 // it keeps r in RS[n] for the backward pass.
 
@@ -77,17 +77,13 @@ fn sum_all4(t: u32, v: vec4<f32>) -> vec4<f32> {
 // at once (a decoded token normalises one row: this kernel's latency is the token's).
 const MAX_WORDS: u32 = 8u;   // words an invocation holds: STRIDE ≤ 32 · WG (rmsnorm_launch picks WG)
 
-fn lora_a(row: u32, w: u32) -> mat4x4<f32> {  // rows row.. of A at features 4w.. (row-major 4 × 4)
-  let last = p.rank - 1u;
-  return mat4x4<f32>(
-    vec4<f32>(A[min(row, last) * STRIDE + 4u * w], A[min(row, last) * STRIDE + 4u * w + 1u],
-              A[min(row, last) * STRIDE + 4u * w + 2u], A[min(row, last) * STRIDE + 4u * w + 3u]),
-    vec4<f32>(A[min(row + 1u, last) * STRIDE + 4u * w], A[min(row + 1u, last) * STRIDE + 4u * w + 1u],
-              A[min(row + 1u, last) * STRIDE + 4u * w + 2u], A[min(row + 1u, last) * STRIDE + 4u * w + 3u]),
-    vec4<f32>(A[min(row + 2u, last) * STRIDE + 4u * w], A[min(row + 2u, last) * STRIDE + 4u * w + 1u],
-              A[min(row + 2u, last) * STRIDE + 4u * w + 2u], A[min(row + 2u, last) * STRIDE + 4u * w + 3u]),
-    vec4<f32>(A[min(row + 3u, last) * STRIDE + 4u * w], A[min(row + 3u, last) * STRIDE + 4u * w + 1u],
-              A[min(row + 3u, last) * STRIDE + 4u * w + 2u], A[min(row + 3u, last) * STRIDE + 4u * w + 3u]));
+fn a_row(row: u32, w: u32) -> vec4<f32> {  // A[row][4w..4w+3], the last row repeated past the rank
+  let i = min(row, p.rank - 1u) * STRIDE + 4u * w;
+  return vec4<f32>(A[i], A[i + 1u], A[i + 2u], A[i + 3u]);
+}
+
+fn lora_a(row: u32, w: u32) -> mat4x4<f32> {  // columns: rows row.. of A at features 4w..
+  return mat4x4<f32>(a_row(row, w), a_row(row + 1u, w), a_row(row + 2u, w), a_row(row + 3u, w));
 }
 
 @compute @workgroup_size(WG)
