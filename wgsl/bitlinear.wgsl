@@ -46,8 +46,8 @@ struct Params {
 override MODE: u32 = 0u;
 override DIVIDE: bool = true;
 override SAVE: bool = false;
-override ROWS: u32 = 16u;   // gemv: weight rows per workgroup (even: gate/up pairs stay together)
-override LANES: u32 = 8u;   // gemv: threads per row
+override ROWS: u32 = 16u;   // gemv: weight rows per workgroup, 128 / LANES (even: gate/up pairs stay together)
+override LANES: u32 = 8u;   // gemv: threads per row (gemv_lanes picks them per projection)
 override ROW_VECS: u32 = 4u;  // gemv: vec4 words per weight row (k_words / 4)
 override GEMV_WG: u32 = ROWS * LANES;
 

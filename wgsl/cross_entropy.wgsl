@@ -20,7 +20,10 @@ override WG: u32 = 256u;
 // @include _reductions.wgsl
 
 @compute @workgroup_size(WG)
-fn rows(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+fn rows(inv: Invocation) {
+  enter(inv);
+  let t = inv.t;
+  let wg = inv.wg;
   let n = wg.x;
   let row = n * p.vocab;
   let label = TARGET[n];

@@ -28,6 +28,7 @@ struct Params {
 @group(0) @binding(6) var<storage, read> A: array<f32>;
 @group(0) @binding(7) var<storage, read_write> H: array<f32>;
 @group(0) @binding(8) var<storage, read_write> RS: array<f32>;
+@group(0) @binding(9) var<storage, read> A4: array<vec4<f32>>;  // A again, 16 bytes a read (rmsnorm)
 
 override WG: u32 = 256u;  // a multiple of 32
 override QUANT: bool = true;
@@ -37,40 +38,6 @@ override STRIDE: u32 = 64u;  // rmsnorm: K padded to a multiple of 64
 
 // @include _reductions.wgsl
 
-// The same two-barrier shape for the code sums and the LoRA dot products.
-var<workgroup> red_i: array<i32, WG>;
-var<workgroup> red2_i: array<i32, WG / 32u>;
-var<workgroup> red4: array<vec4<f32>, WG>;
-var<workgroup> red24: array<vec4<f32>, WG / 32u>;
-
-fn sum_all_i(t: u32, v: i32) -> i32 {
-  red_i[t] = v;
-  workgroupBarrier();
-  if (t < WG / 32u) {
-    var s = 0i;
-    for (var i = 0u; i < 32u; i++) { s += red_i[32u * t + i]; }
-    red2_i[t] = s;
-  }
-  workgroupBarrier();
-  var total = 0i;
-  for (var i = 0u; i < WG / 32u; i++) { total += red2_i[i]; }
-  return total;
-}
-
-fn sum_all4(t: u32, v: vec4<f32>) -> vec4<f32> {
-  red4[t] = v;
-  workgroupBarrier();
-  if (t < WG / 32u) {
-    var s = vec4<f32>(0.0);
-    for (var i = 0u; i < 32u; i++) { s += red4[32u * t + i]; }
-    red24[t] = s;
-  }
-  workgroupBarrier();
-  var total = vec4<f32>(0.0);
-  for (var i = 0u; i < WG / 32u; i++) { total += red24[i]; }
-  return total;
-}
-
 // A row's 4-feature words are spread over the invocations (word t + WG·i for invocation t), held
 // in registers from the one read of X to the codes; K and STRIDE are pipeline constants so the
 // loops have fixed trip counts and the driver can unroll them, issuing every load of a phase
@@ -78,8 +45,7 @@ fn sum_all4(t: u32, v: vec4<f32>) -> vec4<f32> {
 const MAX_WORDS: u32 = 8u;   // words an invocation holds: STRIDE ≤ 32 · WG (rmsnorm_launch picks WG)
 
 fn a_row(row: u32, w: u32) -> vec4<f32> {  // A[row][4w..4w+3], the last row repeated past the rank
-  let i = min(row, p.rank - 1u) * STRIDE + 4u * w;
-  return vec4<f32>(A[i], A[i + 1u], A[i + 2u], A[i + 3u]);
+  return A4[min(row, p.rank - 1u) * (STRIDE / 4u) + w];
 }
 
 fn lora_a(row: u32, w: u32) -> mat4x4<f32> {  // columns: rows row.. of A at features 4w..
@@ -87,7 +53,10 @@ fn lora_a(row: u32, w: u32) -> mat4x4<f32> {  // columns: rows row.. of A at fea
 }
 
 @compute @workgroup_size(WG)
-fn rmsnorm(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+fn rmsnorm(inv: Invocation) {
+  enter(inv);
+  let t = inv.t;
+  let wg = inv.wg;
   let n = wg.x;
   let row = n * p.x_stride;
   let out = n * STRIDE;

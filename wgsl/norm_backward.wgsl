@@ -23,7 +23,10 @@ override WG: u32 = 256u;
 // @include _reductions.wgsl
 
 @compute @workgroup_size(WG)
-fn rmsnorm_backward(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+fn rmsnorm_backward(inv: Invocation) {
+  enter(inv);
+  let t = inv.t;
+  let wg = inv.wg;
   let n = wg.x;
   let dy = n * p.dy_stride;
   let x = n * p.x_stride;

@@ -26,7 +26,10 @@ override PARTIALS: u32 = 256u;  // workgroups of sumsq
 // @include _reductions.wgsl
 
 @compute @workgroup_size(WG)
-fn sumsq(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+fn sumsq(inv: Invocation) {
+  enter(inv);
+  let t = inv.t;
+  let wg = inv.wg;
   var s = 0.0;
   for (var i = wg.x * WG + t; i < p.n; i += PARTIALS * WG) { let g = G[i]; s += g * g; }
   let total = sum_all(t, s);
@@ -34,7 +37,9 @@ fn sumsq(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec
 }
 
 @compute @workgroup_size(WG)
-fn stats(@builtin(local_invocation_index) t: u32) {
+fn stats(inv: Invocation) {
+  enter(inv);
+  let t = inv.t;
   var s = 0.0;
   for (var i = t; i < PARTIALS; i += WG) { s += PARTS[i]; }
   let total = sum_all(t, s);

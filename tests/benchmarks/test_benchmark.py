@@ -141,3 +141,13 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
     training = result["engine_training"]["16"]
     assert training["loss"] is not None and 0 < training["loss"] < 20  # None: the step was skipped (non-finite)
     assert result["engine"]["prefill"]["tok_per_s"] > 0 and result["engine"]["decode"]["tok_per_s"] > 0
+
+
+def test_launch_benchmark_times_every_kernel_shape(tmp_path):
+    from torch_wgpu_lora.benchmarks import launches
+
+    launches.main(["--small", "--out", str(tmp_path), "--repeats", "2"])
+    result = json.loads((tmp_path / "launches.json").read_text())["bounds"]
+    assert {"copy", "norm_qv_lora_subgroups", "norm_qv_lora_barriers", "gemv_down_lanes32"} <= set(result)
+    assert sum(key.endswith("_chosen") for key in result) == len(launches.SHAPES["small"][-1])
+    assert all(v > 0 for v in result.values())

@@ -94,7 +94,7 @@ def test_matmul_input_gradient_of_a_vocabulary_chunk_adds_with_lora(bf16):
 
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["workgroup-a-row", "invocation-a-row"])
-def test_rmsnorm_backward_adds_into_a_residual_gradient(per_row):
+def test_rmsnorm_backward_adds_into_a_residual_gradient(per_row, reductions):
     g = torch.Generator().manual_seed(1)
     tokens, k = 5, 100
     x = torch.randn(tokens, k, generator=g)
@@ -156,7 +156,7 @@ def test_rope_backward_is_the_transpose_of_rope():
                        dv[:, :, positions])
 
 
-def test_cross_entropy_rows_loss_and_gradient_in_place():
+def test_cross_entropy_rows_loss_and_gradient_in_place(reductions):
     g = torch.Generator().manual_seed(4)
     rows, vocab = 7, 1000
     logits = torch.randn(rows, vocab, generator=g) * 4
@@ -205,7 +205,7 @@ def test_lora_gradients_for_an_interleaved_segment_and_a_stacked_site(per_row):
 
 
 @pytest.mark.parametrize("max_norm", [0.0, 0.5, 1e6])
-def test_clipped_adamw_step_matches_torch(max_norm):
+def test_clipped_adamw_step_matches_torch(max_norm, reductions):
     g = torch.Generator().manual_seed(6)
     n = 3000
     p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1

@@ -106,3 +106,17 @@ def test_generation_past_the_context_is_refused(tokenizer):
     limit = model.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"need {limit + 4} positions; the model's context is {limit}"):
         engine_generate(engine, [1, 2, 3, 4], limit, set())
+
+
+def test_a_reused_session_generates_what_a_fresh_one_does():
+    # Generations of one shape share the engine's cached session (KV cache, plans, the sampler's
+    # seen-token and history buffers); a repetition penalty makes stale seen tokens show.
+    model = tiny_model("packed", adapters=True, seed=5)
+    engine = BitNetEngine(model)
+    first, second = [5, 9, 2, 7, 11, 3], [8, 1, 6, 4, 10, 12]
+    engine_generate(engine, first, 12, set(), repetition_penalty=5.0)
+    sessions = dict(engine._plans)
+    reused, _ = engine_generate(engine, second, 12, set(), repetition_penalty=5.0)
+    assert dict(engine._plans) == sessions  # nothing new was built
+    fresh, _ = engine_generate(BitNetEngine(model), second, 12, set(), repetition_penalty=5.0)
+    assert reused == fresh

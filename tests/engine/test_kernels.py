@@ -214,7 +214,7 @@ def test_matmul_gate_up_and_add():
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["workgroup-a-row", "invocation-a-row"])
 @pytest.mark.parametrize("tokens,k", [(1, 64), (3, 100), (17, 2560), (2, 6912), (70, 300), (1, 9000)])
-def test_rmsnorm_quantise_and_lora_down(tokens, k, per_row, request):
+def test_rmsnorm_quantise_and_lora_down(tokens, k, per_row, reductions, request):
     if per_row and k > 8192 and get_device().is_cpu:  # strict: it must still fail, until found and fixed
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
             "lavapipe (Mesa 22.3.6) returns a wrong last LoRA rank from the invocation-a-row kernel for rows over "

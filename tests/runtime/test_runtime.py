@@ -156,15 +156,25 @@ def test_override_constants_change_the_pipeline():
     assert kernel("reduce.wgsl", "reduce_partials", WG=64) is kernel("reduce.wgsl", "reduce_partials", WG=64)
 
 
-def test_kernel_cache_is_keyed_on_the_shader_checks(monkeypatch):
-    full = kernel("reduce.wgsl", "reduce_partials", WG=128)
+def test_kernel_cache_is_keyed_on_the_shader_checks_and_every_mode_computes(monkeypatch):
+    monkeypatch.delenv(SHADER_CHECKS_ENV, raising=False)
+    assert shader_checks() == "bounds"  # the default: bounds checks, no loop counters
+    default = kernel("reduce.wgsl", "reduce_partials", WG=128)
+    x = upload(np.arange(1024, dtype=np.float32))
+    expect = np.arange(1024, dtype=np.float32).reshape(4, 256).sum(0)
     try:
-        set_shader_checks("none")
-        trusted = kernel("reduce.wgsl", "reduce_partials", WG=128)
+        for mode in ("full", "bounds", "none"):
+            set_shader_checks(mode)
+            k = kernel("reduce.wgsl", "reduce_partials", WG=128)
+            assert (k is default) == (mode == "bounds")
+            out, acc, rec = np.zeros(256, np.float32), Buffer((256,)), Recorder()
+            rec.dispatch(k, (1, 1, 1), (x, acc), (64, 64, 4, 0, 1.0))
+            rec.read(acc, out)
+            rec.submit()
+            np.testing.assert_array_equal(out, expect)
     finally:
         set_shader_checks(None)
-    assert trusted is not full
-    assert kernel("reduce.wgsl", "reduce_partials", WG=128) is full
+    assert kernel("reduce.wgsl", "reduce_partials", WG=128) is default
 
 
 def test_a_bad_shader_checks_variable_is_one_clear_error(monkeypatch):

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..runtime import Recorder, get_device, write
+from ..runtime.kernels import DEFAULT_SHADER_CHECKS
 
 Log = Callable[[str], None]
 
@@ -354,8 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers + PEFT")
     parser.add_argument("--train", default="512,256", help="training sequence lengths ('' to skip)")
     parser.add_argument("--train-steps", type=int, default=3)
-    parser.add_argument("--checks", default="full", help="shader-check modes to measure the engine in, "
-                        "e.g. full,none (TORCH_WGPU_LORA_SHADER_CHECKS)")
+    parser.add_argument("--checks", default=DEFAULT_SHADER_CHECKS, help="shader-check modes to measure the engine "
+                        "in, e.g. bounds,full (TORCH_WGPU_LORA_SHADER_CHECKS); results of modes other than the default "
+                        "are keyed with a suffix")
     parser.add_argument("--drop-in", type=int, default=0, metavar="SEQ",
                         help="also time the drop-in path (CPU model, LoRALinear on WebGPU vs torch) at SEQ tokens")
     parser.add_argument("--small", action="store_true", help="a small model (for a CPU adapter): hidden 256, "
@@ -388,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     for checks in args.checks.split(","):  # kernels and plans are keyed on the mode: each gets its own
         set_shader_checks(checks)
         engine._plans.clear()
-        suffix = "" if checks == "full" else f"_{checks}"
+        suffix = "" if checks == DEFAULT_SHADER_CHECKS else f"_{checks}"
         result["engine" + suffix] = measure_engine(engine, args.prompt, args.new_tokens, args.prefill, args.repeats,
                                                    args.tokens_per_submit, log)
         save()

@@ -67,8 +67,8 @@ def engine_generate(engine, prompt_ids: list[int], max_new_tokens: int, eos: set
     if max_new_tokens == 0:
         return [], False
     engine.adapters.sync()
-    s = session(engine, len(prompt_ids), max_new_tokens, strategy=strategy, temperature=temperature, top_k=top_k,
-                top_p=top_p, repetition_penalty=repetition_penalty)
+    s = engine.decode_session(len(prompt_ids), max_new_tokens, strategy=strategy, temperature=temperature,
+                              top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
     prompt = np.asarray(prompt_ids, np.uint32)
     write(s.prefill.ids, prompt)
     seen = np.zeros(engine.engine_config.vocab, np.uint32)

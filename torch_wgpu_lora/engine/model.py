@@ -27,12 +27,13 @@ from torch import nn
 from ..runtime import Buffer, Device, Recorder, get_device, upload, write
 from .adapters import EngineAdapters
 from .config import EngineConfig
+from .generate import DecodeSession, session
 from .plan import ForwardPlan, KVCache, read_codes
 from .train_plan import TrainPlan
 from .weights import EngineWeights, upload_weights
 
 IGNORE_INDEX = -100
-_PLANS_KEPT = 4  # forward plans (shapes) kept ready; each holds its activations and caches
+_PLANS_KEPT = 4  # plans (shapes) kept ready; each holds its activations and caches
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -95,6 +96,12 @@ class BitNetEngine(nn.Module):
         """The forward + loss + backward plan for ``slots`` micro-batches of one shape."""
         return self._cached(("train", batch, tokens, slots),
                             lambda: TrainPlan(self.weights, self.adapters, batch, tokens, slots))
+
+    def decode_session(self, prompt_length: int, max_new_tokens: int, **sampling: Any) -> DecodeSession:
+        """The KV cache, plans and sampling launches of a generation of this shape and sampling
+        (``engine.generate.session``), built once, then reused: building one takes tens of ms."""
+        return self._cached(("session", prompt_length, max_new_tokens, tuple(sorted(sampling.items()))),
+                            lambda: session(self, prompt_length, max_new_tokens, **sampling))
 
     def _cached(self, key: tuple, make: Any) -> Any:
         plan = self._plans.get(key)

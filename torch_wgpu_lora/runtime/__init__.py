@@ -8,8 +8,8 @@ many times), and ``tensors`` (torch tensors to and from the GPU, resident weight
 
 from .buffers import Arena, Buffer, upload, write
 from .device import Device, device_info, get_device
-from .kernels import Kernel, kernel, set_shader_checks, shader_checks
+from .kernels import Kernel, kernel, set_shader_checks, set_subgroups, shader_checks
 from .recorder import Launch, Pending, Recorder, synchronize
 
 __all__ = ["Arena", "Buffer", "Device", "Kernel", "Launch", "Pending", "Recorder", "device_info", "get_device",
-           "kernel", "set_shader_checks", "shader_checks", "synchronize", "upload", "write"]
+           "kernel", "set_shader_checks", "set_subgroups", "shader_checks", "synchronize", "upload", "write"]

@@ -13,11 +13,13 @@ points each use some of its bindings). The layout of ``Params`` is declared once
 in the WGSL file: the host reads the field names and types from it and packs values
 given by position or by name.
 
-Runtime checks: by default wgpu adds bounds checks to every buffer access and a
-counter to every loop (so a bad shader cannot hang the GPU). ``TORCH_WGPU_LORA_SHADER_CHECKS``
-= ``bounds`` keeps the bounds checks but drops the loop counters, ``none`` drops both
-(wgpu-native's trusted shader modules). Our kernels clamp every index and bound every
-loop by its parameters, so both are safe for them; ``full`` stays the default.
+Runtime checks (``TORCH_WGPU_LORA_SHADER_CHECKS``): ``bounds``, the default, compiles the kernels
+as wgpu-native trusted modules that keep wgpu's bounds check on every buffer access but not its
+counter in every loop; ``full`` adds the counters (what wgpu does for untrusted shaders, so that
+one that never ends cannot hang the GPU); ``none`` drops the bounds checks too. Every loop here
+is bounded by override constants or by parameters the launch functions validate, so the counters
+guard nothing, and they cost: on the H200 one decode-shaped RMSNorm launch takes 11.6 µs with
+them and 5.4 µs without, and the engine's decode, prefill and training gain 1.1-1.5×.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ _HERE = Path(__file__).resolve()
 WGSL_DIRS = (_HERE.parents[1] / "wgsl", _HERE.parents[2] / "wgsl")
 
 SHADER_CHECKS = ("full", "bounds", "none")
+DEFAULT_SHADER_CHECKS = "bounds"
 SHADER_CHECKS_ENV = "TORCH_WGPU_LORA_SHADER_CHECKS"
 _checks_override: str | None = None
+_subgroups_override: bool | None = None
 
 
 def wgsl_path(name: str) -> Path:
@@ -53,25 +57,43 @@ def wgsl_path(name: str) -> Path:
 _INCLUDE = re.compile(r"^// @include (\S+\.wgsl)[ \t]*$", re.MULTILINE)
 
 
-def wgsl_source(name: str) -> str:
+def wgsl_source(name: str, subgroups: bool = False) -> str:
     """A WGSL file's text with its ``// @include _part.wgsl`` lines replaced by those files: code two
-    kernel families share (an epilogue, a reduction) is written once. Parts are not nested.
+    kernel families share (an epilogue, a reduction) is written once. Parts are not nested. With
+    ``subgroups`` a part's ``_part.subgroup.wgsl`` variant, where there is one, is used instead.
 
     >>> "fn lora(" in wgsl_source("bitlinear.wgsl")
     True
     """
     def part(match: re.Match) -> str:
-        return f"// ---- {match.group(1)} ----\n" + wgsl_path(match.group(1)).read_text()
+        name = match.group(1)
+        variant = name[: -len(".wgsl")] + ".subgroup.wgsl"
+        if subgroups and any((folder / variant).is_file() for folder in WGSL_DIRS):
+            name = variant
+        return f"// ---- {name} ----\n" + wgsl_path(name).read_text()
 
     return _INCLUDE.sub(part, wgsl_path(name).read_text())
 
 
+def use_subgroups(device: Device) -> bool:
+    """Whether kernels compiled now use subgroup operations: where the adapter has them, unless
+    ``set_subgroups(False)``."""
+    return device.has_subgroups and _subgroups_override is not False
+
+
+def set_subgroups(enabled: bool | None) -> None:
+    """``False``: kernels compiled from now on use the barrier-only parts even where the adapter
+    has subgroups (for tests and comparisons); ``None``: back to the adapter's capability."""
+    global _subgroups_override
+    _subgroups_override = enabled
+
+
 def shader_checks() -> str:
     """The runtime-check mode kernels compile with now: ``set_shader_checks``'s value, else
-    ``TORCH_WGPU_LORA_SHADER_CHECKS``, else ``full``."""
+    ``TORCH_WGPU_LORA_SHADER_CHECKS``, else ``bounds``."""
     if _checks_override is not None:
         return _checks_override
-    mode = os.environ.get(SHADER_CHECKS_ENV, "full")
+    mode = os.environ.get(SHADER_CHECKS_ENV, DEFAULT_SHADER_CHECKS)
     if mode not in SHADER_CHECKS:
         raise ValueError(f"{SHADER_CHECKS_ENV} must be one of {', '.join(SHADER_CHECKS)}, got {mode!r}")
     return mode
@@ -139,13 +161,13 @@ class Kernel:
     """
 
     def __init__(self, device: Device, file: str, entry: str, constants: Mapping[str, Any],
-                 checks: str = "full") -> None:
+                 checks: str = DEFAULT_SHADER_CHECKS, subgroups: bool = False) -> None:
         import wgpu
 
         self.device = device
         self.name = f"{file}:{entry}"
         self.constants = dict(constants)
-        source = wgsl_source(file)
+        source = wgsl_source(file, subgroups)
         self.params, self._format = params_layout(source)
         try:
             module = _shader_module(device, source, self.name, checks)
@@ -218,12 +240,12 @@ def kernel(file: str, entry: str, device: Device | None = None, **constants: Any
     ('reduce.wgsl:reduce_partials', ('len4', 'stride4'))
     """
     device = device or get_device()
-    checks = shader_checks()
-    key = (file, entry, tuple(sorted(constants.items())), checks)
+    checks, subgroups = shader_checks(), use_subgroups(device)
+    key = (file, entry, tuple(sorted(constants.items())), checks, subgroups)
     cache = device.owned("kernels", dict)
     k = cache.get(key)
     if k is None:
-        k = Kernel(device, file, entry, constants, checks)
+        k = Kernel(device, file, entry, constants, checks, subgroups)
         with device.lock:
             k = cache.setdefault(key, k)
     return k

@@ -37,8 +37,8 @@ def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: in
         if group > int(device.limits["max-compute-invocations-per-workgroup"]):
             raise ValueError(f"rows of {k} features are too long for one workgroup of this adapter")
         kern = kernel("norm.wgsl", "rmsnorm", device, QUANT=quant, SAVE=rstd is not None, K=k, STRIDE=stride, WG=group)
-    buffers = (x, weight, out, codes or dummy(device, "codes"), meta or dummy(device, "meta"), lora_a or dummy(device),
-               h or dummy(device, "h"), rstd or dummy(device, "rstd"))
+    buffers = {1: x, 2: weight, 3: out, 4: codes or dummy(device, "codes"), 5: meta or dummy(device, "meta"),
+               6 if rows else 9: lora_a or dummy(device), 7: h or dummy(device, "h"), 8: rstd or dummy(device, "rstd")}
     h_stride = h.shape[-1] if h is not None else 0
     grid = (-(-tokens // 64), 1, 1) if rows else (tokens, 1, 1)
     return Launch.build(kern, grid, buffers, (tokens, k, x.shape[-1], stride, stride // 4, rank, h_stride, eps))

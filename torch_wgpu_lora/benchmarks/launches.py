@@ -1,0 +1,144 @@
+"""Per-launch GPU time of the decode-shaped kernels, each launch recorded many times back to back
+in one pass (so each carries the barrier a dependent launch pays): the measurements behind the
+engine's kernel choices.
+
+* ``copy``: a one-workgroup copy, the floor of a dependent launch;
+* ``norm_*``: RMSNorm of one row at each site of a layer (with the LoRA down-projections of the
+  Q/V site, with quantisation, plain; the FFN's wider row), with subgroup and barrier-only
+  reductions;
+* ``gemv_*``: the ternary GEMV of each projection at each lanes-per-row shape (``gemv_lanes``
+  picks one);
+* ``attention_*``: decode attention over a full cache of each length, per key-split count
+  (``decode_splits`` picks one).
+
+``python -m torch_wgpu_lora.benchmarks.launches --out DIR [--checks bounds,full] [--small]``
+writes ``launches.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..engine.kernels import STEP_POS
+from ..engine.kernels.attention import attention_launches, decode_splits
+from ..engine.kernels.bitlinear import MODES, dummy
+from ..engine.kernels.norm import rmsnorm_launch
+from ..runtime import Buffer, Launch, Recorder, get_device, kernel, set_shader_checks, set_subgroups, upload, write
+from ..runtime.kernels import DEFAULT_SHADER_CHECKS
+
+# (hidden, ffn, heads, kv heads, head dim, rank of the Q/V site, cache lengths)
+SHAPES = {"bitnet-2b": (2560, 6912, 20, 5, 128, 16, (144, 512, 2048)),
+          "small": (256, 512, 4, 1, 64, 16, (32, 96))}
+
+
+def per_launch_us(launches: list[Launch], repeats: int = 100) -> float:
+    """GPU µs per repetition of ``launches`` recorded ``repeats`` times in one pass (best of 3)."""
+    device = launches[0].kernel.device
+    warm = Recorder(device)
+    for launch in launches:
+        warm.launch(launch)
+    warm.submit()
+    best = float("inf")
+    for _ in range(3):
+        rec = Recorder(device, timestamps=True)
+        for _ in range(repeats):
+            for launch in launches:
+                rec.launch(launch)
+        seconds = rec.submit()
+        if seconds is None:
+            raise RuntimeError("this adapter has no timestamp queries")
+        best = min(best, seconds / repeats * 1e6)
+    return best
+
+
+def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
+    hidden, ffn, heads, kv_heads, head_dim, rank, lengths = SHAPES[shape]
+    device, rng = get_device(), np.random.default_rng(seed)
+
+    def floats(*dims: int) -> Buffer:
+        return upload(rng.standard_normal(dims).astype(np.float32))
+
+    def words(*dims: int) -> Buffer:
+        return upload(rng.integers(0, 2 ** 32, dims, dtype=np.uint32))
+
+    out: dict[str, float] = {}
+
+    def timed(launches: list[Launch]) -> float:
+        return round(per_launch_us(launches, repeats), 2)
+
+    src, dst = floats(256), Buffer((256,), device=device)
+    out["copy"] = timed([Launch.build(kernel("copy.wgsl", "copy", device), (1, 1, 1), (src, dst), (64,))])
+
+    for name, k, quant, lora in (("norm_qv_lora", hidden, True, rank), ("norm_quant", hidden, True, 0),
+                                 ("norm_plain", hidden, False, 0), ("norm_ffn_quant", ffn, True, 0)):
+        x, g, xn = floats(1, k), floats(k), Buffer((1, k), device=device)
+        codes, meta = (Buffer((1, k // 4), "u32", device), Buffer((2,), device=device)) if quant else (None, None)
+        a, h = (floats(lora, k), Buffer((1, lora), device=device)) if lora else (None, None)
+        for reductions, enabled in (("subgroups", None), ("barriers", False)):
+            set_subgroups(enabled)
+            try:
+                out[f"{name}_{reductions}"] = timed([rmsnorm_launch(x, g, xn, tokens=1, k=k, eps=1e-5, codes=codes,
+                                                                    meta=meta, lora_a=a, h=h, rank=lora, per_row=False)])
+            finally:
+                set_subgroups(None)
+
+    for name, rows, k, mode in (("qkv", hidden + 2 * kv_heads * head_dim, hidden, "store"), ("o", hidden, hidden, "add"),
+                                ("gate_up", 2 * ffn, hidden, "gate_up"), ("down", hidden, ffn, "add")):
+        k_words = k // 16
+        weight, scale = words(rows, k_words), upload(rng.random(rows).astype(np.float32) + 0.5)
+        codes, meta = words(1, k // 4), upload(np.ones(2, np.float32))
+        result = Buffer((1, rows // 2 if mode == "gate_up" else rows), device=device)
+        for lanes in (4, 8, 16, 32):
+            kern = kernel("bitlinear.wgsl", "gemv", device, MODE=MODES[mode], DIVIDE=True, SAVE=False,
+                          ROWS=128 // lanes, LANES=lanes, ROW_VECS=k_words // 4)
+            buffers = {1: codes, 2: meta, 4: scale, 5: result, 6: dummy(device), 7: dummy(device),
+                       8: dummy(device), 9: dummy(device, "aux"), 10: weight}
+            launch = Launch.build(kern, (-(-rows // (128 // lanes)), 1, 1), buffers,
+                                  (1, rows, k_words, result.shape[1], 0, 0, 0, rows))
+            out[f"gemv_{name}_lanes{lanes}"] = timed([launch])
+
+    for n in lengths:
+        q, kc, vc = floats(1, heads * head_dim), floats(1, kv_heads, n, head_dim), floats(1, kv_heads, n, head_dim)
+        attn_out, step = Buffer((1, heads * head_dim), device=device), Buffer((4,), "u32", device)
+        position = np.zeros(4, np.uint32)
+        position[STEP_POS] = n - 1
+        write(step, position)
+        valid = upload(np.array([n], np.uint32))
+        chosen = decode_splits(1, kv_heads, 1, n, device)
+        for splits in sorted({1, 2, 4, chosen}):
+            launches = attention_launches(q, kc, vc, attn_out, step, valid, batch=1, tokens=1, heads=heads,
+                                          kv_heads=kv_heads, head_dim=head_dim, max_len=n, scale=head_dim ** -0.5,
+                                          decode=True, splits=splits)
+            out[f"attention_{n}_splits{splits}" + ("_chosen" if splits == chosen else "")] = timed(launches)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_wgpu_lora.benchmarks.launches",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder for launches.json")
+    parser.add_argument("--checks", default=DEFAULT_SHADER_CHECKS, help="shader-check modes, e.g. bounds,full")
+    parser.add_argument("--small", action="store_true", help="small shapes (for a CPU adapter)")
+    parser.add_argument("--repeats", type=int, default=100)
+    args = parser.parse_args(argv)
+    result: dict[str, Any] = {"adapter": get_device().name, "shape": "small" if args.small else "bitnet-2b"}
+    for checks in args.checks.split(","):
+        set_shader_checks(checks)
+        try:
+            result[checks] = measure(result["shape"], args.repeats)
+        finally:
+            set_shader_checks(None)
+        print(checks, json.dumps(result[checks]), flush=True)
+    folder = Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "launches.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
