@@ -1,10 +1,13 @@
 // Ternary BitLinear projections: int8 activation codes × 2-bit weights, exact integer dots.
-//   acc[n][j] = Σ_k q[n][k] · (t[j][k] + 1)      dot4I8Packed on packed codes (see engine/weights.py)
-//   dot       = acc − Σ_k q[n][k]                 (the row's code sum, from the quantisation kernel)
+//   dot[n][j] = Σ_k q[n][k] · t[j][k]           dot4I8Packed on packed codes (see engine/weights.py):
+//               gemm as Σ q · (t + 1) − Σ q (the codes t + 1 straight from the 2-bit fields, the
+//               row's code sum from the quantisation kernel), gemv on signed bytes (one add and
+//               one xor a word: no code sum, so a GEMV that quantises needs no reduction for it)
 //   v         = dot / (WS[j] · s[n])   (DIVIDE)   or   dot / s[n] · WS[j]
 //   v        += scale_s · Σ_r B_s[j'][r] · h[n][c_s + r]   for a LoRA segment s holding row j (j' its row in B_s)
 // then the epilogue (MODE): 0 store, 1 add into OUT (a residual stream), 2 gate/up pairs
-// (rows 2i, 2i+1): OUT[n][i] = relu(gate)² · up, and with SAVE the raw pair into AUX.
+// (rows 2i, 2i+1): OUT[n][i] = relu(gate)² · up, and with SAVE the raw pair into AUX; 3 (gemv)
+// rope: the fused q/k/v rows rotated and written where attention reads them (below).
 //
 // Two entry points. gemv (a decoded token: a stream of the weights at memory bandwidth): one
 // token per workgroup row of the grid, ROWS weight rows a workgroup, LANES threads a row, each
@@ -19,6 +22,19 @@
 // [N, 2N). LORA holds `segments` headers of 8 words (row_begin, row_end, row_step, h_col,
 // b_offset, rank, scale bits, 0); each segment's B [rows, rank] starts at LB[b_offset] (LB is
 // the engine's flat buffer of every adapter parameter).
+//
+// Decoding fuses into gemv what would be launches of their own (each a dependent launch, a few
+// µs when a token's whole work is a few hundred of them):
+// * NORM: each workgroup makes its token's codes itself, from the float rows X (x_stride apart)
+//   and the norm's weight G: norm.wgsl's RMSNorm and quantisation, the same operations in the same
+//   order, into workgroup memory; the first workgroup of each token also writes them, and the
+//   meta, to XQW and XMW (as norm.wgsl writes XQ and XM: captures and tests read them).
+// * MODE 3 (rope): the grid's rows are the weight rows in an order that puts each rotation's
+//   two partners (features d and d + D/2 of a q or k head) side by side, so one thread holds both:
+//   transformers' rotate_half rule with the COS/SIN tables at the token's position, rotated
+//   queries into OUT, rotated keys and the values into the caches KC, VC [batch, kv_heads, S, D].
+//   Token n is position STEP[0] + n % tokens_per_seq of sequence n / tokens_per_seq (rope.wgsl's
+//   rule).
 
 struct Params {
   tokens: u32,
@@ -29,6 +45,9 @@ struct Params {
   lora_rank: u32,    // floats per row of H
   segments: u32,     // LoRA segments in LORA (0: none)
   aux_stride: u32,   // floats per row of AUX
+  x_stride: u32,     // NORM: floats per row of X
+  cache_len: u32,    // MODE 3: positions per sequence in KC, VC
+  tokens_per_seq: u32,  // MODE 3
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -42,6 +61,15 @@ struct Params {
 @group(0) @binding(8) var<storage, read> LB: array<f32>;
 @group(0) @binding(9) var<storage, read_write> AUX: array<f32>;
 @group(0) @binding(10) var<storage, read> W4: array<vec4<u32>>;
+@group(0) @binding(11) var<storage, read> X: array<f32>;
+@group(0) @binding(12) var<storage, read> G: array<f32>;
+@group(0) @binding(13) var<storage, read_write> XQW: array<u32>;
+@group(0) @binding(14) var<storage, read_write> XMW: array<f32>;
+@group(0) @binding(15) var<storage, read> COS: array<f32>;
+@group(0) @binding(16) var<storage, read> SIN: array<f32>;
+@group(0) @binding(17) var<storage, read> STEP: array<u32>;
+@group(0) @binding(18) var<storage, read_write> KC: array<f32>;
+@group(0) @binding(19) var<storage, read_write> VC: array<f32>;
 
 override MODE: u32 = 0u;
 override DIVIDE: bool = true;
@@ -49,12 +77,23 @@ override SAVE: bool = false;
 override ROWS: u32 = 16u;   // gemv: weight rows per workgroup, 128 / LANES (even: gate/up pairs stay together)
 override LANES: u32 = 8u;   // gemv: threads per row (gemv_lanes picks them per projection)
 override ROW_VECS: u32 = 4u;  // gemv: vec4 words per weight row (k_words / 4)
-override GEMV_WG: u32 = ROWS * LANES;
+override WG: u32 = ROWS * LANES;  // gemv's invocations (a multiple of 32)
+override NORM: bool = false;  // gemv: normalise and quantise the input first
+override K: u32 = 64u;        // NORM: the row's features (at most 4 · NORM_WORDS · WG)
+override EPS: f32 = 1e-5;     // NORM
+override HEADS: u32 = 1u;     // MODE 3: query heads, key/value heads, their width
+override KV_HEADS: u32 = 1u;
+override HEAD_DIM: u32 = 2u;
 
 const M2: u32 = 0x03030303u;
 
 fn spread(w: u32) -> vec4<u32> {
   return vec4<u32>(w, w >> 2u, w >> 4u, w >> 6u) & vec4<u32>(M2);
+}
+
+// spread's bytes 0, 1, 2 as signed −1, 0, 1: + 0x7F never carries out of a byte, ^ 0x80 recentres.
+fn spread_signed(w: u32) -> vec4<u32> {
+  return (spread(w) + vec4<u32>(0x7F7F7F7Fu)) ^ vec4<u32>(0x80808080u);
 }
 
 fn dot16(a: vec4<u32>, d: vec4<u32>) -> i32 {
@@ -63,16 +102,123 @@ fn dot16(a: vec4<u32>, d: vec4<u32>) -> i32 {
 
 // @include _projection_epilogue.wgsl
 
-// The projection's value for token n, row j, from the raw integer accumulator.
-fn value(n: u32, j: u32, acc: i32) -> f32 {
-  let dot = f32(acc - bitcast<i32>(XM[p.tokens + n]));
-  var v: f32;
-  if (DIVIDE) { v = dot / (WS[j] * XM[n]); } else { v = dot / XM[n] * WS[j]; }
+// A row's float value from the exact integer dot, the token's scale s and the row's scale ws.
+fn scaled(exact: i32, s: f32, ws: f32) -> f32 {
+  if (DIVIDE) { return f32(exact) / (ws * s); }
+  return f32(exact) / s * ws;
+}
+
+// The projection's value for token n, row j (gemm).
+fn value(n: u32, j: u32, exact: i32, s: f32) -> f32 {
+  var v = scaled(exact, s, WS[j]);
   if (p.segments > 0u) { v += lora(n, j); }
   return v;
 }
 
-var<workgroup> partial: array<i32, GEMV_WG>;
+// @include _reductions.wgsl
+
+var<workgroup> partial: array<i32, WG>;
+var<workgroup> xq: array<vec4<u32>, ROW_VECS * 4u>;  // NORM: the token's codes
+
+const NORM_WORDS: u32 = 8u;  // NORM: 4-feature words an invocation holds
+
+// NORM: token n's codes into xq (and XQW, XMW from the token's first workgroup), as rmsnorm in
+// norm.wgsl makes them; returns s. The norm's weights are loaded with the row, so the prologue
+// waits on memory once.
+fn normalise(t: u32, n: u32, first: bool) -> f32 {
+  let row = n * p.x_stride;
+  let row_words = ROW_VECS * 16u;  // 4-feature words of the padded row
+  let words = (row_words + WG - 1u) / WG;
+  var y: array<vec4<f32>, NORM_WORDS>;
+  var g: array<vec4<f32>, NORM_WORDS>;
+  var ss = 0.0;
+  for (var i = 0u; i < words; i++) {
+    let k = 4u * (t + WG * i);
+    var v = vec4<f32>(0.0);
+    var gk = vec4<f32>(0.0);
+    for (var l = 0u; l < 4u; l++) {
+      if (k + l < K) {
+        v[l] = X[row + k + l];
+        gk[l] = G[k + l];
+      }
+    }
+    y[i] = v;
+    g[i] = gk;
+    ss += dot(v, v);
+  }
+  let r = inverseSqrt(sum_all(t, ss) / f32(K) + EPS);
+  var m = 0.0;
+  for (var i = 0u; i < words; i++) {
+    let v = g[i] * (y[i] * r);
+    y[i] = v;
+    let a = abs(v);
+    m = max(m, max(max(a.x, a.y), max(a.z, a.w)));
+  }
+  let s = 127.0 / max(max_all(t, m), 1e-5);
+  var total = 0i;
+  for (var i = 0u; i < words; i++) {
+    let w = t + WG * i;
+    if (w < row_words) {
+      let q = vec4<i32>(clamp(round(y[i] * s), vec4<f32>(-128.0), vec4<f32>(127.0)));
+      let packed = pack4xI8(q);
+      xq[w / 4u][w % 4u] = packed;
+      if (first) { XQW[n * row_words + w] = packed; }
+      total += q.x + q.y + q.z + q.w;
+    }
+  }
+  if (first) {  // the meta as norm.wgsl writes it (workgroup-uniform: the reduction's barriers are allowed)
+    let sum = sum_all_i(t, total);
+    if (t == 0u) {
+      XMW[n] = s;
+      XMW[p.tokens + n] = bitcast<f32>(sum);
+    }
+  }
+  workgroupBarrier();  // xq complete
+  return s;
+}
+
+fn codes(n: u32, c: u32) -> vec4<u32> {  // the token's 16 codes at vec4 word c
+  if (NORM) { return xq[c]; }
+  return XQ[n * p.k_words + c];
+}
+
+// MODE 3: the grid's row g → its weight row; rotation partners d, d + D/2 of a head at g, g + 1.
+fn qkv_row(g: u32) -> u32 {
+  if (MODE != 3u || g >= (HEADS + KV_HEADS) * HEAD_DIM) { return g; }
+  let half = HEAD_DIM / 2u;
+  let pair = g / 2u;
+  return (pair / half) * HEAD_DIM + (g % 2u) * half + pair % half;
+}
+
+// MODE 3: the grid's rows g, g + 1 (g even) of token n, with values a, b.
+fn put_rotated(n: u32, g: u32, a: f32, b: f32) {
+  let seq = n / p.tokens_per_seq;
+  let pos = STEP[0] + n % p.tokens_per_seq;
+  let half = HEAD_DIM / 2u;
+  let rotated = (HEADS + KV_HEADS) * HEAD_DIM;
+  if (g < rotated) {
+    let head = g / HEAD_DIM;
+    let d = (g / 2u) % half;
+    let c = COS[pos * half + d];
+    let sn = SIN[pos * half + d];
+    let r1 = a * c + (-b) * sn;
+    let r2 = b * c + a * sn;
+    if (head < HEADS) {
+      let o = n * p.out_stride + p.out_offset + head * HEAD_DIM + d;
+      OUT[o] = r1;
+      OUT[o + half] = r2;
+    } else {
+      let o = ((seq * KV_HEADS + head - HEADS) * p.cache_len + pos) * HEAD_DIM + d;
+      KC[o] = r1;
+      KC[o + half] = r2;
+    }
+  } else {  // values, in order: features i, i + 1 of one head (HEAD_DIM is even)
+    let i = g - rotated;
+    let o = ((seq * KV_HEADS + i / HEAD_DIM) * p.cache_len + pos) * HEAD_DIM + i % HEAD_DIM;
+    VC[o] = a;
+    VC[o + 1u] = b;
+  }
+}
 
 fn lanes_sum(first: u32) -> i32 {
   var s = 0i;
@@ -80,33 +226,43 @@ fn lanes_sum(first: u32) -> i32 {
   return s;
 }
 
-@compute @workgroup_size(GEMV_WG)
-fn gemv(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+@compute @workgroup_size(WG)
+fn gemv(inv: Invocation) {
+  enter(inv);
+  let t = inv.t;
   let lane = t % LANES;
   let r = t / LANES;
-  let n = wg.y;
-  let j = wg.x * ROWS + r;
-  let row = min(j, p.rows - 1u) * ROW_VECS;  // rows past the edge repeat the last one; not stored
-  let x = n * p.k_words;
+  let n = inv.wg.y;
+  var s: f32;
+  if (NORM) { s = normalise(t, n, inv.wg.x == 0u); } else { s = XM[n]; }
+  let g = inv.wg.x * ROWS + r;  // the grid's row (MODE 3 reorders the weight rows)
+  let j = qkv_row(min(g, p.rows - 1u));  // rows past the edge repeat the last one; not stored
+  // The epilogue's other inputs (row scales, LoRA terms of this row and, for pairs, the next),
+  // loaded before the weights so that their latency hides behind the stream's.
+  let j2 = qkv_row(min(g + 1u, p.rows - 1u));
+  let ws = vec2<f32>(WS[j], WS[j2]);
+  var extra = vec2<f32>(0.0);
+  if (p.segments > 0u && lane == 0u) { extra = vec2<f32>(lora(n, j), select(0.0, lora(n, j2), MODE >= 2u)); }
+  let row = j * ROW_VECS;
   var acc = 0i;
   for (var i = 0u; i < (ROW_VECS + LANES - 1u) / LANES; i++) {
     let u = lane + LANES * i;
     if (u < ROW_VECS) {
       let w = W4[row + u];
-      let c = x + 4u * u;
-      acc += dot16(XQ[c], spread(w.x)) + dot16(XQ[c + 1u], spread(w.y)) + dot16(XQ[c + 2u], spread(w.z))
-           + dot16(XQ[c + 3u], spread(w.w));
+      let c = 4u * u;
+      acc += dot16(codes(n, c), spread_signed(w.x)) + dot16(codes(n, c + 1u), spread_signed(w.y))
+           + dot16(codes(n, c + 2u), spread_signed(w.z)) + dot16(codes(n, c + 3u), spread_signed(w.w));
     }
   }
   partial[t] = acc;
   workgroupBarrier();
-  if (lane != 0u || j >= p.rows) { return; }
-  if (MODE == 2u) {
-    if (r % 2u == 0u) {
-      put_pair(n, j / 2u, value(n, j, lanes_sum(t)), value(n, j + 1u, lanes_sum(t + LANES)));
-    }
-  } else {
-    put(n, j, value(n, j, lanes_sum(t)));
+  if (lane != 0u || g >= p.rows) { return; }
+  let a = scaled(lanes_sum(t), s, ws.x) + extra.x;
+  if (MODE < 2u) {
+    put(n, j, a);
+  } else if (r % 2u == 0u) {  // pairs of rows, held by the even row's thread
+    let b = scaled(lanes_sum(t + LANES), s, ws.y) + extra.y;
+    if (MODE == 2u) { put_pair(n, j / 2u, a, b); } else { put_rotated(n, g, a, b); }
   }
 }
 
@@ -154,12 +310,16 @@ fn gemm(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
 // Four consecutive rows j.. of token n (two gate/up pairs in MODE 2).
 fn store4(n: u32, j: u32, acc: vec4<i32>) {
   if (n >= p.tokens) { return; }
+  let s = XM[n];
+  let code_sum = bitcast<i32>(XM[p.tokens + n]);
   if (MODE == 2u) {
-    if (j + 1u < p.rows) { put_pair(n, j / 2u, value(n, j, acc.x), value(n, j + 1u, acc.y)); }
-    if (j + 3u < p.rows) { put_pair(n, j / 2u + 1u, value(n, j + 2u, acc.z), value(n, j + 3u, acc.w)); }
+    if (j + 1u < p.rows) { put_pair(n, j / 2u, value(n, j, acc.x - code_sum, s), value(n, j + 1u, acc.y - code_sum, s)); }
+    if (j + 3u < p.rows) {
+      put_pair(n, j / 2u + 1u, value(n, j + 2u, acc.z - code_sum, s), value(n, j + 3u, acc.w - code_sum, s));
+    }
     return;
   }
   for (var r = 0u; r < 4u; r++) {
-    if (j + r < p.rows) { put(n, j + r, value(n, j + r, acc[r])); }
+    if (j + r < p.rows) { put(n, j + r, value(n, j + r, acc[r] - code_sum, s)); }
   }
 }

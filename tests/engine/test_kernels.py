@@ -20,7 +20,7 @@ from torch_wgpu_lora.engine.kernels.bitlinear import bitlinear_launch, bitlinear
 from torch_wgpu_lora.engine.kernels.embedding import embedding_launches, embedding_reference
 from torch_wgpu_lora.engine.kernels.matmul import matmul_launch, matmul_reference
 from torch_wgpu_lora.engine.kernels.norm import quantise_reference, rmsnorm_launch, rmsnorm_reference
-from torch_wgpu_lora.engine.kernels.rope import rope_launch, rope_reference
+from torch_wgpu_lora.engine.kernels.rope import RopeTarget, rope_launch, rope_reference
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary, unpack_hf, unpack_ternary
 from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, upload, write
 
@@ -175,6 +175,131 @@ def test_bitlinear_lora_segments_on_a_fused_qkv(gemv):
     close(got, ref, 1e-5, "qkv with LoRA")
 
 
+# -- decoding's fused GEMV: its own RMSNorm and quantisation, the RoPE epilogue ------------------
+
+def _norm_module(k: int, g: torch.Generator):
+    from transformers.models.bitnet.modeling_bitnet import BitNetRMSNorm
+
+    norm = BitNetRMSNorm(k, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(k, generator=g) + 0.5)
+    return norm
+
+
+def _assert_codes_round(codes: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> None:
+    """The kernel's codes are transformers' y rounded at the kernel's own scale, except at ties: our
+    sum of squares runs in another order, so y may differ from torch's by a few ulps (≤ 1e-6
+    relative), which moves y·s (|y·s| ≤ 127) by at most 2e-4, and a code may round the other
+    way only where y·s is that close to a half."""
+    v = y.double() * scale.double()[:, None]
+    exact = v.round().clamp(-128, 127)
+    flips = codes != exact
+    near_half = ((v - v.floor()) - 0.5).abs() < 2e-4
+    assert not (flips & ~near_half).any(), f"{int((flips & ~near_half).sum())} codes differ away from a tie"
+    assert (codes - exact).abs().max() <= 1
+
+
+@pytest.mark.parametrize("mode", ["store", "add"])
+@pytest.mark.parametrize("tokens,k,rows", [(1, 64, 8), (3, 100, 37), (2, 2560, 130), (1, 4096, 24)])
+def test_gemv_normalises_and_quantises_its_own_input(tokens, k, rows, mode, reductions):
+    g = torch.Generator().manual_seed(tokens + k + rows)
+    x = torch.randn(tokens, k + 5, generator=g) * 3  # rows of k + 5: only the first k are features
+    norm = _norm_module(k, g)
+    values = torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8)
+    row_scales = torch.rand(rows, generator=g) + 0.5
+    residual = torch.randn(tokens, rows, generator=g)
+    out = upload(residual.numpy()) if mode == "add" else poisoned((tokens, rows))
+    codes, meta = poisoned((tokens, pad(k, 64) // 4), "u32"), poisoned((2 * tokens,))
+    launch = bitlinear_launch(codes, meta, _projection(values, row_scales, True), out, tokens=tokens, out_stride=rows,
+                              mode=mode, gemv=True,
+                              norm=(upload(x.numpy()), upload(norm.weight.detach().numpy()), 1e-5))
+    got, got_codes, got_meta = run([launch], out, codes, meta)
+    with torch.no_grad():
+        y = norm(x[:, :k])  # transformers' own module
+    ours = torch.from_numpy(got_codes.numpy().view(np.int8).reshape(tokens, -1).astype(np.int64))
+    assert not ours[:, k:].any()  # the padding's codes are zero
+    ours, scale = ours[:, :k], got_meta[:tokens]
+    close(scale, quantise_reference(y)[1], 1e-6, "scales")  # 127 / max|y|: the few ulps above
+    _assert_codes_round(ours, y, scale)
+    assert np.array_equal(got_meta[tokens:].numpy().view(np.int32), ours.sum(1).numpy())
+    ref = bitlinear_reference(ours, scale, values, row_scales, True)
+    if mode == "add":
+        ref += residual.double()
+    close(got, ref, INT_RTOL, "projection of its own codes")
+
+
+@pytest.mark.parametrize("normalise", [False, True], ids=["codes", "norm"])
+def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
+    # two sequences of two tokens at positions 3, 4: q, k rotated by transformers' rule, k and v
+    # into the caches, with Q/V adapters on the fused rows (as a decoding q/k/v projection)
+    from transformers import BitNetConfig
+    from transformers.models.bitnet.modeling_bitnet import BitNetRotaryEmbedding, apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(8)
+    batch, T, heads, kv_heads, d, cache_len, pos, k = 2, 2, 4, 2, 16, 12, 3, 128
+    q_size, kv_size = heads * d, kv_heads * d
+    rows = q_size + 2 * kv_size
+    config = BitNetConfig(hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          max_position_embeddings=cache_len)
+    cos, sin = BitNetRotaryEmbedding(config)(torch.zeros(1), torch.arange(cache_len)[None])
+    values = torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8)
+    row_scales = torch.rand(rows, generator=g) + 0.5
+    h = torch.randn(batch * T, 6, generator=g)
+    Bq, Bv = torch.randn(q_size, 4, generator=g), torch.randn(kv_size, 2, generator=g)
+    lb = np.concatenate([Bv.numpy().ravel(), Bq.numpy().ravel()])
+    table = lora_table([(0, q_size, 1, 0, 1.5, Bv.numel(), 4), (q_size + kv_size, rows, 1, 4, 0.25, 0, 2)])
+    step = upload(np.array([pos, 0, 0, 0], np.uint32))
+    k_cache, v_cache = (upload(np.zeros((batch, kv_heads, cache_len, d), np.float32)) for _ in range(2))
+    target = RopeTarget(upload(cos[0, :, : d // 2].contiguous().numpy()),
+                        upload(sin[0, :, : d // 2].contiguous().numpy()), step, k_cache, v_cache, heads, kv_heads, d, T)
+    q_rot = poisoned((batch * T, q_size))
+    options = dict(tokens=batch * T, out_stride=q_size, mode="rope", rope=target, gemv=True, h=upload(h.numpy()),
+                   lora_rank=6, lora=upload(table), lora_b=upload(lb), segments=2)
+    if normalise:
+        x = torch.randn(batch * T, k, generator=g)
+        norm = _norm_module(k, g)
+        xq, xm = poisoned((batch * T, k // 4), "u32"), poisoned((2 * batch * T,))
+        launch = bitlinear_launch(xq, xm, _projection(values, row_scales, True), q_rot,
+                                  norm=(upload(x.numpy()), upload(norm.weight.detach().numpy()), 1e-5), **options)
+        got_q, got_k, got_v, got_codes, got_meta = run([launch], q_rot, k_cache, v_cache, xq, xm)
+        codes = torch.from_numpy(got_codes.numpy().view(np.int8).reshape(batch * T, -1).astype(np.int64))
+        scales = got_meta[:batch * T]
+        with torch.no_grad():
+            _assert_codes_round(codes, norm(x), scales)
+    else:
+        codes, scales, xq, xm = _codes(batch * T, k, g)
+        launch = bitlinear_launch(xq, xm, _projection(values, row_scales, True), q_rot, **options)
+        got_q, got_k, got_v = run([launch], q_rot, k_cache, v_cache)
+    raw = bitlinear_reference(codes, scales, values, row_scales, True)
+    raw[:, :q_size] += 1.5 * h[:, :4].double() @ Bq.double().T
+    raw[:, q_size + kv_size:] += 0.25 * h[:, 4:].double() @ Bv.double().T
+    q = raw[:, :q_size].reshape(batch, T, heads, d).transpose(1, 2)
+    k_ = raw[:, q_size:q_size + kv_size].reshape(batch, T, kv_heads, d).transpose(1, 2)
+    v = raw[:, q_size + kv_size:].reshape(batch, T, kv_heads, d).transpose(1, 2)
+    positions = slice(pos, pos + T)
+    q_ref, k_ref = apply_rotary_pos_emb(q, k_, cos[:, positions].double(), sin[:, positions].double())
+    close(got_q.reshape(batch, T, heads, d).transpose(1, 2), q_ref, 1e-5, "q")
+    close(got_k[:, :, positions], k_ref, 1e-5, "k")
+    close(got_v[:, :, positions], v, 1e-5, "v")
+    assert not got_k[:, :, :pos].any() and not got_k[:, :, pos + T:].any()  # nothing outside its positions
+    assert not got_v[:, :, :pos].any() and not got_v[:, :, pos + T:].any()
+
+
+def test_gemv_fusions_refuse_what_they_cannot_do():
+    g = torch.Generator().manual_seed(9)
+    codes, scales, xq, xm = _codes(2, 64, g)
+    proj = _projection(torch.randint(-1, 2, (8, 64), generator=g, dtype=torch.int8), torch.ones(8), True)
+    out, x, w = poisoned((2, 8)), poisoned((2, 64)), poisoned((64,))
+    with pytest.raises(ValueError, match="gemv's fusions"):
+        bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, gemv=False, norm=(x, w, 1e-5))
+    with pytest.raises(ValueError, match="mode 'rope' and a RopeTarget go together"):
+        bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, mode="rope")
+    big = _projection(torch.zeros(4, 4160, dtype=torch.int8), torch.ones(4), True)
+    with pytest.raises(ValueError, match="up to 4096 features, not 4160"):
+        bitlinear_launch(poisoned((1, 4160 // 4), "u32"), xm, big, out, tokens=1, out_stride=8,
+                         norm=(poisoned((1, 4160)), poisoned((4160,)), 1e-5))
+
+
 # -- float matmul -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("gemv", [True, False])
@@ -295,10 +420,9 @@ def test_rope_matches_transformers_and_fills_the_caches():
     step = upload(np.array([pos, 0, 0, 0], np.uint32))
     q_rot = poisoned((batch * T, q_size))
     k_cache, v_cache = (upload(np.zeros((batch, kv_heads, cache_len, d), np.float32)) for _ in range(2))
-    launch = rope_launch(upload(qkv.numpy()), upload(cos[0, :, : d // 2].contiguous().numpy()),
-                         upload(sin[0, :, : d // 2].contiguous().numpy()),
-                         step, q_rot, k_cache, v_cache, tokens=batch * T, tokens_per_seq=T, heads=heads,
-                         kv_heads=kv_heads, head_dim=d, cache_len=cache_len)
+    target = RopeTarget(upload(cos[0, :, : d // 2].contiguous().numpy()),
+                        upload(sin[0, :, : d // 2].contiguous().numpy()), step, k_cache, v_cache, heads, kv_heads, d, T)
+    launch = rope_launch(upload(qkv.numpy()), q_rot, target, tokens=batch * T)
     got_q, got_k, got_v = run([launch], q_rot, k_cache, v_cache)
     q = qkv[:, :q_size].reshape(batch, T, heads, d).transpose(1, 2)
     k = qkv[:, q_size:q_size + kv_size].reshape(batch, T, kv_heads, d).transpose(1, 2)

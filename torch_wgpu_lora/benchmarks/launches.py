@@ -7,7 +7,8 @@ engine's kernel choices.
   Q/V site, with quantisation, plain; the FFN's wider row), with subgroup and barrier-only
   reductions;
 * ``gemv_*``: the ternary GEMV of each projection at each lanes-per-row shape (``gemv_lanes``
-  picks one);
+  picks one), and with decoding's fusions (``_norm``: normalising its own input; ``qkv_rope``:
+  rotating into the cache), against ``rope``, the launch the epilogue replaces;
 * ``attention_*``: decode attention over a full cache of each length, per key-split count
   (``decode_splits`` picks one).
 
@@ -26,8 +27,10 @@ import numpy as np
 
 from ..engine.kernels import STEP_POS
 from ..engine.kernels.attention import attention_launches, decode_splits
-from ..engine.kernels.bitlinear import MODES, dummy
+from ..engine.kernels.bitlinear import bitlinear_launch, gemv_normalises
 from ..engine.kernels.norm import rmsnorm_launch
+from ..engine.kernels.rope import RopeTarget, rope_launch
+from ..engine.weights import Projection
 from ..runtime import Buffer, Launch, Recorder, get_device, kernel, set_shader_checks, set_subgroups, upload, write
 from ..runtime.kernels import DEFAULT_SHADER_CHECKS
 
@@ -89,18 +92,30 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
 
     for name, rows, k, mode in (("qkv", hidden + 2 * kv_heads * head_dim, hidden, "store"), ("o", hidden, hidden, "add"),
                                 ("gate_up", 2 * ffn, hidden, "gate_up"), ("down", hidden, ffn, "add")):
-        k_words = k // 16
-        weight, scale = words(rows, k_words), upload(rng.random(rows).astype(np.float32) + 0.5)
+        proj = Projection(words(rows, k // 16), upload(rng.random(rows).astype(np.float32) + 0.5), rows, k)
         codes, meta = words(1, k // 4), upload(np.ones(2, np.float32))
         result = Buffer((1, rows // 2 if mode == "gate_up" else rows), device=device)
         for lanes in (4, 8, 16, 32):
-            kern = kernel("bitlinear.wgsl", "gemv", device, MODE=MODES[mode], DIVIDE=True, SAVE=False,
-                          ROWS=128 // lanes, LANES=lanes, ROW_VECS=k_words // 4)
-            buffers = {1: codes, 2: meta, 4: scale, 5: result, 6: dummy(device), 7: dummy(device),
-                       8: dummy(device), 9: dummy(device, "aux"), 10: weight}
-            launch = Launch.build(kern, (-(-rows // (128 // lanes)), 1, 1), buffers,
-                                  (1, rows, k_words, result.shape[1], 0, 0, 0, rows))
-            out[f"gemv_{name}_lanes{lanes}"] = timed([launch])
+            out[f"gemv_{name}_lanes{lanes}"] = timed([bitlinear_launch(codes, meta, proj, result, tokens=1,
+                                                                       out_stride=result.shape[1], mode=mode,
+                                                                       gemv=True, lanes=lanes)])
+        # decoding's fusions at the chosen lanes: the GEMV normalising its own input; q/k/v rotating
+        x, g = floats(1, k), upload(rng.random(k).astype(np.float32) + 0.5)
+        for lanes in (4, 8, 16, 32) if gemv_normalises(k) else ():
+            out[f"gemv_{name}_norm_lanes{lanes}"] = timed([bitlinear_launch(
+                codes, meta, proj, result, tokens=1, out_stride=result.shape[1], mode=mode, gemv=True, lanes=lanes,
+                norm=(x, g, 1e-5))])
+        if name == "qkv":
+            cache = lengths[0]
+            step = upload(np.array([cache - 1, 0, 0, 0], np.uint32))
+            target = RopeTarget(floats(cache, head_dim // 2), floats(cache, head_dim // 2), step,
+                                floats(1, kv_heads, cache, head_dim), floats(1, kv_heads, cache, head_dim), heads,
+                                kv_heads, head_dim)
+            q = Buffer((1, heads * head_dim), device=device)
+            for norm in (None, (x, g, 1e-5)):
+                out["gemv_qkv_rope" + ("_norm" if norm else "")] = timed([bitlinear_launch(
+                    codes, meta, proj, q, tokens=1, out_stride=q.shape[1], mode="rope", rope=target, norm=norm)])
+            out["rope"] = timed([rope_launch(result, q, target, tokens=1)])
 
     for n in lengths:
         q, kc, vc = floats(1, heads * head_dim), floats(1, kv_heads, n, head_dim), floats(1, kv_heads, n, head_dim)

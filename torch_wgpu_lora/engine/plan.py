@@ -27,6 +27,12 @@ norms compute every h = A·x of their site, the projections add s·B·h in their
 
 then the final norm and the LM head (over vocabulary chunks) for the positions asked for.
 
+Decoding a ternary model (``decode``, a few tokens: the GEMV path) fuses launches, since a
+token is a chain of a few hundred dependent launches of a few µs each: the q/k/v GEMV rotates
+its output and writes the caches itself (no rope launch), and a GEMV whose site has no adapter
+normalises and quantises its own input (no norm launch; a site with adapters keeps its norm,
+which computes h). BitNet-2B with Q/V adapters: 7 launches a layer rather than 11.
+
 >>> # cache = KVCache(weights.config, batch=1, length=64); plan = ForwardPlan(weights, adapters, cache, tokens=16)
 >>> # rec = Recorder(); plan.record(rec); rec.submit()
 """
@@ -41,11 +47,11 @@ from .adapters import EngineAdapters, Site
 from .config import EngineConfig, pad
 from .kernels import STEP_POS, STEP_TOKEN_COUNT
 from .kernels.attention import attention_launches
-from .kernels.bitlinear import bitlinear_launch
+from .kernels.bitlinear import GEMV_MAX_TOKENS, bitlinear_launch, gemv_normalises
 from .kernels.embedding import embedding_launches
 from .kernels.matmul import matmul_launch
 from .kernels.norm import rmsnorm_launch
-from .kernels.rope import rope_launch
+from .kernels.rope import RopeTarget, rope_launch
 from .weights import EngineWeights, Projection
 
 LOGITS = ("all", "last", "none")
@@ -94,12 +100,15 @@ class ForwardPlan:
 
     ``logits``: ``"all"`` positions ([batch·tokens, vocab]), ``"last"`` (the last position of
     the single sequence, [1, vocab]: generation), or ``"none"``. ``decode`` splits attention
-    over the keys (few query tokens against a long cache). ``ids`` is a u32 [batch·tokens]
-    buffer the caller writes, or another plan's (a sampler's next-token buffer).
+    over the keys (few query tokens against a long cache) and, with ``fuse``, makes the fused
+    launches of the module's docstring (default: on GPUs; a CPU adapter runs each workgroup's
+    re-reading of the row serially, which costs it more than the launches saved). ``ids`` is a
+    u32 [batch·tokens] buffer the caller writes, or another plan's (a sampler's next-token buffer).
     """
 
     def __init__(self, weights: EngineWeights, adapters: EngineAdapters, cache: KVCache, tokens: int,
-                 logits: str = "all", decode: bool = False, ids: Buffer | None = None) -> None:
+                 logits: str = "all", decode: bool = False, ids: Buffer | None = None,
+                 fuse: bool | None = None) -> None:
         if logits not in LOGITS:
             raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
         if logits == "last" and cache.batch != 1:
@@ -126,9 +135,9 @@ class ForwardPlan:
         self.ffn_codes = a.alloc((n, F // 4), "u32") if quant else None
         self.logits_mode = logits
         self.logits = self._logits_buffers(a, n, logits)
-        # (index of a quantising norm launch, layer, site, its codes, its meta) for ``record(capture=...)``
+        # (index of a quantising launch, layer, site, its codes, its meta) for ``record(capture=...)``
         self.quant_points: list[tuple[int, int, str, Buffer, Buffer]] = []
-        self.launches = self._build(decode)
+        self.launches = self._build(decode, not device.is_cpu if fuse is None else fuse)
 
     def _logits_buffers(self, a: "_Buffers", n: int, mode: str) -> list[tuple[int, Buffer]]:
         """(first row, buffer) chunks of the logits, each within one storage binding."""
@@ -149,47 +158,52 @@ class ForwardPlan:
                               rank=site.rank if lora else 0, device=self.device)
 
     def _project(self, proj: Projection, x: Buffer, codes: Buffer | None, out: Buffer, out_stride: int, mode: str,
-                 site: Site) -> Launch:
+                 site: Site, norm: tuple[Buffer, Buffer, float] | None = None, rope: RopeTarget | None = None) -> Launch:
         lora = (dict(h=self.h, lora_rank=self.h.shape[1], lora=site.table, lora_b=self.adapters.params,
                      segments=site.segments) if site.rank else {})
         if self.config.quantised:
             return bitlinear_launch(codes, self.meta, proj, out, tokens=self.rows, out_stride=out_stride, mode=mode,
-                                    device=self.device, **lora)
+                                    norm=norm, rope=rope, device=self.device, **lora)
         return matmul_launch(x, proj, out, tokens=self.rows, out_stride=out_stride, mode=mode,
                              bf16=self.weights.bf16, device=self.device, **lora)
 
-    def _build(self, decode: bool) -> list[Launch]:
+    def _build(self, decode: bool, fuse: bool) -> list[Launch]:
         c, w, cache = self.config, self.weights, self.cache
         launches = embedding_launches(self.ids, w.embedding, w.embedding_rows, self.residual, tokens=self.rows,
                                       k=c.hidden, bf16=w.bf16, device=self.device)
+        fused = fuse and decode and c.quantised and self.rows <= GEMV_MAX_TOKENS  # see the module's docstring
         for index, layer in enumerate(w.layers):
             sites = self.adapters.sites[index]
 
-            def norm(x: Buffer, weight: Buffer, site: str, out: Buffer, codes: Buffer | None, k: int) -> None:
-                if codes is not None:
-                    self.quant_points.append((len(launches), index, site, codes, self.meta))
-                launches.append(self._norm(x, weight, sites[site], out, codes, k))
+            def site(x: Buffer, weight: Buffer, name: str, xn: Buffer, codes: Buffer | None, k: int, proj: Projection,
+                     out: Buffer, mode: str, rope: RopeTarget | None = None) -> None:
+                """A projection and the norm of its input: one launch where the GEMV normalises, else two."""
+                norm = fused and not sites[name].rank and gemv_normalises(k)
+                if codes is not None:  # the next launch quantises: the norm, or the GEMV that normalises
+                    self.quant_points.append((len(launches), index, name, codes, self.meta))
+                if not norm:
+                    launches.append(self._norm(x, weight, sites[name], xn, codes, k))
+                launches.append(self._project(proj, xn, codes, out, out.shape[1], mode, sites[name],
+                                              norm=(x, weight, c.rms_eps) if norm else None, rope=rope))
 
-            norm(self.residual, layer.input_norm, "attn", self.xn, self.codes, c.hidden)
-            launches.append(self._project(layer.qkv, self.xn, self.codes, self.qkv, self.qkv.shape[1], "store",
-                                          sites["attn"]))
-            launches.append(rope_launch(self.qkv, w.rope_cos, w.rope_sin, cache.step, self.q, cache.keys[index],
-                                        cache.values[index], tokens=self.rows, tokens_per_seq=self.tokens,
-                                        heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                                        cache_len=cache.length, device=self.device))
+            target = RopeTarget(w.rope_cos, w.rope_sin, cache.step, cache.keys[index], cache.values[index], c.heads,
+                                c.kv_heads, c.head_dim, self.tokens)
+            if fused:
+                site(self.residual, layer.input_norm, "attn", self.xn, self.codes, c.hidden, layer.qkv, self.q, "rope",
+                     target)
+            else:
+                site(self.residual, layer.input_norm, "attn", self.xn, self.codes, c.hidden, layer.qkv, self.qkv,
+                     "store")
+                launches.append(rope_launch(self.qkv, self.q, target, tokens=self.rows, device=self.device))
             launches += attention_launches(self.q, cache.keys[index], cache.values[index], self.attn, cache.step,
                                            cache.lengths, batch=self.batch, tokens=self.tokens, heads=c.heads,
                                            kv_heads=c.kv_heads, head_dim=c.head_dim, max_len=cache.length,
                                            scale=c.head_dim ** -0.5, decode=decode, device=self.device)
-            norm(self.attn, layer.attn_sub_norm, "o", self.xn, self.codes, c.q_size)
-            launches.append(self._project(layer.o, self.xn, self.codes, self.residual, self.residual.shape[1], "add",
-                                          sites["o"]))
-            norm(self.residual, layer.post_norm, "mlp", self.xn, self.codes, c.hidden)
-            launches.append(self._project(layer.gate_up, self.xn, self.codes, self.ffn, self.ffn.shape[1], "gate_up",
-                                          sites["mlp"]))
-            norm(self.ffn, layer.ffn_sub_norm, "down", self.ffn_xn, self.ffn_codes, c.intermediate)
-            launches.append(self._project(layer.down, self.ffn_xn, self.ffn_codes, self.residual,
-                                          self.residual.shape[1], "add", sites["down"]))
+            site(self.attn, layer.attn_sub_norm, "o", self.xn, self.codes, c.q_size, layer.o, self.residual, "add")
+            site(self.residual, layer.post_norm, "mlp", self.xn, self.codes, c.hidden, layer.gate_up, self.ffn,
+                 "gate_up")
+            site(self.ffn, layer.ffn_sub_norm, "down", self.ffn_xn, self.ffn_codes, c.intermediate, layer.down,
+                 self.residual, "add")
         if self.logits_mode == "none":
             return launches
         if self.logits_mode == "last":  # the single sequence's last position only

@@ -43,7 +43,7 @@ from .kernels.ffn import relu2_backward_launch
 from .kernels.lora_grad import da_launch, db_launch, dh_launch
 from .kernels.matmul import matmul_launch, matmul_t_launch
 from .kernels.norm import rmsnorm_backward_launch, rmsnorm_launch
-from .kernels.rope import rope_backward_launch, rope_launch
+from .kernels.rope import RopeTarget, rope_backward_launch, rope_launch
 from .weights import EngineWeights, Projection
 
 
@@ -188,9 +188,8 @@ class TrainPlan:
                 self._norm(self.residual, layer.input_norm, sites["attn"], s["attn"], self.codes, c.hidden,
                            (index, "attn")),
                 self._project(layer.qkv, s["attn"], self.codes, self.qkv, "store", sites["attn"]),
-                rope_launch(self.qkv, w.rope_cos, w.rope_sin, self.step, s["q"], s["k"], s["v"], tokens=self.rows,
-                            tokens_per_seq=self.tokens, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                            cache_len=self.tokens, device=d),
+                rope_launch(self.qkv, s["q"], RopeTarget(w.rope_cos, w.rope_sin, self.step, s["k"], s["v"], c.heads,
+                                                         c.kv_heads, c.head_dim, self.tokens), tokens=self.rows, device=d),
                 *attention_launches(s["q"], s["k"], s["v"], s["o"], self.step, slot.lengths, batch=self.batch,
                                     tokens=self.tokens, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
                                     max_len=self.tokens, scale=c.head_dim ** -0.5, lse=s["lse"], device=d),

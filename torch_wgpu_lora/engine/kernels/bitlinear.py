@@ -5,7 +5,8 @@
 
 ``gemv`` serves few tokens (decoding), ``gemm`` many (prefill, training); both give the same
 exact integer dots. The epilogue modes: ``"store"``, ``"add"`` (into a residual stream),
-``"gate_up"`` (interleaved gate/up rows → relu(gate)²·up, optionally saving the raw pair).
+``"gate_up"`` (interleaved gate/up rows → relu(gate)²·up, optionally saving the raw pair), and
+for ``gemv`` ``"rope"`` (the fused q/k/v rows rotated into the query buffer and the KV caches).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch
 
 from ...runtime import Buffer, Device, Launch, get_device, kernel
 from ..weights import Projection
+from .rope import RopeTarget
 
-MODES = {"store": 0, "add": 1, "gate_up": 2}
+MODES = {"store": 0, "add": 1, "gate_up": 2, "rope": 3}
 GEMV_MAX_TOKENS = 4  # up to this many tokens, a gemv per token reads the weights no faster than gemm
 GEMV_THREADS = 65536  # gemv: threads a launch aims at (measured on the H200 over LANES 4..32)
 
@@ -33,46 +35,89 @@ def dummy(device: Device, slot: str = "read") -> Buffer:
 def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_stride: int,
                      out_offset: int = 0, mode: str = "store", h: Buffer | None = None, lora_rank: int = 0,
                      lora: Buffer | None = None, lora_b: Buffer | None = None, segments: int = 0,
-                     aux: Buffer | None = None, gemv: bool | None = None, device: Device | None = None) -> Launch:
+                     aux: Buffer | None = None, gemv: bool | None = None, lanes: int | None = None,
+                     norm: tuple[Buffer, Buffer, float] | None = None, rope: RopeTarget | None = None,
+                     device: Device | None = None) -> Launch:
     """One launch computing ``proj`` over ``tokens`` rows of activation codes into ``out``.
 
     ``codes``: u32 [tokens, k_words · 4] (``norm.rmsnorm_launch`` writes them), ``meta``: f32 [2 · tokens]
     (scales, then code sums). LoRA (``segments`` > 0): ``h`` [tokens, lora_rank] and the
     segment table ``lora`` (``lora_table``) whose B offsets index ``lora_b`` (f32). ``aux`` [tokens, rows]:
-    the raw gate/up pairs.
+    the raw gate/up pairs. ``lanes``: threads a weight row in ``gemv`` (default ``gemv_lanes``).
+
+    Decoding's fusions (``gemv`` only): ``norm`` = (x, weight, eps) normalises x's rows (f32 [tokens, ≥ k])
+    with RMSNorm and quantises them inside the launch, writing ``codes`` and ``meta`` rather than
+    reading them (``gemv_normalises(k)`` says whether a row fits); mode ``"rope"`` rotates the fused
+    q/k/v rows: queries into ``out``, keys and values into ``rope``'s caches.
     """
     device = device or get_device()
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    if (mode == "rope") != (rope is not None):
+        raise ValueError("mode 'rope' and a RopeTarget go together")
     k_words = proj.weight.shape[1]
     if codes.shape[-1] != 4 * k_words:
         raise ValueError(f"codes have {codes.shape[-1]} words per token; the weights need {4 * k_words}")
     gemv = tokens <= GEMV_MAX_TOKENS if gemv is None else gemv
+    if (norm or rope) and not gemv:
+        raise ValueError("norm and mode 'rope' are gemv's fusions (decoding: a few tokens)")
+    if norm and not gemv_normalises(proj.k):
+        raise ValueError(f"gemv normalises rows of up to {_NORM_FEATURES} features, not {proj.k}")
     pad = dummy(device)
     buffers = {1: codes, 2: meta, 4: proj.scale, 5: out, 6: h or pad, 7: lora or pad, 8: lora_b or pad,
                9: aux or dummy(device, "aux")}
-    if gemv:  # the weights bound as vec4 words (binding 10); K is padded to 64, so rows are whole vec4s
-        lanes = gemv_lanes(proj.rows)
-        kern = kernel("bitlinear.wgsl", "gemv", device, MODE=MODES[mode], DIVIDE=proj.divide, SAVE=aux is not None,
-                      ROWS=128 // lanes, LANES=lanes, ROW_VECS=k_words // 4)
-        grid, buffers[10] = (-(-proj.rows // (128 // lanes)), tokens, 1), proj.weight
-    else:
+    extra = (0, 0, 1)
+    if not gemv:
         kern = kernel("bitlinear.wgsl", "gemm", device, MODE=MODES[mode], DIVIDE=proj.divide, SAVE=aux is not None)
         grid, buffers[3] = (-(-proj.rows // 64), -(-tokens // 64), 1), proj.weight
+        return Launch.build(kern, grid, buffers, (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank,
+                                                  segments, proj.rows) + extra)
+    # the weights bound as vec4 words (binding 10); K is padded to 64, so rows are whole vec4s
+    lanes = lanes or gemv_lanes(proj.rows, normalises=norm is not None)
+    constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=aux is not None, ROWS=128 // lanes, LANES=lanes,
+                     ROW_VECS=k_words // 4)
+    buffers.update({10: proj.weight, 11: pad, 12: pad, 13: dummy(device, "codes"), 14: dummy(device, "meta"),
+                    15: pad, 16: pad, 17: pad, 18: dummy(device, "keys"), 19: dummy(device, "values")})
+    if norm:
+        x, weight, eps = norm
+        constants.update(NORM=True, K=proj.k, EPS=eps)
+        buffers.update({1: pad, 2: pad, 11: x, 12: weight, 13: codes, 14: meta})
+        extra = (x.shape[-1],) + extra[1:]
+    if rope:
+        if proj.rows != (rope.heads + 2 * rope.kv_heads) * rope.head_dim:
+            raise ValueError(f"mode 'rope' takes the fused q/k/v rows: {proj.rows} rows for {rope.heads} + 2 × "
+                             f"{rope.kv_heads} heads of {rope.head_dim}")
+        constants.update(HEADS=rope.heads, KV_HEADS=rope.kv_heads, HEAD_DIM=rope.head_dim)
+        buffers.update({15: rope.cos, 16: rope.sin, 17: rope.step, 18: rope.keys, 19: rope.values})
+        extra = (extra[0], rope.cache_len, rope.tokens_per_seq)
+    kern = kernel("bitlinear.wgsl", "gemv", device, **constants)
+    grid = (-(-proj.rows // (128 // lanes)), tokens, 1)
     return Launch.build(kern, grid, buffers, (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank,
-                                              segments, proj.rows))
+                                              segments, proj.rows) + extra)
 
 
-def gemv_lanes(rows: int) -> int:
+_NORM_FEATURES = 4 * 8 * 128  # gemv's NORM: NORM_WORDS words of 4 features for each of 128 invocations
+
+
+def gemv_normalises(k: int) -> bool:
+    """Whether ``gemv`` normalises a row of ``k`` features itself: its invocations hold the row in
+    registers, and every workgroup re-reads it, so long rows (BitNet-2B's FFN, 6912) keep their own
+    norm launch (on the H200 a fused down_proj took longer than the norm launch and the GEMV apart)."""
+    return k <= _NORM_FEATURES
+
+
+def gemv_lanes(rows: int, normalises: bool = False) -> int:
     """Threads a weight row gets in ``gemv`` (workgroups of 128): enough that the launch has about
     GEMV_THREADS, so a projection of few long rows (down_proj) reads each with many threads and
     one of many short rows (gate/up) with few. On the H200, over BitNet-2B's four projections,
-    21.3 µs a layer against 24.5 for the best single shape (8 lanes everywhere).
+    21.3 µs a layer against 24.5 for the best single shape (8 lanes everywhere). A GEMV that
+    normalises its input aims at half as many threads: half as many workgroups re-reading the row.
 
-    >>> gemv_lanes(2560), gemv_lanes(13824)
-    (32, 4)
+    >>> gemv_lanes(2560), gemv_lanes(13824), gemv_lanes(2560, normalises=True)
+    (32, 4, 16)
     """
-    return min(32, max(4, 2 ** round(math.log2(GEMV_THREADS / rows))))
+    threads = GEMV_THREADS // 2 if normalises else GEMV_THREADS
+    return min(32, max(4, 2 ** round(math.log2(threads / rows))))
 
 
 def bitlinear_reference(codes: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, row_scales: torch.Tensor,

@@ -1,9 +1,13 @@
-"""Rotary position embedding and the KV-cache write (``rope.wgsl``), and the torch reference.
+"""Rotary position embedding and the KV-cache write (``rope.wgsl``, or the epilogue of a
+decoding q/k/v GEMV in ``bitlinear.wgsl``), and the torch reference.
 
->>> # rec.launch(rope_launch(qkv, weights.rope_cos, weights.rope_sin, step, q_rot, k_cache, v_cache, ...))
+>>> # target = RopeTarget(weights.rope_cos, weights.rope_sin, step, k_cache, v_cache, heads=20, kv_heads=5, head_dim=128)
+>>> # rec.launch(rope_launch(qkv, q_rot, target, tokens=n))
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -12,15 +16,37 @@ from ...runtime import Buffer, Device, Launch, get_device, kernel
 _WG = 128  # rope.wgsl's invocations per workgroup
 
 
-def rope_launch(qkv: Buffer, cos: Buffer, sin: Buffer, step: Buffer, q_rot: Buffer, k_cache: Buffer,
-                v_cache: Buffer, *, tokens: int, tokens_per_seq: int, heads: int, kv_heads: int, head_dim: int,
-                cache_len: int, device: Device | None = None) -> Launch:
-    """One launch over ``tokens`` rows of the fused q/k/v output (f32 [tokens, qkv_stride])."""
+@dataclass(frozen=True)
+class RopeTarget:
+    """Where the fused q/k/v projection's output goes once rotated: transformers' cos/sin tables
+    (f32 [positions, head_dim / 2]), the step buffer (the pass's first position) and the key and
+    value caches (f32 [batch, kv_heads, cache_len, head_dim]); token n of a pass is position
+    step + n % tokens_per_seq of sequence n // tokens_per_seq."""
+
+    cos: Buffer
+    sin: Buffer
+    step: Buffer
+    keys: Buffer
+    values: Buffer
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tokens_per_seq: int = 1
+
+    @property
+    def cache_len(self) -> int:
+        return self.keys.shape[2]
+
+
+def rope_launch(qkv: Buffer, q_rot: Buffer, target: RopeTarget, *, tokens: int, device: Device | None = None) -> Launch:
+    """One launch over ``tokens`` rows of the fused q/k/v output (f32 [tokens, qkv_stride]): rotated
+    queries into ``q_rot`` [tokens, heads · head_dim], keys and values into ``target``'s caches."""
     device = device or get_device()
+    t = target
     kern = kernel("rope.wgsl", "rope", device, WG=_WG)
-    chunks = -(-max((heads + kv_heads) * head_dim // 2, kv_heads * head_dim) // _WG)
-    return Launch.build(kern, (tokens, chunks, 1), (qkv, cos, sin, step, q_rot, k_cache, v_cache),
-                        (tokens_per_seq, heads, kv_heads, head_dim, cache_len, qkv.shape[-1]))
+    chunks = -(-max((t.heads + t.kv_heads) * t.head_dim // 2, t.kv_heads * t.head_dim) // _WG)
+    return Launch.build(kern, (tokens, chunks, 1), (qkv, t.cos, t.sin, t.step, q_rot, t.keys, t.values),
+                        (t.tokens_per_seq, t.heads, t.kv_heads, t.head_dim, t.cache_len, qkv.shape[-1]))
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
