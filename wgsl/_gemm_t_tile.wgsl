@@ -1,6 +1,7 @@
-// Shared by bitlinear_t.wgsl and matmul_t.wgsl (// @include): the entry point gemm_t of the
-// input-gradient GEMMs OUT[n][k] (+)= Σ_j A'[n][j] · W'[j][k], with A' and W' loaded by the
-// including kernel and OUT written by store (_input_grad_store.wgsl, which it also includes).
+// Shared by bitlinear_t.wgsl, matmul_t.wgsl and matmul.wgsl (// @include): the entry point
+// gemm_tiled of OUT[n][k] (+)= Σ_j A'[n][j] · W'[j][k], with A' and W' loaded by the including
+// kernel and OUT written by its store: the input-gradient GEMMs (store from _input_grad_store.wgsl)
+// and matmul's forward (W' the weights transposed as they are staged; the projection's epilogue).
 //
 // A workgroup of 128 threads owns 64 tokens × 64 features of OUT and walks the rows j in steps
 // of 32 through `tile`. Its two halves (threads t / 64) sum different rows of each step (half h:
@@ -15,7 +16,7 @@
 //   struct Staged { a: mat4x4<f32>, ... }: a thread's share of one step, in registers;
 //   fn fetch(t: u32, n0: u32, k0: u32, j0: u32) -> Staged: loads it for rows j0.. (fetch_a for
 //     A; weights past p.rows zero);
-//   fn put(t: u32, s: Staged): writes it into tile (put_a for A; weights at W_TILE + at(j, quad)).
+//   fn stage(t: u32, s: Staged): writes it into tile (put_a for A; weights at W_TILE + at(j, quad)).
 
 const STEP: u32 = 32u;     // rows j a step
 const W_TILE: u32 = 512u;  // first vec4 of the weights in tile
@@ -89,7 +90,7 @@ fn store_quad(n: u32, k: u32, m: mat4x4<f32>) {
 }
 
 @compute @workgroup_size(128)
-fn gemm_t(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+fn gemm_tiled(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let split = t / 64u;                    // sums rows 16·split.. of each step
   let own = (t % 64u) / 8u + 8u * split;  // token quad this thread stores
   let tk = t % 8u;                        // feature quads tk and tk + 8
@@ -98,7 +99,7 @@ fn gemm_t(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: ve
   var staged: Staged;
   if (p.rows > 0u) { staged = fetch(t, n0, k0, 0u); }
   for (var j0 = 0u; j0 < p.rows; j0 += STEP) {
-    put(t, staged);
+    stage(t, staged);
     workgroupBarrier();
     if (j0 + STEP < p.rows) { staged = fetch(t, n0, k0, j0 + STEP); }
     // Unrolled by hand: a WGSL loop here would carry wgpu's loop-bound counter.

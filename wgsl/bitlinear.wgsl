@@ -116,6 +116,7 @@ fn value(n: u32, j: u32, exact: i32, s: f32) -> f32 {
 }
 
 // @include _reductions.wgsl
+// @include _quantise.wgsl
 
 var<workgroup> partial: array<i32, WG>;
 var<workgroup> xq: array<vec4<u32>, ROW_VECS * 4u>;  // NORM: the token's codes
@@ -151,15 +152,14 @@ fn normalise(t: u32, n: u32, first: bool) -> f32 {
   for (var i = 0u; i < words; i++) {
     let v = g[i] * (y[i] * r);
     y[i] = v;
-    let a = abs(v);
-    m = max(m, max(max(a.x, a.y), max(a.z, a.w)));
+    m = max(m, absmax4(v));
   }
-  let s = 127.0 / max(max_all(t, m), 1e-5);
+  let s = quant_scale(max_all(t, m));
   var total = 0i;
   for (var i = 0u; i < words; i++) {
     let w = t + WG * i;
     if (w < row_words) {
-      let q = vec4<i32>(clamp(round(y[i] * s), vec4<f32>(-128.0), vec4<f32>(127.0)));
+      let q = codes4(y[i], s);
       let packed = pack4xI8(q);
       xq[w / 4u][w % 4u] = packed;
       if (first) { XQW[n * row_words + w] = packed; }

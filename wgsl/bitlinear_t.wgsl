@@ -48,7 +48,7 @@ fn fetch(t: u32, n0: u32, k0: u32, j0: u32) -> Staged {
   return Staged(fetch_a(t, n0, j0, 0u) * select(c, 1.0 / c, DIVIDE), select(ZERO_CODES, word, j < p.rows));
 }
 
-fn put(t: u32, s: Staged) {
+fn stage(t: u32, s: Staged) {
   put_a(t, s.a);
   let j = t / 4u;
   let quad = 4u * (t % 4u);

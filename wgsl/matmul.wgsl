@@ -7,15 +7,18 @@
 // two to a u32 (element 2i in the low half), widened exactly in registers.
 //
 // gemv: one token per grid row, ROWS rows a workgroup, LANES threads a row striding over its
-// vec4 words (coalesced), one barrier, then a thread a row sums its lanes. gemm: 64 tokens × 64
-// rows a workgroup of 128 threads, 8 tokens × 4 rows a thread, K in steps of 16 through
-// workgroup memory.
+// vec4 words (coalesced), one barrier, then a thread a row sums its lanes. gemm_tiled
+// (_gemm_t_tile.wgsl): 64 tokens × 64 output rows a workgroup of 128 threads, 8 × 8 a thread, K
+// in steps of 32 through workgroup memory; each weight row's K values are read along the row
+// (coalesced) and transposed as they are staged into the tile.
 
 struct Params {
   tokens: u32,
-  rows: u32,
+  rows: u32,         // gemm_tiled: K padded (the tile's rows j, summed over)
+  features: u32,     // output rows: the weight's rows
   w_words: u32,      // vec4<u32> words per weight row
   x_words: u32,      // vec4 words per token of X
+  a_stride: u32,     // floats per token of X
   out_stride: u32,
   out_offset: u32,
   lora_rank: u32,
@@ -24,7 +27,8 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> X: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> X: array<vec4<f32>>;  // gemv
+@group(0) @binding(1) var<storage, read> A: array<f32>;         // gemm_tiled: X again, as the tile reads it
 @group(0) @binding(2) var<storage, read> W: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read_write> OUT: array<f32>;
 @group(0) @binding(4) var<storage, read> H: array<f32>;
@@ -63,7 +67,7 @@ fn gemv(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
   let r = t / LANES;
   let n = wg.y;
   let j = wg.x * ROWS + r;
-  let row = min(j, p.rows - 1u) * p.w_words;  // rows past the edge repeat the last one; not stored
+  let row = min(j, p.features - 1u) * p.w_words;  // rows past the edge repeat the last one; not stored
   let x = n * p.x_words;
   var acc = 0.0;
   for (var u = lane; u < p.w_words; u += LANES) {
@@ -78,7 +82,7 @@ fn gemv(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
   }
   partial[t] = acc;
   workgroupBarrier();  // then one thread a row sums its lanes: one barrier, not log2(LANES)
-  if (lane != 0u || j >= p.rows) { return; }
+  if (lane != 0u || j >= p.features) { return; }
   if (MODE == 2u) {
     if (r % 2u == 0u) { put_pair(n, j / 2u, value(n, j, lanes_sum(t)), value(n, j + 1u, lanes_sum(t + LANES))); }
   } else {
@@ -86,70 +90,65 @@ fn gemv(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
   }
 }
 
-var<workgroup> xs: array<vec4<f32>, 256>;  // [token][k4] of the current K step (16 floats)
-var<workgroup> ws: array<vec4<f32>, 256>;  // [row][k4]
-
-@compute @workgroup_size(128)
-fn gemm(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
-  let tr = t % 16u;  // rows 4tr..
-  let tt = t / 16u;  // tokens 8tt..
-  let n0 = wg.y * 64u;
-  let j0 = wg.x * 64u;
-  var a0 = vec4<f32>(0.0); var a1 = vec4<f32>(0.0); var a2 = vec4<f32>(0.0); var a3 = vec4<f32>(0.0);
-  var a4 = vec4<f32>(0.0); var a5 = vec4<f32>(0.0); var a6 = vec4<f32>(0.0); var a7 = vec4<f32>(0.0);
-  for (var k = 0u; k < p.x_words; k += 4u) {
-    for (var h = 0u; h < 2u; h++) {  // 64 tokens × 4 words and 64 rows × 4 words: two of each a thread
-      let idx = t + 128u * h;
-      xs[idx] = X[min(n0 + idx / 4u, p.tokens - 1u) * p.x_words + k + idx % 4u];
-      if (!BF16) {
-        ws[idx] = bitcast<vec4<f32>>(W[min(j0 + idx / 4u, p.rows - 1u) * p.w_words + k + idx % 4u]);
-      }
-    }
-    if (BF16) {  // 16 values of a row are two words: one a thread, widened into two vec4s
-      let w = W[min(j0 + t / 2u, p.rows - 1u) * p.w_words + k / 2u + t % 2u];
-      let base = (t / 2u) * 4u + 2u * (t % 2u);
-      ws[base] = vec4<f32>(lo(w.x), hi(w.x), lo(w.y), hi(w.y));
-      ws[base + 1u] = vec4<f32>(lo(w.z), hi(w.z), lo(w.w), hi(w.w));
-    }
-    workgroupBarrier();
-    for (var c = 0u; c < 4u; c++) {
-      let w0 = ws[(4u * tr) * 4u + c];
-      let w1 = ws[(4u * tr + 1u) * 4u + c];
-      let w2 = ws[(4u * tr + 2u) * 4u + c];
-      let w3 = ws[(4u * tr + 3u) * 4u + c];
-      let x0 = xs[(8u * tt) * 4u + c];
-      let x1 = xs[(8u * tt + 1u) * 4u + c];
-      let x2 = xs[(8u * tt + 2u) * 4u + c];
-      let x3 = xs[(8u * tt + 3u) * 4u + c];
-      let x4 = xs[(8u * tt + 4u) * 4u + c];
-      let x5 = xs[(8u * tt + 5u) * 4u + c];
-      let x6 = xs[(8u * tt + 6u) * 4u + c];
-      let x7 = xs[(8u * tt + 7u) * 4u + c];
-      a0 += vec4<f32>(dot(x0, w0), dot(x0, w1), dot(x0, w2), dot(x0, w3));
-      a1 += vec4<f32>(dot(x1, w0), dot(x1, w1), dot(x1, w2), dot(x1, w3));
-      a2 += vec4<f32>(dot(x2, w0), dot(x2, w1), dot(x2, w2), dot(x2, w3));
-      a3 += vec4<f32>(dot(x3, w0), dot(x3, w1), dot(x3, w2), dot(x3, w3));
-      a4 += vec4<f32>(dot(x4, w0), dot(x4, w1), dot(x4, w2), dot(x4, w3));
-      a5 += vec4<f32>(dot(x5, w0), dot(x5, w1), dot(x5, w2), dot(x5, w3));
-      a6 += vec4<f32>(dot(x6, w0), dot(x6, w1), dot(x6, w2), dot(x6, w3));
-      a7 += vec4<f32>(dot(x7, w0), dot(x7, w1), dot(x7, w2), dot(x7, w3));
-    }
-    workgroupBarrier();
-  }
-  let j = j0 + 4u * tr;
-  let n = n0 + 8u * tt;
-  store4(n, j, a0); store4(n + 1u, j, a1); store4(n + 2u, j, a2); store4(n + 3u, j, a3);
-  store4(n + 4u, j, a4); store4(n + 5u, j, a5); store4(n + 6u, j, a6); store4(n + 7u, j, a7);
+struct Staged {
+  a: mat4x4<f32>,          // fetch_a
+  w: array<vec4<u32>, 4>,  // float32: word idx % 8 of output row idx / 8 (idx = t + 128i, four a thread);
+                           // BF16 (w[0], w[1]): word idx % 4 of output row idx / 4 (two a thread)
 }
 
-fn store4(n: u32, j: u32, acc: vec4<f32>) {
+// W's vec4 word `word` of output row j; zeros past the last row.
+fn weight_word(j: u32, word: u32) -> vec4<u32> {
+  return select(vec4<u32>(0u), W[min(j, p.features - 1u) * p.w_words + word], j < p.features);
+}
+
+// The 32 K values from k = j0 of the workgroup's 64 output rows from k0: each row's read along it.
+fn fetch(t: u32, n0: u32, k0: u32, j0: u32) -> Staged {
+  var s: Staged;
+  s.a = fetch_a(t, n0, j0, 0u);
+  if (BF16) {  // 8 values a word, 4 words a row
+    s.w[0] = weight_word(k0 + t / 4u, j0 / 8u + t % 4u);
+    s.w[1] = weight_word(k0 + 32u + t / 4u, j0 / 8u + t % 4u);
+  } else {  // 4 values a word, 8 words a row
+    for (var i = 0u; i < 4u; i++) { s.w[i] = weight_word(k0 + 16u * i + t / 8u, j0 / 4u + t % 8u); }
+  }
+  return s;
+}
+
+fn tile_w(k: u32, row: u32, v: f32) {  // W'[k][row] = W[row][k] of this step
+  tile[W_TILE + at(k, row / 4u)][row % 4u] = v;
+}
+
+fn stage(t: u32, s: Staged) {
+  put_a(t, s.a);
+  if (BF16) {
+    for (var i = 0u; i < 2u; i++) {
+      let row = 32u * i + t / 4u;
+      let k = 8u * (t % 4u);
+      let w = s.w[i];
+      tile_w(k, row, lo(w.x)); tile_w(k + 1u, row, hi(w.x)); tile_w(k + 2u, row, lo(w.y)); tile_w(k + 3u, row, hi(w.y));
+      tile_w(k + 4u, row, lo(w.z)); tile_w(k + 5u, row, hi(w.z)); tile_w(k + 6u, row, lo(w.w)); tile_w(k + 7u, row, hi(w.w));
+    }
+  } else {
+    for (var i = 0u; i < 4u; i++) {
+      let row = 16u * i + t / 8u;
+      let k = 4u * (t % 8u);
+      let w = bitcast<vec4<f32>>(s.w[i]);
+      tile_w(k, row, w.x); tile_w(k + 1u, row, w.y); tile_w(k + 2u, row, w.z); tile_w(k + 3u, row, w.w);
+    }
+  }
+}
+
+// Output rows j..j + 3 of token n through the epilogue (j is a multiple of 4: gate/up pairs whole).
+fn store(n: u32, j: u32, acc: vec4<f32>) {
   if (n >= p.tokens) { return; }
   if (MODE == 2u) {
-    if (j + 1u < p.rows) { put_pair(n, j / 2u, value(n, j, acc.x), value(n, j + 1u, acc.y)); }
-    if (j + 3u < p.rows) { put_pair(n, j / 2u + 1u, value(n, j + 2u, acc.z), value(n, j + 3u, acc.w)); }
+    if (j + 1u < p.features) { put_pair(n, j / 2u, value(n, j, acc.x), value(n, j + 1u, acc.y)); }
+    if (j + 3u < p.features) { put_pair(n, j / 2u + 1u, value(n, j + 2u, acc.z), value(n, j + 3u, acc.w)); }
     return;
   }
   for (var r = 0u; r < 4u; r++) {
-    if (j + r < p.rows) { put(n, j + r, value(n, j + r, acc[r])); }
+    if (j + r < p.features) { put(n, j + r, value(n, j + r, acc[r])); }
   }
 }
+
+// @include _gemm_t_tile.wgsl

@@ -70,7 +70,7 @@ fn put_bf16(j: u32, quad: u32, w: vec4<u32>) {
   tile[W_TILE + at(j, quad + 1u)] = vec4<f32>(lo(w.z), hi(w.z), lo(w.w), hi(w.w));
 }
 
-fn put(t: u32, s: Staged) {
+fn stage(t: u32, s: Staged) {
   put_a(t, s.a);
   if (BF16) {
     let j = t / 8u;

@@ -37,6 +37,7 @@ override K: u32 = 64u;       // rmsnorm: features
 override STRIDE: u32 = 64u;  // rmsnorm: K padded to a multiple of 64
 
 // @include _reductions.wgsl
+// @include _quantise.wgsl
 
 // A row's 4-feature words are spread over the invocations (word t + WG·i for invocation t), held
 // in registers from the one read of X to the codes; K and STRIDE are pipeline constants so the
@@ -85,18 +86,17 @@ fn rmsnorm(inv: Invocation) {
       let v = g * (y[i] * r);
       y[i] = v;
       for (var l = 0u; l < 4u; l++) { XN[out + 4u * w + l] = v[l]; }
-      let a = abs(v);
-      m = max(m, max(max(a.x, a.y), max(a.z, a.w)));
+      m = max(m, absmax4(v));
     }
   }
   if (SAVE && t == 0u) { RS[n] = r; }
   if (QUANT) {
-    let s = 127.0 / max(max_all(t, m), 1e-5);
+    let s = quant_scale(max_all(t, m));
     var total = 0i;
     for (var i = 0u; i < words; i++) {
       let w = t + WG * i;
       if (w < row_words) {
-        let q = vec4<i32>(clamp(round(y[i] * s), vec4<f32>(-128.0), vec4<f32>(127.0)));
+        let q = codes4(y[i], s);
         XQ[n * row_words + w] = pack4xI8(q);
         total += q.x + q.y + q.z + q.w;
       }
@@ -156,7 +156,7 @@ fn rmsnorm_rows(@builtin(global_invocation_id) gid: vec3<u32>) {
   }
   if (SAVE) { RS[n] = r; }
   if (QUANT) {
-    let s = 127.0 / max(m, 1e-5);
+    let s = quant_scale(m);
     var total = 0i;
     for (var w = 0u; w < p.code_words; w++) {
       var q = vec4<i32>(0);

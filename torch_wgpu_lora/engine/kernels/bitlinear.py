@@ -162,7 +162,7 @@ def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int
     for ``tokens`` rows of ``dy`` (f32 [tokens, ≥ rows]), plus ``dh·A`` for the adapters (``dh``
     [tokens, ≥ lora_rank] already scaled, ``lora_a`` their stacked A [lora_rank, K64])."""
     device = device or get_device()
-    kern = kernel("bitlinear_t.wgsl", "gemm_t", device, DIVIDE=proj.divide)
+    kern = kernel("bitlinear_t.wgsl", "gemm_tiled", device, DIVIDE=proj.divide)
     k_words = proj.weight.shape[1]
     pad = dummy(device)
     return Launch.build(kern, (k_words // 4, -(-tokens // 64), 1),

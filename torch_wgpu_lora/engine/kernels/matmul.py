@@ -27,12 +27,13 @@ def matmul_launch(x: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_
     if w_words * (8 if bf16 else 4) != 4 * x_words:
         raise ValueError(f"x rows hold {4 * x_words} floats; the weight rows {w_words * (8 if bf16 else 4)}")
     gemv = tokens <= GEMV_MAX_TOKENS if gemv is None else gemv
-    kern = kernel("matmul.wgsl", "gemv" if gemv else "gemm", device, MODE=MODES[mode], BF16=bf16,
+    kern = kernel("matmul.wgsl", "gemv" if gemv else "gemm_tiled", device, MODE=MODES[mode], BF16=bf16,
                   SAVE=aux is not None)
     grid = ((-(-proj.rows // 8), tokens, 1) if gemv else (-(-proj.rows // 64), -(-tokens // 64), 1))
     pad = dummy(device)
     return Launch.build(kern, grid, (x, proj.weight, out, h or pad, lora or pad, lora_b or pad, aux or dummy(device, "aux")),
-                        (tokens, proj.rows, w_words, x_words, out_stride, out_offset, lora_rank, segments, proj.rows))
+                        (tokens, 4 * x_words, proj.rows, w_words, x_words, x.shape[-1], out_stride, out_offset,
+                         lora_rank, segments, proj.rows))
 
 
 def matmul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,7 @@ def matmul_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k
     """The input gradient of a float projection (``matmul_t.wgsl``): ``out (+)= dy·W`` (+ ``dh·A``),
     reading ``dy``'s columns from ``dy_col`` (a vocabulary chunk of the logits' gradient)."""
     device = device or get_device()
-    kern = kernel("matmul_t.wgsl", "gemm_t", device, BF16=bf16)
+    kern = kernel("matmul_t.wgsl", "gemm_tiled", device, BF16=bf16)
     w_words = proj.weight.shape[1]
     k64 = w_words * (2 if bf16 else 1)
     pad = dummy(device)
