@@ -313,7 +313,9 @@ fn store4(n: u32, j: u32, acc: vec4<i32>) {
   let s = XM[n];
   let code_sum = bitcast<i32>(XM[p.tokens + n]);
   if (MODE == 2u) {
-    if (j + 1u < p.rows) { put_pair(n, j / 2u, value(n, j, acc.x - code_sum, s), value(n, j + 1u, acc.y - code_sum, s)); }
+    if (j + 1u < p.rows) {
+      put_pair(n, j / 2u, value(n, j, acc.x - code_sum, s), value(n, j + 1u, acc.y - code_sum, s));
+    }
     if (j + 3u < p.rows) {
       put_pair(n, j / 2u + 1u, value(n, j + 2u, acc.z - code_sum, s), value(n, j + 3u, acc.w - code_sum, s));
     }

@@ -31,7 +31,8 @@ Decoding a ternary model (``decode``, a few tokens: the GEMV path) fuses launche
 token is a chain of a few hundred dependent launches of a few µs each: the q/k/v GEMV rotates
 its output and writes the caches itself (no rope launch), and a GEMV whose site has no adapter
 normalises and quantises its own input (no norm launch; a site with adapters keeps its norm,
-which computes h). BitNet-2B with Q/V adapters: 7 launches a layer rather than 11.
+which computes h, and so does a row too long for the GEMV to hold: ``gemv_normalises``).
+BitNet-2B with Q/V adapters: 8 launches a layer rather than 11.
 
 >>> # cache = KVCache(weights.config, batch=1, length=64); plan = ForwardPlan(weights, adapters, cache, tokens=16)
 >>> # rec = Recorder(); plan.record(rec); rec.submit()
@@ -157,14 +158,14 @@ class ForwardPlan:
                               lora_a=site.a if lora else None, h=self.h if lora else None,
                               rank=site.rank if lora else 0, device=self.device)
 
-    def _project(self, proj: Projection, x: Buffer, codes: Buffer | None, out: Buffer, out_stride: int, mode: str,
-                 site: Site, norm: tuple[Buffer, Buffer, float] | None = None, rope: RopeTarget | None = None) -> Launch:
+    def _project(self, proj: Projection, x: Buffer, codes: Buffer | None, out: Buffer, mode: str, site: Site,
+                 norm: tuple[Buffer, Buffer, float] | None = None, rope: RopeTarget | None = None) -> Launch:
         lora = (dict(h=self.h, lora_rank=self.h.shape[1], lora=site.table, lora_b=self.adapters.params,
                      segments=site.segments) if site.rank else {})
         if self.config.quantised:
-            return bitlinear_launch(codes, self.meta, proj, out, tokens=self.rows, out_stride=out_stride, mode=mode,
+            return bitlinear_launch(codes, self.meta, proj, out, tokens=self.rows, out_stride=out.shape[1], mode=mode,
                                     norm=norm, rope=rope, device=self.device, **lora)
-        return matmul_launch(x, proj, out, tokens=self.rows, out_stride=out_stride, mode=mode,
+        return matmul_launch(x, proj, out, tokens=self.rows, out_stride=out.shape[1], mode=mode,
                              bf16=self.weights.bf16, device=self.device, **lora)
 
     def _build(self, decode: bool, fuse: bool) -> list[Launch]:
@@ -183,17 +184,14 @@ class ForwardPlan:
                     self.quant_points.append((len(launches), index, name, codes, self.meta))
                 if not norm:
                     launches.append(self._norm(x, weight, sites[name], xn, codes, k))
-                launches.append(self._project(proj, xn, codes, out, out.shape[1], mode, sites[name],
+                launches.append(self._project(proj, xn, codes, out, mode, sites[name],
                                               norm=(x, weight, c.rms_eps) if norm else None, rope=rope))
 
             target = RopeTarget(w.rope_cos, w.rope_sin, cache.step, cache.keys[index], cache.values[index], c.heads,
                                 c.kv_heads, c.head_dim, self.tokens)
-            if fused:
-                site(self.residual, layer.input_norm, "attn", self.xn, self.codes, c.hidden, layer.qkv, self.q, "rope",
-                     target)
-            else:
-                site(self.residual, layer.input_norm, "attn", self.xn, self.codes, c.hidden, layer.qkv, self.qkv,
-                     "store")
+            site(self.residual, layer.input_norm, "attn", self.xn, self.codes, c.hidden, layer.qkv,
+                 self.q if fused else self.qkv, "rope" if fused else "store", target if fused else None)
+            if not fused:
                 launches.append(rope_launch(self.qkv, self.q, target, tokens=self.rows, device=self.device))
             launches += attention_launches(self.q, cache.keys[index], cache.values[index], self.attn, cache.step,
                                            cache.lengths, batch=self.batch, tokens=self.tokens, heads=c.heads,

@@ -66,34 +66,31 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     pad = dummy(device)
     buffers = {1: codes, 2: meta, 4: proj.scale, 5: out, 6: h or pad, 7: lora or pad, 8: lora_b or pad,
                9: aux or dummy(device, "aux")}
-    extra = (0, 0, 1)
-    if not gemv:
-        kern = kernel("bitlinear.wgsl", "gemm", device, MODE=MODES[mode], DIVIDE=proj.divide, SAVE=aux is not None)
+    constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=aux is not None)
+    x_stride, cache_len, tokens_per_seq = 0, 0, 1
+    if gemv:  # the weights bound as vec4 words (binding 10); K is padded to 64, so rows are whole vec4s
+        lanes = lanes or gemv_lanes(proj.rows, normalises=norm is not None)
+        constants.update(ROWS=128 // lanes, LANES=lanes, ROW_VECS=k_words // 4)
+        grid = (-(-proj.rows // (128 // lanes)), tokens, 1)
+        buffers.update({10: proj.weight, 11: pad, 12: pad, 13: dummy(device, "codes"), 14: dummy(device, "meta"),
+                        15: pad, 16: pad, 17: pad, 18: dummy(device, "keys"), 19: dummy(device, "values")})
+    else:
         grid, buffers[3] = (-(-proj.rows // 64), -(-tokens // 64), 1), proj.weight
-        return Launch.build(kern, grid, buffers, (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank,
-                                                  segments, proj.rows) + extra)
-    # the weights bound as vec4 words (binding 10); K is padded to 64, so rows are whole vec4s
-    lanes = lanes or gemv_lanes(proj.rows, normalises=norm is not None)
-    constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=aux is not None, ROWS=128 // lanes, LANES=lanes,
-                     ROW_VECS=k_words // 4)
-    buffers.update({10: proj.weight, 11: pad, 12: pad, 13: dummy(device, "codes"), 14: dummy(device, "meta"),
-                    15: pad, 16: pad, 17: pad, 18: dummy(device, "keys"), 19: dummy(device, "values")})
     if norm:
         x, weight, eps = norm
         constants.update(NORM=True, K=proj.k, EPS=eps)
         buffers.update({1: pad, 2: pad, 11: x, 12: weight, 13: codes, 14: meta})
-        extra = (x.shape[-1],) + extra[1:]
+        x_stride = x.shape[-1]
     if rope:
         if proj.rows != (rope.heads + 2 * rope.kv_heads) * rope.head_dim:
             raise ValueError(f"mode 'rope' takes the fused q/k/v rows: {proj.rows} rows for {rope.heads} + 2 × "
                              f"{rope.kv_heads} heads of {rope.head_dim}")
         constants.update(HEADS=rope.heads, KV_HEADS=rope.kv_heads, HEAD_DIM=rope.head_dim)
         buffers.update({15: rope.cos, 16: rope.sin, 17: rope.step, 18: rope.keys, 19: rope.values})
-        extra = (extra[0], rope.cache_len, rope.tokens_per_seq)
-    kern = kernel("bitlinear.wgsl", "gemv", device, **constants)
-    grid = (-(-proj.rows // (128 // lanes)), tokens, 1)
+        cache_len, tokens_per_seq = rope.cache_len, rope.tokens_per_seq
+    kern = kernel("bitlinear.wgsl", "gemv" if gemv else "gemm", device, **constants)
     return Launch.build(kern, grid, buffers, (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank,
-                                              segments, proj.rows) + extra)
+                                              segments, proj.rows, x_stride, cache_len, tokens_per_seq))
 
 
 _NORM_FEATURES = 4 * 8 * 128  # gemv's NORM: NORM_WORDS words of 4 features for each of 128 invocations
