@@ -15,10 +15,15 @@
 //   row_dot  D_i = dO_i·O_i for every row: RL lanes per row, RW threads a workgroup.
 //   dq       one workgroup per (block of BQ rows, KV head, sequence); loops over key tiles of
 //            BK keys up to the block's last key (heaviest blocks launch first).
-//   dkdv     one workgroup per (block of BK keys starting at pos, KV head, sequence); loops
-//            over tiles of BQ rows: every query of the pass that sees the block (queries from
-//            the block's first key on), all R heads of the group. No atomics: a key's dK/dV
-//            is summed by the one workgroup that owns it. Key positions >= len_b get zeros.
+//   dkdv     one workgroup per (block of BK keys starting at pos, KV head, sequence, split);
+//            loops over tiles of BQ rows: every query of the pass that sees the block (queries
+//            from the block's first key on), all R heads of the group, cut into SPLITS
+//            contiguous ranges of tiles. No atomics: with SPLITS = 1 a key's dK/dV is summed by
+//            the one workgroup that owns it; with more, each split writes its partial sums to
+//            its own slice of DK, DV (then scratch) and dkdv_sum adds the slices (a block of
+//            keys has up to T·R / BQ tiles: one workgroup walking them all leaves most of a
+//            GPU idle at training lengths). Key positions >= len_b get zeros.
+//   dkdv_sum the SPLITS partial slices (DK_PART, DV_PART) summed into DK, DV.
 //
 // Both tile kernels share the tile step. Workgroup memory holds BQ rows of q and dO and BK rows
 // of k and v (rows padded to D4+1 vec4s against bank conflicts). Per tile:
@@ -54,9 +59,12 @@ struct Params {
 @group(0) @binding(11) var<storage, read_write> DV: array<vec4<f32>>;
 @group(0) @binding(12) var<storage, read> O: array<vec4<f32>>;
 @group(0) @binding(13) var<storage, read_write> DR_OUT: array<f32>;
+@group(0) @binding(14) var<storage, read> DK_PART: array<vec4<f32>>;
+@group(0) @binding(15) var<storage, read> DV_PART: array<vec4<f32>>;
 
 override D4: u32 = 32u;  // head_dim / 4
 override R: u32 = 1u;    // query heads per KV head
+override SPLITS: u32 = 1u;  // dkdv, dkdv_sum: ranges of query tiles a key block's work is cut into
 
 const LOG2E: f32 = 1.4426950408889634;
 
@@ -277,12 +285,13 @@ fn dq_store(b: u32, g: u32, m: u32, rows: u32, ct: u32, x: vec4<f32>, y: vec4<f3
 }
 
 // ---------------------------------------------------------------------------------------------
-// dkdv: grid (key blocks, KVH, B); block x owns keys pos + x*BK .. +BK-1; thread (kq, ct).
+// dkdv: grid (key blocks, KVH, B · SPLITS); block x owns keys pos + x*BK .. +BK-1; thread (kq, ct).
 @compute @workgroup_size(NT)
 fn dkdv(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let rows = p.tokens * R;
   let g = wg.y;
-  let b = wg.z;
+  let b = wg.z / SPLITS;
+  let split = wg.z % SPLITS;
   let pos = STEP[0];
   let len = seq_len(b);
   let k0 = pos + wg.x * BK;
@@ -293,6 +302,8 @@ fn dkdv(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
   let first = wg.x * BK * R;
   var ntiles = 0u;
   if (k0 < len && first < rows) { ntiles = (rows - first + BQ - 1u) / BQ; }
+  let per = (ntiles + SPLITS - 1u) / SPLITS;  // this split's tiles: [split·per, its end)
+  let tiles_end = min(split * per + per, ntiles);
 
   let kq = t / CT;
   let ct = t % CT;
@@ -303,7 +314,7 @@ fn dkdv(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
   var k0a = vec4<f32>(0.0); var k1a = vec4<f32>(0.0); var k2a = vec4<f32>(0.0); var k3a = vec4<f32>(0.0);
   var k0b = vec4<f32>(0.0); var k1b = vec4<f32>(0.0); var k2b = vec4<f32>(0.0); var k3b = vec4<f32>(0.0);
 
-  for (var tile = 0u; tile < ntiles; tile++) {
+  for (var tile = split * per; tile < tiles_end; tile++) {
     let row0 = first + tile * BQ;
     load_rows(t, b, g, row0, rows, pos, len);
     workgroupBarrier();
@@ -332,15 +343,39 @@ fn dkdv(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
 
   let end = min(pos + p.tokens, p.max_len);  // key positions this pass writes
   let sc = p.scale;
-  dkdv_store(kvbase, k0 + kq, end, ct, k0a * sc, k0b * sc, v0, w0);
-  dkdv_store(kvbase, k0 + kq + KB, end, ct, k1a * sc, k1b * sc, v1, w1);
-  dkdv_store(kvbase, k0 + kq + 2u * KB, end, ct, k2a * sc, k2b * sc, v2, w2);
-  dkdv_store(kvbase, k0 + kq + 3u * KB, end, ct, k3a * sc, k3b * sc, v3, w3);
+  let base = split * cache_rows() + kvbase;  // this split's slice
+  dkdv_store(base, k0 + kq, end, ct, k0a * sc, k0b * sc, v0, w0);
+  dkdv_store(base, k0 + kq + KB, end, ct, k1a * sc, k1b * sc, v1, w1);
+  dkdv_store(base, k0 + kq + 2u * KB, end, ct, k2a * sc, k2b * sc, v2, w2);
+  dkdv_store(base, k0 + kq + 3u * KB, end, ct, k3a * sc, k3b * sc, v3, w3);
+}
+
+fn cache_rows() -> u32 {  // rows of D4 vec4s in one [B, KVH, S, D4] cache-shaped buffer
+  return p.batch * p.kv_heads * p.max_len;
+}
+
+// dkdv_sum: one invocation a vec4 of DK and DV (a 2-D grid of 256-wide workgroups), at this
+// pass's key positions only, as dkdv writes them.
+@compute @workgroup_size(256)
+fn dkdv_sum(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+  let n = cache_rows() * D4;
+  let i = gid.y * nwg.x * 256u + gid.x;
+  let j = (i / D4) % p.max_len;
+  let pos = STEP[0];
+  if (i >= n || j < pos || j >= min(pos + p.tokens, p.max_len)) { return; }
+  var k = vec4<f32>(0.0);
+  var v = vec4<f32>(0.0);
+  for (var s = 0u; s < SPLITS; s++) {
+    k += DK_PART[s * n + i];
+    v += DV_PART[s * n + i];
+  }
+  DK[i] = k;
+  DV[i] = v;
 }
 
 fn dkdv_store(kvbase: u32, j: u32, end: u32, ct: u32, ka: vec4<f32>, kb: vec4<f32>, va: vec4<f32>, vb: vec4<f32>) {
   if (j >= end) { return; }
-  let base = (kvbase + j) * D4;
+  let base = (kvbase + j) * D4;  // kvbase: the first row of (b, g) in the split's slice
   if (ct < D4) { DK[base + ct] = ka; DV[base + ct] = va; }
   if (ct + CT < D4) { DK[base + ct + CT] = kb; DV[base + ct + CT] = vb; }
 }

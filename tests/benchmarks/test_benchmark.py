@@ -149,5 +149,7 @@ def test_launch_benchmark_times_every_kernel_shape(tmp_path):
     launches.main(["--small", "--out", str(tmp_path), "--repeats", "2"])
     result = json.loads((tmp_path / "launches.json").read_text())["bounds"]
     assert {"copy", "norm_qv_lora_subgroups", "norm_qv_lora_barriers", "gemv_down_lanes32"} <= set(result)
-    assert sum(key.endswith("_chosen") for key in result) == len(launches.SHAPES["small"][-1])
+    # one chosen split count per decode attention length, and one for the attention backward
+    assert sum(key.endswith("_chosen") for key in result) == len(launches.SHAPES["small"][-1]) + 1
+    assert sum(key.startswith("attention_backward_") and key.endswith("_chosen") for key in result) == 1
     assert all(v > 0 for v in result.values())

@@ -24,7 +24,7 @@ import torch
 from torch_wgpu_lora.engine.kernels import STEP_POS
 from torch_wgpu_lora.engine.kernels.attention import (_BACKWARD_TILES, BackwardTile, attention_backward_launches,
                                                       attention_backward_reference, attention_launches,
-                                                      attention_reference, backward_tile)
+                                                      attention_reference, backward_tile, dkdv_splits)
 from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, write
 
 from .helpers import assert_close
@@ -68,7 +68,7 @@ def nan_fill(buf: Buffer) -> None:
 class Backward:
     """One plan: the forward (prefill, with lse) then the backward, recorded together."""
 
-    def __init__(self, batch, tokens, heads, kv_heads, head_dim, max_len, tile=None):
+    def __init__(self, batch, tokens, heads, kv_heads, head_dim, max_len, tile=None, splits=None):
         self.shape = dict(batch=batch, tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                           max_len=max_len)
         rows, cache = (batch * tokens, heads * head_dim), (batch, kv_heads, max_len, head_dim)
@@ -82,7 +82,7 @@ class Backward:
                                            lse=self.lse, **self.shape)
         self.launches += attention_backward_launches(self.q, self.k, self.v, self.out, self.lse, self.d_out, self.d_q,
                                                      self.d_k, self.d_v, self.step, self.lengths, scale=scale,
-                                                     tile=tile, **self.shape)
+                                                     tile=tile, splits=splits, **self.shape)
 
     def run(self, q, k, v, d_out, pos, lengths):
         write(self.q, np.ascontiguousarray(q.float().numpy()))
@@ -127,8 +127,9 @@ def check(plan: Backward, pos, lengths, seed=0) -> float:
     return max(errors)
 
 
-def check_once(batch, tokens, heads, kv_heads, head_dim, pos, lengths, *, seed=0, max_len=None, tile=None) -> float:
-    plan = Backward(batch, tokens, heads, kv_heads, head_dim, max_len or pos + tokens, tile=tile)
+def check_once(batch, tokens, heads, kv_heads, head_dim, pos, lengths, *, seed=0, max_len=None, tile=None,
+               splits=None) -> float:
+    plan = Backward(batch, tokens, heads, kv_heads, head_dim, max_len or pos + tokens, tile=tile, splits=splits)
     return check(plan, pos, lengths, seed)
 
 
@@ -165,6 +166,24 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_backward_matches_autograd(case):
     check_once(*CASES[case])
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("case", ["bitnet_heads_d128", "after_prefix_gqa4_d20"])
+def test_dkdv_split_over_query_tiles(case, splits):
+    # each key block's query tiles cut into ranges summed by dkdv_sum: uneven (3) and more ranges
+    # than some blocks have tiles (8: empty ranges write zeros), after a cache prefix too
+    check_once(*CASES[case], splits=splits)
+
+
+def test_dkdv_splits_fill_a_gpu_and_leave_a_cpu_alone():
+    class Adapter:
+        def __init__(self, is_cpu):
+            self.is_cpu = is_cpu
+    assert dkdv_splits(32 * 5, Adapter(False)) == 4  # BitNet-2B at seq 512: 160 workgroups → 640
+    assert dkdv_splits(4096, Adapter(False)) == 1
+    assert dkdv_splits(1, Adapter(False)) == 8
+    assert dkdv_splits(1, Adapter(True)) == 1
 
 
 def test_every_tile_that_fits_the_adapter():

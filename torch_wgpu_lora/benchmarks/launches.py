@@ -10,7 +10,9 @@ engine's kernel choices.
   picks one), and with decoding's fusions (``_norm``: normalising its own input; ``qkv_rope``:
   rotating into the cache), against ``rope``, the launch the epilogue replaces;
 * ``attention_*``: decode attention over a full cache of each length, per key-split count
-  (``decode_splits`` picks one).
+  (``decode_splits`` picks one);
+* ``attention_backward_*``: a training step's attention backward of one layer, per count of
+  ranges dkdv cuts a key block's query tiles into (``dkdv_splits`` picks one).
 
 ``python -m torch_wgpu_lora.benchmarks.launches --out DIR [--checks bounds,full] [--small]``
 writes ``launches.json``.
@@ -26,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from ..engine.kernels import STEP_POS
-from ..engine.kernels.attention import attention_launches, decode_splits
+from ..engine.kernels.attention import (attention_backward_launches, attention_launches, backward_tile,
+                                       decode_splits, dkdv_splits)
 from ..engine.kernels.bitlinear import bitlinear_launch, gemv_normalises
 from ..engine.kernels.norm import rmsnorm_launch
 from ..engine.kernels.rope import RopeTarget, rope_launch
@@ -130,6 +133,20 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
                                           kv_heads=kv_heads, head_dim=head_dim, max_len=n, scale=head_dim ** -0.5,
                                           decode=True, splits=splits)
             out[f"attention_{n}_splits{splits}" + ("_chosen" if splits == chosen else "")] = timed(launches)
+    # the attention backward of a training step at seq 512 (the heads of a layer), per dkdv split count
+    seq = 512 if shape == "bitnet-2b" else 64
+    rows, cache = floats(seq, heads * head_dim), (1, kv_heads, seq, head_dim)
+    step = upload(np.zeros(4, np.uint32))
+    valid = upload(np.array([seq], np.uint32))
+    lse = upload(rng.random((seq, heads)).astype(np.float32) + 5.0)
+    chosen = dkdv_splits(-(-seq // backward_tile(head_dim, device).fixed) * kv_heads, device)
+    for splits in sorted({1, 2, 4, 8, chosen}):
+        launches = attention_backward_launches(rows, floats(*cache), floats(*cache), floats(seq, heads * head_dim), lse,
+                                               floats(seq, heads * head_dim), Buffer((seq, heads * head_dim)),
+                                               Buffer(cache), Buffer(cache), step, valid, batch=1, tokens=seq,
+                                               heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_len=seq,
+                                               scale=head_dim ** -0.5, splits=splits)
+        out[f"attention_backward_{seq}_splits{splits}" + ("_chosen" if splits == chosen else "")] = timed(launches)
     return out
 
 

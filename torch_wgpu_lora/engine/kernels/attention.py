@@ -317,7 +317,8 @@ def backward_tile(head_dim: int, device: Device | None = None) -> BackwardTile:
 def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, lse: Buffer, d_out: Buffer,
                                 d_q: Buffer, d_k: Buffer, d_v: Buffer, step: Buffer, lengths: Buffer, *, batch: int,
                                 tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int, scale: float,
-                                device: Device | None = None, tile: BackwardTile | None = None) -> list[Launch]:
+                                device: Device | None = None, tile: BackwardTile | None = None,
+                                splits: int | None = None) -> list[Launch]:
     """The launches of one attention backward (flash-attention-2 style), to record in order.
 
     Inputs in the forward's layouts: ``q``, ``out`` (the forward's output) and ``d_out`` f32
@@ -331,11 +332,13 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
     query of the pass (zero where no query attends, e.g. positions >= lengths[b]). Gradients of
     cache keys before ``pos`` are not computed.
 
-    Three launches: ``row_dot`` (D = rowsum(dO * O), into a scratch buffer allocated here and
+    Three launches (four with splits): ``row_dot`` (D = rowsum(dO * O), into a scratch buffer allocated here and
     kept alive by the launches), ``dq`` (a workgroup per block of ``tile.fixed`` (query, head)
     rows of a KV head, looping over key tiles) and ``dkdv`` (a workgroup per block of
     ``tile.fixed`` keys of a KV head, looping over every query tile of the group's heads that
-    sees it: no atomics). ``tile`` overrides the chosen tile (tests).
+    sees it: no atomics), cut into ``splits`` ranges of query tiles (``dkdv_splits`` by default),
+    whose partial sums a fourth launch, ``dkdv_sum``, adds up. ``tile`` and ``splits`` override
+    the chosen ones (tests, benchmarks).
     """
     device = device or get_device()
     if head_dim % 4 or head_dim <= 0:
@@ -360,18 +363,54 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
     rd = Buffer((rows_total,), "f32", device)
     lanes_per_row, row_threads = 8, 256
     row_dot = kernel(BACKWARD_FILE, "row_dot", device, D4=d4, R=group, RL=lanes_per_row, RW=row_threads)
-    blocks = -(-rows_total // (row_threads // lanes_per_row))
     limit = device.max_workgroups
+
+    def grid(workgroups: int) -> tuple[int, int, int]:  # a 1-D count as a 2-D grid within the limit
+        return min(workgroups, limit), -(-workgroups // limit), 1
+
     ct = tile.column_threads(head_dim)
+    key_blocks = -(-tokens // tile.fixed)
+    splits = splits or dkdv_splits(key_blocks * kv_heads * batch, device)
     shape = dict(D4=d4, R=group, KL=tile.lanes, CT=ct, NT=tile.threads(head_dim))
     dq = kernel(BACKWARD_FILE, "dq", device, BQ=tile.fixed, BK=tile.looped, **shape)
-    dkdv = kernel(BACKWARD_FILE, "dkdv", device, BQ=tile.looped, BK=tile.fixed, **shape)
+    dkdv = kernel(BACKWARD_FILE, "dkdv", device, BQ=tile.looped, BK=tile.fixed, SPLITS=splits, **shape)
     common = {1: step, 2: lengths, 3: q, 4: k_cache, 5: v_cache, 6: d_out, 7: lse, 8: rd}
-    return [
-        Launch.build(row_dot, (min(blocks, limit), -(-blocks // limit), 1), {6: d_out, 12: out, 13: rd}, params),
+    launches = [
+        Launch.build(row_dot, grid(-(-rows_total // (row_threads // lanes_per_row))), {6: d_out, 12: out, 13: rd},
+                     params),
         Launch.build(dq, (-(-tokens * group // tile.fixed), kv_heads, batch), {**common, 9: d_q}, params),
-        Launch.build(dkdv, (-(-tokens // tile.fixed), kv_heads, batch), {**common, 10: d_k, 11: d_v}, params),
     ]
+    if splits == 1:
+        return launches + [Launch.build(dkdv, (key_blocks, kv_heads, batch), {**common, 10: d_k, 11: d_v}, params)]
+    # each split's partial dK, dV in a slice of device-owned scratch (one per size: the layers of a
+    # step run one after another), then summed into d_k, d_v
+    size = batch * kv_heads * max_len * head_dim
+    parts = device.owned(f"attention_dkdv_partials_{splits}x{size}",
+                         lambda: (Buffer((splits * size,), "f32", device), Buffer((splits * size,), "f32", device)))
+    total = kernel(BACKWARD_FILE, "dkdv_sum", device, D4=d4, SPLITS=splits)
+    return launches + [
+        Launch.build(dkdv, (key_blocks, kv_heads, batch * splits), {**common, 10: parts[0], 11: parts[1]}, params),
+        Launch.build(total, grid(-(-size // (4 * 256))), {1: step, 10: d_k, 11: d_v, 14: parts[0], 15: parts[1]},
+                     params),
+    ]
+
+
+DKDV_WORKGROUPS = 512  # dkdv: workgroups to aim at on a GPU (see dkdv_splits)
+
+
+def dkdv_splits(workgroups: int, device: Device) -> int:
+    """Into how many ranges of query tiles ``dkdv`` cuts each key block's work: on a GPU, the
+    fewest (a power of two, at most 8) that give about DKDV_WORKGROUPS workgroups; 1 on a CPU
+    adapter, whose few cores the unsplit grid already fills.
+
+    >>> # dkdv_splits(32 * 5, device)  # BitNet-2B at seq 512 (32 key blocks × 5 KV heads): 4
+    """
+    if device.is_cpu:
+        return 1
+    splits = 1
+    while splits < 8 and workgroups * splits < DKDV_WORKGROUPS:
+        splits *= 2
+    return splits
 
 
 def attention_backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
