@@ -17,6 +17,7 @@ struct Params {
   rank: u32,        // rows of A (0: no LoRA)
   h_stride: u32,    // floats per row of H
   eps: f32,
+  rank_chunk: u32,  // rmsnorm_rows: LoRA ranks an invocation computes
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -137,7 +138,13 @@ fn store_h(n: u32, j: u32, v: vec4<f32>, t: u32) {
 // The same, one row per invocation with no barriers: for CPU adapters (lavapipe runs a
 // workgroup's invocations as SIMD lanes, where many small barrier-separated steps cost more than
 // a serial loop over a row), many rows and short ones. The arithmetic is the workgroup kernel's,
-// element for element; only the order of the sums differs.
+// element for element; only the order of the sums differs. The LoRA ranks are split over the
+// grid's y (ranks rank_chunk·y ..; y = 0 also normalises and quantises): on lavapipe (Mesa
+// 22.3.6) an invocation that walked every rank itself returned a wrong last rank once ranks ×
+// features passed about 49,000-61,000 (the tail of A's last row read as zeros; e.g. 6,912
+// features × 8 ranks, BitNet-2B's down_proj at r=8), and with rows of 40,000 features even one
+// rank; cause not found. rmsnorm_launch keeps an invocation's share at ROWS_MAX_STEPS (16,384,
+// checked on lavapipe) and gives longer rows to the workgroup kernel.
 @compute @workgroup_size(64)
 fn rmsnorm_rows(@builtin(global_invocation_id) gid: vec3<u32>) {
   let n = gid.x;
@@ -147,6 +154,13 @@ fn rmsnorm_rows(@builtin(global_invocation_id) gid: vec3<u32>) {
   var ss = 0.0;
   for (var k = 0u; k < p.k; k++) { let v = X[row + k]; ss += v * v; }
   let r = inverseSqrt(ss / f32(p.k) + p.eps);
+  let first = gid.y * p.rank_chunk;
+  for (var j = first; j < min(first + p.rank_chunk, p.rank); j++) {
+    var acc = 0.0;
+    for (var k = 0u; k < p.k; k++) { acc += G[k] * (X[row + k] * r) * A[j * p.stride + k]; }
+    H[n * p.h_stride + j] = acc;
+  }
+  if (gid.y != 0u) { return; }
   var m = 0.0;
   for (var k = 0u; k < p.stride; k++) {
     var y = 0.0;
@@ -169,10 +183,5 @@ fn rmsnorm_rows(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
     XM[n] = s;
     XM[p.tokens + n] = bitcast<f32>(total);
-  }
-  for (var j = 0u; j < p.rank; j++) {
-    var acc = 0.0;
-    for (var k = 0u; k < p.k; k++) { acc += G[k] * (X[row + k] * r) * A[j * p.stride + k]; }
-    H[n * p.h_stride + j] = acc;
   }
 }

@@ -12,6 +12,10 @@ from ...runtime import Buffer, Device, Launch, get_device, kernel
 from .bitlinear import dummy
 
 
+# rmsnorm_rows: the most features, and LoRA rank × feature steps, one invocation takes (norm.wgsl says why)
+ROWS_MAX_STEPS = 16384
+
+
 def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: int, eps: float,
                    codes: Buffer | None = None, meta: Buffer | None = None, lora_a: Buffer | None = None,
                    h: Buffer | None = None, rank: int = 0, rstd: Buffer | None = None, per_row: bool | None = None,
@@ -22,14 +26,18 @@ def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: in
     with ``rank`` > 0 it writes ``h = y·Aᵀ`` into the first ``rank`` columns of ``h`` ([tokens, ≥ rank])
     from ``lora_a`` [rank, stride]; with
     ``rstd`` it keeps 1/rms per token. ``per_row``: one invocation a row (no barriers; the default on
-    CPU adapters) rather than a workgroup a row (the default on GPUs)."""
+    CPU adapters, for rows of up to ``ROWS_MAX_STEPS`` features) rather than a workgroup a row (the
+    default on GPUs)."""
     device = device or get_device()
     stride = out.shape[-1]
     if stride % 64 or stride < k or x.shape[-1] < k:
         raise ValueError(f"out rows must hold k={k} padded to a multiple of 64, x rows at least k: x {x.shape}, "
                          f"out {out.shape}")
     quant = codes is not None
-    rows = device.is_cpu if per_row is None else per_row
+    rows = device.is_cpu and k <= ROWS_MAX_STEPS if per_row is None else per_row
+    if rows and k > ROWS_MAX_STEPS:
+        raise ValueError(f"rows of {k} features are too long for the invocation-a-row kernel (at most "
+                         f"{ROWS_MAX_STEPS}); use per_row=False")
     if rows:
         kern = kernel("norm.wgsl", "rmsnorm_rows", device, QUANT=quant, SAVE=rstd is not None)
     else:  # an invocation holds up to 8 words of 4 features: 256 invocations up to 8192 features
@@ -40,8 +48,10 @@ def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: in
     buffers = {1: x, 2: weight, 3: out, 4: codes or dummy(device, "codes"), 5: meta or dummy(device, "meta"),
                6 if rows else 9: lora_a or dummy(device), 7: h or dummy(device, "h"), 8: rstd or dummy(device, "rstd")}
     h_stride = h.shape[-1] if h is not None else 0
-    grid = (-(-tokens // 64), 1, 1) if rows else (tokens, 1, 1)
-    return Launch.build(kern, grid, buffers, (tokens, k, x.shape[-1], stride, stride // 4, rank, h_stride, eps))
+    chunk = max(1, ROWS_MAX_STEPS // k)  # rmsnorm_rows: LoRA ranks an invocation computes
+    grid = (-(-tokens // 64), max(1, -(-rank // chunk)), 1) if rows else (tokens, 1, 1)
+    return Launch.build(kern, grid, buffers, (tokens, k, x.shape[-1], stride, stride // 4, rank, h_stride, eps,
+                                              chunk))
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,9 +70,10 @@ def rmsnorm_backward_launch(dy: Buffer, x: Buffer, rstd: Buffer, weight: Buffer,
                             accumulate: bool = False, per_row: bool | None = None,
                             device: Device | None = None) -> Launch:
     """The input gradient of ``rmsnorm`` from its saved 1/rms (``norm_backward.wgsl``), stored or
-    added into ``out`` (a residual stream's gradient). ``per_row`` as ``rmsnorm_launch``'s."""
+    added into ``out`` (a residual stream's gradient). ``per_row`` as ``rmsnorm_launch``'s (its default too:
+    rows of up to ``ROWS_MAX_STEPS`` features on CPU adapters)."""
     device = device or get_device()
-    rows = device.is_cpu if per_row is None else per_row
+    rows = device.is_cpu and k <= ROWS_MAX_STEPS if per_row is None else per_row
     kern = kernel("norm_backward.wgsl", "rmsnorm_backward_rows" if rows else "rmsnorm_backward", device)
     return Launch.build(kern, (-(-tokens // 64) if rows else tokens, 1, 1), (dy, x, rstd, weight, out),
                         (tokens, k, dy.shape[-1], x.shape[-1], out.shape[-1], int(accumulate)))
