@@ -119,7 +119,7 @@ fn value(n: u32, j: u32, exact: i32, s: f32) -> f32 {
 // @include _quantise.wgsl
 
 var<workgroup> partial: array<i32, WG>;
-var<workgroup> xq: array<vec4<u32>, ROW_VECS * 4u>;  // NORM: the token's codes
+var<workgroup> xq: array<vec4<u32>, ROW_VECS * 4u>;  // gemv: the token's codes
 
 const NORM_WORDS: u32 = 8u;  // NORM: 4-feature words an invocation holds
 
@@ -177,9 +177,10 @@ fn normalise(t: u32, n: u32, first: bool) -> f32 {
   return s;
 }
 
-fn codes(n: u32, c: u32) -> vec4<u32> {  // the token's 16 codes at vec4 word c
-  if (NORM) { return xq[c]; }
-  return XQ[n * p.k_words + c];
+// Token n's codes into xq, from XQ (the rows a norm launch wrote).
+fn load_codes(t: u32, n: u32) {
+  for (var c = t; c < ROW_VECS * 4u; c += WG) { xq[c] = XQ[n * p.k_words + c]; }
+  workgroupBarrier();
 }
 
 // MODE 3: the grid's row g → its weight row; rotation partners d, d + D/2 of a head at g, g + 1.
@@ -226,6 +227,8 @@ fn lanes_sum(first: u32) -> i32 {
   return s;
 }
 
+const ROW_LOADS_MAX: u32 = 16u;  // vec4 words of a row a thread loads: ROW_VECS ≤ 16 · LANES
+
 @compute @workgroup_size(WG)
 fn gemv(inv: Invocation) {
   enter(inv);
@@ -233,25 +236,30 @@ fn gemv(inv: Invocation) {
   let lane = t % LANES;
   let r = t / LANES;
   let n = inv.wg.y;
-  var s: f32;
-  if (NORM) { s = normalise(t, n, inv.wg.x == 0u); } else { s = XM[n]; }
   let g = inv.wg.x * ROWS + r;  // the grid's row (MODE 3 reorders the weight rows)
   let j = qkv_row(min(g, p.rows - 1u));  // rows past the edge repeat the last one; not stored
-  // The epilogue's other inputs (row scales, LoRA terms of this row and, for pairs, the next),
-  // loaded before the weights so that their latency hides behind the stream's.
+  // The thread's share of the weights first, into registers (the loop's trip count is a pipeline
+  // constant: unrolled, every load in flight at once); the codes' staging or the norm prologue
+  // and the epilogue's loads (row scales, LoRA terms of this row and, for pairs, the next)
+  // overlap the stream.
+  let row = j * ROW_VECS;
+  let loads = (ROW_VECS + LANES - 1u) / LANES;
+  var wv: array<vec4<u32>, ROW_LOADS_MAX>;
+  for (var i = 0u; i < loads; i++) { wv[i] = W4[row + min(lane + LANES * i, ROW_VECS - 1u)]; }
   let j2 = qkv_row(min(g + 1u, p.rows - 1u));
   let ws = vec2<f32>(WS[j], WS[j2]);
   var extra = vec2<f32>(0.0);
   if (p.segments > 0u && lane == 0u) { extra = vec2<f32>(lora(n, j), select(0.0, lora(n, j2), MODE >= 2u)); }
-  let row = j * ROW_VECS;
+  var s: f32;
+  if (NORM) { s = normalise(t, n, inv.wg.x == 0u); } else { s = XM[n]; load_codes(t, n); }
   var acc = 0i;
-  for (var i = 0u; i < (ROW_VECS + LANES - 1u) / LANES; i++) {
+  for (var i = 0u; i < loads; i++) {
     let u = lane + LANES * i;
     if (u < ROW_VECS) {
-      let w = W4[row + u];
+      let w = wv[i];
       let c = 4u * u;
-      acc += dot16(codes(n, c), spread_signed(w.x)) + dot16(codes(n, c + 1u), spread_signed(w.y))
-           + dot16(codes(n, c + 2u), spread_signed(w.z)) + dot16(codes(n, c + 3u), spread_signed(w.w));
+      acc += dot16(xq[c], spread_signed(w.x)) + dot16(xq[c + 1u], spread_signed(w.y))
+           + dot16(xq[c + 2u], spread_signed(w.z)) + dot16(xq[c + 3u], spread_signed(w.w));
     }
   }
   partial[t] = acc;

@@ -1,4 +1,5 @@
-// RMSNorm of one row per workgroup, in transformers' order of operations,
+// RMSNorm of one row per workgroup (and the row's LoRA ranks, four per workgroup), in
+// transformers' order of operations,
 //   r = 1 / sqrt(mean(x²) + eps),  y = g · (x · r),
 // written to XN (rows padded with zeros to the stride), and with QUANT the per-token absmax
 // int8 codes BitLinear's activation quantisation makes of y:
@@ -54,37 +55,53 @@ fn lora_a(row: u32, w: u32) -> mat4x4<f32> {  // columns: rows row.. of A at fea
   return mat4x4<f32>(a_row(row, w), a_row(row + 1u, w), a_row(row + 2u, w), a_row(row + 3u, w));
 }
 
+// The grid's y splits the work: workgroup 0 of a row normalises it (XN, codes, meta, RS) and
+// workgroup j ≥ 1 computes the LoRA ranks 4(j − 1).. of H, normalising the row too (the same
+// operations: the same y). A row's loads (X, G and the workgroup's rows of A) are issued together,
+// before the first reduction: one wait on memory, and the ranks' reads spread over workgroups.
 @compute @workgroup_size(WG)
 fn rmsnorm(inv: Invocation) {
   enter(inv);
   let t = inv.t;
-  let wg = inv.wg;
-  let n = wg.x;
+  let n = inv.wg.x;
+  let ranks = 4u * (inv.wg.y - 1u);  // workgroups y ≥ 1: their first rank
   let row = n * p.x_stride;
   let out = n * STRIDE;
   let row_words = STRIDE / 4u;
   let words = (row_words + WG - 1u) / WG;
   var y: array<vec4<f32>, MAX_WORDS>;
+  var g: array<vec4<f32>, MAX_WORDS>;
+  var a: array<mat4x4<f32>, MAX_WORDS>;
   var ss = 0.0;
   for (var i = 0u; i < words; i++) {
     let k = 4u * (t + WG * i);
     var v = vec4<f32>(0.0);
+    var gk = vec4<f32>(0.0);
     for (var l = 0u; l < 4u; l++) {
-      if (k + l < K) { v[l] = X[row + k + l]; }
+      if (k + l < K) {
+        v[l] = X[row + k + l];
+        gk[l] = G[k + l];
+      }
     }
+    if (inv.wg.y > 0u) { a[i] = lora_a(ranks, min(t + WG * i, row_words - 1u)); }
     y[i] = v;
+    g[i] = gk;
     ss += dot(v, v);
   }
   let r = inverseSqrt(sum_all(t, ss) / f32(K) + p.eps);
+  if (inv.wg.y > 0u) {  // uniform: the whole workgroup computes its ranks of h and leaves
+    var acc = vec4<f32>(0.0);
+    for (var i = 0u; i < words; i++) {
+      if (t + WG * i < row_words) { acc += (g[i] * (y[i] * r)) * a[i]; }
+    }
+    store_h(n, ranks, sum_all4(t, acc), t);
+    return;
+  }
   var m = 0.0;
   for (var i = 0u; i < words; i++) {
     let w = t + WG * i;
     if (w < row_words) {
-      var g = vec4<f32>(0.0);
-      for (var l = 0u; l < 4u; l++) {
-        if (4u * w + l < K) { g[l] = G[4u * w + l]; }
-      }
-      let v = g * (y[i] * r);
+      let v = g[i] * (y[i] * r);
       y[i] = v;
       for (var l = 0u; l < 4u; l++) { XN[out + 4u * w + l] = v[l]; }
       m = max(m, absmax4(v));
@@ -107,24 +124,6 @@ fn rmsnorm(inv: Invocation) {
       XM[n] = s;
       XM[p.tokens + n] = bitcast<f32>(sum);
     }
-  }
-  // LoRA down-projections, 16 adapter ranks a pass: every load of the pass issued together,
-  // then four reductions.
-  for (var j = 0u; j < p.rank; j += 16u) {
-    var acc0 = vec4<f32>(0.0); var acc1 = vec4<f32>(0.0); var acc2 = vec4<f32>(0.0); var acc3 = vec4<f32>(0.0);
-    for (var i = 0u; i < words; i++) {
-      let w = t + WG * i;
-      if (w < row_words) {
-        acc0 += y[i] * lora_a(j, w);
-        acc1 += y[i] * lora_a(j + 4u, w);
-        acc2 += y[i] * lora_a(j + 8u, w);
-        acc3 += y[i] * lora_a(j + 12u, w);
-      }
-    }
-    store_h(n, j, sum_all4(t, acc0), t);
-    store_h(n, j + 4u, sum_all4(t, acc1), t);
-    store_h(n, j + 8u, sum_all4(t, acc2), t);
-    store_h(n, j + 12u, sum_all4(t, acc3), t);
   }
 }
 

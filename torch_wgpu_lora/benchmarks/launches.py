@@ -98,7 +98,7 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
         proj = Projection(words(rows, k // 16), upload(rng.random(rows).astype(np.float32) + 0.5), rows, k)
         codes, meta = words(1, k // 4), upload(np.ones(2, np.float32))
         result = Buffer((1, rows // 2 if mode == "gate_up" else rows), device=device)
-        for lanes in (4, 8, 16, 32):
+        for lanes in [n for n in (4, 8, 16, 32) if 64 * 16 * n >= k]:  # a thread loads at most 16 vec4 words a row
             out[f"gemv_{name}_lanes{lanes}"] = timed([bitlinear_launch(codes, meta, proj, result, tokens=1,
                                                                        out_stride=result.shape[1], mode=mode,
                                                                        gemv=True, lanes=lanes)])

@@ -22,6 +22,8 @@ from .rope import RopeTarget
 
 MODES = {"store": 0, "add": 1, "gate_up": 2, "rope": 3}
 GEMV_MAX_TOKENS = 4  # up to this many tokens, a gemv per token reads the weights no faster than gemm
+_ROW_LOADS_MAX = 16  # gemv: vec4 words of a weight row one thread holds (ROW_LOADS_MAX in bitlinear.wgsl)
+GEMV_MAX_FEATURES = 16384  # gemv's longest row: its codes staged in workgroup memory (16 KiB)
 GEMV_THREADS = 65536  # gemv: threads a launch aims at (measured on the H200 over LANES 4..32)
 
 
@@ -58,7 +60,9 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     k_words = proj.weight.shape[1]
     if codes.shape[-1] != 4 * k_words:
         raise ValueError(f"codes have {codes.shape[-1]} words per token; the weights need {4 * k_words}")
-    gemv = tokens <= GEMV_MAX_TOKENS if gemv is None else gemv
+    gemv = tokens <= GEMV_MAX_TOKENS and proj.k <= GEMV_MAX_FEATURES if gemv is None else gemv
+    if gemv and proj.k > GEMV_MAX_FEATURES:
+        raise ValueError(f"gemv takes rows of up to {GEMV_MAX_FEATURES} features, not {proj.k}")
     if (norm or rope) and not gemv:
         raise ValueError("norm and mode 'rope' are gemv's fusions (decoding: a few tokens)")
     if norm and not gemv_normalises(proj.k):
@@ -69,7 +73,10 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=aux is not None)
     x_stride, cache_len, tokens_per_seq = 0, 0, 1
     if gemv:  # the weights bound as vec4 words (binding 10); K is padded to 64, so rows are whole vec4s
-        lanes = lanes or gemv_lanes(proj.rows, normalises=norm is not None)
+        fewest = -(-k_words // (4 * _ROW_LOADS_MAX))
+        lanes = lanes or max(fewest, gemv_lanes(proj.rows, normalises=norm is not None))
+        if lanes < fewest:
+            raise ValueError(f"gemv: rows of {proj.k} features take at least {fewest} lanes, not {lanes}")
         constants.update(ROWS=128 // lanes, LANES=lanes, ROW_VECS=k_words // 4)
         grid = (-(-proj.rows // (128 // lanes)), tokens, 1)
         buffers.update({10: proj.weight, 11: pad, 12: pad, 13: dummy(device, "codes"), 14: dummy(device, "meta"),

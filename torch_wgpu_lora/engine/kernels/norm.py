@@ -49,7 +49,7 @@ def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: in
                6 if rows else 9: lora_a or dummy(device), 7: h or dummy(device, "h"), 8: rstd or dummy(device, "rstd")}
     h_stride = h.shape[-1] if h is not None else 0
     chunk = max(1, ROWS_MAX_STEPS // k)  # rmsnorm_rows: LoRA ranks an invocation computes
-    grid = (-(-tokens // 64), max(1, -(-rank // chunk)), 1) if rows else (tokens, 1, 1)
+    grid = (-(-tokens // 64), max(1, -(-rank // chunk)), 1) if rows else (tokens, 1 + -(-rank // 4), 1)
     return Launch.build(kern, grid, buffers, (tokens, k, x.shape[-1], stride, stride // 4, rank, h_stride, eps,
                                               chunk))
 
