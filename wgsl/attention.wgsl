@@ -24,7 +24,8 @@
 //   decode_partial  flash-decoding: one workgroup per (key split, 4-row block x KV head,
 //                   batch). The key range 0..n-1 of a block is cut into `splits` spans of
 //                   ceil(n / splits) keys (rounded up to a tile); a workgroup whose span
-//                   starts past n exits. Writes unnormalised partial sums and (max, sum).
+//                   starts past n writes neutral partials (zeros, (MASKED, 0)) and exits.
+//                   Writes unnormalised partial sums and (max, sum).
 //   decode_combine  merges the partials of each row: out = sum_s w_s acc_s / sum_s w_s l_s,
 //                   w_s = exp2(m_s - max_s m_s).
 
@@ -362,18 +363,28 @@ fn decode_partial(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id
   let n = block_keys(rb, b);
   let span = split_span(n);
   let kbeg = split * span;
-  if (kbeg >= n) { return; }  // uniform: the whole workgroup leaves
+  let rows_total = p.batch * p.tokens * p.kv_heads * R;
+  let row0 = 4u * rb;
+  if (kbeg >= n) {  // uniform: an empty span writes neutral partials (weight 0 when merged) and leaves
+    for (var idx = t; idx < 4u * D4; idx += DNT) {
+      if (row0 + idx / D4 < rows) { O[(split * rows_total + row_id(b, g, row0 + idx / D4)) * D4 + idx % D4] = vec4<f32>(0.0); }
+    }
+    if (t < 4u && row0 + t < rows) {
+      let at = 2u * (split * rows_total + row_id(b, g, row0 + t));
+      LSE[at] = MASKED;
+      LSE[at + 1u] = 0.0;
+    }
+    return;
+  }
   let kend = min(kbeg + span, n);
   let pos = STEP[0];
   let len = seq_len(b);
-  let row0 = 4u * rb;
   let lim = vec4<u32>(min(pos + min(row0, rows - 1u) / R, len - 1u),
                       min(pos + min(row0 + 1u, rows - 1u) / R, len - 1u),
                       min(pos + min(row0 + 2u, rows - 1u) / R, len - 1u),
                       min(pos + min(row0 + 3u, rows - 1u) / R, len - 1u));
   let kvbase = (b * p.kv_heads + g) * p.max_len;
   let qscale = p.scale * LOG2E;
-  let rows_total = p.batch * p.tokens * p.kv_heads * R;
 
   for (var idx = t; idx < 4u * D4; idx += DNT) {
     dQ[idx] = Q[row_id(b, g, min(row0 + idx / D4, rows - 1u)) * D4 + idx % D4] * qscale;
@@ -483,19 +494,13 @@ fn decode_combine(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id
   let rows_total = p.batch * p.tokens * heads;
   let row = wg.y * nwg.x + wg.x;
   if (row >= rows_total) { return; }
-  let h = row % heads;
-  let bt = row / heads;
-  let mg = (bt % p.tokens) * R + h % R;
-  let n = block_keys(mg / 4u, bt / p.tokens);
-  let span = split_span(n);
-  let nvalid = (n + span - 1u) / span;
   let lane = t / D4;
   let c = t % D4;
   if (lane < CL) {
     var mx = MASKED;
     var l = 0.0;
     var acc = vec4<f32>(0.0);
-    for (var sp = lane; sp < nvalid; sp += CL) {
+    for (var sp = lane; sp < p.splits; sp += CL) {
       let ml = PML[sp * rows_total + row];
       let m_new = max(mx, ml.x);
       let a = exp2(mx - m_new);

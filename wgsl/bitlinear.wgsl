@@ -28,7 +28,9 @@
 // * NORM: each workgroup makes its token's codes itself, from the float rows X (x_stride apart)
 //   and the norm's weight G: norm.wgsl's RMSNorm and quantisation, the same operations in the same
 //   order, into workgroup memory; the first workgroup of each token also writes them, and the
-//   meta, to XQW and XMW (as norm.wgsl writes XQ and XM: captures and tests read them).
+//   meta, to XQW and XMW (as norm.wgsl writes XQ and XM: captures and tests read them). With
+//   COMBINE the rows are attention's output, merged from its decode partials PO, PML as they are
+//   read (o_proj: no combine launch).
 // * MODE 3 (rope): the grid's rows are the weight rows in an order that puts each rotation's
 //   two partners (features d and d + D/2 of a q or k head) side by side, so one thread holds both:
 //   transformers' rotate_half rule with the COS/SIN tables at the token's position, rotated
@@ -70,6 +72,8 @@ struct Params {
 @group(0) @binding(17) var<storage, read> STEP: array<u32>;
 @group(0) @binding(18) var<storage, read_write> KC: array<f32>;
 @group(0) @binding(19) var<storage, read_write> VC: array<f32>;
+@group(0) @binding(20) var<storage, read> PO: array<vec4<f32>>;
+@group(0) @binding(21) var<storage, read> PML: array<vec2<f32>>;
 
 override MODE: u32 = 0u;
 override DIVIDE: bool = true;
@@ -81,7 +85,9 @@ override WG: u32 = ROWS * LANES;  // gemv's invocations (a multiple of 32)
 override NORM: bool = false;  // gemv: normalise and quantise the input first
 override K: u32 = 64u;        // NORM: the row's features (at most 4 · NORM_WORDS · WG)
 override EPS: f32 = 1e-5;     // NORM
-override HEADS: u32 = 1u;     // MODE 3: query heads, key/value heads, their width
+override COMBINE: bool = false;  // NORM: the rows are attention's output, merged from its decode partials
+override SPLITS: u32 = 1u;       // COMBINE: key spans of the partials
+override HEADS: u32 = 1u;     // MODE 3: query heads, key/value heads, their width (COMBINE: HEADS, HEAD_DIM)
 override KV_HEADS: u32 = 1u;
 override HEAD_DIM: u32 = 2u;
 
@@ -123,6 +129,26 @@ var<workgroup> xq: array<vec4<u32>, ROW_VECS * 4u>;  // gemv: the token's codes
 
 const NORM_WORDS: u32 = 8u;  // NORM: 4-feature words an invocation holds
 
+// COMBINE: features 4w.. of token n's row of attention's output (one head's), its key spans'
+// partials merged as attention.wgsl's decode_combine merges them: Σ_s w_s·o_s / Σ_s w_s·l_s with
+// w_s = exp2(m_s − max m) (an empty span's partials are (−1e30, 0) and zeros: weight 0).
+fn attention_out(n: u32, w: u32) -> vec4<f32> {
+  let rows = p.tokens * HEADS;
+  let row = n * HEADS + (4u * w) / HEAD_DIM;
+  let col = w % (HEAD_DIM / 4u);
+  var m = PML[row].x;
+  for (var s = 1u; s < SPLITS; s++) { m = max(m, PML[s * rows + row].x); }
+  var l = 0.0;
+  var acc = vec4<f32>(0.0);
+  for (var s = 0u; s < SPLITS; s++) {
+    let ml = PML[s * rows + row];
+    let weight = exp2(ml.x - m);
+    l += ml.y * weight;
+    acc += PO[(s * rows + row) * (HEAD_DIM / 4u) + col] * weight;
+  }
+  return acc / l;
+}
+
 // NORM: token n's codes into xq (and XQW, XMW from the token's first workgroup), as rmsnorm in
 // norm.wgsl makes them; returns s. The norm's weights are loaded with the row, so the prologue
 // waits on memory once.
@@ -137,10 +163,17 @@ fn normalise(t: u32, n: u32, first: bool) -> f32 {
     let k = 4u * (t + WG * i);
     var v = vec4<f32>(0.0);
     var gk = vec4<f32>(0.0);
-    for (var l = 0u; l < 4u; l++) {
-      if (k + l < K) {
-        v[l] = X[row + k + l];
-        gk[l] = G[k + l];
+    if (COMBINE) {
+      if (k < K) { v = attention_out(n, k / 4u); }  // K = HEADS · HEAD_DIM: whole words
+      for (var l = 0u; l < 4u; l++) {
+        if (k + l < K) { gk[l] = G[k + l]; }
+      }
+    } else {
+      for (var l = 0u; l < 4u; l++) {
+        if (k + l < K) {
+          v[l] = X[row + k + l];
+          gk[l] = G[k + l];
+        }
       }
     }
     y[i] = v;

@@ -285,6 +285,52 @@ def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
     assert not got_v[:, :, :pos].any() and not got_v[:, :, pos + T:].any()
 
 
+@pytest.mark.parametrize("length", [5, 70, 200])
+def test_gemv_normalises_attention_partials_merged_as_it_reads_them(length):
+    # o_proj's decode GEMV fed attention's decode partials over 4 key spans: at length 5 three
+    # are empty (their partials must weigh 0: the scratch starts as NaN), at 200 none is
+    from torch_wgpu_lora.engine.kernels.attention import attention_launches, attention_reference, decode_partials
+
+    batch, heads, kv_heads, d, max_len, rows = 2, 4, 2, 16, 256, 24
+    g = torch.Generator().manual_seed(length)
+    q = torch.randn(batch, heads * d, generator=g)
+    caches = [torch.randn(batch, kv_heads, max_len, d, generator=g) for _ in range(2)]
+    step = upload(np.array([length - 1, 0, 0, 0], np.uint32))
+    lengths = upload(np.array([length, max(1, length - 3)], np.uint32))
+    partials = decode_partials(batch, 1, heads, kv_heads, d, max_len, splits=4)
+    for buf in (partials.o, partials.ml):
+        write(buf, np.full(buf.shape, np.nan, np.float32))
+    attend = attention_launches(upload(q.numpy()), *(upload(c.numpy()) for c in caches), poisoned((batch, heads * d)),
+                                step, lengths, batch=batch, tokens=1, heads=heads, kv_heads=kv_heads, head_dim=d,
+                                max_len=max_len, scale=d ** -0.5, decode=True, partials=partials)
+    assert len(attend) == 1  # the partials' reader merges them: no combine launch
+    norm = _norm_module(heads * d, g)
+    values = torch.randint(-1, 2, (rows, heads * d), generator=g, dtype=torch.int8)
+    row_scales = torch.rand(rows, generator=g) + 0.5
+    codes, meta = poisoned((batch, heads * d // 4), "u32"), poisoned((2 * batch,))
+    out = poisoned((batch, rows))
+    project = bitlinear_launch(codes, meta, _projection(values, row_scales, True), out, tokens=batch, out_stride=rows,
+                               gemv=True, norm=(poisoned((batch, heads * d)), upload(norm.weight.detach().numpy()),
+                                                1e-5), attention=partials)
+    got, got_codes, got_meta = run(attend + [project], out, codes, meta)
+    attended, _ = attention_reference(q.double(), caches[0].double(), caches[1].double(), length - 1,
+                                      [length, max(1, length - 3)], heads, kv_heads, d ** -0.5)
+    with torch.no_grad():
+        y = norm(attended.float())  # transformers' module on the merged output (float32)
+    ours = torch.from_numpy(got_codes.numpy().view(np.int8).reshape(batch, -1).astype(np.int64))
+    scale = got_meta[:batch]
+    close(scale, quantise_reference(y)[1], 1e-5, "scales")  # the merge's rounding moves max|y| by ~1e-6
+    v = y.double() * scale.double()[:, None]
+    flips = ours != v.round().clamp(-128, 127)
+    # attention's float32 output differs from float64 torch by ~1e-6 relative: y·s by < 2e-3 code units
+    assert not (flips & ((v - v.floor() - 0.5).abs() >= 2e-3)).any()
+    assert flips.sum() <= 2 and (ours - v.round()).abs().max() <= 1
+    close(got, bitlinear_reference(ours, scale, values, row_scales, True), INT_RTOL, "projection of the merged codes")
+    with pytest.raises(ValueError, match="attention partials"):
+        bitlinear_launch(codes, meta, _projection(values, row_scales, True), out, tokens=batch, out_stride=rows,
+                         gemv=True, attention=partials)
+
+
 def test_gemv_fusions_refuse_what_they_cannot_do():
     g = torch.Generator().manual_seed(9)
     codes, scales, xq, xm = _codes(2, 64, g)

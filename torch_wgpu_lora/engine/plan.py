@@ -29,10 +29,11 @@ then the final norm and the LM head (over vocabulary chunks) for the positions a
 
 Decoding a ternary model (``decode``, a few tokens: the GEMV path) fuses launches, since a
 token is a chain of a few hundred dependent launches of a few µs each: the q/k/v GEMV rotates
-its output and writes the caches itself (no rope launch), and a GEMV whose site has no adapter
+its output and writes the caches itself (no rope launch), a GEMV whose site has no adapter
 normalises and quantises its own input (no norm launch; a site with adapters keeps its norm,
-which computes h, and so does a row too long for the GEMV to hold: ``gemv_normalises``).
-BitNet-2B with Q/V adapters: 8 launches a layer rather than 11.
+which computes h, and so does a row too long for the GEMV to hold: ``gemv_normalises``), and
+o_proj's GEMV that does so merges attention's key-span partials as it reads them (no combine
+launch). BitNet-2B with Q/V adapters: 7 launches a layer rather than 11.
 
 >>> # cache = KVCache(weights.config, batch=1, length=64); plan = ForwardPlan(weights, adapters, cache, tokens=16)
 >>> # rec = Recorder(); plan.record(rec); rec.submit()
@@ -47,7 +48,7 @@ from ..runtime import Buffer, Device, Launch, Recorder, write
 from .adapters import EngineAdapters, Site
 from .config import EngineConfig, pad
 from .kernels import STEP_POS, STEP_TOKEN_COUNT
-from .kernels.attention import attention_launches
+from .kernels.attention import DecodePartials, attention_launches, decode_partials
 from .kernels.bitlinear import GEMV_MAX_TOKENS, bitlinear_launch, gemv_normalises
 from .kernels.embedding import embedding_launches
 from .kernels.matmul import matmul_launch
@@ -159,12 +160,13 @@ class ForwardPlan:
                               rank=site.rank if lora else 0, device=self.device)
 
     def _project(self, proj: Projection, x: Buffer, codes: Buffer | None, out: Buffer, mode: str, site: Site,
-                 norm: tuple[Buffer, Buffer, float] | None = None, rope: RopeTarget | None = None) -> Launch:
+                 norm: tuple[Buffer, Buffer, float] | None = None, rope: RopeTarget | None = None,
+                 attention: DecodePartials | None = None) -> Launch:
         lora = (dict(h=self.h, lora_rank=self.h.shape[1], lora=site.table, lora_b=self.adapters.params,
                      segments=site.segments) if site.rank else {})
         if self.config.quantised:
             return bitlinear_launch(codes, self.meta, proj, out, tokens=self.rows, out_stride=out.shape[1], mode=mode,
-                                    norm=norm, rope=rope, device=self.device, **lora)
+                                    norm=norm, rope=rope, attention=attention, device=self.device, **lora)
         return matmul_launch(x, proj, out, tokens=self.rows, out_stride=out.shape[1], mode=mode,
                              bf16=self.weights.bf16, device=self.device, **lora)
 
@@ -176,16 +178,22 @@ class ForwardPlan:
         for index, layer in enumerate(w.layers):
             sites = self.adapters.sites[index]
 
+            def normalises(name: str, k: int) -> bool:
+                return fused and not sites[name].rank and gemv_normalises(k)
+
             def site(x: Buffer, weight: Buffer, name: str, xn: Buffer, codes: Buffer | None, k: int, proj: Projection,
-                     out: Buffer, mode: str, rope: RopeTarget | None = None) -> None:
-                """A projection and the norm of its input: one launch where the GEMV normalises, else two."""
-                norm = fused and not sites[name].rank and gemv_normalises(k)
+                     out: Buffer, mode: str, rope: RopeTarget | None = None,
+                     attention: DecodePartials | None = None) -> None:
+                """A projection and the norm of its input: one launch where the GEMV normalises (x, or
+                ``attention``'s partials merged), else two."""
+                norm = normalises(name, k)
                 if codes is not None:  # the next launch quantises: the norm, or the GEMV that normalises
                     self.quant_points.append((len(launches), index, name, codes, self.meta))
                 if not norm:
                     launches.append(self._norm(x, weight, sites[name], xn, codes, k))
                 launches.append(self._project(proj, xn, codes, out, mode, sites[name],
-                                              norm=(x, weight, c.rms_eps) if norm else None, rope=rope))
+                                              norm=(x, weight, c.rms_eps) if norm else None, rope=rope,
+                                              attention=attention if norm else None))
 
             target = RopeTarget(w.rope_cos, w.rope_sin, cache.step, cache.keys[index], cache.values[index], c.heads,
                                 c.kv_heads, c.head_dim, self.tokens)
@@ -193,11 +201,16 @@ class ForwardPlan:
                  self.q if fused else self.qkv, "rope" if fused else "store", target if fused else None)
             if not fused:
                 launches.append(rope_launch(self.qkv, self.q, target, tokens=self.rows, device=self.device))
+            # o_proj's GEMV that normalises its input merges attention's partials itself (no combine launch)
+            partials = (decode_partials(self.batch, self.tokens, c.heads, c.kv_heads, c.head_dim, cache.length,
+                                        self.device) if normalises("o", c.q_size) else None)
             launches += attention_launches(self.q, cache.keys[index], cache.values[index], self.attn, cache.step,
                                            cache.lengths, batch=self.batch, tokens=self.tokens, heads=c.heads,
                                            kv_heads=c.kv_heads, head_dim=c.head_dim, max_len=cache.length,
-                                           scale=c.head_dim ** -0.5, decode=decode, device=self.device)
-            site(self.attn, layer.attn_sub_norm, "o", self.xn, self.codes, c.q_size, layer.o, self.residual, "add")
+                                           scale=c.head_dim ** -0.5, decode=decode, device=self.device,
+                                           partials=partials)
+            site(self.attn, layer.attn_sub_norm, "o", self.xn, self.codes, c.q_size, layer.o, self.residual, "add",
+                 attention=partials)
             site(self.residual, layer.post_norm, "mlp", self.xn, self.codes, c.hidden, layer.gate_up, self.ffn,
                  "gate_up")
             site(self.ffn, layer.ffn_sub_norm, "down", self.ffn_xn, self.ffn_codes, c.intermediate, layer.down,

@@ -50,8 +50,8 @@ objects at every step:
   sees). So every split takes a share of the current length, instead of fixed slices of
   ``max_len`` where all but the first few workgroups would exit at short lengths, and no
   indirect dispatch or grid kernel is needed. Workgroups whose span starts past ``n`` (short
-  lengths, where tile rounding leaves spans empty) exit at once; the combine launch computes
-  the same spans from the same buffers and reads only the non-empty ones.
+  lengths, where tile rounding leaves spans empty) write neutral partials (zero sums, max
+  −1e30: weight 0) and exit, so a merge reads every span.
 
 Measured on an H200 through Vulkan, BitNet-2B heads (20 query, 5 KV, head_dim 128), one
 layer: prefill of 4096 tokens 6.8 ms (12.6 TFLOP/s) with shader checks off, 9.4 ms with
@@ -81,8 +81,9 @@ import torch
 
 from ...runtime import Buffer, Device, Launch, get_device, kernel
 
-__all__ = ["BackwardTile", "PrefillTile", "attention_backward_launches", "attention_backward_reference",
-           "attention_launches", "attention_reference", "backward_tile", "decode_splits", "prefill_tile"]
+__all__ = ["BackwardTile", "DecodePartials", "PrefillTile", "attention_backward_launches",
+           "attention_backward_reference", "attention_launches", "attention_reference", "backward_tile",
+           "decode_partials", "decode_splits", "prefill_tile"]
 
 FILE = "attention.wgsl"
 
@@ -147,6 +148,31 @@ def decode_splits(batch: int, kv_heads: int, row_blocks: int, max_len: int, devi
     return max(1, min(want, -(-max_len // _DECODE_KEYS)))
 
 
+@dataclass(frozen=True)
+class DecodePartials:
+    """What decode_partial writes for each of ``splits`` key spans: each row's unnormalised sums
+    ``o`` (f32 [splits, rows, head_dim]) and (max, sum) pairs ``ml`` (f32 [splits, rows, 2]), rows
+    in q's order (batch·tokens·heads; an empty span's are zeros and (−1e30, 0)). The combine launch
+    merges them, or a consumer of attention's output that merges them as it reads them
+    (``bitlinear_launch(attention=...)``: o_proj's GEMV)."""
+
+    o: Buffer
+    ml: Buffer
+    splits: int
+    heads: int
+    head_dim: int
+
+
+def decode_partials(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int,
+                    device: Device | None = None, splits: int | None = None) -> DecodePartials:
+    """The partials' buffers of a decode pass, with the split count ``decode_splits`` chooses."""
+    device = device or get_device()
+    splits = splits or decode_splits(batch, kv_heads, -(-tokens * (heads // kv_heads) // 4), max_len, device)
+    rows = batch * tokens * heads
+    return DecodePartials(Buffer((splits, rows, head_dim), "f32", device), Buffer((splits, rows, 2), "f32", device),
+                          splits, heads, head_dim)
+
+
 def _decode_shape(d4: int) -> dict[str, int]:
     """decode_partial's override constants: 256 threads (more for head_dim > 1024), 8 lanes per
     key in the score phase, 64-key tiles, and the PV phase's key lanes."""
@@ -165,7 +191,8 @@ def _check_size(name: str, buf: Buffer, numel: int) -> None:
 def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, step: Buffer, lengths: Buffer, *,
                        batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int, scale: float,
                        lse: Buffer | None = None, decode: bool = False, device: Device | None = None,
-                       tile: PrefillTile | None = None, splits: int | None = None) -> list[Launch]:
+                       tile: PrefillTile | None = None, splits: int | None = None,
+                       partials: DecodePartials | None = None) -> list[Launch]:
     """The launches of one attention call, to record in order at every step.
 
     ``q``/``out`` f32 ``[batch*tokens, heads*head_dim]``; ``k_cache``/``v_cache`` f32
@@ -175,8 +202,10 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
 
     ``decode=False``: one prefill launch (any ``tokens``). ``decode=True``: a partial launch
     and a combine launch (flash-decoding) for few tokens; its scratch buffers are allocated
-    here and kept alive by the launches. ``tile`` and ``splits`` override the chosen prefill
-    tile and the decode split count (tests and benchmarks).
+    here and kept alive by the launches, or given as ``partials`` (``decode_partials``), which
+    leaves out the combine launch: ``out`` is not written, the partials' reader merges them.
+    ``tile`` and ``splits`` override the chosen prefill tile and the decode split count (tests
+    and benchmarks).
 
     >>> # launches = attention_launches(q, kc, vc, out, step, lengths, batch=1, tokens=1, heads=20,
     >>> #                               kv_heads=5, head_dim=128, max_len=4096, scale=128 ** -0.5,
@@ -214,21 +243,25 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
 
     shape = _decode_shape(d4)
     blocks = -(-rows // 4)
-    splits = splits or decode_splits(batch, kv_heads, blocks, max_len, device)
-    rows_total = batch * tokens * heads
-    partial_o = Buffer((splits, rows_total, head_dim), "f32", device)
-    partial_ml = Buffer((splits, rows_total, 2), "f32", device)
+    merged = partials is None
+    if partials is None:
+        partials = decode_partials(batch, tokens, heads, kv_heads, head_dim, max_len, device, splits)
+    elif lse is not None or (partials.heads, partials.head_dim) != (heads, head_dim) or \
+            partials.o.numel < partials.splits * batch * tokens * heads * head_dim:
+        raise ValueError(f"attention: partials for {partials.heads} heads of {partials.head_dim} do not fit "
+                         f"{batch}×{tokens} rows of {heads} heads of {head_dim} (and give no lse)")
+    splits, rows_total = partials.splits, batch * tokens * heads
     params = (batch, tokens, kv_heads, max_len, splits, int(lse is not None), float(scale))
     part = kernel(FILE, "decode_partial", device, D4=d4, R=group, **shape)
-    cwg = max(64, 1 << (d4 - 1).bit_length())
-    combine = kernel(FILE, "decode_combine", device, D4=d4, R=group, CWG=cwg, CL=cwg // d4)
-    limit = device.max_workgroups
-    return [
-        Launch.build(part, (splits, kv_heads * blocks, batch), (step, lengths, q, k_cache, v_cache, partial_o, partial_ml),
-                     params),
-        Launch.build(combine, (min(rows_total, limit), -(-rows_total // limit), 1),
-                     (step, lengths, partial_o, partial_ml, out, lse_buf), params),
-    ]
+    launches = [Launch.build(part, (splits, kv_heads * blocks, batch),
+                             (step, lengths, q, k_cache, v_cache, partials.o, partials.ml), params)]
+    if merged:
+        cwg = max(64, 1 << (d4 - 1).bit_length())
+        combine = kernel(FILE, "decode_combine", device, D4=d4, R=group, CWG=cwg, CL=cwg // d4)
+        limit = device.max_workgroups
+        launches.append(Launch.build(combine, (min(rows_total, limit), -(-rows_total // limit), 1),
+                                     {3: partials.o, 4: partials.ml, 5: out, 6: lse_buf}, params))
+    return launches
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,

@@ -18,6 +18,7 @@ import torch
 
 from ...runtime import Buffer, Device, Launch, get_device, kernel
 from ..weights import Projection
+from .attention import DecodePartials
 from .rope import RopeTarget
 
 MODES = {"store": 0, "add": 1, "gate_up": 2, "rope": 3}
@@ -39,7 +40,7 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
                      lora: Buffer | None = None, lora_b: Buffer | None = None, segments: int = 0,
                      aux: Buffer | None = None, gemv: bool | None = None, lanes: int | None = None,
                      norm: tuple[Buffer, Buffer, float] | None = None, rope: RopeTarget | None = None,
-                     device: Device | None = None) -> Launch:
+                     attention: DecodePartials | None = None, device: Device | None = None) -> Launch:
     """One launch computing ``proj`` over ``tokens`` rows of activation codes into ``out``.
 
     ``codes``: u32 [tokens, k_words · 4] (``norm.rmsnorm_launch`` writes them), ``meta``: f32 [2 · tokens]
@@ -49,8 +50,10 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
 
     Decoding's fusions (``gemv`` only): ``norm`` = (x, weight, eps) normalises x's rows (f32 [tokens, ≥ k])
     with RMSNorm and quantises them inside the launch, writing ``codes`` and ``meta`` rather than
-    reading them (``gemv_normalises(k)`` says whether a row fits); mode ``"rope"`` rotates the fused
-    q/k/v rows: queries into ``out``, keys and values into ``rope``'s caches.
+    reading them (``gemv_normalises(k)`` says whether a row fits); with ``attention`` the rows it
+    normalises are attention's output, merged from these decode partials as they are read (norm's
+    x is then not read); mode ``"rope"`` rotates the fused q/k/v rows: queries into ``out``, keys
+    and values into ``rope``'s caches.
     """
     device = device or get_device()
     if mode not in MODES:
@@ -67,6 +70,9 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
         raise ValueError("norm and mode 'rope' are gemv's fusions (decoding: a few tokens)")
     if norm and not gemv_normalises(proj.k):
         raise ValueError(f"gemv normalises rows of up to {_NORM_FEATURES} features, not {proj.k}")
+    if attention and (not norm or attention.heads * attention.head_dim != proj.k or attention.head_dim % 4):
+        raise ValueError(f"attention partials of {attention.heads} heads of {attention.head_dim} feed a GEMV that "
+                         f"normalises rows of {proj.k} features (norm=...)")
     pad = dummy(device)
     buffers = {1: codes, 2: meta, 4: proj.scale, 5: out, 6: h or pad, 7: lora or pad, 8: lora_b or pad,
                9: aux or dummy(device, "aux")}
@@ -80,7 +86,8 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
         constants.update(ROWS=128 // lanes, LANES=lanes, ROW_VECS=k_words // 4)
         grid = (-(-proj.rows // (128 // lanes)), tokens, 1)
         buffers.update({10: proj.weight, 11: pad, 12: pad, 13: dummy(device, "codes"), 14: dummy(device, "meta"),
-                        15: pad, 16: pad, 17: pad, 18: dummy(device, "keys"), 19: dummy(device, "values")})
+                        15: pad, 16: pad, 17: pad, 18: dummy(device, "keys"), 19: dummy(device, "values"),
+                        20: pad, 21: pad})
     else:
         grid, buffers[3] = (-(-proj.rows // 64), -(-tokens // 64), 1), proj.weight
     if norm:
@@ -88,6 +95,10 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
         constants.update(NORM=True, K=proj.k, EPS=eps)
         buffers.update({1: pad, 2: pad, 11: x, 12: weight, 13: codes, 14: meta})
         x_stride = x.shape[-1]
+        if attention:
+            constants.update(COMBINE=True, SPLITS=attention.splits, HEADS=attention.heads,
+                             HEAD_DIM=attention.head_dim)
+            buffers.update({11: pad, 20: attention.o, 21: attention.ml})
     if rope:
         if proj.rows != (rope.heads + 2 * rope.kv_heads) * rope.head_dim:
             raise ValueError(f"mode 'rope' takes the fused q/k/v rows: {proj.rows} rows for {rope.heads} + 2 × "
