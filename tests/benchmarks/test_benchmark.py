@@ -153,3 +153,16 @@ def test_launch_benchmark_times_every_kernel_shape(tmp_path):
     assert sum(key.endswith("_chosen") for key in result) == len(launches.SHAPES["small"][-1]) + 1
     assert sum(key.startswith("attention_backward_") and key.endswith("_chosen") for key in result) == 1
     assert all(v > 0 for v in result.values())
+
+
+def test_decode_chain_accounts_for_every_launch_of_a_step(tmp_path):
+    from torch_wgpu_lora.benchmarks import decode_chain
+
+    decode_chain.main(["--small", "--layers", "2", "--out", str(tmp_path), "--repeats", "1"])
+    result = json.loads((tmp_path / "decode_chain.json").read_text())
+    kinds = result["kinds"]
+    assert sum(k["launches"] for k in kinds.values()) == result["dispatches"]
+    assert {"attention.wgsl:decode_partial", "embedding.wgsl:gather", "sampling.wgsl:greedy_final"} <= set(kinds)
+    assert "bitlinear.wgsl:gemv 512x256" in kinds  # the small model's fused q/k/v: 256 + 2 × 128 rows
+    assert result["token_us"] > 0 and result["copy_chain_us"] > 0
+    assert all(k["only_us"] > 0 and 0 < k["without_us"] for k in kinds.values())
