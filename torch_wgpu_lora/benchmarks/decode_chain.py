@@ -71,6 +71,7 @@ def measure(small: bool, layers: int, tokens: int = 8, repeats: int = 5, cache: 
     device = engine.device
     src, dst = upload(np.ones(256, np.float32)), Buffer((256,), device=device)
     copy = Launch.build(kernel("copy.wgsl", "copy", device), (1, 1, 1), (src, dst), (64,))
+    chain_us(launches, tokens, repeats)  # unmeasured: a GPU that was idle needs longer than two passes to clock up
     result: dict[str, Any] = {"adapter": device.name, "layers": layers, "hidden": config.hidden_size,
                               "dispatches": len(launches), "tokens_per_pass": tokens,
                               "token_us": chain_us(launches, tokens, repeats),
