@@ -89,19 +89,28 @@ fn store_quad(n: u32, k: u32, m: mat4x4<f32>) {
   store(n, k, m[0]); store(n + 1u, k, m[1]); store(n + 2u, k, m[2]); store(n + 3u, k, m[3]);
 }
 
+// The grid's z splits the rows j into ranges of whole steps (split-K: more workgroups for a long
+// sum over few tokens); the including file's store knows the range by `range`.
+var<private> range: u32;
+
 @compute @workgroup_size(128)
-fn gemm_tiled(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+fn gemm_tiled(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>,
+              @builtin(num_workgroups) groups: vec3<u32>) {
   let split = t / 64u;                    // sums rows 16·split.. of each step
   let own = (t % 64u) / 8u + 8u * split;  // token quad this thread stores
   let tk = t % 8u;                        // feature quads tk and tk + 8
   let n0 = wg.y * 64u;
   let k0 = wg.x * 64u;
+  range = wg.z;
+  let span = (p.rows + groups.z * STEP - 1u) / (groups.z * STEP) * STEP;
+  let first = wg.z * span;
+  let end = min(first + span, p.rows);
   var staged: Staged;
-  if (p.rows > 0u) { staged = fetch(t, n0, k0, 0u); }
-  for (var j0 = 0u; j0 < p.rows; j0 += STEP) {
+  if (first < end) { staged = fetch(t, n0, k0, first); }
+  for (var j0 = first; j0 < end; j0 += STEP) {
     stage(t, staged);
     workgroupBarrier();
-    if (j0 + STEP < p.rows) { staged = fetch(t, n0, k0, j0 + STEP); }
+    if (j0 + STEP < end) { staged = fetch(t, n0, k0, j0 + STEP); }
     // Unrolled by hand: a WGSL loop here would carry wgpu's loop-bound counter.
     let j = 16u * split;
     four_rows(j, own, tk); four_rows(j + 4u, own, tk); four_rows(j + 8u, own, tk); four_rows(j + 12u, own, tk);

@@ -31,6 +31,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> OUT: array<f32>;
 @group(0) @binding(5) var<storage, read> DH: array<f32>;
 @group(0) @binding(6) var<storage, read> LA: array<f32>;
+@group(0) @binding(7) var<storage, read_write> PART: array<f32>;  // SPLITS > 1: the ranges' raw sums
 
 override DIVIDE: bool = true;
 

@@ -38,9 +38,10 @@ def padded(x: torch.Tensor, width: int) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-range", "split-k"])  # 3 ranges: some empty at 8 and 40 rows
 @pytest.mark.parametrize("divide", [True, False])
 @pytest.mark.parametrize("tokens,rows,k", [(1, 8, 64), (37, 70, 100), (64, 96, 192), (130, 40, 2560)])
-def test_bitlinear_input_gradient_with_lora(divide, tokens, rows, k):
+def test_bitlinear_input_gradient_with_lora(divide, tokens, rows, k, splits):
     g = torch.Generator().manual_seed(tokens + rows + k)
     dy = torch.randn(tokens, rows, generator=g)
     values = torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8)
@@ -50,8 +51,11 @@ def test_bitlinear_input_gradient_with_lora(divide, tokens, rows, k):
     dh, A = torch.randn(tokens, rank, generator=g), torch.randn(rank, k, generator=g)
     base = torch.randn(tokens, pad(k, 64), generator=g)
     out = upload(base.numpy().copy())
-    (got,) = run([bitlinear_t_launch(upload(dy.numpy()), proj, out, tokens=tokens, k=k, accumulate=True,
-                                     dh=upload(dh.numpy()), lora_a=upload(padded(A, pad(k, 64))), lora_rank=rank)], out)
+    launches = bitlinear_t_launch(upload(dy.numpy()), proj, out, tokens=tokens, k=k, accumulate=True,
+                                  dh=upload(dh.numpy()), lora_a=upload(padded(A, pad(k, 64))), lora_rank=rank,
+                                  splits=splits)
+    assert len(launches) == (2 if splits > 1 else 1)
+    (got,) = run(launches, out)
     ref = base[:, :k].double() + bitlinear_t_reference(dy, values, scales, divide) + dh.double() @ A.double()
     close(got[:, :k], ref, RTOL, "dx")
     assert torch.equal(got[:, k:], base[:, k:])  # padding columns untouched
@@ -67,12 +71,13 @@ def test_matmul_input_gradient(bf16, tokens, rows, k):
         weight = weight.bfloat16()
     proj = Projection(upload(float_rows(weight, bf16)), None, rows, k)
     out = poisoned((tokens, pad(k, 64)))
-    (got,) = run([matmul_t_launch(upload(dy.numpy()), proj, out, tokens=tokens, k=k, bf16=bf16)], out)
+    (got,) = run([*matmul_t_launch(upload(dy.numpy()), proj, out, tokens=tokens, k=k, bf16=bf16)], out)
     close(got[:, :k], dy.double() @ weight.double(), RTOL, "dx")
 
 
+@pytest.mark.parametrize("splits", [1, 2], ids=["one-range", "split-k"])
 @pytest.mark.parametrize("bf16", [False, True])
-def test_matmul_input_gradient_of_a_vocabulary_chunk_adds_with_lora(bf16):
+def test_matmul_input_gradient_of_a_vocabulary_chunk_adds_with_lora(bf16, splits):
     # The LM head's use: columns [dy_col, dy_col + rows) of a wider dlogits, accumulated.
     g = torch.Generator().manual_seed(7)
     tokens, rows, k, dy_col, rank = 65, 96, 130, 13, 3
@@ -84,9 +89,9 @@ def test_matmul_input_gradient_of_a_vocabulary_chunk_adds_with_lora(bf16):
     dh, A = torch.randn(tokens, rank, generator=g), torch.randn(rank, k, generator=g)
     base = torch.randn(tokens, pad(k, 64), generator=g)
     out = upload(base.numpy().copy())
-    (got,) = run([matmul_t_launch(upload(dlogits.numpy()), proj, out, tokens=tokens, k=k, bf16=bf16, accumulate=True,
+    (got,) = run([*matmul_t_launch(upload(dlogits.numpy()), proj, out, tokens=tokens, k=k, bf16=bf16, accumulate=True,
                                   dy_col=dy_col, dh=upload(dh.numpy()), lora_a=upload(padded(A, pad(k, 64))),
-                                  lora_rank=rank)], out)
+                                  lora_rank=rank, splits=splits)], out)
     dy = dlogits[:, dy_col:dy_col + rows]
     ref = base[:, :k].double() + dy.double() @ weight.double() + dh.double() @ A.double()
     close(got[:, :k], ref, RTOL, "dx")

@@ -151,7 +151,7 @@ class TrainPlan:
         return matmul_launch(saved.xn, proj, out, tokens=self.rows, out_stride=out.shape[-1], mode=mode,
                              bf16=self.weights.bf16, aux=aux, gemv=False, device=self.device, **lora)
 
-    def _project_t(self, proj: Projection, dy: Buffer, out: Buffer, k: int, site: Site) -> Launch:
+    def _project_t(self, proj: Projection, dy: Buffer, out: Buffer, k: int, site: Site) -> list[Launch]:
         lora = dict(dh=self.dh, lora_a=site.a, lora_rank=site.rank) if site.rank else {}
         if self.config.quantised:
             return bitlinear_t_launch(dy, proj, out, tokens=self.rows, k=k, device=self.device, **lora)
@@ -219,9 +219,9 @@ class TrainPlan:
                                             device=d))
             begin = 0
             for i, (chunk, rows) in enumerate(zip(w.head, w.head_rows)):
-                out.append(matmul_t_launch(logits, Projection(chunk, None, rows, c.hidden),
-                                           self._rows_view(self.d_final, first, count), tokens=count, k=c.hidden,
-                                           bf16=w.bf16, accumulate=i > 0, dy_col=begin, device=d))
+                out += matmul_t_launch(logits, Projection(chunk, None, rows, c.hidden),
+                                       self._rows_view(self.d_final, first, count), tokens=count, k=c.hidden,
+                                       bf16=w.bf16, accumulate=i > 0, dy_col=begin, device=d)
                 begin += rows
         out.append(rmsnorm_backward_launch(self.d_final, self.resid_final, self.rstd_final, w.final_norm,
                                            self.d_resid, tokens=self.rows, k=c.hidden, device=d))
@@ -229,7 +229,7 @@ class TrainPlan:
             layer, sites, s = w.layers[index], a.sites[index], self.saved[index]
             out += self._adapter_grads(sites["down"], self.d_resid, s["down"])
             out += [
-                self._project_t(layer.down, self.d_resid, self.d_ffn_xn, c.intermediate, sites["down"]),
+                *self._project_t(layer.down, self.d_resid, self.d_ffn_xn, c.intermediate, sites["down"]),
                 rmsnorm_backward_launch(self.d_ffn_xn, s["ffn"], s["down"].rstd, layer.ffn_sub_norm, self.d_h,
                                         tokens=self.rows, k=c.intermediate, device=d),
                 relu2_backward_launch(self.d_h, s["pairs"], self.d_pairs, tokens=self.rows, features=c.intermediate,
@@ -237,13 +237,13 @@ class TrainPlan:
             ]
             out += self._adapter_grads(sites["mlp"], self.d_pairs, s["mlp"])
             out += [
-                self._project_t(layer.gate_up, self.d_pairs, self.d_xn, c.hidden, sites["mlp"]),
+                *self._project_t(layer.gate_up, self.d_pairs, self.d_xn, c.hidden, sites["mlp"]),
                 rmsnorm_backward_launch(self.d_xn, s["resid_mid"], s["mlp"].rstd, layer.post_norm, self.d_resid,
                                         tokens=self.rows, k=c.hidden, accumulate=True, device=d),
             ]
             out += self._adapter_grads(sites["o"], self.d_resid, s["o_site"])
             out += [
-                self._project_t(layer.o, self.d_resid, self.d_xn_o, c.q_size, sites["o"]),
+                *self._project_t(layer.o, self.d_resid, self.d_xn_o, c.q_size, sites["o"]),
                 rmsnorm_backward_launch(self.d_xn_o, s["o"], s["o_site"].rstd, layer.attn_sub_norm, self.d_o,
                                         tokens=self.rows, k=c.q_size, device=d),
                 *attention_backward_launches(s["q"], s["k"], s["v"], s["o"], s["lse"], self.d_o, self.d_q, self.d_k,
@@ -255,11 +255,12 @@ class TrainPlan:
                                      head_dim=c.head_dim, cache_len=self.tokens, device=d),
             ]
             out += self._adapter_grads(sites["attn"], self.d_qkv, s["attn"])
-            out += [
-                self._project_t(layer.qkv, self.d_qkv, self.d_xn, c.hidden, sites["attn"]),
-                rmsnorm_backward_launch(self.d_xn, s["resid_in"], s["attn"].rstd, layer.input_norm, self.d_resid,
-                                        tokens=self.rows, k=c.hidden, accumulate=True, device=d),
-            ]
+            if index > 0:  # below layer 0 the input gradient reaches no trainable parameter
+                out += [
+                    *self._project_t(layer.qkv, self.d_qkv, self.d_xn, c.hidden, sites["attn"]),
+                    rmsnorm_backward_launch(self.d_xn, s["resid_in"], s["attn"].rstd, layer.input_norm, self.d_resid,
+                                            tokens=self.rows, k=c.hidden, accumulate=True, device=d),
+                ]
         return out
 
     # -- running ----------------------------------------------------------------------------------

@@ -170,21 +170,58 @@ def lora_table(segments: list[tuple[int, int, int, int, float, int, int]]) -> np
     return header.reshape(-1)
 
 
+INPUT_GRAD_WORKGROUPS = 1024  # input-gradient GEMMs: workgroups a launch aims at (split-K below that)
+
+
+def input_grad_splits(workgroups: int, rows: int, device: Device) -> int:
+    """Ranges an input-gradient GEMM of ``workgroups`` tiles splits its ``rows`` (the sum over j)
+    into: doubling while the launch has fewer than INPUT_GRAD_WORKGROUPS workgroups, at most 8,
+    each range at least 512 rows; 1 on CPU adapters. (A seq-512 step's GEMMs into 2560 features
+    are 320 tiles of 64 × 64: two or three a streaming multiprocessor of an H200.)"""
+    if device.is_cpu:
+        return 1
+    splits = 1
+    while workgroups * splits < INPUT_GRAD_WORKGROUPS and splits < 8 and rows // (2 * splits) >= 512:
+        splits *= 2
+    return splits
+
+
+def input_grad_launches(file: str, constants: dict, inputs: dict[int, Buffer], sums: dict[int, Buffer], part: int,
+                        params: tuple, tokens: int, k: int, k64: int, rows: int, splits: int | None,
+                        device: Device) -> list[Launch]:
+    """The launches of an input-gradient GEMM: ``file``'s gemm_tiled over 64 × 64 tiles of tokens ×
+    features (``inputs``: its bindings of A and the weights; ``sums``: OUT, DH, LA; ``part``: the
+    PART binding). One launch, or with ``splits`` > 1 ranges of rows one that stores each range's
+    sums into device-owned scratch and a split_sum launch that adds them up into OUT."""
+    tiles = (k64 // 64, -(-tokens // 64))
+    splits = splits or input_grad_splits(tiles[0] * tiles[1], rows, device)
+    if splits == 1:
+        return [Launch.build(kernel(file, "gemm_tiled", device, **constants), (*tiles, 1),
+                             {**inputs, **sums, part: dummy(device, "part")}, params)]
+    size = splits * tokens * k
+    scratch = device.owned(f"input_grad_partials_{size}", lambda: Buffer((size,), device=device))
+    gemm = kernel(file, "gemm_tiled", device, SPLITS=splits, **constants)
+    total = kernel(file, "split_sum", device, SPLITS=splits, **constants)
+    return [Launch.build(gemm, (*tiles, splits), {**inputs, **sums, part: scratch}, params),
+            Launch.build(total, (-(-k // 256), tokens, 1), {**sums, part: scratch}, params)]
+
+
 def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k: int, accumulate: bool = False,
                        dh: Buffer | None = None, lora_a: Buffer | None = None, lora_rank: int = 0,
-                       device: Device | None = None) -> Launch:
+                       splits: int | None = None, device: Device | None = None) -> list[Launch]:
     """The straight-through input gradient of ``proj`` (``bitlinear_t.wgsl``): ``out (+)= (dy ∘ c)·T``
     for ``tokens`` rows of ``dy`` (f32 [tokens, ≥ rows]), plus ``dh·A`` for the adapters (``dh``
-    [tokens, ≥ lora_rank] already scaled, ``lora_a`` their stacked A [lora_rank, K64])."""
+    [tokens, ≥ lora_rank] already scaled, ``lora_a`` their stacked A [lora_rank, K64]). ``splits``:
+    ranges of the rows summed apart (default ``input_grad_splits``)."""
     device = device or get_device()
-    kern = kernel("bitlinear_t.wgsl", "gemm_tiled", device, DIVIDE=proj.divide)
     k_words = proj.weight.shape[1]
-    pad = dummy(device)
-    return Launch.build(kern, (k_words // 4, -(-tokens // 64), 1),
-                        (dy, proj.weight, proj.scale, out, dh or pad, lora_a or pad),
-                        (tokens, proj.rows, k_words, dy.shape[-1], out.shape[-1], k, lora_rank,
-                         dh.shape[-1] if dh is not None else 0, lora_a.shape[-1] if lora_a is not None else 0,
-                         int(accumulate)))
+    unused = dummy(device)
+    return input_grad_launches("bitlinear_t.wgsl", dict(DIVIDE=proj.divide), {1: dy, 2: proj.weight, 3: proj.scale},
+                               {4: out, 5: dh or unused, 6: lora_a or unused}, 7,
+                               (tokens, proj.rows, k_words, dy.shape[-1], out.shape[-1], k, lora_rank,
+                                   dh.shape[-1] if dh is not None else 0,
+                                   lora_a.shape[-1] if lora_a is not None else 0, int(accumulate)),
+                               tokens, k, 16 * k_words, proj.rows, splits, device)
 
 
 def bitlinear_t_reference(dy: torch.Tensor, values: torch.Tensor, row_scales: torch.Tensor,

@@ -10,7 +10,7 @@ import torch
 
 from ...runtime import Buffer, Device, Launch, get_device, kernel
 from ..weights import Projection
-from .bitlinear import GEMV_MAX_TOKENS, MODES, dummy
+from .bitlinear import GEMV_MAX_TOKENS, MODES, dummy, input_grad_launches
 
 
 def matmul_launch(x: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_stride: int, out_offset: int = 0,
@@ -43,15 +43,16 @@ def matmul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def matmul_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k: int, bf16: bool = False,
                     accumulate: bool = False, dy_col: int = 0, dh: Buffer | None = None, lora_a: Buffer | None = None,
-                    lora_rank: int = 0, device: Device | None = None) -> Launch:
+                    lora_rank: int = 0, splits: int | None = None, device: Device | None = None) -> list[Launch]:
     """The input gradient of a float projection (``matmul_t.wgsl``): ``out (+)= dy·W`` (+ ``dh·A``),
-    reading ``dy``'s columns from ``dy_col`` (a vocabulary chunk of the logits' gradient)."""
+    reading ``dy``'s columns from ``dy_col`` (a vocabulary chunk of the logits' gradient). ``splits``:
+    ranges of the rows summed apart (default ``input_grad_splits``)."""
     device = device or get_device()
-    kern = kernel("matmul_t.wgsl", "gemm_tiled", device, BF16=bf16)
     w_words = proj.weight.shape[1]
-    k64 = w_words * (2 if bf16 else 1)
-    pad = dummy(device)
-    return Launch.build(kern, (k64 // 64, -(-tokens // 64), 1), (dy, proj.weight, out, dh or pad, lora_a or pad),
-                        (tokens, proj.rows, w_words, dy.shape[-1], dy_col, out.shape[-1], k, lora_rank,
-                         dh.shape[-1] if dh is not None else 0, lora_a.shape[-1] if lora_a is not None else 0,
-                         int(accumulate)))
+    unused = dummy(device)
+    return input_grad_launches("matmul_t.wgsl", dict(BF16=bf16),
+                               {1: dy, 2: proj.weight}, {3: out, 4: dh or unused, 5: lora_a or unused}, 6,
+                               (tokens, proj.rows, w_words, dy.shape[-1], dy_col, out.shape[-1], k, lora_rank,
+                                dh.shape[-1] if dh is not None else 0, lora_a.shape[-1] if lora_a is not None else 0,
+                                int(accumulate)),
+                               tokens, k, w_words * (2 if bf16 else 1), proj.rows, splits, device)
