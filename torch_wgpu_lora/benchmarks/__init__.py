@@ -4,7 +4,11 @@
 * ``lora_op``: the op benchmark (cases, inputs, ``measure`` against torch, ``run``, ``breakdown``).
 * ``sweep``: the op's GPU time under launch-shape and shader-check variants.
 * ``training_step``: one training step of the demo model, LoRA on WebGPU vs in torch.
-* ``report``: the outputs (JSON, markdown table, PNG chart).
+* ``engine``: the whole model (``BitNetEngine``) at BitNet-2B shapes against HF transformers + PEFT.
+* ``launches``: per-launch GPU time of the decode-shaped kernels, per launch shape.
+* ``decode_chain``: each kind of launch's marginal cost inside a decoded token's chain.
+* ``distributed``: data-parallel training over processes.
+* ``report``: the outputs (JSON written atomically, markdown table, PNG chart).
 * ``cli``: the command line (``torch-wgpu-lora bench``, ``python -m benchmarks.lora_op``).
 
 >>> # from torch_wgpu_lora.benchmarks.lora_op import Case, measure

@@ -20,13 +20,14 @@ import argparse
 import json
 import statistics
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..runtime import Buffer, Launch, Recorder, get_device, kernel, upload, write
 from .engine import _with_adapters, bitnet_2b_config, packed_model, small_config
+from .report import write_json
+from .timing import gpu_times
 
 
 def kind(launch: Launch) -> str:
@@ -40,20 +41,16 @@ def kind(launch: Launch) -> str:
 
 def chain_us(launches: list[Launch], tokens: int, repeats: int) -> float:
     """GPU µs per repetition of ``launches`` recorded ``tokens`` times in one pass (median of ``repeats``,
-    after two unmeasured passes that bring the clocks up)."""
-    device = launches[0].kernel.device
-    times = []
-    for i in range(repeats + 2):
-        rec = Recorder(device, timestamps=True)
+    after two unmeasured passes)."""
+    def record(rec: Recorder) -> None:
         for _ in range(tokens):
             for launch in launches:
                 rec.launch(launch)
-        seconds = rec.submit()
-        if seconds is None:
-            raise RuntimeError("this adapter has no timestamp queries")
-        if i >= 2:
-            times.append(seconds / tokens * 1e6)
-    return round(statistics.median(times), 1)
+
+    times = gpu_times(record, repeats)
+    if not times:
+        raise RuntimeError("this adapter has no timestamp queries")
+    return round(statistics.median(times) / tokens * 1e6, 1)
 
 
 def measure(small: bool, layers: int, tokens: int = 8, repeats: int = 5, cache: int = 144) -> dict[str, Any]:
@@ -95,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     get_device()
     result = measure(args.small, args.layers, repeats=args.repeats)
     print(json.dumps(result, indent=1), flush=True)
-    folder = Path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "decode_chain.json").write_text(json.dumps(result, indent=1))
+    write_json(args.out, "decode_chain.json", result)
     return 0
 
 

@@ -22,7 +22,6 @@ import json
 import statistics
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -30,6 +29,7 @@ import torch
 
 from ..runtime import Recorder, get_device, write
 from ..runtime.kernels import DEFAULT_SHADER_CHECKS
+from .report import write_json
 
 Log = Callable[[str], None]
 
@@ -372,11 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     model = _with_adapters(packed_model(config), 8, seed=0)
     log(f"packed model built in {time.perf_counter() - t0:.1f} s")
-    folder = Path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
-
     def save() -> None:  # after every part: a run stopped by a time limit keeps what it measured
-        (folder / "engine.json").write_text(json.dumps(result, indent=1))
+        write_json(args.out, "engine.json", result)
 
     from ..engine import BitNetEngine
     from ..runtime import set_shader_checks

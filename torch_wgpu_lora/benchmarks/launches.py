@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +35,7 @@ from ..engine.kernels.rope import RopeTarget, rope_launch
 from ..engine.weights import Projection
 from ..runtime import Buffer, Launch, Recorder, get_device, kernel, set_shader_checks, set_subgroups, upload, write
 from ..runtime.kernels import DEFAULT_SHADER_CHECKS
+from .report import write_json
 
 # (hidden, ffn, heads, kv heads, head dim, rank of the Q/V site, cache lengths)
 SHAPES = {"bitnet-2b": (2560, 6912, 20, 5, 128, 16, (144, 512, 2048)),
@@ -166,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             set_shader_checks(None)
         print(checks, json.dumps(result[checks]), flush=True)
-    folder = Path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "launches.json").write_text(json.dumps(result, indent=1))
+    write_json(args.out, "launches.json", result)
     return 0
 
 

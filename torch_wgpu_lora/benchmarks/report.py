@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from ..files import write_atomic
+
 if TYPE_CHECKING:
     from .lora_op import Result
 
@@ -61,11 +63,10 @@ def plot(results: list["Result"], path: str | Path) -> None:
 
 
 def write_text(out: str | Path, name: str, text: str) -> Path:
-    """Write ``text`` to ``out/name`` (creating ``out``); returns the path."""
+    """Write ``text`` to ``out/name`` atomically (creating ``out``); returns the path."""
     path = Path(out) / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
+    return write_atomic(path, text.encode())
 
 
 def write_json(out: str | Path, name: str, data: Any) -> Path:
