@@ -367,7 +367,8 @@ fn decode_partial(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id
   let row0 = 4u * rb;
   if (kbeg >= n) {  // uniform: an empty span writes neutral partials (weight 0 when merged) and leaves
     for (var idx = t; idx < 4u * D4; idx += DNT) {
-      if (row0 + idx / D4 < rows) { O[(split * rows_total + row_id(b, g, row0 + idx / D4)) * D4 + idx % D4] = vec4<f32>(0.0); }
+      let r = row0 + idx / D4;
+      if (r < rows) { O[(split * rows_total + row_id(b, g, r)) * D4 + idx % D4] = vec4<f32>(0.0); }
     }
     if (t < 4u && row0 + t < rows) {
       let at = 2u * (split * rows_total + row_id(b, g, row0 + t));
