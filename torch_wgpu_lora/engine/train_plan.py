@@ -19,7 +19,10 @@ transposed matmul sends it back. The [tokens, vocab] logits are never stored who
 
 Backward per layer, in reverse: through down_proj (+ its adapters), ffn_sub_norm, relu²·up,
 gate/up (+ adapters), post_attention_layernorm (added into the residual gradient), o_proj
-(+ adapters), attn_sub_norm, attention, RoPE, q/k/v (+ adapters), input_layernorm (added).
+(+ adapters), attn_sub_norm, attention, RoPE, q/k/v (+ adapters), input_layernorm (added);
+layer 0 stops at the q/k/v adapters' gradients (below it no parameter trains). The input
+gradients through the projections sum over their rows in ranges on GPUs (split-K:
+``input_grad_splits``).
 
 >>> # plan = TrainPlan(weights, adapters, batch=4, tokens=256, slots=2)
 >>> # plan.write_inputs(0, ids, labels, lengths); rec = Recorder(); plan.record(rec, 0); rec.submit()

@@ -219,8 +219,8 @@ def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int
     return input_grad_launches("bitlinear_t.wgsl", dict(DIVIDE=proj.divide), {1: dy, 2: proj.weight, 3: proj.scale},
                                {4: out, 5: dh or unused, 6: lora_a or unused}, 7,
                                (tokens, proj.rows, k_words, dy.shape[-1], out.shape[-1], k, lora_rank,
-                                   dh.shape[-1] if dh is not None else 0,
-                                   lora_a.shape[-1] if lora_a is not None else 0, int(accumulate)),
+                                dh.shape[-1] if dh is not None else 0, lora_a.shape[-1] if lora_a is not None else 0,
+                                int(accumulate)),
                                tokens, k, 16 * k_words, proj.rows, splits, device)
 
 
