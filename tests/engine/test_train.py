@@ -58,6 +58,26 @@ def test_every_adapter_gradient_matches_autograd(flavour, config):
     assert parity.passed
 
 
+@pytest.mark.parametrize("flavour", ["packed", "dense"])
+def test_adapter_gradients_with_the_input_gradients_split_over_their_rows(flavour, monkeypatch):
+    # split-K, the GPUs' default at 2B shapes (CPU adapters keep one range): forced to three ranges
+    # of every input-gradient GEMM, the LM head's included
+    from torch_wgpu_lora.engine.kernels import bitlinear
+    from torch_wgpu_lora.engine.train_plan import TrainPlan
+    from torch_wgpu_lora.runtime import Launch
+
+    monkeypatch.setattr(bitlinear, "input_grad_splits", lambda workgroups, rows, device: 3)
+    model = tiny_model(flavour, adapters=True, seed=1)
+    randomize_lora_B(model, seed=2)
+    engine = BitNetEngine(model)
+    parity = check_parity(model, labelled_batch(model, [11, 6, 9]), engine=engine)
+    assert parity.report.rms_rel_error <= parity.tolerance, str(parity)
+    assert parity.passed
+    plans = [plan for plan in engine._plans.values() if isinstance(plan, TrainPlan)]
+    assert plans and all(any(isinstance(step, Launch) and step.kernel.name.endswith(":split_sum")
+                             for step in plan.slots[0].launches) for plan in plans)
+
+
 def test_loss_backward_fills_grad_through_the_autograd_node():
     model = tiny_model("packed", adapters=True, seed=3)
     randomize_lora_B(model, seed=4)
