@@ -162,22 +162,13 @@ fn normalise(t: u32, n: u32, first: bool) -> f32 {
   for (var i = 0u; i < words; i++) {
     let k = 4u * (t + WG * i);
     var v = vec4<f32>(0.0);
-    var gk = vec4<f32>(0.0);
-    if (COMBINE) {
-      if (k < K) { v = attention_out(n, k / 4u); }  // K = HEADS · HEAD_DIM: whole words
-      for (var l = 0u; l < 4u; l++) {
-        if (k + l < K) { gk[l] = G[k + l]; }
-      }
-    } else {
-      for (var l = 0u; l < 4u; l++) {
-        if (k + l < K) {
-          v[l] = X[row + k + l];
-          gk[l] = G[k + l];
-        }
-      }
+    if (!COMBINE) {
+      v = row_features(row, k);
+    } else if (k < K) {  // K = HEADS · HEAD_DIM: whole words
+      v = attention_out(n, k / 4u);
     }
     y[i] = v;
-    g[i] = gk;
+    g[i] = norm_weights(k);
     ss += dot(v, v);
   }
   let r = inverseSqrt(sum_all(t, ss) / f32(K) + EPS);

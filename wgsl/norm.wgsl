@@ -75,17 +75,10 @@ fn rmsnorm(inv: Invocation) {
   var ss = 0.0;
   for (var i = 0u; i < words; i++) {
     let k = 4u * (t + WG * i);
-    var v = vec4<f32>(0.0);
-    var gk = vec4<f32>(0.0);
-    for (var l = 0u; l < 4u; l++) {
-      if (k + l < K) {
-        v[l] = X[row + k + l];
-        gk[l] = G[k + l];
-      }
-    }
+    let v = row_features(row, k);
+    g[i] = norm_weights(k);
     if (inv.wg.y > 0u) { a[i] = lora_a(ranks, min(t + WG * i, row_words - 1u)); }
     y[i] = v;
-    g[i] = gk;
     ss += dot(v, v);
   }
   let r = inverseSqrt(sum_all(t, ss) / f32(K) + p.eps);
