@@ -75,8 +75,26 @@ def worker() -> None:
     results = {"device": {k: info[k] for k in ("local_rank", "adapter_index", "adapters_of_kind", "choice")}}
     for run in job["runs"]:
         results[run["name"]] = _run(run, rank, tokenizer, Path(job["folder"]), job["model"])
-    (Path(job["folder"]) / f"result-{rank}.json").write_text(json.dumps(results))
+    folder = Path(job["folder"])
+    (folder / f"result-{rank}.json").write_text(json.dumps(results))
+    _reached(folder, rank, "results written")
+    try:
+        torch.distributed.barrier()  # no rank tears down while another still talks to it
+    except RuntimeError:
+        pass  # a rank is gone already (the killed and hung runs): nobody to wait for
     torch.distributed.destroy_process_group()
+    _reached(folder, rank, "process group destroyed")
+    # The outcome is in the files now; skip interpreter teardown (lavapipe's and gloo's threads,
+    # wgpu objects freed in any order). Rank 1 once aborted on CI ("terminate called without an
+    # active exception", in native code, at an unrecorded stage: hence the stages file). The
+    # command line's clean exit is checked by test_torchrun_runs_the_command_line_on_two_processes.
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _reached(folder: Path, rank: int, stage: str) -> None:
+    with open(folder / f"stages-{rank}.txt", "a") as f:
+        f.write(stage + "\n")
 
 
 def _run(run: dict, rank: int, tokenizer, folder: Path, model_path: str) -> dict:
@@ -148,15 +166,25 @@ def launch(folder: Path, job: dict, timeout: float = 150) -> tuple[list[dict | N
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    errors = []  # stderr without transformers' progress bars, for failure messages
-    for rank in range(WORLD):
-        text = (folder / f"stderr-{rank}.txt").read_text(errors="replace")
-        errors.append("\n".join(line for line in text.splitlines() if "Loading weights" not in line)[-3000:])
+    errors = [_failure_report(folder, rank, p.returncode) for rank, p in enumerate(procs)]
     results = []
     for rank in range(WORLD):
         path = folder / f"result-{rank}.json"
         results.append(json.loads(path.read_text()) if path.is_file() else None)
     return results, [p.returncode for p in procs], errors
+
+
+def _failure_report(folder: Path, rank: int, status: int) -> str:
+    """A rank's exit status, the stages it reached and its stderr (without transformers' progress
+    bars; a native crash's Python stacks first, where CPython's fault handler printed them)."""
+    stages = folder / f"stages-{rank}.txt"
+    reached = stages.read_text().split("\n")[:-1] if stages.is_file() else []
+    lines = [line for line in (folder / f"stderr-{rank}.txt").read_text(errors="replace").splitlines()
+             if line.strip() and "Loading weights" not in line and not line.startswith("Extension modules:")]
+    text = "\n".join(lines)
+    fault = text.find("Fatal Python error")
+    stderr = text[max(0, fault - 300):fault + 2500] if fault >= 0 else text[-2500:]  # with the line before
+    return f"rank {rank}: exit status {status}, reached {reached or 'no stage'}; stderr:\n{stderr}"
 
 
 @pytest.fixture(scope="module")
