@@ -398,10 +398,11 @@ def test_gradcheck_prints_the_table_and_passes(capsys, tiny):
 
 def test_gradcheck_exits_1_when_the_kernel_gradients_are_off(capsys, tiny, monkeypatch):
     from torch_wgpu_lora import modules
-    from torch_wgpu_lora.ops.lora import lora as webgpu_lora
+    from torch_wgpu_lora.ops.lora import base_plus_lora
 
     # A WebGPU path that is 0.1 % off, far above the tolerance (~1e-5 here) and far below a loud bug.
-    monkeypatch.setattr(modules, "lora", lambda x, A, B, scaling: webgpu_lora(x, A, B, scaling * 1.001))
+    monkeypatch.setattr(modules, "base_plus_lora",
+                        lambda base, x, A, B, scaling: base_plus_lora(base, x, A, B, scaling * 1.001))
     assert main(["gradcheck", "--model", str(tiny["packed"]), "--batch", "2", "--seq-len", "16",
                  "--engine", "torch"]) == EXIT_FAILED
     assert "ABOVE the tolerance" in capsys.readouterr().out

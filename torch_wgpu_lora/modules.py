@@ -19,7 +19,7 @@ from torch import nn
 
 from .config import LoraConfig
 from .init import init_lora_A
-from .ops.lora import lora, lora_reference
+from .ops.lora import base_plus_lora, lora, lora_reference
 
 BACKENDS = ("wgpu", "torch")
 
@@ -75,9 +75,12 @@ class LoRALinear(nn.Module):
         return lora_reference(x.to(self.lora_A.dtype), self.lora_A, self.lora_B, self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result = self.base_layer(x)
         if self.merged:
-            return result
+            return self.base_layer(x)
+        if self._backend == "wgpu":  # the adapter's GPU work runs while the CPU computes the base
+            return base_plus_lora(lambda: self.base_layer(x), self.lora_dropout(x).float(), self.lora_A,
+                                  self.lora_B, self.scaling)
+        result = self.base_layer(x)
         return result + self.delta(x).to(result.dtype)
 
     def _plain_linear_weight(self) -> torch.Tensor:

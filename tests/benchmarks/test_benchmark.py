@@ -136,8 +136,11 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
     from torch_wgpu_lora.benchmarks import engine
 
     engine.main(["--small", "--layers", "1", "--no-hf", "--out", str(tmp_path), "--prefill", "16", "--prompt", "4",
-                 "--new-tokens", "4", "--repeats", "1", "--train", "16", "--train-steps", "1"])
+                 "--new-tokens", "4", "--repeats", "1", "--train", "16", "--train-steps", "1", "--drop-in", "8"])
     result = json.loads((tmp_path / "engine.json").read_text())
+    drop_in = result["drop_in"]  # the backends' steps, taking turns
+    assert len(drop_in["wgpu"]["steps_s"]) == len(drop_in["torch"]["steps_s"]) == 3
+    assert drop_in["wgpu_over_torch"] == drop_in["wgpu"]["step_s"] / drop_in["torch"]["step_s"] > 0
     training = result["engine_training"]["16"]
     assert training["loss"] is not None and 0 < training["loss"] < 20  # None: the step was skipped (non-finite)
     assert result["engine"]["prefill"]["tok_per_s"] > 0 and result["engine"]["decode"]["tok_per_s"] > 0

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from torch_wgpu_lora import lora, lora_reference
+from torch_wgpu_lora.ops.lora import base_plus_lora
 from torch_wgpu_lora.ops import lora_gpu
 from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, upload
 from torch_wgpu_lora.runtime import tensors as lora_ops_tensors
@@ -421,3 +422,91 @@ def test_torch_library_opcheck():
     B = torch.randn(6, 3, generator=g, requires_grad=True)
     torch.library.opcheck(torch.ops.torch_wgpu_lora.lora_forward.default, (x, A, B, 0.5, True),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+# -- base_plus_lora: the adapter's GPU work in flight while the CPU computes the base ---------------
+
+class _LoggedLinear(torch.autograd.Function):
+    """x @ W.T that writes its forward and backward into ``log``."""
+
+    @staticmethod
+    def forward(ctx, x, W, log):
+        log.append("base forward")
+        ctx.save_for_backward(x, W)
+        ctx.log = log
+        return x @ W.T
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, W = ctx.saved_tensors
+        ctx.log.append("base backward")
+        return dy @ W, dy.T @ x, None
+
+
+@pytest.mark.parametrize("in_f, out_f, rows", [(2560, 640, 333), (13, 7, 5), (64, 48, 1)])
+def test_base_plus_lora_matches_float64_in_output_and_every_gradient(in_f, out_f, rows):
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(rows, in_f, generator=g, requires_grad=True)
+    W = torch.randn(out_f, in_f, generator=g, requires_grad=True)
+    A = torch.randn(8, in_f, generator=g, requires_grad=True)
+    B = torch.randn(out_f, 8, generator=g, requires_grad=True)
+    dy = torch.randn(rows, out_f, generator=g)
+    y = base_plus_lora(lambda: x @ W.T, x, A, B, 0.5)
+    y.backward(dy)
+    x64, W64, A64, B64 = (t.detach().double().requires_grad_() for t in (x, W, A, B))
+    ref = x64 @ W64.T + lora_reference(x64, A64, B64, 0.5)
+    ref.backward(dy.double())
+    assert_close(y, ref.detach(), "y")
+    for name, ours, theirs in (("x", x, x64), ("W", W, W64), ("A", A, A64), ("B", B, B64)):
+        assert_close(ours.grad, theirs.grad, f"d{name}")
+
+
+def test_base_plus_lora_runs_the_base_while_the_adapter_is_on_the_gpu(monkeypatch):
+    from torch_wgpu_lora.runtime import recorder
+
+    log = []
+    submit, wait = recorder.Recorder.submit_async, recorder.Pending.wait
+    monkeypatch.setattr(recorder.Recorder, "submit_async", lambda self: (log.append("gpu submit"), submit(self))[1])
+    monkeypatch.setattr(recorder.Pending, "wait", lambda self: (log.append("gpu wait"), wait(self))[1])
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(9, 16, generator=g, requires_grad=True)
+    W, A, B = torch.randn(12, 16, generator=g), torch.randn(4, 16, generator=g, requires_grad=True), \
+        torch.randn(12, 4, generator=g, requires_grad=True)
+    y = base_plus_lora(lambda: _LoggedLinear.apply(x, W, log), x, A, B, 2.0)
+    assert log == ["gpu submit", "base forward", "gpu wait"]
+    log.clear()
+    y.sum().backward()
+    assert log == ["gpu submit", "base backward", "gpu wait"]
+
+
+def test_base_plus_lora_double_backward_matches_float64_for_a_gradient_penalty():
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(6, 10, generator=g, requires_grad=True)
+    W = torch.randn(7, 10, generator=g)
+    A = torch.randn(3, 10, generator=g, requires_grad=True)
+    B = torch.randn(7, 3, generator=g, requires_grad=True)
+
+    def penalised(fn, x, A, B):
+        y = fn(lambda: x @ W.to(x.dtype).T, x, A, B, 0.7)
+        (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        return torch.autograd.grad(y.sum() + (gx ** 2).sum(), (x, A, B))
+
+    ours = penalised(base_plus_lora, x, A, B)
+    theirs = penalised(lambda base, *args: base() + lora_reference(*args),
+                       *(t.detach().double().requires_grad_() for t in (x, A, B)))
+    for name, a, b in zip(("x", "A", "B"), ours, theirs):
+        assert_close(a, b.detach(), f"penalised d{name}")
+
+
+def test_base_plus_lora_names_a_base_output_of_the_wrong_shape_and_passes_on_a_base_error():
+    x, A, B = torch.randn(5, 16), torch.randn(4, 16), torch.randn(8, 4)
+    with pytest.raises(ValueError, match=r"the base layer returned \(5, 9\); expected \(5, 8\)"):
+        base_plus_lora(lambda: torch.zeros(5, 9), x, A, B, 1.0)
+
+    def broken():
+        raise KeyError("base")
+
+    with pytest.raises(KeyError, match="base"):
+        base_plus_lora(broken, x, A, B, 1.0)
+    assert_close(base_plus_lora(lambda: torch.zeros(5, 8), x, A, B, 1.0),
+                 lora_reference(x.double(), A.double(), B.double(), 1.0), "after the errors")

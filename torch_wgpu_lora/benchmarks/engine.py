@@ -232,30 +232,31 @@ def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int
 def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, Any]:
     """The drop-in path: a CPU torch model (packed BitNet, float32) whose Q/V adapters are
     ``LoRALinear(backend="wgpu")``, against the same with ``backend="torch"``: one training step's
-    wall time (forward, backward, AdamW on the adapters), batch 1."""
+    wall time (forward, backward, AdamW on the adapters), batch 1. The two backends take turns,
+    step by step, so a drift in the host's speed weighs on both alike."""
     from ..integrations.bitnet import lora_parameters, set_backend
 
     model = _with_adapters(packed_model(config, dtype=torch.float32), 8, seed=0)
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(3))
     optimizer = torch.optim.AdamW(lora_parameters(model), lr=1e-4)
-    out: dict[str, Any] = {"seq": seq}
+    backends = ("wgpu", "torch")
+    walls: dict[str, list[float]] = {backend: [] for backend in backends}
     with torch.compiler.set_stance("force_eager"):
-        for backend in ("wgpu", "torch"):
-            set_backend(model, backend)
-
-            def step() -> None:
+        for turn in range(steps + 1):  # the first turn warms up
+            for backend in backends:
+                set_backend(model, backend)
+                t0 = time.perf_counter()
                 model(input_ids=ids, labels=ids).loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
-
-            step()
-            walls = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                step()
-                walls.append(time.perf_counter() - t0)
-            out[backend] = {"step_s": statistics.median(walls), "tok_per_s": seq / statistics.median(walls)}
-            log(f"drop-in training step, adapters on {backend}: {statistics.median(walls):.2f} s")
+                if turn:
+                    walls[backend].append(time.perf_counter() - t0)
+    out: dict[str, Any] = {"seq": seq}
+    for backend in backends:
+        wall = statistics.median(walls[backend])
+        out[backend] = {"step_s": wall, "tok_per_s": seq / wall, "steps_s": walls[backend]}
+        log(f"drop-in training step, adapters on {backend}: {wall:.2f} s (steps: "
+            f"{', '.join(f'{w:.2f}' for w in walls[backend])})")
     out["wgpu_over_torch"] = out["wgpu"]["step_s"] / out["torch"]["step_s"]
     return out
 
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             result["hf_peft_training"] = measure_hf_peft_training(config, seqs, args.train_steps, log)
             save()
     if args.drop_in:
-        result["drop_in"] = measure_drop_in(config, args.drop_in, 2, log)
+        result["drop_in"] = measure_drop_in(config, args.drop_in, 3, log)
         save()
     hf, hf_train = result.get("hf_peft"), result.get("hf_peft_training")
     ratios = {}

@@ -30,7 +30,7 @@ import itertools
 import math
 import numbers
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -38,7 +38,7 @@ from ..runtime import Buffer, Device, Recorder, get_device
 from ..runtime.tensors import into, resident, to_gpu, width4
 from .lora_gpu import LoRAWeights, backward, forward, max_rank, max_rows
 
-__all__ = ["lora", "lora_reference"]
+__all__ = ["base_plus_lora", "lora", "lora_reference"]
 
 
 def lora_reference(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -120,30 +120,71 @@ def _forget(device_ref: weakref.ref, key: int) -> None:
 
 # -- the registered ops --------------------------------------------------------------------------
 
+def _record_forward(rec: Recorder, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float,
+                    device: Device) -> tuple[torch.Tensor, list[tuple[slice, Buffer, Buffer]]]:
+    """Record the forward of x [N, in]: (y [N, out] float32, filled when ``rec``'s work is
+    collected; each row chunk's x and h on the GPU, for backward)."""
+    rank, in_f, out_f = A.shape[0], A.shape[1], B.shape[0]
+    y = torch.empty((x.shape[0], out_f), dtype=torch.float32)
+    chunks = []
+    if x.shape[0]:
+        w = LoRAWeights(resident(A, "rows4", device), resident(B, "cols4", device), in_f, out_f)
+        for chunk in _row_chunks(x.shape[0], in_f, out_f, rank, device):
+            xb = to_gpu(x[chunk], "rows4", device)
+            yb, hb = forward(rec, xb, w, scaling)
+            rec.read(yb, into(y[chunk]))
+            chunks.append((chunk, xb, hb))
+    return y, chunks
+
+
+def _record_backward(rec: Recorder, dy: torch.Tensor, saved: _Saved, A: torch.Tensor, B: torch.Tensor,
+                     need_x: bool, need_A: bool, need_B: bool,
+                     device: Device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Record the backward of dy [N, out] (contiguous float32): (dx [N, in], dA [r, in], dB [out, r])
+    float32, each empty ([0]) unless asked for, filled when ``rec``'s work is collected."""
+    rank, in_f, out_f = A.shape[0], A.shape[1], B.shape[0]
+    rows = dy.shape[0]
+    alloc = torch.empty if rows else torch.zeros  # readbacks overwrite all; no rows means zero gradients
+
+    def grad(need: bool, shape: tuple[int, ...]) -> torch.Tensor:
+        return alloc(shape if need else (0,), dtype=torch.float32)
+
+    dx, dA, dB = grad(need_x, (rows, in_f)), grad(need_A, (rank, in_f)), grad(need_B, (out_f, rank))
+    if rows and (need_x or need_A or need_B):
+        w = LoRAWeights(resident(A, "rows4", device), resident(B, "cols4", device), in_f, out_f)
+        dA_buf = Buffer(w.A.shape, device=device) if need_A else None
+        dBt_buf = Buffer(w.Bt.shape, device=device) if need_B else None
+        for i, (chunk, xb, hb) in enumerate(saved.chunks):
+            dyb = to_gpu(dy[chunk], "rows4", device)
+            dxb = Buffer(xb.shape, device=device) if need_x else None
+            backward(rec, dyb, xb, hb, w, saved.scaling, dA=dA_buf, dBt=dBt_buf, dx=dxb, accumulate=i > 0)
+            if need_x:
+                rec.read(dxb, into(dx[chunk]))
+        if need_A:
+            rec.read(dA_buf, into(dA))
+        if need_B:
+            rec.read(dBt_buf, into(dB, "cols4"))
+    return dx, dA, dB
+
+
+_GONE = ("lora: the forward's GPU state is gone (was the graph built before a fork, or on another "
+         "device?)")
+
+
 @torch.library.custom_op("torch_wgpu_lora::lora_forward", mutates_args=())
 def _lora_forward(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float,
                   save: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [N, out] float32, token): x is [N, in]; the token names the GPU state kept for backward."""
     device = get_device()
-    rank, in_f, out_f = A.shape[0], A.shape[1], B.shape[0]
-    rows = x.shape[0]
-    y = torch.empty((rows, out_f), dtype=torch.float32)
+    rec = Recorder(device)
+    y, chunks = _record_forward(rec, x, A, B, scaling, device)
+    rec.submit()
     token = torch.zeros(1, dtype=torch.int64)
-    chunks = []
-    if rows:
-        w = LoRAWeights(resident(A, "rows4", device), resident(B, "cols4", device), in_f, out_f)
-        rec = Recorder(device)
-        for chunk in _row_chunks(rows, in_f, out_f, rank, device):
-            xb = to_gpu(x[chunk], "rows4", device)
-            yb, hb = forward(rec, xb, w, scaling)
-            rec.read(yb, into(y[chunk]))
-            chunks.append((chunk, xb, hb))
-        rec.submit()
-        if save:
-            token[0] = key = next(_tokens)
-            with device.lock:
-                _saved(device)[key] = _Saved(chunks, scaling)
-            weakref.finalize(token, _forget, weakref.ref(device), key)
+    if save and chunks:
+        token[0] = key = next(_tokens)
+        with device.lock:
+            _saved(device)[key] = _Saved(chunks, scaling)
+        weakref.finalize(token, _forget, weakref.ref(device), key)
     return y, token
 
 
@@ -157,37 +198,16 @@ def _lora_backward(dy: torch.Tensor, token: torch.Tensor, x: torch.Tensor, A: to
                    need_x: bool, need_A: bool, need_B: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [N, in], dA [r, in], dB [out, r]) float32, each empty ([0]) unless asked for."""
     device = get_device()
-    key = int(token[0])
     with device.lock:
-        saved = _saved(device).get(key)
-    rank, in_f, out_f = A.shape[0], A.shape[1], B.shape[0]
-    rows = dy.shape[0]
-    alloc = torch.empty if rows else torch.zeros  # readbacks overwrite all; no rows means zero gradients
-
-    def grad(need: bool, shape: tuple[int, ...]) -> torch.Tensor:
-        return alloc(shape if need else (0,), dtype=torch.float32)
-
-    dx, dA, dB = grad(need_x, (rows, in_f)), grad(need_A, (rank, in_f)), grad(need_B, (out_f, rank))
-    if rows and (need_x or need_A or need_B):
-        if saved is None:
-            raise RuntimeError("lora: the forward's GPU state is gone (was the graph built before a fork, "
-                               "or on another device?)")
-        w = LoRAWeights(resident(A, "rows4", device), resident(B, "cols4", device), in_f, out_f)
-        rec = Recorder(device)
-        dA_buf = Buffer(w.A.shape, device=device) if need_A else None
-        dBt_buf = Buffer(w.Bt.shape, device=device) if need_B else None
-        for i, (chunk, xb, hb) in enumerate(saved.chunks):
-            dyb = to_gpu(dy[chunk], "rows4", device)
-            dxb = Buffer(xb.shape, device=device) if need_x else None
-            backward(rec, dyb, xb, hb, w, saved.scaling, dA=dA_buf, dBt=dBt_buf, dx=dxb, accumulate=i > 0)
-            if need_x:
-                rec.read(dxb, into(dx[chunk]))
-        if need_A:
-            rec.read(dA_buf, into(dA))
-        if need_B:
-            rec.read(dBt_buf, into(dB, "cols4"))
-        rec.submit()
-    return dx, dA, dB
+        saved = _saved(device).get(int(token[0]))
+    if saved is None:
+        if dy.shape[0] and (need_x or need_A or need_B):
+            raise RuntimeError(_GONE)
+        saved = _Saved([], 0.0)
+    rec = Recorder(device)
+    grads = _record_backward(rec, dy, saved, A, B, need_x, need_A, need_B, device)
+    rec.submit()
+    return grads
 
 
 @_lora_backward.register_fake
@@ -205,21 +225,28 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.save_for_backward(x, A, B, output[1])  # autograd then refuses a backward after x, A or B changed in place
 
 
+def _graph_grads(dy: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, s: float,
+                 needs: tuple[bool, ...]) -> tuple[Any, Any, Any]:
+    """The gradients by differentiable ops, for a backward that builds a graph (create_graph=True).
+    It is LoRA-shaped: dx = s·dY·B·A is this op with (Bᵀ, Aᵀ); dA and dB are two small matmuls."""
+    dy, xf, Af, Bf = dy.float(), x.float(), A.float(), B.float()
+    return (lora(dy, Bf.T, Af.T, s).to(x.dtype) if needs[0] else None,
+            (s * (dy @ Bf).T @ xf).to(A.dtype) if needs[1] else None,
+            (s * dy.T @ (xf @ Af.T)).to(B.dtype) if needs[2] else None)
+
+
+def _in_dtypes(grads: tuple[torch.Tensor, ...], x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+               needs: tuple[bool, ...]) -> tuple[Any, Any, Any]:
+    return tuple(g.to(t.dtype) if need else None for g, t, need in zip(grads, (x, A, B), needs))
+
+
 def _backward(ctx: Any, dy: torch.Tensor, _dtoken: Any) -> tuple[Any, ...]:
     x, A, B, token = ctx.saved_tensors
-    need_x, need_A, need_B = ctx.needs_input_grad[:3]
-    s = ctx.scaling
+    needs = ctx.needs_input_grad[:3]
     if torch.is_grad_enabled():
-        # create_graph=True: the backward must itself be differentiable. It is LoRA-shaped:
-        # dx = s·dY·B·A is this op with (Bᵀ, Aᵀ); dA and dB are two small matmuls.
-        dy, xf, Af, Bf = dy.float(), x.float(), A.float(), B.float()
-        return (lora(dy, Bf.T, Af.T, s).to(x.dtype) if need_x else None,
-                (s * (dy @ Bf).T @ xf).to(A.dtype) if need_A else None,
-                (s * dy.T @ (xf @ Af.T)).to(B.dtype) if need_B else None,
-                None, None)
-    dx, dA, dB = _lora_backward(dy.float().contiguous(), token, x, A, B, need_x, need_A, need_B)
-    return (dx.to(x.dtype) if need_x else None, dA.to(A.dtype) if need_A else None,
-            dB.to(B.dtype) if need_B else None, None, None)
+        return (*_graph_grads(dy, x, A, B, ctx.scaling, needs), None, None)
+    grads = _lora_backward(dy.float().contiguous(), token, x, A, B, *needs)
+    return (*_in_dtypes(grads, x, A, B, needs), None, None)
 
 
 _lora_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -236,3 +263,114 @@ def lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float) -> t
     save = torch.is_grad_enabled() and (x.requires_grad or A.requires_grad or B.requires_grad)
     y, _token = _lora_forward(x.reshape(-1, A.shape[1]), A, B, scaling, save)
     return y.to(x.dtype).reshape(*x.shape[:-1], B.shape[0])
+
+
+# -- beside a base layer: the GPU's work in flight while the CPU computes the base ----------------
+
+class _Beside:
+    """One adapter call computed beside its base layer: its GPU work in flight, and what its
+    backward needs. Shared by the two autograd nodes ``_Start`` and ``_Finish``."""
+
+    __slots__ = ("device", "A", "B", "needs", "saved", "pending", "y", "grads", "dy")
+
+    def __init__(self, device: Device, A: torch.Tensor, B: torch.Tensor) -> None:
+        self.device, self.A, self.B = device, A, B
+        self.needs: tuple[bool, ...] = (False, False, False)
+        self.saved: _Saved | None = None
+        self.pending = self.y = self.grads = self.dy = None
+
+    def submit_backward(self, dy: torch.Tensor) -> None:
+        if self.device is not get_device() or self.saved is None:
+            raise RuntimeError(_GONE)
+        rec = Recorder(self.device)
+        self.grads = _record_backward(rec, dy, self.saved, self.A, self.B, *self.needs, self.device)
+        self.pending = rec.submit_async()
+
+    def collect(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pending, grads = self.pending, self.grads
+        self.pending = self.grads = None
+        pending.wait()
+        return grads
+
+
+class _Start(torch.autograd.Function):
+    """Uploads x, records and submits the adapter's forward, returns at once (an empty tensor
+    that links the two nodes in the graph). Its backward collects the gradients ``_Finish``'s
+    backward set going, after autograd has run the base layer's backward meanwhile (nodes made
+    later in the forward run earlier in the backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float,
+                state: _Beside) -> torch.Tensor:
+        state.needs = tuple(ctx.needs_input_grad[:3])
+        rec = Recorder(state.device)
+        state.y, chunks = _record_forward(rec, x, A, B, scaling, state.device)
+        state.pending = rec.submit_async()
+        if any(state.needs):
+            state.saved = _Saved(chunks, scaling)
+        ctx.state, ctx.scaling = state, scaling
+        ctx.save_for_backward(x, A, B)  # autograd then refuses a backward after x, A or B changed in place
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, _dlink: torch.Tensor) -> tuple[Any, ...]:
+        x, A, B = ctx.saved_tensors
+        state, needs = ctx.state, ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():
+            return (*_graph_grads(state.dy, x, A, B, ctx.scaling, needs), None, None)
+        return (*_in_dtypes(state.collect(), x, A, B, needs), None, None)
+
+
+class _Finish(torch.autograd.Function):
+    """Waits for the adapter's forward and adds it to the base layer's output. Its backward
+    uploads dY and submits the adapter's backward, then lets autograd go on to the base."""
+
+    @staticmethod
+    def forward(ctx: Any, base: torch.Tensor, _link: torch.Tensor, state: _Beside) -> torch.Tensor:
+        state.pending.wait()
+        y, state.pending, state.y = state.y, None, None
+        ctx.state = state
+        return base + y.view(base.shape).to(base.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        state = ctx.state
+        dy = dout.reshape(-1, dout.shape[-1]).float()
+        if torch.is_grad_enabled():  # create_graph=True: _Start computes by differentiable ops
+            state.dy = dy
+        else:
+            state.submit_backward(dy.contiguous())
+        return dout, dout.new_zeros(0, dtype=torch.float32), None
+
+
+def base_plus_lora(base: Callable[[], torch.Tensor], x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                   scaling: float) -> torch.Tensor:
+    """``base() + lora(x, A, B, scaling)`` with the adapter's WebGPU work in flight while ``base()``
+    runs on the CPU, in the forward and in the backward: what ``LoRALinear`` does. ``base()``
+    must return a tensor of shape ``[..., out]`` for x ``[..., in]``. Inside ``torch.compile``
+    it is ``base() + lora(...)`` (the registered op, one opaque node).
+
+    >>> x, A, B = torch.randn(2, 3, 16), torch.randn(4, 16), torch.randn(8, 4)
+    >>> W = torch.randn(8, 16)
+    >>> torch.allclose(base_plus_lora(lambda: x @ W.T, x, A, B, 0.5), x @ W.T + lora_reference(x, A, B, 0.5),
+    ...                atol=1e-5)
+    True
+    """
+    scaling = _check(x, A, B, scaling)
+    if torch.compiler.is_compiling():
+        out = base()
+        return out + lora(x, A, B, scaling).to(out.dtype)
+    state = _Beside(get_device(), A, B)
+    link = _Start.apply(x.reshape(-1, A.shape[1]), A, B, scaling, state)
+    try:
+        out = base()
+    except BaseException:
+        state.pending.wait()  # nothing left in flight
+        raise
+    expected = (*x.shape[:-1], B.shape[0])
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
+        state.pending.wait()
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"base_plus_lora: the base layer returned {got}; expected {expected} "
+                         f"(x {tuple(x.shape)}, B {tuple(B.shape)})")
+    return _Finish.apply(out, link, state)
