@@ -13,6 +13,8 @@ opaque op, and it behaves like any torch op from several threads and after a for
 * Double backward (``create_graph=True``, e.g. a gradient penalty) works: the backward is
   itself LoRA-shaped math, so with a graph being built it is computed by differentiable
   ops (dx through this op again, dA and dB as torch matmuls).
+* ``base_plus_lora(base, x, A, B, scaling)`` (what ``LoRALinear`` calls) is ``base() + lora(...)``
+  with the adapter's GPU work in flight while ``base()`` and its backward run on the CPU.
 * dtypes: float32 inside. float16, bfloat16 and float64 inputs are computed in float32 and
   returned in the input's dtype. Integer inputs raise TypeError; tensors on any device other
   than the CPU raise ValueError (move them with ``.cpu()``).
