@@ -166,3 +166,112 @@ def test_models_the_engine_cannot_run_are_refused_by_name():
     odd = tiny_model("dense", False, hidden_size=24, num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ValueError, match="head_dim to be a multiple of 4, got 6"):
         BitNetEngine(odd)
+
+
+# -- like any torch module: threads, fork, torch.compile, double backward -----------------------------
+
+# Threads: the same kernels on the same inputs give the same bits; 1e-6 of the scale would allow
+# a reduction whose order followed the GPU's scheduling. Two passes sharing a plan's buffers
+# (the failure this guards against) give O(1) errors.
+SAME_RTOL = 1e-6
+
+
+def _same(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    return bool((got - ref).abs().max() <= SAME_RTOL * ref.abs().max())
+
+
+def test_threads_sharing_an_engine_each_get_their_own_logits_loss_gradients_and_tokens():
+    import threading
+
+    from torch_wgpu_lora.engine.generate import engine_generate
+
+    model = tiny_model("dense", True)
+    engine = BitNetEngine(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    inputs = [batch(model.config.vocab_size, [12, 9], seed=seed) for seed in range(4)]  # one shape: one plan
+
+    def run(ids, mask):
+        logits = engine(ids, mask).logits
+        out = engine(ids, mask, labels=ids)
+        grads = torch.autograd.grad(out.loss, params)
+        tokens, _ = engine_generate(engine, ids[0, :5].tolist(), 6, set())
+        return logits, out.loss, grads, tokens
+
+    expected = [run(*x) for x in inputs]
+    errors = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(4):
+                logits, loss, grads, tokens = run(*inputs[i])
+                ref_logits, ref_loss, ref_grads, ref_tokens = expected[i]
+                assert _same(logits, ref_logits), "logits"
+                assert _same(loss, ref_loss), "loss"
+                assert all(_same(g, r) for g, r in zip(grads, ref_grads)), "gradients"
+                assert tokens == ref_tokens, "generated tokens"
+        except Exception as e:  # reported below with the thread's input
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def _child_runs_the_engine(engine, ids, queue) -> None:
+    try:
+        engine(ids)
+        queue.put("no error")
+    except RuntimeError as e:
+        queue.put(str(e))
+
+
+def test_an_engine_made_before_a_fork_gives_the_child_a_clear_error_instead_of_hanging():
+    import multiprocessing
+
+    model = tiny_model("dense", False)
+    engine = BitNetEngine(model)
+    ids, _ = batch(model.config.vocab_size, [6])
+    before = engine(ids).logits
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_runs_the_engine, args=(engine, ids, queue))
+    child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung")
+    message = queue.get(timeout=5)
+    assert "forked after its parent created the WebGPU device" in message and "'spawn'" in message
+    assert torch.equal(engine(ids).logits, before)  # the parent's engine goes on
+
+
+def test_torch_compile_runs_the_engine_as_it_is_and_fullgraph_names_why_it_cannot():
+    model = tiny_model("dense", True)
+    engine = BitNetEngine(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    ids, mask = batch(model.config.vocab_size, [10, 7])
+    eager = engine(ids, mask, labels=ids)
+    eager_grads = torch.autograd.grad(eager.loss, params)
+    torch._dynamo.reset()
+    compiled = torch.compile(engine)(ids, mask, labels=ids)
+    assert torch.equal(compiled.loss, eager.loss)
+    assert all(torch.equal(g, r) for g, r in zip(torch.autograd.grad(compiled.loss, params), eager_grads))
+    assert torch.equal(torch.compile(engine)(ids, mask).logits, engine(ids, mask).logits)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="BitNetEngine is its own WebGPU program"):
+        torch.compile(engine, fullgraph=True)(ids, mask)
+
+
+def test_double_backward_through_the_engine_loss_is_refused_clearly():
+    model = tiny_model("dense", True)
+    engine = BitNetEngine(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    ids, mask = batch(model.config.vocab_size, [8])
+    loss = engine(ids, mask, labels=ids).loss
+    with pytest.raises(RuntimeError, match="can be differentiated once.*create_graph=True.*engine='torch'"):
+        torch.autograd.grad(loss, params, create_graph=True)
+    (grad,) = torch.autograd.grad(engine(ids, mask, labels=ids).loss, params[:1])  # a plain backward still works
+    assert torch.isfinite(grad).all()

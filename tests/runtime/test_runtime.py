@@ -482,6 +482,34 @@ def test_a_forked_child_gets_a_clear_error_instead_of_hanging():
     assert get_device() is parent and not parent.forked
 
 
+def _child_uses_parents_buffer(buf: Buffer, queue: multiprocessing.Queue) -> None:
+    said = []
+    uses = (lambda: write(buf, np.ones(4, np.float32)), lambda: Recorder(buf.device),
+            lambda: Buffer((4,), device=buf.device))
+    for use in uses:
+        try:
+            use()
+            said.append("no error")
+        except RuntimeError as e:
+            said.append(str(e))
+    queue.put(said)
+
+
+def test_objects_made_before_a_fork_give_the_child_the_fork_error():
+    buf = upload(np.zeros(4, np.float32))
+    synchronize()
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_uses_parents_buffer, args=(buf, queue))
+    child.start()
+    child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung")
+    said = queue.get(timeout=5)  # writing, recording, allocating
+    assert all("forked after its parent created the WebGPU device" in message for message in said), said
+
+
 def test_a_child_forked_before_any_device_runs_kernels():
     import subprocess
     import sys

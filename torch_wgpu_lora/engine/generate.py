@@ -66,51 +66,52 @@ def engine_generate(engine, prompt_ids: list[int], max_new_tokens: int, eos: set
     """Generate up to ``max_new_tokens`` after ``prompt_ids``; returns (new ids, whether EOS ended them)."""
     if max_new_tokens == 0:
         return [], False
-    engine.adapters.sync()
-    s = engine.decode_session(len(prompt_ids), max_new_tokens, strategy=strategy, temperature=temperature,
-                              top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
-    prompt = np.asarray(prompt_ids, np.uint32)
-    write(s.prefill.ids, prompt)
-    seen = np.zeros(engine.engine_config.vocab, np.uint32)
-    seen[prompt] = 1
-    write(s.seen, seen)
-    s.cache.set_position(0, [len(prompt_ids)], seed=seed, generated=0)
-    history = np.zeros(s.history.shape, np.uint32)
+    with engine.lock:  # one GPU pass at a time (see BitNetEngine)
+        engine.adapters.sync()
+        s = engine.decode_session(len(prompt_ids), max_new_tokens, strategy=strategy, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
+        prompt = np.asarray(prompt_ids, np.uint32)
+        write(s.prefill.ids, prompt)
+        seen = np.zeros(engine.engine_config.vocab, np.uint32)
+        seen[prompt] = 1
+        write(s.seen, seen)
+        s.cache.set_position(0, [len(prompt_ids)], seed=seed, generated=0)
+        history = np.zeros(s.history.shape, np.uint32)
 
-    def submit(steps: int, prefill: bool) -> Pending:
-        rec = Recorder(engine.device)
-        if prefill:
-            s.prefill.record(rec)
-            for launch in s.prefill_sampling:
-                rec.launch(launch)
-        for _ in range(steps):
-            s.decode.record(rec)
-            for launch in s.decode_sampling:
-                rec.launch(launch)
-        rec.read(s.history, history)
-        return rec.submit_async()
+        def submit(steps: int, prefill: bool) -> Pending:
+            rec = Recorder(engine.device)
+            if prefill:
+                s.prefill.record(rec)
+                for launch in s.prefill_sampling:
+                    rec.launch(launch)
+            for _ in range(steps):
+                s.decode.record(rec)
+                for launch in s.decode_sampling:
+                    rec.launch(launch)
+            rec.read(s.history, history)
+            return rec.submit_async()
 
-    def finished(count: int) -> bool:
-        return any(int(t) in eos for t in history[:count])
+        def finished(count: int) -> bool:
+            return any(int(t) in eos for t in history[:count])
 
-    # The prefill's sampler advanced the position by one from 0; the first decode step runs at
-    # the prompt's length (a queue write lands before the next submit).
-    queue = [(submit(0, prefill=True), 1)]  # (submitted work, tokens chosen once it is done), oldest first
-    write(s.cache.step, np.array([len(prompt_ids)], np.uint32), offset=4 * STEP_POS)
-    done = 1
-    while done < max_new_tokens:
-        steps = min(tokens_per_submit, max_new_tokens - done)
-        done += steps
-        queue.append((submit(steps, prefill=False), done))
-        if len(queue) > 1:  # one batch stays in flight while the next one is encoded
-            oldest, count = queue.pop(0)
-            oldest.wait()
-            if finished(count):
-                break
-    for pending, _ in queue:  # in submission order: the last wait leaves the newest history
-        pending.wait()
-    tokens = [int(t) for t in history[:max_new_tokens]]
-    for i, token in enumerate(tokens):
-        if token in eos:
-            return tokens[: i + 1], True
-    return tokens, False
+        # The prefill's sampler advanced the position by one from 0; the first decode step runs at
+        # the prompt's length (a queue write lands before the next submit).
+        queue = [(submit(0, prefill=True), 1)]  # (submitted work, tokens chosen once it is done), oldest first
+        write(s.cache.step, np.array([len(prompt_ids)], np.uint32), offset=4 * STEP_POS)
+        done = 1
+        while done < max_new_tokens:
+            steps = min(tokens_per_submit, max_new_tokens - done)
+            done += steps
+            queue.append((submit(steps, prefill=False), done))
+            if len(queue) > 1:  # one batch stays in flight while the next one is encoded
+                oldest, count = queue.pop(0)
+                oldest.wait()
+                if finished(count):
+                    break
+        for pending, _ in queue:  # in submission order: the last wait leaves the newest history
+            pending.wait()
+        tokens = [int(t) for t in history[:max_new_tokens]]
+        for i, token in enumerate(tokens):
+            if token in eos:
+                return tokens[: i + 1], True
+        return tokens, False

@@ -11,10 +11,14 @@ frozen base weights are read once, at construction: build a new engine after cha
 
 Batches are right-padded: ``attention_mask`` rows are ones then zeros. Positions are 0, 1, …
 for every sequence, as transformers numbers them without ``position_ids``.
+
+Threads may share an engine: its GPU passes take turns (``engine.lock``), since each shape's plan
+has one set of activation buffers and KV caches.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable
@@ -69,14 +73,17 @@ class BitNetEngine(nn.Module):
         self._optimizer_state: tuple[Buffer, Buffer] | None = None  # flat AdamW moments of train_step
         self._stats = Buffer((4,), device=self.device)
         self._partials = Buffer((256,), device=self.device)
+        self.lock = threading.RLock()  # one GPU pass at a time: plans own their buffers
         # Torch code reading the Parameters after the engine's optimizer steps gets current values.
         # (Weak references: the model must not keep its engine, and its GPU memory, alive.)
-        adapters = weakref.ref(self.adapters)
+        adapters, lock = weakref.ref(self.adapters), self.lock
 
+        @torch.compiler.disable(reason="reads the engine's adapter values back from the GPU")
         def pull(*_: Any) -> None:
             live = adapters()
             if live is not None:
-                live.pull()
+                with lock:
+                    live.pull()
 
         model.register_forward_pre_hook(pull)
         model.register_state_dict_pre_hook(pull)
@@ -155,6 +162,7 @@ class BitNetEngine(nn.Module):
                 raise ValueError(f"labels hold {int(lab[bad][0])}, neither -100 nor a token id in [0, {c.vocab})")
         return ids, lengths
 
+    @torch.compiler.disable(reason="BitNetEngine is its own WebGPU program: torch.compile runs it as it is")
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, return_logits: bool | None = None, **unused: Any) -> Any:
         """Logits (and the loss, given labels) of a right-padded batch, computed on WebGPU.
@@ -181,15 +189,16 @@ class BitNetEngine(nn.Module):
 
     def _logits(self, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         batch, tokens = ids.shape
-        self.adapters.sync()
-        plan = self.plan(batch, tokens)
-        write(plan.ids, ids.numpy().astype(np.uint32).reshape(-1))
-        plan.cache.set_position(0, lengths)
         logits = torch.empty(batch * tokens, self.engine_config.vocab, dtype=torch.float32)
-        rec = Recorder(self.device)
-        plan.record(rec)
-        plan.read_logits(rec, logits.numpy())
-        rec.submit()
+        with self.lock:
+            self.adapters.sync()
+            plan = self.plan(batch, tokens)
+            write(plan.ids, ids.numpy().astype(np.uint32).reshape(-1))
+            plan.cache.set_position(0, lengths)
+            rec = Recorder(self.device)
+            plan.record(rec)
+            plan.read_logits(rec, logits.numpy())
+            rec.submit()
         return logits.reshape(batch, tokens, -1)
 
     def loss_and_grads(self, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int],
@@ -197,24 +206,25 @@ class BitNetEngine(nn.Module):
         """The mean loss over labelled tokens and every adapter Parameter's gradient of it, in one
         submit (what ``loss.backward()`` hands to autograd). ``codes``, a dict, receives the
         pass's int8 activation codes (``plan.read_codes``' format) for comparisons."""
-        self.adapters.sync()
-        batch, tokens = ids.shape
-        plan = self.train_plan(batch, tokens)
-        count = plan.write_inputs(0, ids, labels, lengths)
-        if count == 0:
-            raise ValueError("the labels hold no labelled token (all -100 after the shift): no loss to compute")
-        plan.set_scale(1.0 / count)
-        losses = np.empty(plan.rows, np.float32)
-        rec = Recorder(self.device)
-        rec.clear(plan.grads)
-        capture = {} if codes is not None else None
-        plan.record(rec, 0, capture=capture)
-        rec.read(plan.slots[0].losses, losses)
-        grads = self.adapters.read(plan.grads, rec)
-        rec.submit()
-        if codes is not None:
-            codes.update(read_codes(capture, batch, tokens, self.engine_config))
-        return torch.tensor(float(losses.astype(np.float64).sum()) / count, dtype=torch.float32), grads
+        with self.lock:
+            self.adapters.sync()
+            batch, tokens = ids.shape
+            plan = self.train_plan(batch, tokens)
+            count = plan.write_inputs(0, ids, labels, lengths)
+            if count == 0:
+                raise ValueError("the labels hold no labelled token (all -100 after the shift): no loss to compute")
+            plan.set_scale(1.0 / count)
+            losses = np.empty(plan.rows, np.float32)
+            rec = Recorder(self.device)
+            rec.clear(plan.grads)
+            capture = {} if codes is not None else None
+            plan.record(rec, 0, capture=capture)
+            rec.read(plan.slots[0].losses, losses)
+            grads = self.adapters.read(plan.grads, rec)
+            rec.submit()
+            if codes is not None:
+                codes.update(read_codes(capture, batch, tokens, self.engine_config))
+            return torch.tensor(float(losses.astype(np.float64).sum()) / count, dtype=torch.float32), grads
 
     # -- the fast path: a whole optimizer step in one submit -------------------------------------
 
@@ -247,54 +257,55 @@ class BitNetEngine(nn.Module):
         Micro-batches are padded to one shape. Returns {"loss", "tokens", "grad_norm", "skipped"}
         ("loss" and "tokens" over every process when ``all_reduce`` is given).
         """
-        group = self._check_optimizer(optimizer)
-        self.adapters.check_trainable()
-        self.adapters.sync()
-        tokens = max(int(b["input_ids"].shape[1]) for b in micro_batches)
-        batch = max(int(b["input_ids"].shape[0]) for b in micro_batches)
-        plan = self.train_plan(batch, tokens, len(micro_batches))
-        labelled = 0
-        for slot, b in enumerate(micro_batches):
-            ids, mask, labels = _padded(b, batch, tokens)
-            ids, lengths = self.check_inputs(ids, mask, labels)
-            labelled += plan.write_inputs(slot, ids, labels, lengths)
-        if labelled_total is not None:
-            if isinstance(labelled_total, bool) or not isinstance(labelled_total, int) or labelled_total < labelled:
-                raise ValueError(f"labelled_total must be an integer >= this process's {labelled} labelled tokens, "
-                                 f"got {labelled_total!r}")
-            labelled = labelled_total
-        if labelled == 0:
-            raise ValueError("the micro-batches hold no labelled token: nothing to compute a loss on")
-        plan.set_scale(1.0 / labelled)
-        exp_avg, exp_avg_sq = self._moments(optimizer)
-        step = int(optimizer.state[optimizer.param_groups[0]["params"][0]]["step"].item()) + 1
-        from ..ops.adamw import adamw_launch
-        from .kernels.optimizer import clip_launches
+        with self.lock:
+            group = self._check_optimizer(optimizer)
+            self.adapters.check_trainable()
+            self.adapters.sync()
+            tokens = max(int(b["input_ids"].shape[1]) for b in micro_batches)
+            batch = max(int(b["input_ids"].shape[0]) for b in micro_batches)
+            plan = self.train_plan(batch, tokens, len(micro_batches))
+            labelled = 0
+            for slot, b in enumerate(micro_batches):
+                ids, mask, labels = _padded(b, batch, tokens)
+                ids, lengths = self.check_inputs(ids, mask, labels)
+                labelled += plan.write_inputs(slot, ids, labels, lengths)
+            if labelled_total is not None:
+                if isinstance(labelled_total, bool) or not isinstance(labelled_total, int) or labelled_total < labelled:
+                    raise ValueError(f"labelled_total must be an integer >= this process's {labelled} labelled tokens, "
+                                     f"got {labelled_total!r}")
+                labelled = labelled_total
+            if labelled == 0:
+                raise ValueError("the micro-batches hold no labelled token: nothing to compute a loss on")
+            plan.set_scale(1.0 / labelled)
+            exp_avg, exp_avg_sq = self._moments(optimizer)
+            step = int(optimizer.state[optimizer.param_groups[0]["params"][0]]["step"].item()) + 1
+            from ..ops.adamw import adamw_launch
+            from .kernels.optimizer import clip_launches
 
-        stats = np.empty(4, np.float32)
-        rec = Recorder(self.device)
-        rec.clear(plan.grads)
-        for slot in range(len(micro_batches)):
-            plan.record(rec, slot)
-        if all_reduce is not None:  # submit 1 ends here: the gradients go round the processes
-            self._all_reduce_grads(rec, plan, all_reduce)
+            stats = np.empty(4, np.float32)
             rec = Recorder(self.device)
-        for launch in clip_launches(plan.grads, plan.losses, self._stats, self._partials, n=self.adapters.size,
-                                    rows=plan.losses.numel, max_norm=max_grad_norm, device=self.device):
-            rec.launch(launch)
-        rec.launch(adamw_launch(self.adapters.params, plan.grads, exp_avg, exp_avg_sq, stats=self._stats,
-                                n=self.adapters.size, step=step, lr=group["lr"], betas=group["betas"],
-                                eps=group["eps"], weight_decay=group["weight_decay"], device=self.device))
-        rec.read(self._stats, stats)
-        rec.submit()
-        norm, _, skipped, loss_sum = (float(v) for v in stats)
-        if not skipped:
-            for p in optimizer.param_groups[0]["params"]:
-                optimizer.state[p]["step"] += 1
-            self.adapters.gpu_is_newer = True
-            optimizer._opt_called = True  # what optimizer.step() marks: LR schedulers check it
-        return {"loss": None if skipped else loss_sum / labelled, "tokens": labelled, "grad_norm": norm,
-                "skipped": bool(skipped)}
+            rec.clear(plan.grads)
+            for slot in range(len(micro_batches)):
+                plan.record(rec, slot)
+            if all_reduce is not None:  # submit 1 ends here: the gradients go round the processes
+                self._all_reduce_grads(rec, plan, all_reduce)
+                rec = Recorder(self.device)
+            for launch in clip_launches(plan.grads, plan.losses, self._stats, self._partials, n=self.adapters.size,
+                                        rows=plan.losses.numel, max_norm=max_grad_norm, device=self.device):
+                rec.launch(launch)
+            rec.launch(adamw_launch(self.adapters.params, plan.grads, exp_avg, exp_avg_sq, stats=self._stats,
+                                    n=self.adapters.size, step=step, lr=group["lr"], betas=group["betas"],
+                                    eps=group["eps"], weight_decay=group["weight_decay"], device=self.device))
+            rec.read(self._stats, stats)
+            rec.submit()
+            norm, _, skipped, loss_sum = (float(v) for v in stats)
+            if not skipped:
+                for p in optimizer.param_groups[0]["params"]:
+                    optimizer.state[p]["step"] += 1
+                self.adapters.gpu_is_newer = True
+                optimizer._opt_called = True  # what optimizer.step() marks: LR schedulers check it
+            return {"loss": None if skipped else loss_sum / labelled, "tokens": labelled, "grad_norm": norm,
+                    "skipped": bool(skipped)}
 
     def _all_reduce_grads(self, rec: Recorder, plan: TrainPlan, all_reduce: Callable[[torch.Tensor], Any]) -> None:
         """Submit ``rec`` (the step's forward and backward), read the gradients and the loss sum
@@ -356,8 +367,12 @@ class _EngineLoss(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        if torch.is_grad_enabled():
+            raise RuntimeError("BitNetEngine's loss can be differentiated once: its gradients come from the "
+                               "engine's backward kernels, which have no derivative of their own, so "
+                               "create_graph=True (double backward, a gradient penalty) is not supported; "
+                               "run the model on the torch path (engine='torch') for that")
         ctx.saved_tensors  # noqa: B018 - the version check
         return (None, None, None, None, *(g * grad for g in ctx.grads))
 

@@ -85,6 +85,7 @@ class BufferPool:
     def take(self, nbytes: int) -> tuple[Any, int]:
         size = _bucket(nbytes)
         _check_size(self.device, size)
+        self.device.check_usable()
         with self.device.lock:
             bucket = self.free.get(size)
             while bucket:
@@ -263,6 +264,7 @@ def write(buf: Buffer, array: np.ndarray, offset: int = 0) -> None:
     if array.nbytes % 4:
         raise ValueError(f"write: {array.nbytes} bytes is not a multiple of 4 (WebGPU writes whole words)")
     if array.nbytes:
+        buf.device.check_usable()
         buf.device.queue.write_buffer(buf.gpu, buf.offset + offset, array)
 
 

@@ -202,6 +202,13 @@ class Device:
                     value = self.state[name] = make()
         return value
 
+    def check_usable(self) -> None:
+        """Raise the fork error in a child forked after this device was made: its driver's
+        threads stayed in the parent, so work would hang. Called before allocating, writing
+        and recording, so objects made before the fork (an engine, a plan) fail clearly too."""
+        if self.forked:
+            raise RuntimeError(FORKED_ERROR)
+
     def track(self, nbytes: int) -> None:
         """Count ``nbytes`` of GPU memory made (positive) or freed (negative) by the runtime."""
         with self.lock:

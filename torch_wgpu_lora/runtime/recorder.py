@@ -199,6 +199,7 @@ class Recorder:
 
     def __init__(self, device: Device | None = None, timestamps: bool = False, per_dispatch: bool = False) -> None:
         self.device = device or get_device()
+        self.device.check_usable()
         self.encoder = self.device.wgpu.create_command_encoder()
         self.pass_: Any = None
         self._pass_handle: Any = None
