@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..files import write_atomic
 from .engine import _with_adapters, bitnet_2b_config, packed_model, small_config
 
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result), flush=True)
     if result["rank"] == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        write_atomic(args.out, json.dumps(result, indent=2).encode())
     return 0
 
 

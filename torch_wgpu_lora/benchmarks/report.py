@@ -7,6 +7,7 @@ Files: ``lora_op.json`` (meta and a row per case), ``lora_op.md`` (the table),
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -58,8 +59,10 @@ def plot(results: list["Result"], path: str | Path) -> None:
     ax.set_ylabel("µs per iteration")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    write_atomic(path, png.getvalue())
 
 
 def write_text(out: str | Path, name: str, text: str) -> Path:
