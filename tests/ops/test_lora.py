@@ -498,6 +498,16 @@ def test_base_plus_lora_double_backward_matches_float64_for_a_gradient_penalty()
         assert_close(a, b.detach(), f"penalised d{name}")
 
 
+def test_base_plus_lora_with_a_frozen_adapter_still_trains_the_base():
+    g = torch.Generator().manual_seed(16)
+    x, A, B = torch.randn(5, 16, generator=g), torch.randn(4, 16, generator=g), torch.randn(8, 4, generator=g)
+    W = torch.randn(8, 16, generator=g, requires_grad=True)
+    base_plus_lora(lambda: x @ W.T, x, A, B, 1.0).square().sum().backward()
+    W64 = W.detach().double().requires_grad_()
+    (x.double() @ W64.T + lora_reference(x.double(), A.double(), B.double(), 1.0)).square().sum().backward()
+    assert_close(W.grad, W64.grad, "dW")
+
+
 def test_base_plus_lora_names_a_base_output_of_the_wrong_shape_and_passes_on_a_base_error():
     x, A, B = torch.randn(5, 16), torch.randn(4, 16), torch.randn(8, 4)
     with pytest.raises(ValueError, match=r"the base layer returned \(5, 9\); expected \(5, 8\)"):

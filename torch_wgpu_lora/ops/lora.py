@@ -336,6 +336,8 @@ class _Finish(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        if not ctx.needs_input_grad[1]:  # the adapter is frozen and x needs no gradient: the base alone
+            return dout, None, None
         state = ctx.state
         dy = dout.reshape(-1, dout.shape[-1]).float()
         if torch.is_grad_enabled():  # create_graph=True: _Start computes by differentiable ops
