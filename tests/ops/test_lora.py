@@ -443,7 +443,7 @@ class _LoggedLinear(torch.autograd.Function):
         return dy @ W, dy.T @ x, None
 
 
-@pytest.mark.parametrize("in_f, out_f, rows", [(2560, 640, 333), (13, 7, 5), (64, 48, 1)])
+@pytest.mark.parametrize("in_f, out_f, rows", [(2560, 640, 333), (13, 7, 5), (64, 48, 1), (64, 48, 0)])
 def test_base_plus_lora_matches_float64_in_output_and_every_gradient(in_f, out_f, rows):
     g = torch.Generator().manual_seed(13)
     x = torch.randn(rows, in_f, generator=g, requires_grad=True)
