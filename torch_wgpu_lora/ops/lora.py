@@ -319,7 +319,8 @@ class _Start(torch.autograd.Function):
         x, A, B = ctx.saved_tensors
         state, needs = ctx.state, ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():
-            return (*_graph_grads(state.dy, x, A, B, ctx.scaling, needs), None, None)
+            dy, state.dy = state.dy, None  # the state does not keep the graph alive
+            return (*_graph_grads(dy, x, A, B, ctx.scaling, needs), None, None)
         return (*_in_dtypes(state.collect(), x, A, B, needs), None, None)
 
 
