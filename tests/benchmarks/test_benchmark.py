@@ -141,6 +141,7 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
     drop_in = result["drop_in"]  # the backends' steps, taking turns
     assert len(drop_in["wgpu"]["steps_s"]) == len(drop_in["torch"]["steps_s"]) == 3
     assert drop_in["wgpu_over_torch"] == drop_in["wgpu"]["step_s"] / drop_in["torch"]["step_s"] > 0
+    assert 0 < drop_in["wgpu"]["upload_s"] + drop_in["wgpu"]["wait_s"] < drop_in["wgpu"]["step_s"]
     training = result["engine_training"]["16"]
     assert training["loss"] is not None and 0 < training["loss"] < 20  # None: the step was skipped (non-finite)
     assert result["engine"]["prefill"]["tok_per_s"] > 0 and result["engine"]["decode"]["tok_per_s"] > 0

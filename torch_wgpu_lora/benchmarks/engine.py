@@ -233,30 +233,60 @@ def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, An
     """The drop-in path: a CPU torch model (packed BitNet, float32) whose Q/V adapters are
     ``LoRALinear(backend="wgpu")``, against the same with ``backend="torch"``: one training step's
     wall time (forward, backward, AdamW on the adapters), batch 1. The two backends take turns,
-    step by step, so a drift in the host's speed weighs on both alike."""
+    step by step, so a drift in the host's speed weighs on both alike. For the WebGPU steps it
+    also reports the seconds a step's adapter calls spent uploading (x and dY) and waiting for
+    their results (the GPU time the base layer's CPU work did not hide, and the copies out of
+    the readbacks)."""
     from ..integrations.bitnet import lora_parameters, set_backend
+    from ..ops import lora as lora_ops
+    from ..runtime import recorder
 
     model = _with_adapters(packed_model(config, dtype=torch.float32), 8, seed=0)
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(3))
     optimizer = torch.optim.AdamW(lora_parameters(model), lr=1e-4)
     backends = ("wgpu", "torch")
     walls: dict[str, list[float]] = {backend: [] for backend in backends}
+    spent = {"upload_s": 0.0, "wait_s": 0.0}
+    exposed: dict[str, list[float]] = {"upload_s": [], "wait_s": []}  # the WebGPU steps'
+
+    def timed(fn: Callable, key: str) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return wrapper
+
+    upload, wait = lora_ops.to_gpu, recorder.Pending.wait
     with torch.compiler.set_stance("force_eager"):
         for turn in range(steps + 1):  # the first turn warms up
             for backend in backends:
                 set_backend(model, backend)
-                t0 = time.perf_counter()
-                model(input_ids=ids, labels=ids).loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
+                spent.update(upload_s=0.0, wait_s=0.0)
+                lora_ops.to_gpu, recorder.Pending.wait = timed(upload, "upload_s"), timed(wait, "wait_s")
+                try:
+                    t0 = time.perf_counter()
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    wall = time.perf_counter() - t0
+                finally:
+                    lora_ops.to_gpu, recorder.Pending.wait = upload, wait
                 if turn:
-                    walls[backend].append(time.perf_counter() - t0)
+                    walls[backend].append(wall)
+                    if backend == "wgpu":
+                        for key in exposed:
+                            exposed[key].append(spent[key])
     out: dict[str, Any] = {"seq": seq}
     for backend in backends:
         wall = statistics.median(walls[backend])
         out[backend] = {"step_s": wall, "tok_per_s": seq / wall, "steps_s": walls[backend]}
         log(f"drop-in training step, adapters on {backend}: {wall:.2f} s (steps: "
             f"{', '.join(f'{w:.2f}' for w in walls[backend])})")
+    out["wgpu"].update({key: statistics.median(values) for key, values in exposed.items()})
+    log(f"drop-in, adapters on wgpu: {out['wgpu']['upload_s']:.3f} s a step uploading, "
+        f"{out['wgpu']['wait_s']:.3f} s waiting for results")
     out["wgpu_over_torch"] = out["wgpu"]["step_s"] / out["torch"]["step_s"]
     return out
 
