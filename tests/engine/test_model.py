@@ -20,6 +20,7 @@ from torch_wgpu_lora.integrations.tiny import FLAVOURS, build_tiny_bitnet
 
 from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE, FeedStats, feeding_codes
 
+from ..concurrency import in_forked_child, in_threads
 from .helpers import forward_with_codes
 
 LOGIT_RTOL = 1e-4
@@ -181,8 +182,6 @@ def _same(got: torch.Tensor, ref: torch.Tensor) -> bool:
 
 
 def test_threads_sharing_an_engine_each_get_their_own_logits_loss_gradients_and_tokens():
-    import threading
-
     from torch_wgpu_lora.engine.generate import engine_generate
 
     model = tiny_model("dense", True)
@@ -198,52 +197,30 @@ def test_threads_sharing_an_engine_each_get_their_own_logits_loss_gradients_and_
         return logits, out.loss, grads, tokens
 
     expected = [run(*x) for x in inputs]
-    errors = []
 
-    def work(i: int) -> None:
-        try:
-            for _ in range(4):
-                logits, loss, grads, tokens = run(*inputs[i])
-                ref_logits, ref_loss, ref_grads, ref_tokens = expected[i]
-                assert _same(logits, ref_logits), "logits"
-                assert _same(loss, ref_loss), "loss"
-                assert all(_same(g, r) for g, r in zip(grads, ref_grads)), "gradients"
-                assert tokens == ref_tokens, "generated tokens"
-        except Exception as e:  # reported below with the thread's input
-            errors.append((i, repr(e)))
+    def check(i: int) -> None:
+        for _ in range(4):
+            logits, loss, grads, tokens = run(*inputs[i])
+            ref_logits, ref_loss, ref_grads, ref_tokens = expected[i]
+            assert _same(logits, ref_logits), "logits"
+            assert _same(loss, ref_loss), "loss"
+            assert all(_same(g, r) for g, r in zip(grads, ref_grads)), "gradients"
+            assert tokens == ref_tokens, "generated tokens"
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    in_threads(check, 4)
 
 
-def _child_runs_the_engine(engine, ids, queue) -> None:
-    try:
-        engine(ids)
-        queue.put("no error")
-    except RuntimeError as e:
-        queue.put(str(e))
+def _runs_the_engine(engine, ids) -> str:
+    engine(ids)
+    return "no error"
 
 
 def test_an_engine_made_before_a_fork_gives_the_child_a_clear_error_instead_of_hanging():
-    import multiprocessing
-
     model = tiny_model("dense", False)
     engine = BitNetEngine(model)
     ids, _ = batch(model.config.vocab_size, [6])
     before = engine(ids).logits
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_child_runs_the_engine, args=(engine, ids, queue))
-    child.start()
-    child.join(timeout=120)
-    if child.is_alive():
-        child.kill()
-        pytest.fail("the forked child hung")
-    message = queue.get(timeout=5)
+    message = in_forked_child(_runs_the_engine, engine, ids)
     assert "forked after its parent created the WebGPU device" in message and "'spawn'" in message
     assert torch.equal(engine(ids).logits, before)  # the parent's engine goes on
 

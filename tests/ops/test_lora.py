@@ -20,6 +20,8 @@ from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, upload
 from torch_wgpu_lora.runtime import tensors as lora_ops_tensors
 from torch_wgpu_lora.runtime.tensors import resident
 
+from ..concurrency import in_threads
+
 RTOL = 1e-4  # of the reference's max magnitude; see module docstring
 SHAPES = [(2560, 2560), (2560, 640), (13, 7), (64, 48)]  # BitNet-2B q_proj and v_proj, odd, small
 RANKS = [1, 8, 16, 64, 100]  # 100: lora_up's large-rank branch (more than 16 quads)
@@ -357,35 +359,24 @@ def test_double_backward_matches_torch_for_a_gradient_penalty():
 
 
 def test_several_threads_share_one_lora_linear_and_every_result_is_right():
-    import threading
-
     from torch_wgpu_lora import LoRALinear
 
     torch.manual_seed(10)
     layer = LoRALinear(torch.nn.Linear(48, 40), r=8, lora_alpha=16)
     torch.nn.init.normal_(layer.lora_B)
-    errors = []
 
-    def work(seed: int) -> None:
+    def check(seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
-        try:
-            for _ in range(25):
-                x = torch.randn(int(torch.randint(1, 40, (1,), generator=g)), 48, generator=g, requires_grad=True)
-                y = layer(x)
-                ref = layer.base_layer(x) + lora_reference(x, layer.lora_A, layer.lora_B, layer.scaling)
-                assert (y - ref).abs().max() <= 1e-4 * ref.abs().max()
-                (gx,) = torch.autograd.grad(y.sum(), x)
-                (gx_ref,) = torch.autograd.grad(ref.sum(), x)
-                assert (gx - gx_ref).abs().max() <= 1e-4 * gx_ref.abs().max()
-        except Exception as e:  # reported with its seed below
-            errors.append((seed, repr(e)))
+        for _ in range(25):
+            x = torch.randn(int(torch.randint(1, 40, (1,), generator=g)), 48, generator=g, requires_grad=True)
+            y = layer(x)
+            ref = layer.base_layer(x) + lora_reference(x, layer.lora_A, layer.lora_B, layer.scaling)
+            assert (y - ref).abs().max() <= 1e-4 * ref.abs().max()
+            (gx,) = torch.autograd.grad(y.sum(), x)
+            (gx_ref,) = torch.autograd.grad(ref.sum(), x)
+            assert (gx - gx_ref).abs().max() <= 1e-4 * gx_ref.abs().max()
 
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    in_threads(check, 3)
 
 
 @pytest.mark.parametrize("fullgraph", [False, True])

@@ -3,9 +3,7 @@ threads and fork."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -18,6 +16,8 @@ from torch_wgpu_lora.runtime.device import (ADAPTER_ENV, INSTALL_HINT, LOCAL_RAN
                                             local_rank_from_env)
 from torch_wgpu_lora.runtime.kernels import SHADER_CHECKS_ENV, params_layout, shader_checks
 from torch_wgpu_lora.runtime.tensors import into, refresh, resident, to_gpu
+
+from ..concurrency import in_forked_child, in_threads
 
 
 class FakeAdapter:
@@ -433,56 +433,36 @@ def test_refresh_marks_an_in_place_gpu_update_as_current():
 
 def test_many_threads_share_the_device_and_every_result_is_right():
     k = _reduce()
-    errors = []
 
-    def work(seed: int) -> None:
+    def check(seed: int) -> None:
         rng = np.random.default_rng(seed)
-        try:
-            for _ in range(40):
-                x = rng.standard_normal(256).astype(np.float32)
-                out = np.empty(256, np.float32)
-                rec = Recorder()
-                acc = Buffer((256,))
-                rec.dispatch(k, (1, 1, 1), (upload(x), acc), (64, 64, 1, 0, 3.0))
-                rec.read(acc, out)
-                rec.submit()
-                np.testing.assert_array_equal(out, 3 * x)
-        except Exception as e:  # reported below with the thread's seed
-            errors.append((seed, repr(e)))
+        for _ in range(40):
+            x = rng.standard_normal(256).astype(np.float32)
+            out = np.empty(256, np.float32)
+            rec = Recorder()
+            acc = Buffer((256,))
+            rec.dispatch(k, (1, 1, 1), (upload(x), acc), (64, 64, 1, 0, 3.0))
+            rec.read(acc, out)
+            rec.submit()
+            np.testing.assert_array_equal(out, 3 * x)
 
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    in_threads(check, 4)
 
 
-def _child_uses_webgpu(queue: multiprocessing.Queue) -> None:
-    try:
-        get_device()
-        queue.put("no error")
-    except RuntimeError as e:
-        queue.put(str(e))
+def _uses_webgpu() -> str:
+    get_device()
+    return "no error"
 
 
 def test_a_forked_child_gets_a_clear_error_instead_of_hanging():
     parent = get_device()
     synchronize()  # the parent has used its device
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_child_uses_webgpu, args=(queue,))
-    child.start()
-    child.join(timeout=120)
-    if child.is_alive():
-        child.kill()
-        pytest.fail("the forked child hung")
-    message = queue.get(timeout=5)
+    message = in_forked_child(_uses_webgpu)
     assert "forked after its parent created the WebGPU device" in message and "'spawn'" in message
     assert get_device() is parent and not parent.forked
 
 
-def _child_uses_parents_buffer(buf: Buffer, queue: multiprocessing.Queue) -> None:
+def _uses_parents_buffer(buf: Buffer) -> list[str]:
     said = []
     uses = (lambda: write(buf, np.ones(4, np.float32)), lambda: Recorder(buf.device),
             lambda: Buffer((4,), device=buf.device))
@@ -492,21 +472,13 @@ def _child_uses_parents_buffer(buf: Buffer, queue: multiprocessing.Queue) -> Non
             said.append("no error")
         except RuntimeError as e:
             said.append(str(e))
-    queue.put(said)
+    return said
 
 
 def test_objects_made_before_a_fork_give_the_child_the_fork_error():
     buf = upload(np.zeros(4, np.float32))
     synchronize()
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_child_uses_parents_buffer, args=(buf, queue))
-    child.start()
-    child.join(timeout=120)
-    if child.is_alive():
-        child.kill()
-        pytest.fail("the forked child hung")
-    said = queue.get(timeout=5)  # writing, recording, allocating
+    said = in_forked_child(_uses_parents_buffer, buf)  # writing, recording, allocating
     assert all("forked after its parent created the WebGPU device" in message for message in said), said
 
 
