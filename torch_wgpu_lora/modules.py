@@ -28,8 +28,9 @@ class LoRALinear(nn.Module):
     """Wraps a linear layer (``nn.Linear``, transformers' ``AutoBitLinear`` or packed
     ``BitLinear``: anything with ``in_features``/``out_features``) with a LoRA adapter.
 
-    ``backend="wgpu"`` computes the adapter with the WebGPU kernels; ``"torch"`` with
-    plain torch ops (the reference). The adapter's parameters are float32 whatever the
+    ``backend="wgpu"`` computes the adapter with the WebGPU kernels, in flight while the CPU
+    computes the base layer, forward and backward (``ops.lora.base_plus_lora``); ``"torch"``
+    with plain torch ops (the reference). The adapter's parameters are float32 whatever the
     base layer's dtype; its output is cast to the base output's dtype.
     """
 
