@@ -203,6 +203,9 @@ def two_ranks(tiny, tmp_path_factory):
     """One launch of two ranks, several runs in a row (process start-up is most of the cost)."""
     folder = tmp_path_factory.mktemp("two-ranks")
     engine = RUNS["engine"]
+    # A one-process run's checkpoint, which two ranks must refuse to resume (rank 0 reads "NAME-rank0").
+    model = apply_lora(load_bitnet(tiny["model"]), r=4, lora_alpha=8)
+    Trainer(model, tiny["loaded"], RECORDS, **dict(engine, output_dir=folder / "single-rank0")).train()
     runs = [
         {"name": "engine", "output": "engine", "options": engine, "eval": True},
         {"name": "torch", "output": "torch", "options": RUNS["torch"]},
@@ -211,6 +214,7 @@ def two_ranks(tiny, tmp_path_factory):
         {"name": "diverged", "output": "diverged", "options": dict(engine, check_every=1), "perturb_at": 1},
         {"name": "disagree", "output": "disagree", "options": engine, "rank1": {"lr": 1e-3}},
         {"name": "refused", "output": "engine", "options": engine},  # a fresh run over rank 0's earlier one
+        {"name": "from_one", "output": "single", "options": engine, "resume": True},
     ]
     results, status, errors = launch(folder, {"model": tiny["model"], "tokenizer": tiny["tokenizer"],
                                               "timeout": 60, "runs": runs})
@@ -354,6 +358,15 @@ def test_a_two_rank_checkpoint_resumes_bit_identically_and_only_with_two_ranks(t
     with pytest.raises(ValueError, match=r"written by a run of 2 processes \(world size 2\); this run has 1\. "
                                          r"Resume it with 2 processes \(e\.g\. torchrun --nproc-per-node 2"):
         trainer.train(resume_from=True)
+
+
+def test_a_one_process_checkpoint_is_refused_by_two_ranks_saying_how_to_resume_it(two_ranks):
+    _, results = two_ranks
+    for rank, result in enumerate(results):  # rank 0 read it; rank 1 heard its error
+        refused = result["from_one"]
+        assert refused["error"] == "ValueError", rank
+        assert ("written by a run of 1 process (world size 1); this run has 2. Resume it in one process "
+                "(without torchrun)") in refused["message"], rank
 
 
 def test_diverged_adapters_stop_every_rank_naming_the_rank(two_ranks):

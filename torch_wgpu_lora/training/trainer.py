@@ -419,11 +419,12 @@ class Trainer:
         saved = {"world_size": 1, **saved}  # checkpoints from before data-parallel training: one process
         if saved["world_size"] != self.world_size:
             there = saved["world_size"]
+            how = f"with {there} processes (e.g. torchrun --nproc-per-node {there} ...)" if there != 1 else \
+                "in one process (without torchrun)"
             raise ValueError(f"{folder} was written by a run of {there} process{'es' if there != 1 else ''} (world "
-                             f"size {there}); this run has {self.world_size}. Resume it with {there} "
-                             f"process{'es' if there != 1 else ''} (e.g. torchrun --nproc-per-node {there} ...): "
-                             "each process's share of the data, the batch of a step and the saved random states all "
-                             "depend on the world size, so another one would not continue that run")
+                             f"size {there}); this run has {self.world_size}. Resume it {how}: each process's "
+                             "share of the data, the batch of a step and the saved random states all depend on "
+                             "the world size, so another one would not continue that run")
         differ = [f"{key}: {saved.get(key)!r} there, {value!r} here" for key, value in self.settings.items()
                   if saved.get(key) != value]
         if differ:
