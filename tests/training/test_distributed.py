@@ -125,14 +125,22 @@ def _run(run: dict, rank: int, tokenizer, folder: Path, model_path: str) -> dict
 
     options = dict(run["options"], **run.get(f"rank{rank}", {}), output_dir=folder / f"{run['output']}-rank{rank}",
                    callback=callback)
+    from torch_wgpu_lora.training import distributed
+
+    cpu_backend = distributed._cpu_backend
+    if run.get("beside"):  # as under an NCCL default group: the collectives go through a gloo group beside it
+        distributed._cpu_backend = lambda backend: False
     try:
-        result = Trainer(model, tokenizer, RECORDS, eval_data=EVAL_RECORDS if run.get("eval") else None,
-                         **options).train(resume_from=run.get("resume"))
+        trainer = Trainer(model, tokenizer, RECORDS, eval_data=EVAL_RECORDS if run.get("eval") else None, **options)
+        result = trainer.train(resume_from=run.get("resume"))
     except Exception as err:
         return {"error": type(err).__name__, "message": str(err), "at": time.time(), "seen": seen}
+    finally:
+        distributed._cpu_backend = cpu_backend
     save_file({k: v.contiguous() for k, v in lora_state_dict(model).items()},
               str(folder / f"{run['name']}-rank{rank}.safetensors"))
-    return {"steps": result.steps, "loss": result.loss, "eval_loss": result.eval_loss}
+    return {"steps": result.steps, "loss": result.loss, "eval_loss": result.eval_loss,
+            "own_group": trainer.dist.group is not None}
 
 
 # -- launching ----------------------------------------------------------------------------------------
@@ -215,6 +223,7 @@ def two_ranks(tiny, tmp_path_factory):
         {"name": "disagree", "output": "disagree", "options": engine, "rank1": {"lr": 1e-3}},
         {"name": "refused", "output": "engine", "options": engine},  # a fresh run over rank 0's earlier one
         {"name": "from_one", "output": "single", "options": engine, "resume": True},
+        {"name": "beside", "output": "beside", "options": engine, "eval": True, "beside": True},
     ]
     results, status, errors = launch(folder, {"model": tiny["model"], "tokenizer": tiny["tokenizer"],
                                               "timeout": 60, "runs": runs})
@@ -358,6 +367,17 @@ def test_a_two_rank_checkpoint_resumes_bit_identically_and_only_with_two_ranks(t
     with pytest.raises(ValueError, match=r"written by a run of 2 processes \(world size 2\); this run has 1\. "
                                          r"Resume it with 2 processes \(e\.g\. torchrun --nproc-per-node 2"):
         trainer.train(resume_from=True)
+
+
+def test_a_gloo_group_beside_a_default_group_that_takes_no_cpu_tensors_trains_the_same(two_ranks):
+    # What runs under an NCCL default group (CPU builds have none, so the test forces that branch):
+    # the same collectives over a gloo group of its own, the same steps, the same adapters.
+    folder, results = two_ranks
+    for rank, result in enumerate(results):
+        assert result["beside"]["own_group"] and not result["engine"]["own_group"], rank
+        assert result["beside"]["loss"] == result["engine"]["loss"], rank
+        straight, beside = load(folder, "engine", rank), load(folder, "beside", rank)
+        assert all(torch.equal(beside[key], straight[key]) for key in straight), rank
 
 
 def test_a_one_process_checkpoint_is_refused_by_two_ranks_saying_how_to_resume_it(two_ranks):
