@@ -28,7 +28,9 @@ collective that fails (a rank died: its sockets close; or it did not answer with
 group's timeout) raises ``RankLost`` on the ranks still alive, naming the step and the
 timeout, instead of hanging. ``init_from_env`` makes the group with a timeout of
 ``TORCH_WGPU_LORA_DIST_TIMEOUT`` seconds (default 300): long enough for a slow rank's first
-step (kernels compile then), short enough that a hung run ends.
+step (kernels compile then), short enough that a hung run ends. A program that makes its own
+group should ``import torch._dynamo`` before ``init_process_group`` (see ``init_from_env``):
+otherwise the group outlives ``destroy_process_group`` and the process may abort as it exits.
 """
 
 from __future__ import annotations
@@ -114,6 +116,13 @@ def init_from_env(timeout: float | None = None) -> bool:
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} asks for several processes, but "
                          f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: start them with "
                          "torchrun (or accelerate launch --multi_gpu), which sets every one")
+    # torch._dynamo first: it imports torch.distributed.nn, whose functions take `group=group.WORLD`
+    # as a default argument. Imported after the group exists (by the first custom op's call, e.g.
+    # our LoRA op), they keep it alive past destroy_process_group, and its gloo threads then run
+    # into interpreter shutdown, where freeing a finished collective's tensors aborts the process
+    # ("terminate called without an active exception").
+    import torch._dynamo  # noqa: F401
+
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
     _timeout_set = seconds
     return True
