@@ -225,7 +225,7 @@ def test_an_engine_made_before_a_fork_gives_the_child_a_clear_error_instead_of_h
     assert torch.equal(engine(ids).logits, before)  # the parent's engine goes on
 
 
-def test_torch_compile_runs_the_engine_as_it_is_and_fullgraph_names_why_it_cannot():
+def test_torch_compile_runs_the_engine_as_it_is_and_fullgraph_names_what_it_cannot_trace():
     model = tiny_model("dense", True)
     engine = BitNetEngine(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -238,7 +238,7 @@ def test_torch_compile_runs_the_engine_as_it_is_and_fullgraph_names_why_it_canno
     assert all(torch.equal(g, r) for g, r in zip(torch.autograd.grad(compiled.loss, params), eager_grads))
     assert torch.equal(torch.compile(engine)(ids, mask).logits, engine(ids, mask).logits)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="BitNetEngine is its own WebGPU program"):
+    with pytest.raises(Exception, match=r"BitNetEngine\.forward.*torch\.compiler\.disable"):
         torch.compile(engine, fullgraph=True)(ids, mask)
 
 

@@ -78,7 +78,7 @@ class BitNetEngine(nn.Module):
         # (Weak references: the model must not keep its engine, and its GPU memory, alive.)
         adapters, lock = weakref.ref(self.adapters), self.lock
 
-        @torch.compiler.disable(reason="reads the engine's adapter values back from the GPU")
+        @torch.compiler.disable  # GPU readbacks, never traced into a graph
         def pull(*_: Any) -> None:
             live = adapters()
             if live is not None:
@@ -162,7 +162,7 @@ class BitNetEngine(nn.Module):
                 raise ValueError(f"labels hold {int(lab[bad][0])}, neither -100 nor a token id in [0, {c.vocab})")
         return ids, lengths
 
-    @torch.compiler.disable(reason="BitNetEngine is its own WebGPU program: torch.compile runs it as it is")
+    @torch.compiler.disable  # the engine is its own WebGPU program: torch.compile runs it as it is
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, return_logits: bool | None = None, **unused: Any) -> Any:
         """Logits (and the loss, given labels) of a right-padded batch, computed on WebGPU.
