@@ -36,6 +36,7 @@ otherwise the group outlives ``destroy_process_group`` and the process may abort
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import struct
@@ -121,7 +122,7 @@ def init_from_env(timeout: float | None = None) -> bool:
     # our LoRA op), they keep it alive past destroy_process_group, and its gloo threads then run
     # into interpreter shutdown, where freeing a finished collective's tensors aborts the process
     # ("terminate called without an active exception").
-    import torch._dynamo  # noqa: F401
+    importlib.import_module("torch._dynamo")
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=seconds))
     _timeout_set = seconds
