@@ -242,6 +242,16 @@ def test_torch_compile_runs_the_engine_as_it_is_and_fullgraph_names_what_it_cann
         torch.compile(engine, fullgraph=True)(ids, mask)
 
 
+def test_copying_or_pickling_an_engine_is_refused_naming_what_to_do_instead():
+    import copy
+    import pickle
+
+    engine = BitNetEngine(tiny_model("dense", False))
+    for attempt in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match="BitNetEngine holds GPU buffers and cannot be copied or pickled"):
+            attempt(engine)
+
+
 def test_double_backward_through_the_engine_loss_is_refused_clearly():
     model = tiny_model("dense", True)
     engine = BitNetEngine(model)

@@ -88,6 +88,10 @@ class BitNetEngine(nn.Module):
         model.register_forward_pre_hook(pull)
         model.register_state_dict_pre_hook(pull)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("BitNetEngine holds GPU buffers and cannot be copied or pickled: copy or save its "
+                        "model (engine.model; adapters with save_adapter) and build a new BitNetEngine from it")
+
     @property
     def config(self) -> Any:
         """The transformers config of the model (as ``model.config``)."""
