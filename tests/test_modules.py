@@ -147,3 +147,13 @@ def test_gradient_checkpointing_recomputes_the_adapter_to_the_same_gradients(ree
         run().square().sum().backward()
         grads.append([x.grad.clone(), layer.lora_A.grad.clone(), layer.lora_B.grad.clone()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_vmap_over_lora_linear_gives_what_a_loop_gives():
+    torch.manual_seed(18)
+    layer = LoRALinear(nn.Linear(16, 12), r=4, lora_alpha=8)
+    nn.init.normal_(layer.lora_B)
+    x = torch.randn(5, 3, 16)
+    batched = torch.func.vmap(layer)(x)
+    looped = torch.stack([layer(row) for row in x])
+    assert torch.equal(batched, looped)

@@ -353,7 +353,7 @@ def base_plus_lora(base: Callable[[], torch.Tensor], x: torch.Tensor, A: torch.T
     """``base() + lora(x, A, B, scaling)`` with the adapter's WebGPU work in flight while ``base()``
     runs on the CPU, in the forward and in the backward: what ``LoRALinear`` does. ``base()``
     must return a tensor of shape ``[..., out]`` for x ``[..., in]``. Inside ``torch.compile``
-    it is ``base() + lora(...)`` (the registered op, one opaque node).
+    and ``torch.func`` transforms it is ``base() + lora(...)`` (the registered op, one opaque node).
 
     >>> x, A, B = torch.randn(2, 3, 16), torch.randn(4, 16), torch.randn(8, 4)
     >>> W = torch.randn(8, 16)
@@ -362,7 +362,8 @@ def base_plus_lora(base: Callable[[], torch.Tensor], x: torch.Tensor, A: torch.T
     True
     """
     scaling = _check(x, A, B, scaling)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        # compiled graphs and torch.func transforms (vmap) take the registered op instead
         out = base()
         return out + lora(x, A, B, scaling).to(out.dtype)
     state = _Beside(get_device(), A, B)
