@@ -109,6 +109,9 @@ class _Saved:
         self.chunks, self.scaling = chunks, scaling
 
 
+_NOTHING_SAVED = _Saved([], 0.0)
+
+
 def _saved(device: Device) -> dict[int, _Saved]:
     return device.owned("lora_saved", dict)
 
@@ -201,11 +204,9 @@ def _lora_backward(dy: torch.Tensor, token: torch.Tensor, x: torch.Tensor, A: to
     """(dx [N, in], dA [r, in], dB [out, r]) float32, each empty ([0]) unless asked for."""
     device = get_device()
     with device.lock:
-        saved = _saved(device).get(int(token[0]))
-    if saved is None:
-        if dy.shape[0] and (need_x or need_A or need_B):
-            raise RuntimeError(_GONE)
-        saved = _Saved([], 0.0)
+        saved = _saved(device).get(int(token[0]), _NOTHING_SAVED)  # a forward of no rows saves nothing
+    if not saved.chunks and dy.shape[0] and (need_x or need_A or need_B):
+        raise RuntimeError(_GONE)
     rec = Recorder(device)
     grads = _record_backward(rec, dy, saved, A, B, need_x, need_A, need_B, device)
     rec.submit()
