@@ -191,6 +191,42 @@ def test_twenty_engine_steps_match_twenty_torch_steps():
         assert (state[i]["exp_avg"] - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
+def test_steps_in_a_row_keep_the_gpu_values_and_an_edit_in_torch_between_them_wins():
+    """No readback before an engine step (one submit each), yet a Parameter edited in torch
+    between two steps (after a pull brought the Parameters up to date, as the model's forward
+    and state_dict hooks do) is uploaded for the next step while the others keep the GPU's
+    values: against the torch path with the same edit. Tolerance as in the twenty-step test."""
+    model = tiny_model("dense", adapters=True, seed=12)
+    randomize_lora_B(model, seed=13)
+    twin = copy.deepcopy(model)
+    engine = BitNetEngine(model)
+    ours = WgpuAdamW(lora_parameters(model), lr=5e-3, eps=1e-3)
+    theirs = torch.optim.AdamW(lora_parameters(twin), lr=5e-3, eps=1e-3, weight_decay=0.01, foreach=False)
+    edited = "model.layers.1.self_attn.v_proj"
+    device = get_device()
+    for step in range(3):  # the last starts with the GPU's values newer than the Parameters
+        micro = _micro_batches(model, seed=200 + step)
+        before = device.submits
+        engine.train_step(micro, ours, max_grad_norm=1.0)
+        assert device.submits - before == 1
+        tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+        for b in micro:
+            n = int((b["labels"][:, 1:] != -100).sum())
+            (twin(**b).loss * n / tokens).backward()
+        torch.nn.utils.clip_grad_norm_(lora_parameters(twin), 1.0)
+        theirs.step()
+        theirs.zero_grad()
+        if step == 0:
+            engine.adapters.pull()
+            with torch.no_grad():
+                for m in (model, twin):
+                    lora_modules(m)[edited].lora_A.mul_(-0.5)
+    engine.adapters.pull()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        if "lora_" in name:
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
+
+
 def test_a_non_finite_step_is_skipped_on_the_gpu():
     model = tiny_model("dense", adapters=True, seed=10)
     engine = BitNetEngine(model)

@@ -149,12 +149,16 @@ class EngineAdapters:
     def _site_of(self, adapter: Adapter) -> Site:
         return next(s for s in self.sites[adapter.layer].values() if adapter in s.adapters)
 
-    def sync(self, force: bool = False) -> int:
+    def sync(self, force: bool = False, pull: bool = True) -> int:
         """Upload every adapter tensor whose values changed since its last upload; returns how many.
 
         After the engine's own optimizer steps the GPU holds newer values than the Parameters:
-        they are pulled first, so nothing is lost (a Parameter edited in the meantime wins)."""
-        if self.gpu_is_newer and not force:
+        they are pulled first, so that torch code which goes on from this call (an autograd loss
+        and a torch optimizer) sees them, and an edit made in torch since the last upload or
+        pull still wins. ``pull=False`` (the engine's next optimizer step: nothing in torch reads
+        the Parameters in between) skips the readback; the GPU's values stay and only a
+        Parameter edited in torch since is uploaded. ``force`` uploads every Parameter."""
+        if self.gpu_is_newer and pull and not force:
             self.pull()
         count = 0
         for adapter in self.adapters:

@@ -264,7 +264,7 @@ class BitNetEngine(nn.Module):
         with self.lock:
             group = self._check_optimizer(optimizer)
             self.adapters.check_trainable()
-            self.adapters.sync()
+            self.adapters.sync(pull=False)  # the GPU's values are the newest: no readback before a step
             tokens = max(int(b["input_ids"].shape[1]) for b in micro_batches)
             batch = max(int(b["input_ids"].shape[0]) for b in micro_batches)
             plan = self.train_plan(batch, tokens, len(micro_batches))
