@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from torch_wgpu_lora.runtime import (Arena, Buffer, Launch, Recorder, device_info, get_device, kernel,
+from torch_wgpu_lora.runtime import (Arena, Buffer, Launch, Recorder, copy_launch, device_info, get_device, kernel,
                                      set_shader_checks, synchronize, upload, write)
 from torch_wgpu_lora.runtime.buffers import pool_for, staging_for
 from torch_wgpu_lora.runtime.device import (ADAPTER_ENV, INSTALL_HINT, LOCAL_RANK_ENV, choose_adapter,
@@ -280,6 +280,45 @@ def test_copy_and_clear():
     rec.submit()
     np.testing.assert_array_equal(out_copy, np.arange(8))
     np.testing.assert_array_equal(out_clear, 0)
+
+
+def test_copy_launch_copies_inside_a_pass_and_refuses_what_it_cannot_copy():
+    src, dst = Buffer((300_000,)), Buffer((300_004,))
+    values = np.random.default_rng(0).standard_normal(300_000).astype(np.float32)
+    write(src, values)
+    write(dst, np.full(300_004, 7.0, np.float32))
+    out = np.zeros(300_004, np.float32)
+    rec = Recorder()
+    rec.launch(copy_launch(src, dst))
+    rec.read(dst, out)
+    rec.submit()
+    np.testing.assert_array_equal(out[:300_000], values)
+    np.testing.assert_array_equal(out[300_000:], 7.0)  # past src's end: untouched
+    with pytest.raises(ValueError, match="whole vec4s"):
+        copy_launch(Buffer((6,)), Buffer((8,)))
+    with pytest.raises(ValueError, match="at least as large"):
+        copy_launch(Buffer((8,)), Buffer((4,)))
+    arena = Arena()
+    a, b = arena.alloc((8,)), arena.alloc((8,))
+    with pytest.raises(ValueError, match="one GPU buffer"):  # WebGPU: no read and write binding of one buffer
+        copy_launch(a, b)
+
+
+def test_a_readback_costs_one_queue_submit(monkeypatch):
+    """wgpu-py's READ map mode submits an empty command buffer before mapping; the staging
+    buffers' copies are in the submit just made, so the recorder maps without it."""
+    device = get_device()
+    src = upload(np.arange(8, dtype=np.float32))
+    out = np.zeros(8, np.float32)
+    queue, submits = device.wgpu.queue, []
+    real = queue.submit
+    monkeypatch.setattr(queue, "submit", lambda buffers: (submits.append(len(buffers)), real(buffers))[1])
+    for _ in range(2):  # the second maps a pooled staging buffer that was mapped before
+        rec = Recorder()
+        rec.read(src, out)
+        rec.submit()
+    assert submits == [1, 1]
+    np.testing.assert_array_equal(out, np.arange(8))
 
 
 def test_many_dispatches_one_submit_and_timestamps():

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..runtime import Buffer, Launch, Recorder, write
+from ..runtime import Buffer, Launch, Recorder, copy_launch, write
 from .adapters import EngineAdapters, Site
 from .config import pad
 from .kernels.attention import attention_backward_launches, attention_launches
@@ -179,7 +179,8 @@ class TrainPlan:
     # -- the program ------------------------------------------------------------------------------
 
     def _assemble(self, slot: _Slot) -> list:
-        """The slot's whole program: launches, and ("copy", src, dst) items for the saved residuals."""
+        """The slot's whole program (the saved residuals copied by kernels: a ``Recorder.copy``
+        would end the compute pass, 61 times a step at 30 layers)."""
         c, w, a = self.config, self.weights, self.adapters
         d = self.device
         out: list = embedding_launches(slot.ids, w.embedding, w.embedding_rows, self.residual, tokens=self.rows,
@@ -187,7 +188,7 @@ class TrainPlan:
         for index, layer in enumerate(w.layers):
             sites, s = a.sites[index], self.saved[index]
             out += [
-                ("copy", self.residual, s["resid_in"]),
+                copy_launch(self.residual, s["resid_in"]),
                 self._norm(self.residual, layer.input_norm, sites["attn"], s["attn"], self.codes, c.hidden,
                            (index, "attn")),
                 self._project(layer.qkv, s["attn"], self.codes, self.qkv, "store", sites["attn"]),
@@ -198,7 +199,7 @@ class TrainPlan:
                                     max_len=self.tokens, scale=c.head_dim ** -0.5, lse=s["lse"], device=d),
                 self._norm(s["o"], layer.attn_sub_norm, sites["o"], s["o_site"], self.codes, c.q_size, (index, "o")),
                 self._project(layer.o, s["o_site"], self.codes, self.residual, "add", sites["o"]),
-                ("copy", self.residual, s["resid_mid"]),
+                copy_launch(self.residual, s["resid_mid"]),
                 self._norm(self.residual, layer.post_norm, sites["mlp"], s["mlp"], self.codes, c.hidden,
                            (index, "mlp")),
                 self._project(layer.gate_up, s["mlp"], self.codes, s["ffn"], "gate_up", sites["mlp"], aux=s["pairs"]),
@@ -206,7 +207,7 @@ class TrainPlan:
                            (index, "down")),
                 self._project(layer.down, s["down"], self.ffn_codes, self.residual, "add", sites["down"]),
             ]
-        out.append(("copy", self.residual, self.resid_final))
+        out.append(copy_launch(self.residual, self.resid_final))
         out.append(rmsnorm_launch(self.residual, w.final_norm, self.xn_final, tokens=self.rows, k=c.hidden,
                                   eps=c.rms_eps, rstd=self.rstd_final, device=d))
         for first, count in self.token_chunks:  # the loss, token chunk by token chunk
@@ -287,10 +288,6 @@ class TrainPlan:
         ``capture`` receives copies of the activation codes, as ``ForwardPlan.record``'s."""
         points = self.slots[slot].points if capture is not None else {}
         for item in self.slots[slot].launches:
-            if isinstance(item, tuple):
-                _, src, dst = item
-                rec.copy(src, dst)
-                continue
             rec.launch(item)
             if id(item) in points:
                 point, codes = points[id(item)]
@@ -301,4 +298,4 @@ class TrainPlan:
 
     @property
     def dispatches(self) -> int:
-        return sum(1 for item in self.slots[0].launches if not isinstance(item, tuple))
+        return len(self.slots[0].launches)

@@ -31,7 +31,7 @@ import numpy as np
 
 from .buffers import DTYPES, Buffer, staging_for
 from .device import Device, get_device
-from .kernels import Kernel
+from .kernels import Kernel, kernel
 
 _QUERIES_PER_SET = 4096  # WebGPU's largest query set
 
@@ -59,6 +59,23 @@ class Launch:
         return cls(kernel, kernel.bind(buffers, params), tuple(int(g) for g in grid), keep)
 
 
+def copy_launch(src: Buffer, dst: Buffer) -> Launch:
+    """A launch of ``copy.wgsl`` copying all of ``src`` into ``dst`` (byte sizes multiples of 16):
+    a copy that stays inside a compute pass, where ``Recorder.copy`` ends the pass it is in.
+
+    >>> # rec.launch(copy_launch(residual, saved))
+    """
+    if src.nbytes % 16 or dst.nbytes < src.nbytes:
+        raise ValueError(f"copy_launch copies whole vec4s into a buffer at least as large: {src.nbytes} bytes "
+                         f"into {dst.nbytes}")
+    if src.gpu is dst.gpu:
+        raise ValueError("copy_launch cannot copy between views of one GPU buffer (WebGPU forbids binding a buffer "
+                         "both read-only and writable in one dispatch); use Recorder.copy")
+    vec4s = src.nbytes // 16
+    k = kernel("copy.wgsl", "copy", src.device)
+    return Launch.build(k, (min(-(-vec4s // 256), k.device.max_workgroups), 1, 1), (src, dst), (vec4s,))
+
+
 def _check_grid(kernel: Kernel, grid: tuple[int, int, int]) -> None:
     limit = kernel.device.max_workgroups
     if max(grid) > limit:
@@ -78,7 +95,7 @@ class Pending:
     def __init__(self, device: Device, staging: list[Any], reads: list[_Read], keep: list[Any],
                  times: "_Timestamps | None") -> None:
         self.device, self._staging, self._reads, self._keep, self._times = device, staging, reads, keep, times
-        self._promises = [s.map_async(_map_read()) for s in staging]
+        self._promises = [s.map_async(_MAP_READ) for s in staging]
         self.done = False
         self.seconds: float | None = None
         self.kernel_times: list[tuple[str, float]] = []
@@ -137,10 +154,13 @@ def _lib() -> Any:
 _lib_cached: Any = None
 
 
-def _map_read() -> Any:
-    import wgpu
-
-    return wgpu.MapMode.READ
+# wgpu-py's map mode READ first submits an empty command buffer (a workaround for mapping a
+# buffer whose only writes are queued ``write_buffer`` calls: wgpu-native issue 305); a staging
+# buffer is only ever written by a copy in the command buffer submitted just before it is
+# mapped, so the extra submit buys nothing. "READ_NOSYNC" (wgpu-py 0.32's mode without it)
+# saves it: on the H200, 50 to 70 µs of each submit_async, and on lavapipe, whose submits run
+# the queued work, the wait for the whole recording moved out of submit_async.
+_MAP_READ = "READ_NOSYNC"
 
 
 class _Timestamps:
