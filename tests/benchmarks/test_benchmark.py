@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+import torch
 
 from torch_wgpu_lora.benchmarks import cli, lora_op, sweep, timing
 from torch_wgpu_lora.benchmarks.lora_op import Case, breakdown, measure, run
 from torch_wgpu_lora.benchmarks.report import to_markdown
 from torch_wgpu_lora.benchmarks.training_step import training_step
 from torch_wgpu_lora.ops import lora_gpu
-from torch_wgpu_lora.runtime import get_device, shader_checks
+from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, kernel, shader_checks
 
 
 class FakeClock:
@@ -145,6 +147,36 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
     training = result["engine_training"]["16"]
     assert training["loss"] is not None and 0 < training["loss"] < 20  # None: the step was skipped (non-finite)
     assert result["engine"]["prefill"]["tok_per_s"] > 0 and result["engine"]["decode"]["tok_per_s"] > 0
+    assert all(v > 0 for v in result["ceilings_tera_ops_per_s"].values())
+    rates = training["rates"]  # every counted kernel ran, at a share of its ceiling
+    assert set(rates) == set(engine.kernel_work(engine.small_config(1), 16, training=True))
+    assert all(0 < r["share_of_ceiling"] for r in rates.values())
+
+
+def test_kernel_work_counts_the_projections_and_head_as_torch_counts_them():
+    """kernel_work's GEMM operations against torch's FLOP counter on the dense model (the same
+    shapes): the layers' linear projections, and the LM head of every position (training)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import BitNetForCausalLM
+
+    from torch_wgpu_lora.benchmarks import engine
+
+    config = engine.small_config(2)
+    config._attn_implementation = "eager"  # attention as matmuls the counter sees
+    model = BitNetForCausalLM(config).eval()
+    seq = 24
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(input_ids=torch.zeros(1, seq, dtype=torch.long))
+    counts = counter.get_flop_counts()
+    linear = sum(n for op, n in counts["Global"].items() if "mm" in str(op) and "bmm" not in str(op))
+    head = sum(counts["BitNetForCausalLM.lm_head"].values())
+    work = engine.kernel_work(config, seq, training=True)
+    assert work["bitlinear.wgsl:gemm"][0] == linear - head
+    assert work["matmul.wgsl:gemm_tiled"][0] == work["matmul_t.wgsl:gemm_tiled"][0] == head
+    # attention: torch multiplies every (query, key) pair, the kernels the causal ones
+    attention = sum(n for op, n in counts["Global"].items() if "bmm" in str(op))
+    assert work["attention.wgsl:prefill"][0] * 2 * seq == attention * (seq + 1)
 
 
 def test_launch_benchmark_times_every_kernel_shape(tmp_path):
@@ -170,3 +202,59 @@ def test_decode_chain_accounts_for_every_launch_of_a_step(tmp_path):
     assert "bitlinear.wgsl:gemv 512x256" in kinds  # the small model's fused q/k/v: 256 + 2 × 128 rows
     assert result["token_us"] > 0 and result["copy_chain_us"] > 0
     assert all(k["only_us"] > 0 and 0 < k["without_us"] for k in kinds.values())
+
+
+def _peak_outputs(entry: str, iters: int, seed: int) -> np.ndarray:
+    out = Buffer((256,), "u32")
+    values = np.zeros(256, np.uint32)
+    rec = Recorder()
+    rec.dispatch(kernel("peak.wgsl", entry), (1, 1, 1), (out,), (iters, seed))
+    rec.read(out, values)
+    rec.submit()
+    return values
+
+
+def test_the_fma_ceiling_kernel_computes_its_chains():
+    """What arithmetic_rate times is real work: each thread's four fma chains, recomputed in float64
+    (within 1e-5: float32 rounding over 4·iters contracting steps)."""
+    iters, seed = 6, 5
+    got = _peak_outputs("fma_chain", iters, seed).view(np.float32).astype(np.float64)
+    x = ((np.arange(256) ^ seed) % 1024) * np.float32(1e-3)
+    base = np.stack([x, x + 1, x + 2, x + 3], axis=1).astype(np.float64)
+    m = np.array([0.999, 0.998, 0.997, 0.996], np.float32).astype(np.float64)
+    total = np.zeros(256)
+    for shift in (0.0, 0.5, 0.25, 0.125):
+        a = base + shift
+        for _ in range(4 * iters):
+            a = a * m + np.float32(1e-3)
+        total += a.sum(axis=1)
+    np.testing.assert_allclose(got, total, rtol=1e-5)
+
+
+def test_the_dp4a_ceiling_kernel_computes_its_dot_products_exactly():
+    iters, seed = 3, 9
+    got = _peak_outputs("dp4a_chain", iters, seed).view(np.int32)
+    g = (np.arange(256, dtype=np.uint64) ^ seed)
+    mask = np.uint64(0xFFFFFFFF)
+    a = [(g * k) & mask for k in (1, 3, 5, 7)]
+    b = [(g * k) & mask for k in (11, 13, 17, 19)]
+
+    def dot(u, v):  # dot4I8Packed: the four signed bytes of each, multiplied and summed
+        bu = u.astype(np.uint32).view(np.uint8).reshape(-1, 4).view(np.int8).astype(np.int64)
+        bv = v.astype(np.uint32).view(np.uint8).reshape(-1, 4).view(np.int8).astype(np.int64)
+        return (bu * bv).sum(axis=1)
+
+    total = np.zeros(256, np.int64)
+    for _ in range(iters):
+        for i in range(4):  # s_i += a_i·b_i, a_i·b_(i+1), a_i·b_(i+2), a_i·b_(i+3) (s0..s7 summed at the end)
+            for shift in range(4):
+                total += dot(a[i], b[(i + shift) % 4])
+        b = b[1:] + b[:1]
+    np.testing.assert_array_equal(got.astype(np.int64), ((total + 2**31) % 2**32) - 2**31)
+
+
+def test_arithmetic_rates_are_positive_where_timestamps_exist():
+    if not get_device().has_timestamps:
+        pytest.skip("this adapter has no timestamp queries")
+    for entry in ("fma_chain", "dp4a_chain"):
+        assert timing.arithmetic_rate(entry, iters=16, workgroups=8, repeats=1) > 0

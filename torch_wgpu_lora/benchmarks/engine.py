@@ -30,6 +30,7 @@ import torch
 from ..runtime import Recorder, get_device, write
 from ..runtime.kernels import DEFAULT_SHADER_CHECKS
 from .report import write_json
+from .timing import arithmetic_rate
 
 Log = Callable[[str], None]
 
@@ -107,6 +108,45 @@ def _families(kernel_times: list[tuple[str, float]]) -> dict[str, float]:
     for name, seconds in kernel_times:
         out[name] += seconds * 1e6
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float, str]]:
+    """{kernel entry point: (operations, ceiling)} of one pass over ``seq`` tokens (batch 1) of a
+    packed BitNet ``config``: the int8 operations of the ternary GEMMs (ceiling "dp4a") and the
+    float32 flops of the rest ("fma"), a multiply-add counted as two; the forward (prefill,
+    last position's logits only) or a training step (logits of every position, the backward).
+    Attention counts the causal pairs only; its backward kernels recompute S and dP (dq: S, dP,
+    dQ; dkdv: S, dP, dV, dK); layer 0's q/k/v input gradient is not computed."""
+    h, f, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    d = h // config.num_attention_heads
+    kv = config.num_key_value_heads * d
+    projections = [(h + 2 * kv) * h, h * h, 2 * f * h, h * f]  # qkv, o, gate/up, down: rows × features
+    ternary = 2 * seq * layers * sum(projections)
+    pair_macs = seq * (seq + 1) // 2 * d * config.num_attention_heads  # one matmul over the causal pairs
+    work = {"bitlinear.wgsl:gemm": (ternary, "dp4a"), "attention.wgsl:prefill": (2 * 2 * pair_macs * layers, "fma")}
+    if not training:
+        return work
+    work.update({"bitlinear_t.wgsl:gemm_tiled": (ternary - 2 * seq * projections[0], "fma"),
+                 "matmul.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma"),
+                 "matmul_t.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma"),
+                 "attention_backward.wgsl:dq": (3 * 2 * pair_macs * layers, "fma"),
+                 "attention_backward.wgsl:dkdv": (4 * 2 * pair_macs * layers, "fma")})
+    return work
+
+
+def kernel_rates(kernels_us: dict[str, float], work: dict[str, tuple[float, str]],
+                 ceilings: dict[str, float | None]) -> dict[str, dict[str, float]]:
+    """For each kernel in ``work`` that ran: its operations/s (from the per-dispatch profile's
+    µs) and, where its ceiling was measured, that rate's share of it."""
+    out = {}
+    for name, (ops, ceiling) in work.items():
+        us = kernels_us.get(name)
+        if us:
+            rate = ops / (us * 1e-6)
+            out[name] = {"tera_ops_per_s": rate / 1e12}
+            if ceilings.get(ceiling):
+                out[name]["share_of_ceiling"] = rate / ceilings[ceiling]
+    return out
 
 
 def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: int, repeats: int,
@@ -415,15 +455,31 @@ def main(argv: list[str] | None = None) -> int:
     result["engine_build"] = {"upload_s": time.perf_counter() - start, "weights_bytes": engine.weights.nbytes,
                               "adapter_bytes": engine.adapters.params.nbytes}
     log(f"engine built: {result['engine_build']}")
+    ceilings = {"fma": arithmetic_rate("fma_chain"), "dp4a": arithmetic_rate("dp4a_chain")}
+    result["ceilings_tera_ops_per_s"] = {k: v / 1e12 if v else None for k, v in ceilings.items()}
+    log(f"ceilings (T ops/s): {result['ceilings_tera_ops_per_s']}")
+
+    def rates(kernels_us: dict[str, float], seq: int, training: bool, what: str) -> dict[str, dict[str, float]]:
+        out = kernel_rates(kernels_us, kernel_work(config, seq, training), ceilings)
+        log(f"{what}: " + ", ".join(f"{name} {r['tera_ops_per_s']:.3g} T/s ({r.get('share_of_ceiling', 0):.0%})"
+                                    for name, r in out.items()))
+        return out
+
     for checks in args.checks.split(","):  # kernels and plans are keyed on the mode: each gets its own
         set_shader_checks(checks)
         engine._plans.clear()
         suffix = "" if checks == DEFAULT_SHADER_CHECKS else f"_{checks}"
         result["engine" + suffix] = measure_engine(engine, args.prompt, args.new_tokens, args.prefill, args.repeats,
                                                    args.tokens_per_submit, log)
+        prefill = result["engine" + suffix]["prefill"]
+        prefill["rates"] = rates(prefill["kernels_us"], args.prefill, False, f"prefill {args.prefill} kernel rates")
         save()
         if seqs:
-            result["engine_training" + suffix] = measure_engine_training(model, engine, seqs, args.train_steps, log)
+            training = measure_engine_training(model, engine, seqs, args.train_steps, log)
+            for seq in seqs:
+                step = training[str(seq)]
+                step["rates"] = rates(step["kernels_us"], seq, True, f"training seq {seq} kernel rates")
+            result["engine_training" + suffix] = training
             save()
     set_shader_checks(None)
     del model, engine

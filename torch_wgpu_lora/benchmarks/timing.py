@@ -1,4 +1,5 @@
-"""How the benchmarks take a time: GPU time from timestamp queries, wall time, copy bandwidth.
+"""How the benchmarks take a time: GPU time from timestamp queries, wall time, and the adapter's
+ceilings (copy bandwidth, float32 fma and int8 dot-product rates) that figures are compared against.
 
 Two wall times, for two questions:
 
@@ -87,3 +88,27 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float | None:
     grid = (min(device.max_workgroups, -(-nbytes // (16 * 256 * 4))), 1, 1)
     times = gpu_times(lambda rec: rec.dispatch(k, grid, (src, dst), (nbytes // 16,)), repeats, warmup=1)
     return 2 * nbytes / statistics.median(times)
+
+
+PEAK_OPS_PER_STEP = 128  # peak.wgsl: flops (fma_chain) or int8 multiply-adds × 2 (dp4a_chain) a thread's loop step
+
+
+def arithmetic_rate(entry: str, iters: int = 4096, workgroups: int | None = None, repeats: int = 5) -> float | None:
+    """Operations/s of ``peak.wgsl``'s ``entry``: "fma_chain" (float32 flops, an fma counted as
+    two) or "dp4a_chain" (int8 ops, each of a ``dot4I8Packed``'s four multiply-adds counted as
+    two), from timestamps, over ``workgroups`` of 256 threads (default 4,096: enough to keep any
+    GPU's cores busy; 64 with 256 steps on a CPU adapter, which is slow). None without timestamp
+    queries.
+
+    >>> # arithmetic_rate("fma_chain") / 1e12  # the H200: 61 TFLOP/s
+    """
+    device = get_device()
+    if not device.has_timestamps:
+        return None
+    if device.is_cpu:
+        workgroups, iters = workgroups or 64, min(iters, 256)
+    workgroups = min(workgroups or 4096, device.max_workgroups)
+    out = Buffer((workgroups * 256,), "u32", device)
+    k = kernel("peak.wgsl", entry, device)
+    times = gpu_times(lambda rec: rec.dispatch(k, (workgroups, 1, 1), (out,), (iters, 0)), repeats, warmup=1)
+    return workgroups * 256 * iters * PEAK_OPS_PER_STEP / statistics.median(times)
