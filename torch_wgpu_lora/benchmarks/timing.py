@@ -93,12 +93,14 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float | None:
 PEAK_OPS_PER_STEP = 128  # peak.wgsl: flops (fma_chain) or int8 multiply-adds × 2 (dp4a_chain) a thread's loop step
 
 
-def arithmetic_rate(entry: str, iters: int = 4096, workgroups: int | None = None, repeats: int = 5) -> float | None:
+def arithmetic_rate(entry: str, iters: int = 4096, workgroups: int | None = None, repeats: int = 10) -> float | None:
     """Operations/s of ``peak.wgsl``'s ``entry``: "fma_chain" (float32 flops, an fma counted as
     two) or "dp4a_chain" (int8 ops, each of a ``dot4I8Packed``'s four multiply-adds counted as
     two), from timestamps, over ``workgroups`` of 256 threads (default 4,096: enough to keep any
-    GPU's cores busy; 64 with 256 steps on a CPU adapter, which is slow). None without timestamp
-    queries.
+    GPU's cores busy; 64 with 256 steps on a CPU adapter, which is slow): the best of ``repeats``
+    launches after as many unmeasured ones, since a GPU that was idle runs the first ones at a
+    lower clock (on the H200 a first measurement read 18 TFLOP/s of a 61 TFLOP/s ceiling). None
+    without timestamp queries.
 
     >>> # arithmetic_rate("fma_chain") / 1e12  # the H200: 61 TFLOP/s
     """
@@ -110,5 +112,5 @@ def arithmetic_rate(entry: str, iters: int = 4096, workgroups: int | None = None
     workgroups = min(workgroups or 4096, device.max_workgroups)
     out = Buffer((workgroups * 256,), "u32", device)
     k = kernel("peak.wgsl", entry, device)
-    times = gpu_times(lambda rec: rec.dispatch(k, (workgroups, 1, 1), (out,), (iters, 0)), repeats, warmup=1)
-    return workgroups * 256 * iters * PEAK_OPS_PER_STEP / statistics.median(times)
+    times = gpu_times(lambda rec: rec.dispatch(k, (workgroups, 1, 1), (out,), (iters, 0)), repeats, warmup=repeats)
+    return workgroups * 256 * iters * PEAK_OPS_PER_STEP / min(times)
