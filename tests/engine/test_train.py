@@ -159,6 +159,17 @@ def test_one_optimizer_step_is_one_submit_and_matches_the_torch_path():
         assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
 
 
+def _torch_step(twin, micro, optimizer):
+    """The torch path's step over ``micro``: the loss weighted per labelled token, clip 1.0, AdamW."""
+    tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+    for b in micro:
+        n = int((b["labels"][:, 1:] != -100).sum())
+        (twin(**b).loss * n / tokens).backward()
+    torch.nn.utils.clip_grad_norm_(lora_parameters(twin), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def test_twenty_engine_steps_match_twenty_torch_steps():
     """The engine with WgpuAdamW against the torch path with torch.optim.AdamW, from one start.
     Tolerance 1e-4 of each adapter tensor's scale after 20 steps: each step's gradients agree
@@ -173,13 +184,7 @@ def test_twenty_engine_steps_match_twenty_torch_steps():
     for step in range(20):
         micro = _micro_batches(model, seed=100 + step)
         engine.train_step(micro, ours, max_grad_norm=1.0)
-        tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
-        for b in micro:
-            n = int((b["labels"][:, 1:] != -100).sum())
-            (twin(**b).loss * n / tokens).backward()
-        torch.nn.utils.clip_grad_norm_(lora_parameters(twin), 1.0)
-        theirs.step()
-        theirs.zero_grad()
+        _torch_step(twin, micro, theirs)
     engine.adapters.pull()
     for a, b in zip(lora_parameters(model), lora_parameters(twin)):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
@@ -209,13 +214,7 @@ def test_steps_in_a_row_keep_the_gpu_values_and_an_edit_in_torch_between_them_wi
         before = device.submits
         engine.train_step(micro, ours, max_grad_norm=1.0)
         assert device.submits - before == 1
-        tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
-        for b in micro:
-            n = int((b["labels"][:, 1:] != -100).sum())
-            (twin(**b).loss * n / tokens).backward()
-        torch.nn.utils.clip_grad_norm_(lora_parameters(twin), 1.0)
-        theirs.step()
-        theirs.zero_grad()
+        _torch_step(twin, micro, theirs)
         if step == 0:
             engine.adapters.pull()
             with torch.no_grad():
