@@ -181,13 +181,20 @@ def test_kernel_work_counts_the_projections_and_head_as_torch_counts_them():
 
 def test_launch_benchmark_times_every_kernel_shape(tmp_path):
     from torch_wgpu_lora.benchmarks import launches
+    from torch_wgpu_lora.engine.kernels.attention import backward_tiles, prefill_tiles
 
     launches.main(["--small", "--out", str(tmp_path), "--repeats", "2"])
     result = json.loads((tmp_path / "launches.json").read_text())["bounds"]
     assert {"copy", "norm_qv_lora_subgroups", "norm_qv_lora_barriers", "gemv_down_lanes32"} <= set(result)
-    # one chosen split count per decode attention length, and one for the attention backward
-    assert sum(key.endswith("_chosen") for key in result) == len(launches.SHAPES["small"][-1]) + 1
-    assert sum(key.startswith("attention_backward_") and key.endswith("_chosen") for key in result) == 1
+    # one chosen split count per decode attention length; for the attention backward one split
+    # count and one tile, for its forward one tile, among every tile that fits this adapter
+    assert sum(key.endswith("_chosen") for key in result) == len(launches.SHAPES["small"][-1]) + 3
+    assert sum(key.startswith("attention_backward_") and key.endswith("_chosen") for key in result) == 2
+    head_dim = launches.SHAPES["small"][4]
+    assert sum(key.startswith("attention_prefill_") for key in result) == len(prefill_tiles(head_dim))
+    assert sum("_tile" in key and key.startswith("attention_backward_") for key in result) == len(
+        backward_tiles(head_dim))
+    assert sum(key.startswith("attention_prefill_") and key.endswith("_chosen") for key in result) == 1
     assert all(v > 0 for v in result.values())
 
 

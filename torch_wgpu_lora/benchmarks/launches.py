@@ -12,7 +12,10 @@ engine's kernel choices.
 * ``attention_*``: decode attention over a full cache of each length, per key-split count
   (``decode_splits`` picks one);
 * ``attention_backward_*``: a training step's attention backward of one layer, per count of
-  ranges dkdv cuts a key block's query tiles into (``dkdv_splits`` picks one).
+  ranges dkdv cuts a key block's query tiles into (``dkdv_splits`` picks one), and per tile
+  that fits the adapter (``backward_tile`` picks the first);
+* ``attention_prefill_*``: the same length's attention forward (a prefill or training step) per
+  tile that fits (``prefill_tile`` picks the first).
 
 ``python -m torch_wgpu_lora.benchmarks.launches --out DIR [--checks bounds,full] [--small]``
 writes ``launches.json``.
@@ -28,7 +31,7 @@ import numpy as np
 
 from ..engine.kernels import STEP_POS
 from ..engine.kernels.attention import (attention_backward_launches, attention_launches, backward_tile,
-                                       decode_splits, dkdv_splits)
+                                       backward_tiles, decode_splits, dkdv_splits, prefill_tile, prefill_tiles)
 from ..engine.kernels.bitlinear import bitlinear_launch, gemv_normalises
 from ..engine.kernels.norm import rmsnorm_launch
 from ..engine.kernels.rope import RopeTarget, rope_launch
@@ -139,14 +142,29 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
     step = upload(np.zeros(4, np.uint32))
     valid = upload(np.array([seq], np.uint32))
     lse = upload(rng.random((seq, heads)).astype(np.float32) + 5.0)
-    chosen = dkdv_splits(-(-seq // backward_tile(head_dim, device).fixed) * kv_heads, device)
+    keys, values, attn_out, d_out = floats(*cache), floats(*cache), floats(seq, heads * head_dim), floats(seq, heads * head_dim)
+
+    def backward(**choice: Any) -> list[Launch]:
+        return attention_backward_launches(rows, keys, values, attn_out, lse, d_out, Buffer((seq, heads * head_dim)),
+                                           Buffer(cache), Buffer(cache), step, valid, batch=1, tokens=seq, heads=heads,
+                                           kv_heads=kv_heads, head_dim=head_dim, max_len=seq, scale=head_dim ** -0.5,
+                                           **choice)
+
+    tile = backward_tile(head_dim, device)
+    chosen = dkdv_splits(-(-seq // tile.fixed) * kv_heads, device)
     for splits in sorted({1, 2, 4, 8, chosen}):
-        launches = attention_backward_launches(rows, floats(*cache), floats(*cache), floats(seq, heads * head_dim), lse,
-                                               floats(seq, heads * head_dim), Buffer((seq, heads * head_dim)),
-                                               Buffer(cache), Buffer(cache), step, valid, batch=1, tokens=seq,
-                                               heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_len=seq,
-                                               scale=head_dim ** -0.5, splits=splits)
-        out[f"attention_backward_{seq}_splits{splits}" + ("_chosen" if splits == chosen else "")] = timed(launches)
+        out[f"attention_backward_{seq}_splits{splits}" + ("_chosen" if splits == chosen else "")] = timed(
+            backward(splits=splits))
+    for t in backward_tiles(head_dim, device):
+        name = f"attention_backward_{seq}_tile{t.fixed}x{t.looped}x{t.lanes}"
+        out[name + ("_chosen" if t == tile else "")] = timed(backward(tile=t))
+    tile = prefill_tile(head_dim, device)
+    for t in prefill_tiles(head_dim, device):
+        launches = attention_launches(rows, keys, values, Buffer((seq, heads * head_dim)), step, valid, batch=1,
+                                      tokens=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_len=seq,
+                                      scale=head_dim ** -0.5, lse=Buffer((seq, heads)), tile=t)
+        name = f"attention_prefill_{seq}_tile{t.row_quads}x{t.key_tile}x{t.key_lanes}"
+        out[name + ("_chosen" if t == tile else "")] = timed(launches)
     return out
 
 

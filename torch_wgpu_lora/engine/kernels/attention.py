@@ -83,7 +83,7 @@ from ...runtime import Buffer, Device, Launch, get_device, kernel
 
 __all__ = ["BackwardTile", "DecodePartials", "PrefillTile", "attention_backward_launches",
            "attention_backward_reference", "attention_launches", "attention_reference", "backward_tile",
-           "decode_partials", "decode_splits", "prefill_tile"]
+           "backward_tiles", "decode_partials", "decode_splits", "prefill_tile", "prefill_tiles"]
 
 FILE = "attention.wgsl"
 
@@ -127,16 +127,26 @@ _PREFILL_TILES = (PrefillTile(16, 16), PrefillTile(8, 32, 2), PrefillTile(8, 16,
                   PrefillTile(1, 8), PrefillTile(1, 4))
 
 
-def prefill_tile(head_dim: int, device: Device | None = None) -> PrefillTile:
-    """The largest prefill tile whose workgroup memory and thread count fit ``device``."""
+def _fitting(tiles: tuple, head_dim: int, device: Device | None) -> list:
+    """``tiles`` (in order) whose workgroup memory and thread count fit ``device``."""
     device = device or get_device()
     limit = int(device.limits["max-compute-workgroup-storage-size"])
     threads = min(int(device.limits["max-compute-invocations-per-workgroup"]),
                   int(device.limits["max-compute-workgroup-size-x"]))
-    for tile in _PREFILL_TILES:
-        if tile.workgroup_bytes(head_dim) <= limit and tile.threads(head_dim) <= threads:
-            return tile
-    raise ValueError(f"head_dim={head_dim}: no prefill tile fits this adapter's workgroup memory ({limit} bytes)")
+    return [t for t in tiles if t.workgroup_bytes(head_dim) <= limit and t.threads(head_dim) <= threads]
+
+
+def prefill_tiles(head_dim: int, device: Device | None = None) -> list[PrefillTile]:
+    """Every prefill tile that fits ``device``, in order of preference (``benchmarks.launches`` times them)."""
+    return _fitting(_PREFILL_TILES, head_dim, device)
+
+
+def prefill_tile(head_dim: int, device: Device | None = None) -> PrefillTile:
+    """The largest prefill tile whose workgroup memory and thread count fit ``device``."""
+    tiles = prefill_tiles(head_dim, device)
+    if not tiles:
+        raise ValueError(f"head_dim={head_dim}: no prefill tile fits this adapter's workgroup memory")
+    return tiles[0]
 
 
 def decode_splits(batch: int, kv_heads: int, row_blocks: int, max_len: int, device: Device | None = None) -> int:
@@ -335,16 +345,17 @@ _BACKWARD_TILES = (BackwardTile(16, 16, 4), BackwardTile(16, 8, 4), BackwardTile
                    BackwardTile(4, 4, 4))
 
 
+def backward_tiles(head_dim: int, device: Device | None = None) -> list[BackwardTile]:
+    """Every backward tile that fits ``device``, in order of preference."""
+    return _fitting(_BACKWARD_TILES, head_dim, device)
+
+
 def backward_tile(head_dim: int, device: Device | None = None) -> BackwardTile:
     """The first backward tile whose workgroup memory and thread count fit ``device``."""
-    device = device or get_device()
-    limit = int(device.limits["max-compute-workgroup-storage-size"])
-    threads = min(int(device.limits["max-compute-invocations-per-workgroup"]),
-                  int(device.limits["max-compute-workgroup-size-x"]))
-    for tile in _BACKWARD_TILES:
-        if tile.workgroup_bytes(head_dim) <= limit and tile.threads(head_dim) <= threads:
-            return tile
-    raise ValueError(f"head_dim={head_dim}: no attention backward tile fits this adapter ({limit} bytes)")
+    tiles = backward_tiles(head_dim, device)
+    if not tiles:
+        raise ValueError(f"head_dim={head_dim}: no attention backward tile fits this adapter's workgroup memory")
+    return tiles[0]
 
 
 def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, lse: Buffer, d_out: Buffer,
