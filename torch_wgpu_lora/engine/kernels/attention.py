@@ -75,7 +75,7 @@ and masking; ``attention_backward_reference`` is its torch reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -136,6 +136,12 @@ def _fitting(tiles: tuple, head_dim: int, device: Device | None) -> list:
     return [t for t in tiles if t.workgroup_bytes(head_dim) <= limit and t.threads(head_dim) <= threads]
 
 
+def _first(tiles: list, what: str, head_dim: int) -> Any:
+    if not tiles:
+        raise ValueError(f"head_dim={head_dim}: no {what} tile fits this adapter's workgroup memory")
+    return tiles[0]
+
+
 def prefill_tiles(head_dim: int, device: Device | None = None) -> list[PrefillTile]:
     """Every prefill tile that fits ``device``, in order of preference (``benchmarks.launches`` times them)."""
     return _fitting(_PREFILL_TILES, head_dim, device)
@@ -143,10 +149,7 @@ def prefill_tiles(head_dim: int, device: Device | None = None) -> list[PrefillTi
 
 def prefill_tile(head_dim: int, device: Device | None = None) -> PrefillTile:
     """The largest prefill tile whose workgroup memory and thread count fit ``device``."""
-    tiles = prefill_tiles(head_dim, device)
-    if not tiles:
-        raise ValueError(f"head_dim={head_dim}: no prefill tile fits this adapter's workgroup memory")
-    return tiles[0]
+    return _first(prefill_tiles(head_dim, device), "prefill", head_dim)
 
 
 def decode_splits(batch: int, kv_heads: int, row_blocks: int, max_len: int, device: Device | None = None) -> int:
@@ -352,10 +355,7 @@ def backward_tiles(head_dim: int, device: Device | None = None) -> list[Backward
 
 def backward_tile(head_dim: int, device: Device | None = None) -> BackwardTile:
     """The first backward tile whose workgroup memory and thread count fit ``device``."""
-    tiles = backward_tiles(head_dim, device)
-    if not tiles:
-        raise ValueError(f"head_dim={head_dim}: no attention backward tile fits this adapter's workgroup memory")
-    return tiles[0]
+    return _first(backward_tiles(head_dim, device), "attention backward", head_dim)
 
 
 def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, lse: Buffer, d_out: Buffer,
