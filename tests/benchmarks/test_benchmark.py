@@ -260,8 +260,7 @@ def test_the_dp4a_ceiling_kernel_computes_its_dot_products_exactly():
     np.testing.assert_array_equal(got.astype(np.int64), ((total + 2**31) % 2**32) - 2**31)
 
 
-def test_arithmetic_rates_are_positive_where_timestamps_exist():
-    if not get_device().has_timestamps:
-        pytest.skip("this adapter has no timestamp queries")
-    for entry in ("fma_chain", "dp4a_chain"):
-        assert timing.arithmetic_rate(entry, iters=16, workgroups=8, repeats=1) > 0
+def test_arithmetic_rates_are_measured():
+    for entry in ("fma_chain", "dp4a_chain"):  # None would mean no timestamp queries: a failure, not a skip
+        rate = timing.arithmetic_rate(entry, iters=16, workgroups=8, repeats=1)
+        assert rate is not None and rate > 0

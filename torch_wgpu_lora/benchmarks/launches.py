@@ -142,7 +142,8 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
     step = upload(np.zeros(4, np.uint32))
     valid = upload(np.array([seq], np.uint32))
     lse = upload(rng.random((seq, heads)).astype(np.float32) + 5.0)
-    keys, values, attn_out, d_out = floats(*cache), floats(*cache), floats(seq, heads * head_dim), floats(seq, heads * head_dim)
+    keys, values = floats(*cache), floats(*cache)
+    attn_out, d_out = floats(seq, heads * head_dim), floats(seq, heads * head_dim)
 
     def backward(**choice: Any) -> list[Launch]:
         return attention_backward_launches(rows, keys, values, attn_out, lse, d_out, Buffer((seq, heads * head_dim)),

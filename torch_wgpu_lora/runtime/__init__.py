@@ -11,5 +11,6 @@ from .device import Device, device_info, get_device
 from .kernels import Kernel, kernel, set_shader_checks, set_subgroups, shader_checks
 from .recorder import Launch, Pending, Recorder, copy_launch, synchronize
 
-__all__ = ["Arena", "Buffer", "Device", "Kernel", "Launch", "Pending", "Recorder", "copy_launch", "device_info", "get_device",
-           "kernel", "set_shader_checks", "set_subgroups", "shader_checks", "synchronize", "upload", "write"]
+__all__ = ["Arena", "Buffer", "Device", "Kernel", "Launch", "Pending", "Recorder", "copy_launch", "device_info",
+           "get_device", "kernel", "set_shader_checks", "set_subgroups", "shader_checks", "synchronize", "upload",
+           "write"]

@@ -89,6 +89,16 @@ class _Read:
     pieces: list[tuple[int, int, int]]  # (staging index, staging offset, bytes)
 
 
+# wgpu-py's map mode READ first submits an empty command buffer (a workaround for mapping a
+# buffer whose only writes are queued ``write_buffer`` calls: wgpu-native issue 305); a staging
+# buffer is only ever written by a copy in the command buffer submitted just before it is
+# mapped, so the extra submit buys nothing. "READ_NOSYNC" (wgpu-py 0.32's mode without it)
+# saves it: on the H200, 65 µs of each submit_async of an adapter forward in a loop; on
+# lavapipe, whose submits run the queued work, the wait for the recording moves out of
+# submit_async.
+_MAP_READ = "READ_NOSYNC"
+
+
 class Pending:
     """A submitted recording whose readbacks have not been collected yet."""
 
@@ -152,15 +162,6 @@ def _lib() -> Any:
 
 
 _lib_cached: Any = None
-
-
-# wgpu-py's map mode READ first submits an empty command buffer (a workaround for mapping a
-# buffer whose only writes are queued ``write_buffer`` calls: wgpu-native issue 305); a staging
-# buffer is only ever written by a copy in the command buffer submitted just before it is
-# mapped, so the extra submit buys nothing. "READ_NOSYNC" (wgpu-py 0.32's mode without it)
-# saves it: on the H200, 50 to 70 µs of each submit_async, and on lavapipe, whose submits run
-# the queued work, the wait for the whole recording moved out of submit_async.
-_MAP_READ = "READ_NOSYNC"
 
 
 class _Timestamps:
