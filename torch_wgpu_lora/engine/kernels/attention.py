@@ -33,8 +33,8 @@ objects at every step:
   in workgroup memory. ``KL`` key lanes split the head dim for the scores and the tile's keys
   for P·V, summed once at the end. Tile loads keep four vec4 loads in flight per thread. The
   tile (``PrefillTile``: RG, BK, KL) is the first of ``_PREFILL_TILES`` whose workgroup memory
-  fits ``max-compute-workgroup-storage-size`` (48 KiB on NVIDIA: 64 rows x 16 keys, 128
-  threads; 32 KiB on lavapipe; WebGPU's default 16 KiB gets 16 rows x 8 keys).
+  fits ``max-compute-workgroup-storage-size`` (48 KiB on NVIDIA: 32 rows x 32 keys in 2 key
+  lanes, 128 threads; 32 KiB on lavapipe; WebGPU's default 16 KiB gets 16 rows x 8 keys).
 * **decode** (``decode=True``, few tokens, typically 1): flash-decoding in two launches. The
   partial launch has a grid of (``splits``, 4-row blocks x KV heads, batch) workgroups of 256
   threads; each attends to one span of the keys in 64-key tiles (8 threads per key for the
@@ -118,11 +118,13 @@ class PrefillTile:
 
 
 # In order of preference: the first whose workgroup memory fits the adapter's limit is used.
-# Measured on an H200 through Vulkan (BitNet-2B heads, T=4096): (16,16,1) 6.8 ms a layer with
-# shader checks off, 9.4 ms with wgpu's full checks; (8,32,2) 6.5 / 13.1; (8,32,1) 10.4 / 14.7;
-# (8,16,2) 8.2 / 15.5; (8,16,1) 14.3 / 19.4. Sizes at head_dim 128: 46.0, 41.4, 29.1, 27.1 KiB;
-# the tiles from (4, 8, 2) on fit WebGPU's default 16 KiB.
-_PREFILL_TILES = (PrefillTile(16, 16), PrefillTile(8, 32, 2), PrefillTile(8, 16, 2), PrefillTile(8, 16),
+# Measured on an H200 through Vulkan (BitNet-2B heads, one layer, in long passes of back-to-back
+# launches), µs at T = 512 / 1024 / 4096 with the default bounds checks: (8,32,2) 158 / 514 /
+# 7,211; (16,16,1) 182 / 625 / 7,437; (8,16,2) 204 / 682 / 9,416; (4,16,2) 217 / 784 / 10,597.
+# (At T=4096 with wgpu's full checks (16,16,1) led: 9.4 ms against 13.1.) Sizes at head_dim
+# 128: 41.4 KiB for (8,32,2), 46.0 for (16,16,1), 29.1 for (8,16,2); the tiles from (4, 8, 2)
+# on fit WebGPU's default 16 KiB.
+_PREFILL_TILES = (PrefillTile(8, 32, 2), PrefillTile(16, 16), PrefillTile(8, 16, 2), PrefillTile(8, 16),
                   PrefillTile(4, 16, 2), PrefillTile(4, 8, 2), PrefillTile(4, 8), PrefillTile(2, 8),
                   PrefillTile(1, 8), PrefillTile(1, 4))
 
@@ -148,7 +150,7 @@ def prefill_tiles(head_dim: int, device: Device | None = None) -> list[PrefillTi
 
 
 def prefill_tile(head_dim: int, device: Device | None = None) -> PrefillTile:
-    """The largest prefill tile whose workgroup memory and thread count fit ``device``."""
+    """The first prefill tile (in order of preference) whose workgroup memory and thread count fit ``device``."""
     return _first(prefill_tiles(head_dim, device), "prefill", head_dim)
 
 
