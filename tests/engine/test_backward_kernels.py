@@ -21,7 +21,7 @@ from torch_wgpu_lora.engine.kernels.lora_grad import da_launch, db_launch, dh_la
 from torch_wgpu_lora.engine.kernels.matmul import matmul_t_launch
 from torch_wgpu_lora.engine.kernels.norm import rmsnorm_backward_launch, rmsnorm_reference
 from torch_wgpu_lora.engine.kernels.optimizer import clip_launches
-from torch_wgpu_lora.ops.adamw import adamw_launch
+from torch_wgpu_lora.ops.adamw import adamw_launch, adamw_scalars
 from torch_wgpu_lora.engine.kernels.rope import rope_backward_launch, rope_reference
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary
 from torch_wgpu_lora.ops.adamw import adamw_reference
@@ -220,7 +220,7 @@ def test_clipped_adamw_step_matches_torch(max_norm, reductions):
     stats, partials = poisoned((4,)), Buffer((256,))
     options = dict(step=3, lr=1e-2, betas=(0.9, 0.999), eps=1e-7, weight_decay=0.01)
     launches = clip_launches(G, upload(losses.numpy()), stats, partials, n=n, rows=10, max_norm=max_norm)
-    launches.append(adamw_launch(P, G, M, V, stats=stats, n=n, **options))
+    launches.append(adamw_launch(P, G, M, V, adamw_scalars(**options), stats=stats, n=n))
     got_p, got_m, got_v, got_stats = run(launches, P, M, V, stats)
     norm = grad.double().norm().item()
     coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
@@ -246,7 +246,6 @@ def test_a_non_finite_loss_or_gradient_skips_the_update():
             upload(np.zeros(n, np.float32))
         stats = Buffer((4,))
         launches = clip_launches(G, upload(losses.numpy()), stats, Buffer((256,)), n=n, rows=3, max_norm=1.0)
-        launches.append(adamw_launch(P, G, M, V, stats=stats, n=n, step=1, lr=0.1, betas=(0.9, 0.999), eps=1e-8,
-                                     weight_decay=0.0))
+        launches.append(adamw_launch(P, G, M, V, adamw_scalars(1, 0.1, (0.9, 0.999), 1e-8, 0.0), stats=stats, n=n))
         got_p, got_stats = run(launches, P, stats)
         assert got_stats[2].item() == 1.0 and torch.equal(got_p, p), bad

@@ -159,13 +159,13 @@ def test_one_optimizer_step_is_one_submit_and_matches_the_torch_path():
         assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
 
 
-def _torch_step(twin, micro, optimizer):
-    """The torch path's step over ``micro``: the loss weighted per labelled token, clip 1.0, AdamW."""
+def _torch_step(twin, micro, optimizer, max_norm=1.0):
+    """The torch path's step over ``micro``: the loss weighted per labelled token, clipping, AdamW."""
     tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
     for b in micro:
         n = int((b["labels"][:, 1:] != -100).sum())
         (twin(**b).loss * n / tokens).backward()
-    torch.nn.utils.clip_grad_norm_(lora_parameters(twin), 1.0)
+    torch.nn.utils.clip_grad_norm_(lora_parameters(twin), max_norm)
     optimizer.step()
     optimizer.zero_grad()
 
@@ -220,6 +220,40 @@ def test_steps_in_a_row_keep_the_gpu_values_and_an_edit_in_torch_between_them_wi
             with torch.no_grad():
                 for m in (model, twin):
                     lora_modules(m)[edited].lora_A.mul_(-0.5)
+    engine.adapters.pull()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        if "lora_" in name:
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
+
+
+def test_the_step_encoded_ahead_runs_with_its_own_inputs_learning_rate_and_shape():
+    """While the GPU runs a step, train_step encodes the next; none of a step's values are in
+    that command buffer. Against the torch path: new inputs and a scheduler's learning rate at
+    every step; a change of shape, then of max_grad_norm, each of which discards the step
+    encoded ahead (so a step is encoded twice), while a repeat uses it (once). One submit a
+    step. Tolerance as in the twenty-step test."""
+    model = tiny_model("dense", adapters=True, seed=14)
+    randomize_lora_B(model, seed=15)
+    twin = copy.deepcopy(model)
+    engine = BitNetEngine(model)
+    ours = WgpuAdamW(lora_parameters(model), lr=5e-3, eps=1e-3)
+    theirs = torch.optim.AdamW(lora_parameters(twin), lr=5e-3, eps=1e-3, weight_decay=0.01, foreach=False)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (ours, theirs)]
+    recorded = []
+    record = engine._record_step
+    engine._record_step = lambda *a: (recorded.append(1), record(*a))[1]
+    device = get_device()
+    # (micro-batches, max_grad_norm, command buffers encoded in the step)
+    steps = [(_micro_batches(model, 300), 1.0, 2), (_micro_batches(model, 301), 1.0, 1),
+             ([labelled_batch(model, [11], seed=302)], 1.0, 2), ([labelled_batch(model, [11], seed=303)], 1.0, 1),
+             ([labelled_batch(model, [11], seed=304)], 0.05, 2)]
+    for micro, max_norm, encoded in steps:
+        before, recorded[:] = device.submits, []
+        engine.train_step(micro, ours, max_grad_norm=max_norm)
+        assert device.submits - before == 1 and len(recorded) == encoded
+        _torch_step(twin, micro, theirs, max_norm)
+        for schedule in schedules:
+            schedule.step()
     engine.adapters.pull()
     for (name, a), b in zip(model.named_parameters(), twin.parameters()):
         if "lora_" in name:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from torch_wgpu_lora.runtime import (Arena, Buffer, Launch, Recorder, copy_launch, device_info, get_device, kernel,
-                                     set_shader_checks, synchronize, upload, write)
+from torch_wgpu_lora.runtime import (Arena, Buffer, Launch, Recorder, Uniform, copy_launch, device_info, get_device,
+                                     kernel, set_shader_checks, synchronize, upload, write)
 from torch_wgpu_lora.runtime.buffers import pool_for, staging_for
 from torch_wgpu_lora.runtime.device import (ADAPTER_ENV, INSTALL_HINT, LOCAL_RANK_ENV, choose_adapter,
                                             local_rank_from_env)
@@ -319,6 +319,40 @@ def test_a_readback_costs_one_queue_submit(monkeypatch):
         rec.submit()
     assert submits == [1, 1]
     np.testing.assert_array_equal(out, np.arange(8))
+
+
+def test_a_recording_encoded_ahead_runs_with_the_values_written_before_its_submit():
+    """``Recorder.finish`` encodes now; the buffers and the ``Uniform`` written between that and
+    the submit are what the GPU sees. Each recording submits once; a discarded one gives its
+    staging back."""
+    k = _reduce()
+    x, acc = upload(np.arange(16, dtype=np.float32)), Buffer((16,))
+    params = Uniform(k)
+    launch = Launch.build(k, (1, 1, 1), (x, acc), params)  # acc = scale · x
+    outs = [np.zeros(16, np.float32) for _ in range(2)]
+    recordings = []
+    for out in outs:
+        rec = Recorder()
+        rec.launch(launch)
+        rec.read(acc, out)
+        recordings.append(rec.finish())
+    for scale, recording in zip((3.0, 5.0), recordings):
+        write(x, np.full(16, scale, np.float32))
+        params.write((4, 4, 1, 0, scale))
+        recording.submit_async().wait()
+    np.testing.assert_array_equal(outs[0], 9.0)
+    np.testing.assert_array_equal(outs[1], 25.0)
+    with pytest.raises(RuntimeError, match="already submitted or discarded"):
+        recordings[0].submit_async()
+    rec = Recorder()
+    rec.read(acc, outs[0])
+    unused = rec.finish()
+    pool = staging_for(get_device())
+    free = len(pool.free)
+    unused.discard()
+    assert len(pool.free) == free + 1
+    with pytest.raises(ValueError, match="a Uniform made for copy.wgsl:copy"):
+        Launch.build(k, (1, 1, 1), (x, acc), Uniform(kernel("copy.wgsl", "copy")))
 
 
 def test_many_dispatches_one_submit_and_timestamps():

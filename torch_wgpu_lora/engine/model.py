@@ -28,10 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime import Buffer, Device, Recorder, get_device, upload, write
+from ..ops.adamw import adamw_launch, adamw_scalars, adamw_uniform
+from ..runtime import Buffer, Device, Recorder, Recording, get_device, upload, write
 from .adapters import EngineAdapters
 from .config import EngineConfig
 from .generate import DecodeSession, session
+from .kernels.optimizer import clip_launches
 from .plan import ForwardPlan, KVCache, read_codes
 from .train_plan import TrainPlan
 from .weights import EngineWeights, upload_weights
@@ -73,6 +75,10 @@ class BitNetEngine(nn.Module):
         self._optimizer_state: tuple[Buffer, Buffer] | None = None  # flat AdamW moments of train_step
         self._stats = Buffer((4,), device=self.device)
         self._partials = Buffer((256,), device=self.device)
+        self._adamw = adamw_uniform(self.device)  # train_step's AdamW values, written at each step
+        # (key, recording, its stats array): the next train_step's command buffer, encoded while
+        # the GPU ran the last one; used when the next step has the same plan, else discarded
+        self._ahead: tuple[tuple, Recording, np.ndarray] | None = None
         self.lock = threading.RLock()  # one GPU pass at a time: plans own their buffers
         # Torch code reading the Parameters after the engine's optimizer steps gets current values.
         # (Weak references: the model must not keep its engine, and its GPU memory, alive.)
@@ -258,6 +264,11 @@ class BitNetEngine(nn.Module):
         Every process then applies the same update to the same numbers. Without ``all_reduce``
         the step is the one submit above (``labelled_total``, if given, still sets the scale).
 
+        While the GPU runs a step, the host encodes the next one's command buffer (same shape,
+        micro-batch count and ``max_grad_norm``; none of the step's values are in it: inputs,
+        loss scale and AdamW's values are written before it is submitted), so a run of steps
+        hides the encoding behind the GPU. A step of another shape discards it.
+
         Micro-batches are padded to one shape. Returns {"loss", "tokens", "grad_norm", "skipped"}
         ("loss" and "tokens" over every process when ``all_reduce`` is given).
         """
@@ -281,27 +292,32 @@ class BitNetEngine(nn.Module):
             if labelled == 0:
                 raise ValueError("the micro-batches hold no labelled token: nothing to compute a loss on")
             plan.set_scale(1.0 / labelled)
-            exp_avg, exp_avg_sq = self._moments(optimizer)
+            self._moments(optimizer)
             step = int(optimizer.state[optimizer.param_groups[0]["params"][0]]["step"].item()) + 1
-            from ..ops.adamw import adamw_launch
-            from .kernels.optimizer import clip_launches
-
-            stats = np.empty(4, np.float32)
-            rec = Recorder(self.device)
-            rec.clear(plan.grads)
-            for slot in range(len(micro_batches)):
-                plan.record(rec, slot)
-            if all_reduce is not None:  # submit 1 ends here: the gradients go round the processes
-                self._all_reduce_grads(rec, plan, all_reduce)
+            self._adamw.write((self.adapters.size, *adamw_scalars(step, group["lr"], group["betas"], group["eps"],
+                                                                  group["weight_decay"])))
+            slots = len(micro_batches)
+            if all_reduce is not None:
+                self._discard_ahead()
                 rec = Recorder(self.device)
-            for launch in clip_launches(plan.grads, plan.losses, self._stats, self._partials, n=self.adapters.size,
-                                        rows=plan.losses.numel, max_norm=max_grad_norm, device=self.device):
-                rec.launch(launch)
-            rec.launch(adamw_launch(self.adapters.params, plan.grads, exp_avg, exp_avg_sq, stats=self._stats,
-                                    n=self.adapters.size, step=step, lr=group["lr"], betas=group["betas"],
-                                    eps=group["eps"], weight_decay=group["weight_decay"], device=self.device))
-            rec.read(self._stats, stats)
-            rec.submit()
+                rec.clear(plan.grads)
+                for slot in range(slots):
+                    plan.record(rec, slot)
+                self._all_reduce_grads(rec, plan, all_reduce)  # submit 1: the gradients go round the processes
+                recording, stats = self._record_update(Recorder(self.device), plan, max_grad_norm)
+                recording.submit_async().wait()
+            else:
+                key = (plan, slots, float(max_grad_norm))
+                ahead, self._ahead = self._ahead, None
+                if ahead is not None and ahead[0] != key:
+                    ahead[1].discard()
+                    ahead = None
+                recording, stats = ahead[1:] if ahead is not None else self._record_step(plan, slots, max_grad_norm)
+                pending = recording.submit_async()
+                try:  # the next step's command buffer, encoded while the GPU runs this one
+                    self._ahead = (key, *self._record_step(plan, slots, max_grad_norm))
+                finally:
+                    pending.wait()
             norm, _, skipped, loss_sum = (float(v) for v in stats)
             if not skipped:
                 for p in optimizer.param_groups[0]["params"]:
@@ -310,6 +326,34 @@ class BitNetEngine(nn.Module):
                 optimizer._opt_called = True  # what optimizer.step() marks: LR schedulers check it
             return {"loss": None if skipped else loss_sum / labelled, "tokens": labelled, "grad_norm": norm,
                     "skipped": bool(skipped)}
+
+    def _record_step(self, plan: TrainPlan, slots: int, max_grad_norm: float) -> tuple[Recording, np.ndarray]:
+        """A whole optimizer step's command buffer (what ``train_step`` submits), and the array
+        its stats readback fills. It depends on no value of the step: inputs, loss scale and
+        AdamW's values are written into their buffers before it is submitted."""
+        rec = Recorder(self.device)
+        rec.clear(plan.grads)
+        for slot in range(slots):
+            plan.record(rec, slot)
+        return self._record_update(rec, plan, max_grad_norm)
+
+    def _record_update(self, rec: Recorder, plan: TrainPlan, max_grad_norm: float) -> tuple[Recording, np.ndarray]:
+        """Into ``rec``: the global-norm clip, AdamW (its values from ``self._adamw``) and the
+        stats readback; returns the finished recording and the stats' array."""
+        exp_avg, exp_avg_sq = self._optimizer_state
+        for launch in clip_launches(plan.grads, plan.losses, self._stats, self._partials, n=self.adapters.size,
+                                    rows=plan.losses.numel, max_norm=max_grad_norm, device=self.device):
+            rec.launch(launch)
+        rec.launch(adamw_launch(self.adapters.params, plan.grads, exp_avg, exp_avg_sq, self._adamw, stats=self._stats,
+                                n=self.adapters.size, device=self.device))
+        stats = np.empty(4, np.float32)
+        rec.read(self._stats, stats)
+        return rec.finish(), stats
+
+    def _discard_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead[1].discard()
+            self._ahead = None
 
     def _all_reduce_grads(self, rec: Recorder, plan: TrainPlan, all_reduce: Callable[[torch.Tensor], Any]) -> None:
         """Submit ``rec`` (the step's forward and backward), read the gradients and the loss sum

@@ -9,8 +9,9 @@ The math is torch.optim.AdamW's (decoupled weight decay), step t counted from 1:
 
 ``adamw_launch`` builds that update for one flat float32 tensor whose parameter,
 gradient and moments are ``Buffer``s; parameter and moments are updated in place on
-the GPU. It reads the gradient's factor and a skip flag from a small stats buffer on the
-GPU, which the engine's clip kernels fill (``engine.kernels.optimizer``); without one the
+the GPU. Its step's values are kept in the launch, or read from an ``adamw_uniform`` that is
+written before each submit (for a launch recorded ahead of its step). It reads the gradient's
+factor and a skip flag from a small stats buffer on the GPU, which the engine's clip kernels fill (``engine.kernels.optimizer``); without one the
 gradient is used as is. ``adamw_step`` records it into a ``Recorder``.
 ``adamw_reference`` is the same step in torch ops, in place on CPU tensors.
 ``training.optim.WgpuAdamW`` is the ``torch.optim.Optimizer`` built on ``adamw_step``.
@@ -27,14 +28,15 @@ gradient is used as is. ``adamw_step`` records it into a ``Recorder``.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
 import numpy as np
 
-from ..runtime import Buffer, Device, Launch, Recorder, kernel, upload
+from ..runtime import Buffer, Device, Kernel, Launch, Recorder, Uniform, get_device, kernel, upload
 
-__all__ = ["adamw_launch", "adamw_reference", "adamw_scalars", "adamw_step"]
+__all__ = ["adamw_launch", "adamw_reference", "adamw_scalars", "adamw_step", "adamw_uniform"]
 
 _WG = 256  # threads per workgroup of adamw.wgsl
 _UNIT_STATS = np.array([0.0, 1.0, 0.0, 0.0], np.float32)  # [norm, gradient factor, skip flag, loss]
@@ -46,6 +48,8 @@ def adamw_scalars(step: int, lr: float, betas: tuple[float, float], eps: float,
 
     Returns (decay, w1, beta2, w2, neg_step_size, bc2_sqrt, eps).
     """
+    if step < 1:
+        raise ValueError(f"adamw: step counts from 1, got {step}")
     beta1, beta2 = betas
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
@@ -53,29 +57,38 @@ def adamw_scalars(step: int, lr: float, betas: tuple[float, float], eps: float,
             bias_correction2**0.5, eps)
 
 
-def adamw_launch(param: Buffer, grad: Buffer, exp_avg: Buffer, exp_avg_sq: Buffer, *, step: int, lr: float,
-                 betas: tuple[float, float], eps: float, weight_decay: float, stats: Buffer | None = None,
-                 n: int | None = None, device: Device | None = None) -> Launch:
+def _kernel(device: Device) -> Kernel:
+    return kernel("adamw.wgsl", "adamw_step", device, WG=_WG)
+
+
+def adamw_uniform(device: Device | None = None) -> Uniform:
+    """A uniform for ``adamw_launch`` that takes each step's values when written:
+    ``u.write((n, *adamw_scalars(step, lr, betas, eps, weight_decay)))`` before each submit."""
+    return Uniform(_kernel(device or get_device()))
+
+
+def adamw_launch(param: Buffer, grad: Buffer, exp_avg: Buffer, exp_avg_sq: Buffer,
+                 scalars: Sequence[float] | Uniform, *, stats: Buffer | None = None, n: int | None = None,
+                 device: Device | None = None) -> Launch:
     """One AdamW update of the first ``n`` (default: all) elements of ``param``, ``exp_avg`` and
     ``exp_avg_sq`` (in place) from ``stats[1]`` · ``grad``, skipped when ``stats[2]`` is not 0.
 
-    All four buffers hold float32; ``step`` is this update's count, from 1 (it sets the bias
-    corrections). Without ``stats`` the gradient is used as is.
+    All four buffers hold float32. ``scalars``: ``adamw_scalars(step, ...)`` (the values kept in
+    the launch), or an ``adamw_uniform`` written before each submit (a launch recorded ahead of
+    its step). Without ``stats`` the gradient is used as is.
     """
     device = device or param.device
     n = param.numel if n is None else n
     for name, buf in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if buf.numel < n or buf.dtype != "f32":
             raise ValueError(f"adamw: {name} is {buf.shape} {buf.dtype}; expected at least {n} f32 elements")
-    if step < 1:
-        raise ValueError(f"adamw: step counts from 1, got {step}")
     if stats is None:
         stats = device.owned("adamw_unit_stats", lambda: upload(_UNIT_STATS, device))
     groups = max(1, math.ceil(n / _WG))
     grid_x = min(groups, device.max_workgroups)
-    return Launch.build(kernel("adamw.wgsl", "adamw_step", device, WG=_WG), (grid_x, math.ceil(groups / grid_x), 1),
+    return Launch.build(_kernel(device), (grid_x, math.ceil(groups / grid_x), 1),
                         (param, grad, exp_avg, exp_avg_sq, stats),
-                        (n, *adamw_scalars(step, lr, betas, eps, weight_decay)))
+                        scalars if isinstance(scalars, Uniform) else (n, *scalars))
 
 
 def adamw_step(rec: Recorder, param: Buffer, grad: Buffer, exp_avg: Buffer, exp_avg_sq: Buffer, *, step: int,
@@ -87,8 +100,8 @@ def adamw_step(rec: Recorder, param: Buffer, grad: Buffer, exp_avg: Buffer, exp_
             raise ValueError(f"adamw_step: {name} is {buf.shape}; expected {param.numel} elements like param "
                              f"{param.shape}")
     if param.numel:
-        rec.launch(adamw_launch(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps,
-                                weight_decay=weight_decay, device=rec.device))
+        rec.launch(adamw_launch(param, grad, exp_avg, exp_avg_sq,
+                                adamw_scalars(step, lr, betas, eps, weight_decay), device=rec.device))
 
 
 @torch.no_grad()

@@ -3,14 +3,16 @@
 ``Device`` (the process's WebGPU device and the state it owns), ``Buffer`` (an array on
 the GPU; ``Arena`` plans many at once), ``Kernel`` (a compiled WGSL entry point),
 ``Recorder`` (many launches, one submit; ``Launch`` is a launch built once and recorded
-many times), and ``tensors`` (torch tensors to and from the GPU, resident weights).
+many times; ``Recording``, a command buffer encoded ahead of its submit; ``Uniform``, params
+rewritten before each submit), and ``tensors`` (torch tensors to and from the GPU, resident
+weights).
 """
 
 from .buffers import Arena, Buffer, upload, write
 from .device import Device, device_info, get_device
-from .kernels import Kernel, kernel, set_shader_checks, set_subgroups, shader_checks
-from .recorder import Launch, Pending, Recorder, copy_launch, synchronize
+from .kernels import Kernel, Uniform, kernel, set_shader_checks, set_subgroups, shader_checks
+from .recorder import Launch, Pending, Recorder, Recording, copy_launch, synchronize
 
-__all__ = ["Arena", "Buffer", "Device", "Kernel", "Launch", "Pending", "Recorder", "copy_launch", "device_info",
-           "get_device", "kernel", "set_shader_checks", "set_subgroups", "shader_checks", "synchronize", "upload",
-           "write"]
+__all__ = ["Arena", "Buffer", "Device", "Kernel", "Launch", "Pending", "Recorder", "Recording", "Uniform",
+           "copy_launch", "device_info", "get_device", "kernel", "set_shader_checks", "set_subgroups", "shader_checks",
+           "synchronize", "upload", "write"]

@@ -208,11 +208,17 @@ class Kernel:
             entries.append({"binding": i, "resource": {"buffer": b.gpu, "offset": b.offset, "size": b.binding_size}})
         return entries
 
-    def bind(self, buffers: Sequence[Buffer] | Mapping[int, Buffer], params: Sequence[Any] | Mapping[str, Any] = ()) -> Any:
+    def bind(self, buffers: Sequence[Buffer] | Mapping[int, Buffer],
+             params: "Sequence[Any] | Mapping[str, Any] | Uniform" = ()) -> Any:
         """A new bind group for these buffers (at bindings 1.. in order, or by binding number when
-        a file's entry points use different bindings) and params: what a plan builds once and
-        launches many times."""
-        uniform = params_buffer(self.device, self.pack(params))[0] if self.params else None
+        a file's entry points use different bindings) and params (values, interned; or a
+        ``Uniform`` the caller rewrites): what a plan builds once and launches many times."""
+        if isinstance(params, Uniform):
+            if params.kernel is not self:
+                raise ValueError(f"{self.name}: a Uniform made for {params.kernel.name}")
+            uniform = params.gpu
+        else:
+            uniform = params_buffer(self.device, self.pack(params))[0] if self.params else None
         return self.device.wgpu.create_bind_group(layout=self.layout, entries=self._entries(uniform, buffers))
 
     def bind_group(self, params: Sequence[Any] | Mapping[str, Any], buffers: Sequence[Buffer]) -> Any:
@@ -230,6 +236,33 @@ class Kernel:
             if len(self._bind_groups) > 512:
                 self._bind_groups.popitem(last=False)
         return group
+
+
+class Uniform:
+    """A kernel's params in a uniform buffer that its owner rewrites before each submit: for a
+    launch recorded ahead of the values it will run with (the engine encodes a training step
+    while the GPU runs the one before, and writes that step's learning rate when it submits).
+
+    A write lands before the whole next command buffer runs, so every launch of one recording
+    that binds it sees one value (interned params, the default, have no such limit).
+
+    >>> k = kernel("reduce.wgsl", "reduce_partials", WG=64)
+    >>> u = Uniform(k); u.write((4, 4, 1, 0, 1.0))
+    >>> # launch = Launch.build(k, grid, buffers, u)   # recorded now, runs with what u holds then
+    """
+
+    def __init__(self, kernel: Kernel) -> None:
+        import wgpu
+
+        self.kernel = kernel
+        size = len(kernel.pack([0] * len(kernel.params)))
+        self.gpu = kernel.device.wgpu.create_buffer(size=size, usage=wgpu.BufferUsage.UNIFORM |
+                                                    wgpu.BufferUsage.COPY_DST)
+
+    def write(self, params: Sequence[Any] | Mapping[str, Any]) -> None:
+        """Queue new values (by position or field name) for the next submit."""
+        self.kernel.device.check_usable()
+        self.kernel.device.queue.write_buffer(self.gpu, 0, self.kernel.pack(params))
 
 
 def kernel(file: str, entry: str, device: Device | None = None, **constants: Any) -> Kernel:

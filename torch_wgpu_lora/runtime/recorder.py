@@ -10,6 +10,9 @@ Usage::
     pending = rec.submit_async()      # or: submit now, encode the next step, then
     pending.wait()                    # wait for this one and fill its outputs
 
+    recording = rec.finish()          # or: encode now (while the GPU runs something else),
+    recording.submit_async().wait()   # submit later, after the queue writes that feed it
+
 Dispatches that follow each other share one compute pass; a copy or clear closes
 the pass (WebGPU records those outside compute passes). wgpu inserts the memory
 barriers that dependent dispatches need.
@@ -31,7 +34,7 @@ import numpy as np
 
 from .buffers import DTYPES, Buffer, staging_for
 from .device import Device, get_device
-from .kernels import Kernel, kernel
+from .kernels import Kernel, Uniform, kernel
 
 _QUERIES_PER_SET = 4096  # WebGPU's largest query set
 
@@ -53,7 +56,7 @@ class Launch:
 
     @classmethod
     def build(cls, kernel: Kernel, grid: tuple[int, int, int], buffers: Sequence[Buffer] | Mapping[int, Buffer],
-              params: Sequence[Any] | Mapping[str, Any] = ()) -> "Launch":
+              params: Sequence[Any] | Mapping[str, Any] | Uniform = ()) -> "Launch":
         _check_grid(kernel, grid)
         keep = tuple(buffers.values()) if isinstance(buffers, Mapping) else tuple(buffers)
         return cls(kernel, kernel.bind(buffers, params), tuple(int(g) for g in grid), keep)
@@ -206,6 +209,35 @@ class _Timestamps:
         if len(self.names) == len(ticks) - 1:  # in-pass stamps: one before the first launch, one after each
             return list(zip(self.names, (np.diff(ticks) * 1e-9).tolist()))
         return list(zip(self.names, ((ticks[1::2] - ticks[0::2]) * 1e-9).tolist()))  # a pass per launch
+
+
+class Recording:
+    """A finished command buffer not yet submitted (``Recorder.finish``): submit it once, or
+    ``discard`` it (its staging buffers go back to the device's pool)."""
+
+    def __init__(self, device: Device, command_buffer: Any, staging: list[Any], reads: list[_Read],
+                 keep: list[Any], times: "_Timestamps | None") -> None:
+        self.device, self._command_buffer = device, command_buffer
+        self._staging, self._reads, self._keep, self._times = staging, reads, keep, times
+
+    def submit_async(self) -> Pending:
+        """Submit it; the returned ``Pending`` waits and fills the readbacks' outputs."""
+        if self._command_buffer is None:
+            raise RuntimeError("this recording was already submitted or discarded")
+        self.device.check_usable()
+        command_buffer, self._command_buffer = self._command_buffer, None
+        self.device.submit([command_buffer])
+        return Pending(self.device, self._staging, self._reads, self._keep, self._times)
+
+    def discard(self) -> None:
+        """Drop it unsubmitted."""
+        if self._command_buffer is None:
+            return
+        self._command_buffer = None
+        pool = staging_for(self.device)
+        for gpu in self._staging:
+            pool.give(gpu)
+        self._staging, self._keep = [], []
 
 
 class Recorder:
@@ -377,18 +409,21 @@ class Recorder:
                 at += nbytes
         return staging
 
-    def submit_async(self) -> Pending:
-        """Submit everything recorded now; the returned ``Pending`` waits and fills outputs."""
+    def finish(self) -> "Recording":
+        """End recording: the command buffer and its readbacks' staging, to submit later."""
         self._end_pass()
         if self._times is not None and self._times.count:
             self._times.read = _Read(self._times.resolve(self.encoder, self.keep), lambda view: None, [])
             self.reads.append(self._times.read)
         staging = self._stage()
-        self.device.submit([self.encoder.finish()])
         reads = [r for r in self.reads if r is not (self._times.read if self._times else None)]
-        pending = Pending(self.device, staging, reads, self.keep, self._times)
+        recording = Recording(self.device, self.encoder.finish(), staging, reads, self.keep, self._times)
         self.keep, self.reads = [], []
-        return pending
+        return recording
+
+    def submit_async(self) -> Pending:
+        """Submit everything recorded now; the returned ``Pending`` waits and fills outputs."""
+        return self.finish().submit_async()
 
     def submit(self) -> float | None:
         """Submit everything recorded, wait for the readbacks, fill their outputs.
