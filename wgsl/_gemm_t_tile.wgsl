@@ -16,7 +16,9 @@
 //   struct Staged { a: mat4x4<f32>, ... }: a thread's share of one step, in registers;
 //   fn fetch(t: u32, n0: u32, k0: u32, j0: u32) -> Staged: loads it for rows j0.. (fetch_a for
 //     A; weights past p.rows zero);
-//   fn stage(t: u32, s: Staged): writes it into tile (put_a for A; weights at W_TILE + at(j, quad)).
+//   fn stage(t: u32, s: Staged): writes it into tile (put_a for A; weights at W_TILE + at(j, quad));
+//   fn rows_end(n0: u32) -> u32: the rows j that tokens n0 .. n0 + 63 sum over end here (p.rows,
+//     or less where later rows contribute nothing to them: a causal mask).
 
 const STEP: u32 = 32u;     // rows j a step
 const W_TILE: u32 = 512u;  // first vec4 of the weights in tile
@@ -104,7 +106,7 @@ fn gemm_tiled(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg
   range = wg.z;
   let span = (p.rows + groups.z * STEP - 1u) / (groups.z * STEP) * STEP;
   let first = wg.z * span;
-  let end = min(first + span, p.rows);
+  let end = min(first + span, rows_end(n0));
   var staged: Staged;
   if (first < end) { staged = fetch(t, n0, k0, first); }
   for (var j0 = first; j0 < end; j0 += STEP) {

@@ -151,4 +151,6 @@ fn store(n: u32, j: u32, acc: vec4<f32>) {
   }
 }
 
+fn rows_end(n0: u32) -> u32 { return p.rows; }
+
 // @include _gemm_t_tile.wgsl

@@ -88,5 +88,7 @@ fn stage(t: u32, s: Staged) {
   }
 }
 
+fn rows_end(n0: u32) -> u32 { return p.rows; }
+
 // @include _gemm_t_tile.wgsl
 // @include _input_grad_store.wgsl

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from torch_wgpu_lora.engine.kernels import STEP_POS
+from torch_wgpu_lora.engine.kernels import STEP_POS, attention
 from torch_wgpu_lora.engine.kernels.attention import (_BACKWARD_TILES, BackwardTile, attention_backward_launches,
                                                       attention_backward_reference, attention_launches,
                                                       attention_reference, backward_tile, dkdv_splits)
@@ -68,7 +68,7 @@ def nan_fill(buf: Buffer) -> None:
 class Backward:
     """One plan: the forward (prefill, with lse) then the backward, recorded together."""
 
-    def __init__(self, batch, tokens, heads, kv_heads, head_dim, max_len, tile=None, splits=None):
+    def __init__(self, batch, tokens, heads, kv_heads, head_dim, max_len, tile=None, splits=None, from_start=False):
         self.shape = dict(batch=batch, tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                           max_len=max_len)
         rows, cache = (batch * tokens, heads * head_dim), (batch, kv_heads, max_len, head_dim)
@@ -82,7 +82,11 @@ class Backward:
                                            lse=self.lse, **self.shape)
         self.launches += attention_backward_launches(self.q, self.k, self.v, self.out, self.lse, self.d_out, self.d_q,
                                                      self.d_k, self.d_v, self.step, self.lengths, scale=scale,
-                                                     tile=tile, splits=splits, **self.shape)
+                                                     tile=tile, splits=splits, from_start=from_start,
+                                                     **self.shape)
+        self.kernels = [launch.kernel.name for launch in self.launches]
+        # the saved dS (A of attention_dq.wgsl), poisoned too: entries dkdv leaves alone must not be read
+        self.saved = [launch.keep[2] for launch in self.launches if launch.kernel.name.startswith("attention_dq")]
 
     def run(self, q, k, v, d_out, pos, lengths):
         write(self.q, np.ascontiguousarray(q.float().numpy()))
@@ -93,7 +97,7 @@ class Backward:
         step[STEP_POS] = pos
         write(self.step, step)
         write(self.lengths, np.asarray(lengths, np.uint32))
-        for buf in (self.out, self.lse, self.d_q, self.d_k, self.d_v):
+        for buf in (self.out, self.lse, self.d_q, self.d_k, self.d_v, *self.saved):
             nan_fill(buf)
         rec = Recorder()
         for launch in self.launches:
@@ -128,8 +132,11 @@ def check(plan: Backward, pos, lengths, seed=0) -> float:
 
 
 def check_once(batch, tokens, heads, kv_heads, head_dim, pos, lengths, *, seed=0, max_len=None, tile=None,
-               splits=None) -> float:
-    plan = Backward(batch, tokens, heads, kv_heads, head_dim, max_len or pos + tokens, tile=tile, splits=splits)
+               splits=None, from_start=False) -> float:
+    plan = Backward(batch, tokens, heads, kv_heads, head_dim, max_len or pos + tokens, tile=tile, splits=splits,
+                    from_start=from_start)
+    assert ("attention_dq.wgsl:gemm_tiled" in plan.kernels) == from_start
+    assert ("attention_backward.wgsl:dq" in plan.kernels) != from_start
     return check(plan, pos, lengths, seed)
 
 
@@ -174,6 +181,27 @@ def test_dkdv_split_over_query_tiles(case, splits):
     # each key block's query tiles cut into ranges summed by dkdv_sum: uneven (3) and more ranges
     # than some blocks have tiles (8: empty ranges write zeros), after a cache prefix too
     check_once(*CASES[case], splits=splits)
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("case", sorted(name for name, c in CASES.items() if c[5] == 0))
+def test_dq_as_a_gemm_over_the_saved_ds(case, splits):
+    # passes from position 0 (training): dkdv saves dS, attention_dq.wgsl sums dS·K; rows of a
+    # head past T (the dS rows padded to 64) and keys a row does not see are never summed
+    check_once(*CASES[case], splits=splits, from_start=True)
+
+
+def test_dq_from_the_saved_ds_is_nan_for_a_pass_after_a_prefix_and_absent_past_the_scratch(monkeypatch):
+    # the saved dS holds only this pass's keys: a pass that does not start at 0 must not look right
+    plan = Backward(2, 30, 4, 1, 20, 43, from_start=True)
+    q, k, v, d_out = random_case(2, 30, 4, 1, 20, 43, seed=1)
+    d_q, _, _ = plan.run(q, k, v, d_out, 13, [43, 25])
+    assert np.isnan(d_q).all()
+    monkeypatch.setattr(attention, "DS_SCRATCH_BYTES", 4 * 2 * 8 * 64 * 40 - 4)  # one float short of the dS
+    check_once(2, 40, 8, 2, 16, 0, [40, 9])  # from_start=False asserted: the dq kernel
+    plan = Backward(2, 40, 8, 2, 16, 40, from_start=True)
+    assert "attention_backward.wgsl:dq" in plan.kernels and "attention_dq.wgsl:gemm_tiled" not in plan.kernels
+    check(plan, 0, [40, 9])
 
 
 def test_dkdv_splits_fill_a_gpu_and_leave_a_cpu_alone():

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..engine.kernels.attention import DS_SCRATCH_BYTES
 from ..runtime import Recorder, get_device, write
 from ..runtime.kernels import DEFAULT_SHADER_CHECKS
 from .report import write_json
@@ -115,8 +116,10 @@ def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float,
     packed BitNet ``config``: the int8 operations of the ternary GEMMs (ceiling "dp4a") and the
     float32 flops of the rest ("fma"), a multiply-add counted as two; the forward (prefill,
     last position's logits only) or a training step (logits of every position, the backward).
-    Attention counts the causal pairs only; its backward kernels recompute S and dP (dq: S, dP,
-    dQ; dkdv: S, dP, dV, dK); layer 0's q/k/v input gradient is not computed."""
+    Attention counts the causal pairs only; its backward's dkdv recomputes S and dP (S, dP, dV,
+    dK), and dQ is one product over the dS dkdv saves (``attention_dq.wgsl``) or, where that
+    does not fit its scratch, three in ``dq`` (S, dP, dQ); layer 0's q/k/v input gradient is
+    not computed."""
     h, f, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     d = h // config.num_attention_heads
     kv = config.num_key_value_heads * d
@@ -129,8 +132,10 @@ def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float,
     work.update({"bitlinear_t.wgsl:gemm_tiled": (ternary - 2 * seq * projections[0], "fma"),
                  "matmul.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma"),
                  "matmul_t.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma"),
-                 "attention_backward.wgsl:dq": (3 * 2 * pair_macs * layers, "fma"),
                  "attention_backward.wgsl:dkdv": (4 * 2 * pair_macs * layers, "fma")})
+    saved_ds = 4 * config.num_attention_heads * -(-seq // 64) * 64 * seq <= DS_SCRATCH_BYTES
+    work.update({"attention_dq.wgsl:gemm_tiled": (2 * pair_macs * layers, "fma")} if saved_ds else
+                {"attention_backward.wgsl:dq": (3 * 2 * pair_macs * layers, "fma")})
     return work
 
 

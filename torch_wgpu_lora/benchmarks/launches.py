@@ -13,7 +13,8 @@ engine's kernel choices.
   (``decode_splits`` picks one);
 * ``attention_backward_*``: a training step's attention backward of one layer, per count of
   ranges dkdv cuts a key block's query tiles into (``dkdv_splits`` picks one), and per tile
-  that fits the adapter (``backward_tile`` picks the first);
+  that fits the adapter (``backward_tile`` picks the first), and with dQ a GEMM over the dS that
+  dkdv saves (``from_start``: what a training step runs);
 * ``attention_prefill_*``: the same length's attention forward (a prefill or training step) per
   tile that fits (``prefill_tile`` picks the first).
 
@@ -159,6 +160,7 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
     for t in backward_tiles(head_dim, device):
         name = f"attention_backward_{seq}_tile{t.fixed}x{t.looped}x{t.lanes}"
         out[name + ("_chosen" if t == tile else "")] = timed(backward(tile=t))
+    out[f"attention_backward_{seq}_dq_from_saved_ds"] = timed(backward(from_start=True))  # what training runs
     tile = prefill_tile(head_dim, device)
     for t in prefill_tiles(head_dim, device):
         launches = attention_launches(rows, keys, values, Buffer((seq, heads * head_dim)), step, valid, batch=1,

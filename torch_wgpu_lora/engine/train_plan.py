@@ -253,7 +253,8 @@ class TrainPlan:
                 *attention_backward_launches(s["q"], s["k"], s["v"], s["o"], s["lse"], self.d_o, self.d_q, self.d_k,
                                              self.d_v, self.step, slot.lengths, batch=self.batch, tokens=self.tokens,
                                              heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                                             max_len=self.tokens, scale=c.head_dim ** -0.5, device=d),
+                                             max_len=self.tokens, scale=c.head_dim ** -0.5, device=d,
+                                             from_start=True),  # training passes start at position 0
                 rope_backward_launch(self.d_q, self.d_k, self.d_v, w.rope_cos, w.rope_sin, self.step, self.d_qkv,
                                      tokens=self.rows, tokens_per_seq=self.tokens, heads=c.heads, kv_heads=c.kv_heads,
                                      head_dim=c.head_dim, cache_len=self.tokens, device=d),

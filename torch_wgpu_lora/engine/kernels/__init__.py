@@ -15,5 +15,14 @@ Conventions shared by every family:
   sequence, how many key positions are valid (cache included).
 """
 
+from ...runtime import Buffer, Device
+
 STEP_FIELDS = ("pos", "seed", "token_count", "reserved")
 STEP_POS, STEP_SEED, STEP_TOKEN_COUNT = 0, 1, 2
+
+
+def dummy(device: Device, slot: str = "read") -> Buffer:
+    """A small buffer bound where a kernel's optional input or output is unused. WebGPU forbids
+    binding one buffer twice in a launch when either binding is writable, so each writable
+    slot has its own."""
+    return device.owned(f"engine_dummy_{slot}", lambda: Buffer((4,), device=device))

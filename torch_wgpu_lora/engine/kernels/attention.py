@@ -80,6 +80,7 @@ from typing import Any, Sequence
 import torch
 
 from ...runtime import Buffer, Device, Launch, get_device, kernel
+from . import dummy
 
 __all__ = ["BackwardTile", "DecodePartials", "PrefillTile", "attention_backward_launches",
            "attention_backward_reference", "attention_launches", "attention_reference", "backward_tile",
@@ -364,7 +365,7 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
                                 d_q: Buffer, d_k: Buffer, d_v: Buffer, step: Buffer, lengths: Buffer, *, batch: int,
                                 tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int, scale: float,
                                 device: Device | None = None, tile: BackwardTile | None = None,
-                                splits: int | None = None) -> list[Launch]:
+                                splits: int | None = None, from_start: bool = False) -> list[Launch]:
     """The launches of one attention backward (flash-attention-2 style), to record in order.
 
     Inputs in the forward's layouts: ``q``, ``out`` (the forward's output) and ``d_out`` f32
@@ -385,6 +386,12 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
     sees it: no atomics), cut into ``splits`` ranges of query tiles (``dkdv_splits`` by default),
     whose partial sums a fourth launch, ``dkdv_sum``, adds up. ``tile`` and ``splits`` override
     the chosen ones (tests, benchmarks).
+
+    ``from_start``: the caller promises that the pass's queries start at position 0 (training;
+    a pass that does not gets NaN in ``d_q``). Then, where the scores of a pass fit
+    ``DS_SCRATCH_BYTES``, ``dkdv`` also saves dS and ``attention_dq.wgsl`` takes dQ from it as a
+    GEMM (``dq`` recomputes S and dP instead): dQ's share of the work drops from three products
+    of queries and keys to one.
     """
     device = device or get_device()
     if head_dim % 4 or head_dim <= 0:
@@ -417,28 +424,48 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
     ct = tile.column_threads(head_dim)
     key_blocks = -(-tokens // tile.fixed)
     splits = splits or dkdv_splits(key_blocks * kv_heads * batch, device)
+    padded = -(-tokens // 64) * 64  # rows per head of the saved dS
+    ds_bytes = 4 * batch * heads * padded * tokens
+    save_ds = from_start and ds_bytes <= DS_SCRATCH_BYTES
     shape = dict(D4=d4, R=group, KL=tile.lanes, CT=ct, NT=tile.threads(head_dim))
-    dq = kernel(BACKWARD_FILE, "dq", device, BQ=tile.fixed, BK=tile.looped, **shape)
-    dkdv = kernel(BACKWARD_FILE, "dkdv", device, BQ=tile.looped, BK=tile.fixed, SPLITS=splits, **shape)
+    dkdv = kernel(BACKWARD_FILE, "dkdv", device, BQ=tile.looped, BK=tile.fixed, SPLITS=splits, SAVE_DS=save_ds,
+                  **shape)
     common = {1: step, 2: lengths, 3: q, 4: k_cache, 5: v_cache, 6: d_out, 7: lse, 8: rd}
-    launches = [
-        Launch.build(row_dot, grid(-(-rows_total // (row_threads // lanes_per_row))), {6: d_out, 12: out, 13: rd},
-                     params),
-        Launch.build(dq, (-(-tokens * group // tile.fixed), kv_heads, batch), {**common, 9: d_q}, params),
-    ]
+    saved = {16: dummy(device, "ds")}  # dkdv's dS output (its binding is in its layout either way)
+    launches = [Launch.build(row_dot, grid(-(-rows_total // (row_threads // lanes_per_row))),
+                             {6: d_out, 12: out, 13: rd}, params)]
+    if save_ds:  # one scratch per size, as the dkdv partials below
+        ds = device.owned(f"attention_ds_{ds_bytes}", lambda: Buffer((ds_bytes // 4,), "f32", device))
+        saved = {16: ds}
+        dq_gemm = kernel("attention_dq.wgsl", "gemm_tiled", device)
+        dq_launch = Launch.build(dq_gemm, (-(-head_dim // 64), batch * heads * padded // 64, 1),
+                                 (step, lengths, ds, k_cache, d_q),
+                                 (batch * heads * padded, tokens, tokens, padded, heads, kv_heads, max_len, head_dim,
+                                  float(scale)))
+    else:
+        dq = kernel(BACKWARD_FILE, "dq", device, BQ=tile.fixed, BK=tile.looped, **shape)
+        launches.append(Launch.build(dq, (-(-tokens * group // tile.fixed), kv_heads, batch), {**common, 9: d_q},
+                                     params))
     if splits == 1:
-        return launches + [Launch.build(dkdv, (key_blocks, kv_heads, batch), {**common, 10: d_k, 11: d_v}, params)]
-    # each split's partial dK, dV in a slice of device-owned scratch (one per size: the layers of a
-    # step run one after another), then summed into d_k, d_v
-    size = batch * kv_heads * max_len * head_dim
-    parts = device.owned(f"attention_dkdv_partials_{splits}x{size}",
-                         lambda: (Buffer((splits * size,), "f32", device), Buffer((splits * size,), "f32", device)))
-    total = kernel(BACKWARD_FILE, "dkdv_sum", device, D4=d4, SPLITS=splits)
-    return launches + [
-        Launch.build(dkdv, (key_blocks, kv_heads, batch * splits), {**common, 10: parts[0], 11: parts[1]}, params),
-        Launch.build(total, grid(-(-size // (4 * 256))), {1: step, 10: d_k, 11: d_v, 14: parts[0], 15: parts[1]},
-                     params),
-    ]
+        launches.append(Launch.build(dkdv, (key_blocks, kv_heads, batch), {**common, **saved, 10: d_k, 11: d_v},
+                                     params))
+    else:
+        # each split's partial dK, dV in a slice of device-owned scratch (one per size: the layers of a
+        # step run one after another), then summed into d_k, d_v
+        size = batch * kv_heads * max_len * head_dim
+        parts = device.owned(f"attention_dkdv_partials_{splits}x{size}",
+                             lambda: (Buffer((splits * size,), "f32", device), Buffer((splits * size,), "f32", device)))
+        total = kernel(BACKWARD_FILE, "dkdv_sum", device, D4=d4, SPLITS=splits)
+        launches += [
+            Launch.build(dkdv, (key_blocks, kv_heads, batch * splits),
+                         {**common, **saved, 10: parts[0], 11: parts[1]}, params),
+            Launch.build(total, grid(-(-size // (4 * 256))), {1: step, 10: d_k, 11: d_v, 14: parts[0],
+                                                              15: parts[1]}, params),
+        ]
+    return launches + [dq_launch] if save_ds else launches
+
+
+DS_SCRATCH_BYTES = 256 << 20  # attention backward: the largest saved dS (BitNet-2B at seq 512: 21 MB)
 
 
 DKDV_WORKGROUPS = 512  # dkdv: workgroups to aim at on a GPU (see dkdv_splits)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ...runtime import Buffer, Device, Launch, get_device, kernel
+from . import dummy
 from ..weights import Projection
 from .attention import DecodePartials
 from .rope import RopeTarget
@@ -26,13 +27,6 @@ GEMV_MAX_TOKENS = 4  # up to this many tokens, a gemv per token reads the weight
 _ROW_LOADS_MAX = 16  # gemv: vec4 words of a weight row one thread holds (ROW_LOADS_MAX in bitlinear.wgsl)
 GEMV_MAX_FEATURES = 16384  # gemv's longest row: its codes staged in workgroup memory (16 KiB)
 GEMV_THREADS = 65536  # gemv: threads a launch aims at (measured on the H200 over LANES 4..32)
-
-
-def dummy(device: Device, slot: str = "read") -> Buffer:
-    """A small buffer bound where a kernel's optional input or output is unused. WebGPU forbids
-    binding one buffer twice in a launch when either binding is writable, so each writable
-    slot has its own."""
-    return device.owned(f"engine_dummy_{slot}", lambda: Buffer((4,), device=device))
 
 
 def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_stride: int,

@@ -10,7 +10,8 @@ import torch
 
 from ...runtime import Buffer, Device, Launch, get_device, kernel
 from ..weights import Projection
-from .bitlinear import GEMV_MAX_TOKENS, MODES, dummy, input_grad_launches
+from . import dummy
+from .bitlinear import GEMV_MAX_TOKENS, MODES, input_grad_launches
 
 
 def matmul_launch(x: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_stride: int, out_offset: int = 0,

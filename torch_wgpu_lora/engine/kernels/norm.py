@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...runtime import Buffer, Device, Launch, get_device, kernel
-from .bitlinear import dummy
+from . import dummy
 
 
 # rmsnorm_rows: the most features, and LoRA rank × feature steps, one invocation takes (norm.wgsl says why)

@@ -1,0 +1,100 @@
+// dQ of the attention backward as a GEMM over the dS that attention_backward.wgsl's dkdv saved
+// (SAVE_DS), for passes whose queries start at position 0 (training):
+//   dQ[b, i, h, :] = scale · Σ_{j ≤ lim} dS[b, h, i, j] · K[b, g, j, :]    g = h / R,
+//   lim = min(i, len_b - 1)  (len_b = LENS[b] clamped to 1..S, as attention_backward.wgsl has it)
+// The flash kernel dq recomputes S and dP for this; here they are not recomputed at all.
+// Layouts: A = dS [B·H·TP, T] (row n = (b·H + h)·TP + i; TP = T rounded up to 64, so a workgroup's
+// 64 rows are one head's); K [B, KVH, S, D4] vec4; DQ [B·T, H, D] as the forward's q.
+// Entries of dS that dkdv does not write (keys past a row's limit) are never read: they are
+// masked to zero as loaded, and a workgroup's keys end after its last row's limit (rows_end).
+// A pass that does not start at position 0 gets NaN everywhere: its keys before the pass have
+// no dS here.
+//
+// Tiling (_gemm_t_tile.wgsl): 64 rows × 64 head-dim features a workgroup of 128 threads, keys in
+// steps of 32 through workgroup memory.
+
+struct Params {
+  tokens: u32,    // B·H·TP: rows n
+  rows: u32,      // T: keys j (the pass's own)
+  a_stride: u32,  // T: floats per dS row
+  padded: u32,    // TP
+  heads: u32,     // H
+  kv_heads: u32,  // KVH
+  max_len: u32,   // S: cache rows per (b, g)
+  head_dim: u32,  // D (a multiple of 4)
+  scale: f32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> POSITION: array<u32>;  // the step buffer: STEP_POS = 0
+@group(0) @binding(2) var<storage, read> LENS: array<u32>;
+@group(0) @binding(3) var<storage, read> A: array<f32>;  // dS
+@group(0) @binding(4) var<storage, read> K: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read_write> DQ: array<f32>;
+
+struct Staged {
+  a: mat4x4<f32>,  // dS: rows n0 + 4(t / 32) + 16c .. + 3, key j0 + t % 32 (column c)
+  w: mat4x4<f32>,  // K: quad t % 16 of keys j0 + t / 16 + 8c (column c)
+}
+
+// The last key of sequence b, one past: what no row of it sees.
+fn keys_of(b: u32) -> u32 { return clamp(LENS[b], 1u, p.max_len); }
+
+// dS of rows n .. n + 3, tokens i .. i + 3 of one head, at key j; zero where the row does not see
+// the key (past min(i, seq_keys - 1)) or is padding.
+fn ds_quad(n: u32, i: u32, seq_keys: u32, j: u32) -> vec4<f32> {
+  var v = vec4<f32>(0.0);
+  for (var r = 0u; r < 4u; r++) {
+    let seen = i + r < p.rows && j <= min(i + r, seq_keys - 1u);
+    v[r] = select(0.0, A[min(n + r, p.tokens - 1u) * p.a_stride + min(j, p.rows - 1u)], seen);
+  }
+  return v;
+}
+
+fn fetch(t: u32, n0: u32, k0: u32, j0: u32) -> Staged {
+  var s: Staged;
+  let bh = n0 / p.padded;  // the workgroup's (sequence, head)
+  let b = bh / p.heads;
+  let seq_keys = keys_of(b);
+  let j = j0 + t % STEP;
+  let n = n0 + 4u * (t / STEP);
+  let i = n - bh * p.padded;
+  s.a = mat4x4<f32>(ds_quad(n, i, seq_keys, j), ds_quad(n + 16u, i + 16u, seq_keys, j),
+                    ds_quad(n + 32u, i + 32u, seq_keys, j), ds_quad(n + 48u, i + 48u, seq_keys, j));
+  let g = (bh % p.heads) / (p.heads / p.kv_heads);
+  let d4 = p.head_dim / 4u;
+  let cache = (b * p.kv_heads + g) * p.max_len;
+  let quad = k0 / 4u + t % 16u;
+  let keys = min(p.rows, seq_keys);  // cache rows at or past the length are never read
+  for (var c = 0u; c < 4u; c++) {
+    let key = j0 + t / 16u + 8u * c;
+    s.w[c] = select(vec4<f32>(0.0), K[(cache + min(key, keys - 1u)) * d4 + min(quad, d4 - 1u)],
+                    key < keys && quad < d4);
+  }
+  return s;
+}
+
+fn stage(t: u32, s: Staged) {
+  put_a(t, s.a);
+  for (var c = 0u; c < 4u; c++) { tile[W_TILE + at(t / 16u + 8u * c, t % 16u)] = s.w[c]; }
+}
+
+// Keys past the limit of the last row of n0 .. n0 + 63 (one head's tokens, in order) add nothing.
+fn rows_end(n0: u32) -> u32 {
+  let bh = n0 / p.padded;
+  let last = min(n0 - bh * p.padded + 63u, p.rows - 1u);
+  return min(last, keys_of(bh / p.heads) - 1u) + 1u;
+}
+
+fn store(n: u32, k: u32, v: vec4<f32>) {
+  let i = n % p.padded;
+  if (n >= p.tokens || i >= p.rows) { return; }
+  let bh = n / p.padded;
+  let base = ((bh / p.heads * p.rows + i) * p.heads + bh % p.heads) * p.head_dim;
+  let nan = bitcast<f32>(0x7fc00000u);
+  for (var c = 0u; c < 4u; c++) {
+    if (k + c < p.head_dim) { DQ[base + k + c] = select(nan, v[c] * p.scale, POSITION[0] == 0u); }
+  }
+}
+
+// @include _gemm_t_tile.wgsl
