@@ -17,8 +17,9 @@
 //   fn fetch(t: u32, n0: u32, k0: u32, j0: u32) -> Staged: loads it for rows j0.. (fetch_a for
 //     A; weights past p.rows zero);
 //   fn stage(t: u32, s: Staged): writes it into tile (put_a for A; weights at W_TILE + at(j, quad));
-//   fn rows_end(n0: u32) -> u32: the rows j that tokens n0 .. n0 + 63 sum over end here (p.rows,
-//     or less where later rows contribute nothing to them: a causal mask).
+//   fn row_span(n0: u32, k0: u32) -> vec2<u32>: the rows j [begin, end) the tile at tokens n0..
+//     and features k0.. sums over ((0, p.rows), or less where the others add nothing to it: a
+//     causal mask).
 
 const STEP: u32 = 32u;     // rows j a step
 const W_TILE: u32 = 512u;  // first vec4 of the weights in tile
@@ -105,8 +106,9 @@ fn gemm_tiled(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg
   let k0 = wg.x * 64u;
   range = wg.z;
   let span = (p.rows + groups.z * STEP - 1u) / (groups.z * STEP) * STEP;
-  let first = wg.z * span;
-  let end = min(first + span, rows_end(n0));
+  let rows = row_span(n0, k0);
+  let first = max(wg.z * span, rows.x);
+  let end = min(wg.z * span + span, rows.y);
   var staged: Staged;
   if (first < end) { staged = fetch(t, n0, k0, first); }
   for (var j0 = first; j0 < end; j0 += STEP) {

@@ -24,8 +24,6 @@
 //            keys has up to T·R / BQ tiles: one workgroup walking them all leaves most of a
 //            GPU idle at training lengths). Key positions >= len_b get zeros.
 //   dkdv_sum the SPLITS partial slices (DK_PART, DV_PART) summed into DK, DV.
-// With SAVE_DS, dkdv also writes every dS it computes, and attention_dq.wgsl's GEMM takes dQ
-// from them in place of dq (passes from position 0).
 //
 // Both tile kernels share the tile step. Workgroup memory holds BQ rows of q and dO and BK rows
 // of k and v (rows padded to D4+1 vec4s against bank conflicts). Per tile:
@@ -63,12 +61,10 @@ struct Params {
 @group(0) @binding(13) var<storage, read_write> DR_OUT: array<f32>;
 @group(0) @binding(14) var<storage, read> DK_PART: array<vec4<f32>>;
 @group(0) @binding(15) var<storage, read> DV_PART: array<vec4<f32>>;
-@group(0) @binding(16) var<storage, read_write> DS_OUT: array<f32>;  // dkdv with SAVE_DS: attention_dq.wgsl's DS
 
 override D4: u32 = 32u;  // head_dim / 4
 override R: u32 = 1u;    // query heads per KV head
 override SPLITS: u32 = 1u;  // dkdv, dkdv_sum: ranges of query tiles a key block's work is cut into
-override SAVE_DS: bool = false;  // dkdv: also write dS for attention_dq.wgsl (passes from position 0)
 
 const LOG2E: f32 = 1.4426950408889634;
 
@@ -328,7 +324,6 @@ fn dkdv(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
       let pd = tile_pds(e, k0);
       Pm[e] = pd.p;
       dSm[e] = pd.ds;
-      if (SAVE_DS) { save_ds(b, g, row0 + e / KB, k0 + e % KB, pd.ds); }
     }
     workgroupBarrier();
     for (var r = 0u; r < BQ; r++) {
@@ -353,18 +348,6 @@ fn dkdv(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
   dkdv_store(base, k0 + kq + KB, end, ct, k1a * sc, k1b * sc, v1, w1);
   dkdv_store(base, k0 + kq + 2u * KB, end, ct, k2a * sc, k2b * sc, v2, w2);
   dkdv_store(base, k0 + kq + 3u * KB, end, ct, k3a * sc, k3b * sc, v3, w3);
-}
-
-// dS of row m of (b, g) at keys j, j + KB, j + 2KB, j + 3KB into DS_OUT [B·H·TP, T] (TP: T
-// rounded up to 64), column j - pos: attention_dq.wgsl's layout.
-fn save_ds(b: u32, g: u32, m: u32, j: u32, ds: vec4<f32>) {
-  if (m >= p.tokens * R) { return; }
-  let padded = (p.tokens + 63u) / 64u * 64u;
-  let row = ((b * p.kv_heads + g) * R + m % R) * padded + m / R;
-  let col = j - STEP[0];
-  for (var n = 0u; n < 4u; n++) {
-    if (col + n * KB < p.tokens) { DS_OUT[row * p.tokens + col + n * KB] = ds[n]; }
-  }
 }
 
 fn cache_rows() -> u32 {  // rows of D4 vec4s in one [B, KVH, S, D4] cache-shaped buffer

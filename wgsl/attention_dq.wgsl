@@ -6,12 +6,13 @@
 // Layouts: A = dS [B·H·TP, T] (row n = (b·H + h)·TP + i; TP = T rounded up to 64, so a workgroup's
 // 64 rows are one head's); K [B, KVH, S, D4] vec4; DQ [B·T, H, D] as the forward's q.
 // Entries of dS that dkdv does not write (keys past a row's limit) are never read: they are
-// masked to zero as loaded, and a workgroup's keys end after its last row's limit (rows_end).
+// masked to zero as loaded, and a workgroup's keys end after its last row's limit (row_span).
 // A pass that does not start at position 0 gets NaN everywhere: its keys before the pass have
 // no dS here.
 //
 // Tiling (_gemm_t_tile.wgsl): 64 rows × 64 head-dim features a workgroup of 128 threads, keys in
-// steps of 32 through workgroup memory.
+// steps of 32 through workgroup memory; with SPLITS > 1 the sum over keys is cut into ranges
+// whose raw sums split_sum adds up.
 
 struct Params {
   tokens: u32,    // B·H·TP: rows n
@@ -31,6 +32,9 @@ struct Params {
 @group(0) @binding(3) var<storage, read> A: array<f32>;  // dS
 @group(0) @binding(4) var<storage, read> K: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read_write> DQ: array<f32>;
+@group(0) @binding(6) var<storage, read_write> PART: array<f32>;  // SPLITS > 1: the ranges' raw sums
+
+override SPLITS: u32 = 1u;  // ranges of the sum over keys (gemm_tiled's grid z), added up by split_sum
 
 struct Staged {
   a: mat4x4<f32>,  // dS: rows n0 + 4(t / 32) + 16c .. + 3, key j0 + t % 32 (column c)
@@ -80,21 +84,39 @@ fn stage(t: u32, s: Staged) {
 }
 
 // Keys past the limit of the last row of n0 .. n0 + 63 (one head's tokens, in order) add nothing.
-fn rows_end(n0: u32) -> u32 {
+fn row_span(n0: u32, k0: u32) -> vec2<u32> {
   let bh = n0 / p.padded;
   let last = min(n0 - bh * p.padded + 63u, p.rows - 1u);
-  return min(last, keys_of(bh / p.heads) - 1u) + 1u;
+  return vec2<u32>(0u, min(last, keys_of(bh / p.heads) - 1u) + 1u);
+}
+
+// Feature kc of row n, the whole sum: into DQ (rows of the pass only).
+fn put(n: u32, kc: u32, x: f32) {
+  let bh = n / p.padded;
+  let i = n - bh * p.padded;
+  if (i >= p.rows) { return; }
+  let nan = bitcast<f32>(0x7fc00000u);
+  DQ[((bh / p.heads * p.rows + i) * p.heads + bh % p.heads) * p.head_dim + kc] =
+    select(nan, x * p.scale, POSITION[0] == 0u);
 }
 
 fn store(n: u32, k: u32, v: vec4<f32>) {
-  let i = n % p.padded;
-  if (n >= p.tokens || i >= p.rows) { return; }
-  let bh = n / p.padded;
-  let base = ((bh / p.heads * p.rows + i) * p.heads + bh % p.heads) * p.head_dim;
-  let nan = bitcast<f32>(0x7fc00000u);
+  if (n >= p.tokens) { return; }
   for (var c = 0u; c < 4u; c++) {
-    if (k + c < p.head_dim) { DQ[base + k + c] = select(nan, v[c] * p.scale, POSITION[0] == 0u); }
+    if (k + c < p.head_dim) {
+      if (SPLITS > 1u) { PART[(range * p.tokens + n) * p.head_dim + k + c] = v[c]; } else { put(n, k + c, v[c]); }
+    }
   }
+}
+
+// The SPLITS ranges' sums of every (row, feature) added up in order (a 2-D grid of 256-wide groups).
+@compute @workgroup_size(256)
+fn split_sum(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+  let e = gid.y * nwg.x * 256u + gid.x;
+  if (e >= p.tokens * p.head_dim) { return; }
+  var x = 0.0;
+  for (var s = 0u; s < SPLITS; s++) { x += PART[s * p.tokens * p.head_dim + e]; }
+  put(e / p.head_dim, e % p.head_dim, x);
 }
 
 // @include _gemm_t_tile.wgsl

@@ -151,6 +151,6 @@ fn store(n: u32, j: u32, acc: vec4<f32>) {
   }
 }
 
-fn rows_end(n0: u32) -> u32 { return p.rows; }
+fn row_span(n0: u32, k0: u32) -> vec2<u32> { return vec2<u32>(0u, p.rows); }
 
 // @include _gemm_t_tile.wgsl

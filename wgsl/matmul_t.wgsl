@@ -88,7 +88,7 @@ fn stage(t: u32, s: Staged) {
   }
 }
 
-fn rows_end(n0: u32) -> u32 { return p.rows; }
+fn row_span(n0: u32, k0: u32) -> vec2<u32> { return vec2<u32>(0u, p.rows); }
 
 // @include _gemm_t_tile.wgsl
 // @include _input_grad_store.wgsl

@@ -177,10 +177,13 @@ def test_kernel_work_counts_the_projections_and_head_as_torch_counts_them():
     # attention: torch multiplies every (query, key) pair, the kernels the causal ones
     attention = sum(n for op, n in counts["Global"].items() if "bmm" in str(op))
     assert work["attention.wgsl:prefill"][0] * 2 * seq == attention * (seq + 1)
-    assert work["attention_dq.wgsl:gemm_tiled"][0] * 2 == work["attention.wgsl:prefill"][0]  # dS·K only
-    long = engine.kernel_work(engine.bitnet_2b_config(1), 4096, training=True)  # its dS past the scratch
-    assert "attention_dq.wgsl:gemm_tiled" not in long
-    assert long["attention_backward.wgsl:dq"][0] * 2 == 3 * long["attention.wgsl:prefill"][0]  # S, dP, dQ
+    # the backward: S, dP, dV, dK and dQ once each; past the scratch for P, dq and dkdv recompute S, dP
+    assert work["attention_scores.wgsl:gemm_tiled"][0] == work["attention_kv_grad.wgsl:gemm_tiled"][0] == \
+        2 * work["attention_dq.wgsl:gemm_tiled"][0] == work["attention.wgsl:prefill"][0]
+    long = engine.kernel_work(engine.bitnet_2b_config(1), 4096, training=True)
+    assert "attention_dq.wgsl:gemm_tiled" not in long and "attention_scores.wgsl:gemm_tiled" not in long
+    assert long["attention_backward.wgsl:dq"][0] * 2 == 3 * long["attention.wgsl:prefill"][0]
+    assert long["attention_backward.wgsl:dkdv"][0] == 2 * long["attention.wgsl:prefill"][0]
 
 
 def test_launch_benchmark_times_every_kernel_shape(tmp_path):
@@ -199,7 +202,7 @@ def test_launch_benchmark_times_every_kernel_shape(tmp_path):
     assert sum("_tile" in key and key.startswith("attention_backward_") for key in result) == len(
         backward_tiles(head_dim))
     assert sum(key.startswith("attention_prefill_") and key.endswith("_chosen") for key in result) == 1
-    assert "attention_backward_64_dq_from_saved_ds" in result
+    assert "attention_backward_64_scores_kept" in result
     assert all(v > 0 for v in result.values())
 
 

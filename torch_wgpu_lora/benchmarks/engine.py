@@ -116,10 +116,10 @@ def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float,
     packed BitNet ``config``: the int8 operations of the ternary GEMMs (ceiling "dp4a") and the
     float32 flops of the rest ("fma"), a multiply-add counted as two; the forward (prefill,
     last position's logits only) or a training step (logits of every position, the backward).
-    Attention counts the causal pairs only; its backward's dkdv recomputes S and dP (S, dP, dV,
-    dK), and dQ is one product over the dS dkdv saves (``attention_dq.wgsl``) or, where that
-    does not fit its scratch, three in ``dq`` (S, dP, dQ); layer 0's q/k/v input gradient is
-    not computed."""
+    Attention counts the causal pairs only. Its backward, where P of a pass fits its scratch,
+    computes S, dP (``attention_scores``), dV, dK (``attention_kv_grad``) and dQ
+    (``attention_dq``) once each; else ``dq`` recomputes S and dP for dQ and ``dkdv`` both for dV
+    and dK. Layer 0's q/k/v input gradient is not computed."""
     h, f, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     d = h // config.num_attention_heads
     kv = config.num_key_value_heads * d
@@ -131,11 +131,15 @@ def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float,
         return work
     work.update({"bitlinear_t.wgsl:gemm_tiled": (ternary - 2 * seq * projections[0], "fma"),
                  "matmul.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma"),
-                 "matmul_t.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma"),
-                 "attention_backward.wgsl:dkdv": (4 * 2 * pair_macs * layers, "fma")})
-    saved_ds = 4 * config.num_attention_heads * -(-seq // 64) * 64 * seq <= DS_SCRATCH_BYTES
-    work.update({"attention_dq.wgsl:gemm_tiled": (2 * pair_macs * layers, "fma")} if saved_ds else
-                {"attention_backward.wgsl:dq": (3 * 2 * pair_macs * layers, "fma")})
+                 "matmul_t.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma")})
+    product = 2 * pair_macs * layers  # one product over the causal pairs, every layer
+    if 4 * config.num_attention_heads * -(-seq // 64) * 64 * seq <= DS_SCRATCH_BYTES:  # P kept whole
+        work.update({"attention_scores.wgsl:gemm_tiled": (2 * product, "fma"),
+                     "attention_kv_grad.wgsl:gemm_tiled": (2 * product, "fma"),
+                     "attention_dq.wgsl:gemm_tiled": (product, "fma")})
+    else:
+        work.update({"attention_backward.wgsl:dq": (3 * product, "fma"),
+                     "attention_backward.wgsl:dkdv": (4 * product, "fma")})
     return work
 
 

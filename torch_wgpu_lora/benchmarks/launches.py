@@ -12,9 +12,9 @@ engine's kernel choices.
 * ``attention_*``: decode attention over a full cache of each length, per key-split count
   (``decode_splits`` picks one);
 * ``attention_backward_*``: a training step's attention backward of one layer, per count of
-  ranges dkdv cuts a key block's query tiles into (``dkdv_splits`` picks one), and per tile
-  that fits the adapter (``backward_tile`` picks the first), and with dQ a GEMM over the dS that
-  dkdv saves (``from_start``: what a training step runs);
+  ranges dkdv cuts a key block's query tiles into (``sum_splits`` picks one), and per tile
+  that fits the adapter (``backward_tile`` picks the first), and as GEMMs over P and dS kept
+  whole (``from_start``: what a training step runs);
 * ``attention_prefill_*``: the same length's attention forward (a prefill or training step) per
   tile that fits (``prefill_tile`` picks the first).
 
@@ -32,7 +32,7 @@ import numpy as np
 
 from ..engine.kernels import STEP_POS
 from ..engine.kernels.attention import (attention_backward_launches, attention_launches, backward_tile,
-                                       backward_tiles, decode_splits, dkdv_splits, prefill_tile, prefill_tiles)
+                                       backward_tiles, decode_splits, sum_splits, prefill_tile, prefill_tiles)
 from ..engine.kernels.bitlinear import bitlinear_launch, gemv_normalises
 from ..engine.kernels.norm import rmsnorm_launch
 from ..engine.kernels.rope import RopeTarget, rope_launch
@@ -153,14 +153,14 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
                                            **choice)
 
     tile = backward_tile(head_dim, device)
-    chosen = dkdv_splits(-(-seq // tile.fixed) * kv_heads, device)
+    chosen = sum_splits(-(-seq // tile.fixed) * kv_heads, device)
     for splits in sorted({1, 2, 4, 8, chosen}):
         out[f"attention_backward_{seq}_splits{splits}" + ("_chosen" if splits == chosen else "")] = timed(
             backward(splits=splits))
     for t in backward_tiles(head_dim, device):
         name = f"attention_backward_{seq}_tile{t.fixed}x{t.looped}x{t.lanes}"
         out[name + ("_chosen" if t == tile else "")] = timed(backward(tile=t))
-    out[f"attention_backward_{seq}_dq_from_saved_ds"] = timed(backward(from_start=True))  # what training runs
+    out[f"attention_backward_{seq}_scores_kept"] = timed(backward(from_start=True))  # what training runs
     tile = prefill_tile(head_dim, device)
     for t in prefill_tiles(head_dim, device):
         launches = attention_launches(rows, keys, values, Buffer((seq, heads * head_dim)), step, valid, batch=1,

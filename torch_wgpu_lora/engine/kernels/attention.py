@@ -379,19 +379,21 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
     query of the pass (zero where no query attends, e.g. positions >= lengths[b]). Gradients of
     cache keys before ``pos`` are not computed.
 
-    Three launches (four with splits): ``row_dot`` (D = rowsum(dO * O), into a scratch buffer allocated here and
-    kept alive by the launches), ``dq`` (a workgroup per block of ``tile.fixed`` (query, head)
+    Three launches (four with splits): ``row_dot`` (D = rowsum(dO * O), into a scratch buffer
+    allocated here and kept alive by the launches), ``dq`` (a workgroup per block of ``tile.fixed`` (query, head)
     rows of a KV head, looping over key tiles) and ``dkdv`` (a workgroup per block of
     ``tile.fixed`` keys of a KV head, looping over every query tile of the group's heads that
-    sees it: no atomics), cut into ``splits`` ranges of query tiles (``dkdv_splits`` by default),
+    sees it: no atomics), cut into ``splits`` ranges of query tiles (``sum_splits`` by default),
     whose partial sums a fourth launch, ``dkdv_sum``, adds up. ``tile`` and ``splits`` override
-    the chosen ones (tests, benchmarks).
+    the chosen ones (tests, benchmarks); ``splits`` is also the GEMMs' below.
 
     ``from_start``: the caller promises that the pass's queries start at position 0 (training;
-    a pass that does not gets NaN in ``d_q``). Then, where the scores of a pass fit
-    ``DS_SCRATCH_BYTES``, ``dkdv`` also saves dS and ``attention_dq.wgsl`` takes dQ from it as a
-    GEMM (``dq`` recomputes S and dP instead): dQ's share of the work drops from three products
-    of queries and keys to one.
+    a pass that does not gets NaN in every output). Then, where P of a pass fits
+    ``DS_SCRATCH_BYTES``, P and dS are kept whole and dV, dK and dQ are GEMMs over them on the
+    shared 8 × 8 tile (``_backward_from_saved_scores``: five launches after ``row_dot``, more with
+    split sums), in place of ``dq`` and ``dkdv``, which recompute S and dP in tiles at about a
+    tenth of the H200's float32 rate (BitNet-2B at seq 512, one layer on the H200: 360 µs against
+    650).
     """
     device = device or get_device()
     if head_dim % 4 or head_dim <= 0:
@@ -421,67 +423,109 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
     def grid(workgroups: int) -> tuple[int, int, int]:  # a 1-D count as a 2-D grid within the limit
         return min(workgroups, limit), -(-workgroups // limit), 1
 
-    ct = tile.column_threads(head_dim)
-    key_blocks = -(-tokens // tile.fixed)
-    splits = splits or dkdv_splits(key_blocks * kv_heads * batch, device)
-    padded = -(-tokens // 64) * 64  # rows per head of the saved dS
-    ds_bytes = 4 * batch * heads * padded * tokens
-    save_ds = from_start and ds_bytes <= DS_SCRATCH_BYTES
-    shape = dict(D4=d4, R=group, KL=tile.lanes, CT=ct, NT=tile.threads(head_dim))
-    dkdv = kernel(BACKWARD_FILE, "dkdv", device, BQ=tile.looped, BK=tile.fixed, SPLITS=splits, SAVE_DS=save_ds,
-                  **shape)
-    common = {1: step, 2: lengths, 3: q, 4: k_cache, 5: v_cache, 6: d_out, 7: lse, 8: rd}
-    saved = {16: dummy(device, "ds")}  # dkdv's dS output (its binding is in its layout either way)
     launches = [Launch.build(row_dot, grid(-(-rows_total // (row_threads // lanes_per_row))),
                              {6: d_out, 12: out, 13: rd}, params)]
-    if save_ds:  # one scratch per size, as the dkdv partials below
-        ds = device.owned(f"attention_ds_{ds_bytes}", lambda: Buffer((ds_bytes // 4,), "f32", device))
-        saved = {16: ds}
-        dq_gemm = kernel("attention_dq.wgsl", "gemm_tiled", device)
-        dq_launch = Launch.build(dq_gemm, (-(-head_dim // 64), batch * heads * padded // 64, 1),
-                                 (step, lengths, ds, k_cache, d_q),
-                                 (batch * heads * padded, tokens, tokens, padded, heads, kv_heads, max_len, head_dim,
-                                  float(scale)))
-    else:
-        dq = kernel(BACKWARD_FILE, "dq", device, BQ=tile.fixed, BK=tile.looped, **shape)
-        launches.append(Launch.build(dq, (-(-tokens * group // tile.fixed), kv_heads, batch), {**common, 9: d_q},
-                                     params))
+    padded = -(-tokens // 64) * 64  # rows per head of the saved scores
+    scores_bytes = 4 * batch * heads * padded * tokens
+    if from_start and scores_bytes <= DS_SCRATCH_BYTES:
+        return launches + _backward_from_saved_scores(q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v, step, lengths,
+                                                      rd, batch, tokens, heads, kv_heads, head_dim, max_len, scale,
+                                                      device, splits)
+    ct = tile.column_threads(head_dim)
+    key_blocks = -(-tokens // tile.fixed)
+    splits = splits or sum_splits(key_blocks * kv_heads * batch, device)
+    shape = dict(D4=d4, R=group, KL=tile.lanes, CT=ct, NT=tile.threads(head_dim))
+    dq = kernel(BACKWARD_FILE, "dq", device, BQ=tile.fixed, BK=tile.looped, **shape)
+    dkdv = kernel(BACKWARD_FILE, "dkdv", device, BQ=tile.looped, BK=tile.fixed, SPLITS=splits, **shape)
+    common = {1: step, 2: lengths, 3: q, 4: k_cache, 5: v_cache, 6: d_out, 7: lse, 8: rd}
+    launches.append(Launch.build(dq, (-(-tokens * group // tile.fixed), kv_heads, batch), {**common, 9: d_q}, params))
     if splits == 1:
-        launches.append(Launch.build(dkdv, (key_blocks, kv_heads, batch), {**common, **saved, 10: d_k, 11: d_v},
-                                     params))
-    else:
-        # each split's partial dK, dV in a slice of device-owned scratch (one per size: the layers of a
-        # step run one after another), then summed into d_k, d_v
-        size = batch * kv_heads * max_len * head_dim
-        parts = device.owned(f"attention_dkdv_partials_{splits}x{size}",
-                             lambda: (Buffer((splits * size,), "f32", device), Buffer((splits * size,), "f32", device)))
-        total = kernel(BACKWARD_FILE, "dkdv_sum", device, D4=d4, SPLITS=splits)
-        launches += [
-            Launch.build(dkdv, (key_blocks, kv_heads, batch * splits),
-                         {**common, **saved, 10: parts[0], 11: parts[1]}, params),
-            Launch.build(total, grid(-(-size // (4 * 256))), {1: step, 10: d_k, 11: d_v, 14: parts[0],
-                                                              15: parts[1]}, params),
-        ]
-    return launches + [dq_launch] if save_ds else launches
+        return launches + [Launch.build(dkdv, (key_blocks, kv_heads, batch), {**common, 10: d_k, 11: d_v}, params)]
+    # each split's partial dK, dV in a slice of device-owned scratch (one per size: the layers of a
+    # step run one after another), then summed into d_k, d_v
+    size = batch * kv_heads * max_len * head_dim
+    parts = device.owned(f"attention_dkdv_partials_{splits}x{size}",
+                         lambda: (Buffer((splits * size,), "f32", device), Buffer((splits * size,), "f32", device)))
+    total = kernel(BACKWARD_FILE, "dkdv_sum", device, D4=d4, SPLITS=splits)
+    return launches + [
+        Launch.build(dkdv, (key_blocks, kv_heads, batch * splits), {**common, 10: parts[0], 11: parts[1]}, params),
+        Launch.build(total, grid(-(-size // (4 * 256))), {1: step, 10: d_k, 11: d_v, 14: parts[0], 15: parts[1]},
+                     params),
+    ]
 
 
-DS_SCRATCH_BYTES = 256 << 20  # attention backward: the largest saved dS (BitNet-2B at seq 512: 21 MB)
+def _backward_from_saved_scores(q: Buffer, k_cache: Buffer, v_cache: Buffer, lse: Buffer, d_out: Buffer,
+                                d_q: Buffer, d_k: Buffer, d_v: Buffer, step: Buffer, lengths: Buffer, rd: Buffer,
+                                batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int,
+                                scale: float, device: Device, splits: int | None) -> list[Launch]:
+    """After row_dot: P and dS of every causal pair kept whole (two launches of
+    ``attention_scores.wgsl``), then dV = Pᵀ dO, dK = scale · dSᵀ q (``attention_kv_grad.wgsl``)
+    and dQ = scale · dS k (``attention_dq.wgsl``), each a GEMM on the shared 8 × 8 tile whose sum
+    is cut into ``splits`` ranges (``sum_splits`` by default) added up by a ``split_sum`` launch."""
+    padded = -(-tokens // 64) * 64
+    size = batch * heads * padded * tokens
+    sc, ds = device.owned(f"attention_scores_{size}", lambda: (Buffer((size,), "f32", device),
+                                                               Buffer((size,), "f32", device)))
+    features = -(-head_dim // 64)
+    score = dict(tokens=batch * heads * padded, rows=head_dim, a_stride=head_dim, padded=padded, seq=tokens,
+                 heads=heads, kv_heads=kv_heads, max_len=max_len, scale=float(scale))
+    score_grid = (padded // 64, batch * heads * padded // 64, 1)
+    launches = [Launch.build(kernel("attention_scores.wgsl", "gemm_tiled", device, MODE=0), score_grid,
+                             (lengths, q, k_cache, sc, ds, lse, rd), score),
+                Launch.build(kernel("attention_scores.wgsl", "gemm_tiled", device, MODE=1), score_grid,
+                             (lengths, d_out, v_cache, sc, ds, lse, rd), score)]
+
+    def gemm(file: str, rows: int, buffers: tuple[Buffer, ...], params: dict) -> list[Launch]:
+        """``file``'s GEMM over ``rows`` output rows, its sums split where that fills a GPU;
+        ``buffers``: (step, lengths, the saved P or dS, the other operand, the output)."""
+        grid = (features, rows // 64)
+        count = splits or sum_splits(grid[0] * grid[1], device)
+        part = dummy(device, "part")
+        if count > 1:
+            size = count * rows * head_dim
+            part = device.owned(f"attention_gemm_partials_{size}", lambda: Buffer((size,), "f32", device))
+        tiled = kernel(file, "gemm_tiled", device, SPLITS=count)
+        out = [Launch.build(tiled, (*grid, count), (*buffers, part), params)]
+        if count > 1:
+            groups = -(-rows * head_dim // 256)
+            limit = device.max_workgroups
+            out.append(Launch.build(kernel(file, "split_sum", device, SPLITS=count),
+                                    (min(groups, limit), -(-groups // limit), 1),
+                                    {1: buffers[0], 5: buffers[4], 6: part}, params))  # step, the output
+        return out
+
+    kv = dict(tokens=batch * kv_heads * padded, rows=tokens * (heads // kv_heads), a_stride=tokens, padded=padded,
+              seq=tokens, heads=heads, kv_heads=kv_heads, max_len=max_len, head_dim=head_dim)
+    rows = batch * heads * padded
+    return launches + [
+        *gemm("attention_kv_grad.wgsl", batch * kv_heads * padded, (step, lengths, sc, d_out, d_v),
+              {**kv, "scale": 1.0}),
+        *gemm("attention_kv_grad.wgsl", batch * kv_heads * padded, (step, lengths, ds, q, d_k),
+              {**kv, "scale": float(scale)}),
+        *gemm("attention_dq.wgsl", rows, (step, lengths, ds, k_cache, d_q),
+              dict(tokens=rows, rows=tokens, a_stride=tokens, padded=padded, heads=heads, kv_heads=kv_heads,
+                   max_len=max_len, head_dim=head_dim, scale=float(scale))),
+    ]
 
 
-DKDV_WORKGROUPS = 512  # dkdv: workgroups to aim at on a GPU (see dkdv_splits)
+DS_SCRATCH_BYTES = 256 << 20  # attention backward: the largest P or dS kept whole (BitNet-2B at seq 512: 21 MB)
 
 
-def dkdv_splits(workgroups: int, device: Device) -> int:
-    """Into how many ranges of query tiles ``dkdv`` cuts each key block's work: on a GPU, the
-    fewest (a power of two, at most 8) that give about DKDV_WORKGROUPS workgroups; 1 on a CPU
-    adapter, whose few cores the unsplit grid already fills.
+SPLIT_WORKGROUPS = 512  # workgroups a split sum aims at on a GPU (see sum_splits)
 
-    >>> # dkdv_splits(32 * 5, device)  # BitNet-2B at seq 512 (32 key blocks × 5 KV heads): 4
+
+def sum_splits(workgroups: int, device: Device) -> int:
+    """Into how many ranges a launch of ``workgroups`` cuts its long sums (``dkdv``'s query
+    tiles, the backward GEMMs' reductions), each range's partial sums added up by another
+    launch: on a GPU, the fewest (a power of two, at most 8) that give about SPLIT_WORKGROUPS
+    workgroups; 1 on a CPU adapter, whose few cores the unsplit grid already fills.
+
+    >>> # sum_splits(32 * 5, device)  # dkdv of BitNet-2B at seq 512 (32 key blocks × 5 KV heads): 4
     """
     if device.is_cpu:
         return 1
     splits = 1
-    while splits < 8 and workgroups * splits < DKDV_WORKGROUPS:
+    while splits < 8 and workgroups * splits < SPLIT_WORKGROUPS:
         splits *= 2
     return splits
 

@@ -1,0 +1,109 @@
+// dV or dK of a training pass (queries from position 0) as a GEMM over attention_scores.wgsl's P
+// or dS:
+//   OUT[b, g, j, :] = scale · Σ_{m = i·R + r} A[(b·H + g·R + r)·TP + i][j] · X[b, i, g·R + r, :]
+// over the queries that see key j (j ≤ lim = min(i, len_b − 1)): dV with A = P, X = dO, scale 1;
+// dK with A = dS, X = q, scale the softmax scale. Keys at or past len_b get zeros. A pass that
+// does not start at position 0 gets NaN everywhere (see attention_dq.wgsl).
+// GEMM rows n = (b·KVH + g)·TP + j (each (b, g)'s keys padded to TP, a multiple of 64); the sum
+// runs over m from j·R of the tile's first key (earlier queries see none of its keys).
+// Layouts: A [B·H·TP, T]; X [B·T, H, D4] vec4; OUT [B, KVH, S, D], written at keys j < T.
+//
+// Tiling (_gemm_t_tile.wgsl): 64 keys × 64 head-dim features a workgroup of 128 threads, the
+// queries m in steps of 32 through workgroup memory; with SPLITS > 1 the sum over m is cut into
+// ranges (few keys, long sums: more workgroups) whose raw sums split_sum adds up.
+
+struct Params {
+  tokens: u32,    // B·KVH·TP: rows n
+  rows: u32,      // T·R: the sum's length
+  a_stride: u32,  // T: floats per row of A
+  padded: u32,    // TP
+  seq: u32,       // T
+  heads: u32,     // H
+  kv_heads: u32,  // KVH
+  max_len: u32,   // S
+  head_dim: u32,  // D (a multiple of 4)
+  scale: f32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> POSITION: array<u32>;  // the step buffer: STEP_POS = 0
+@group(0) @binding(2) var<storage, read> LENS: array<u32>;
+@group(0) @binding(3) var<storage, read> A: array<f32>;         // P or dS
+@group(0) @binding(4) var<storage, read> X: array<vec4<f32>>;   // dO or q
+@group(0) @binding(5) var<storage, read_write> OUT: array<f32>;
+@group(0) @binding(6) var<storage, read_write> PART: array<f32>;  // SPLITS > 1: the ranges' raw sums
+
+override SPLITS: u32 = 1u;  // ranges of the sum over m (gemm_tiled's grid z), added up by split_sum
+
+struct Staged {
+  a: mat4x4<f32>,  // A: keys n0 + 4(t / 32) + 16c .. + 3 (column c) of query m = j0 + t % 32
+  w: mat4x4<f32>,  // X: quad k0 / 4 + t % 16 of queries j0 + t / 16 + 8c (column c)
+}
+
+fn fetch(t: u32, n0: u32, k0: u32, j0: u32) -> Staged {
+  var s: Staged;
+  let bg = n0 / p.padded;
+  let b = bg / p.kv_heads;
+  let g = bg % p.kv_heads;
+  let group = p.heads / p.kv_heads;
+  let last_key = clamp(LENS[b], 1u, p.max_len) - 1u;
+  let m = j0 + t % STEP;
+  let i = m / group;
+  let row = ((b * p.heads + g * group + m % group) * p.padded + i) * p.a_stride;
+  let lim = select(0u, min(i, last_key) + 1u, m < p.rows);  // keys < lim are seen
+  let key = n0 - bg * p.padded + 4u * (t / STEP);
+  for (var c = 0u; c < 4u; c++) {
+    for (var e = 0u; e < 4u; e++) {
+      let j = key + 16u * c + e;
+      s.a[c][e] = select(0.0, A[row + min(j, p.seq - 1u)], j < lim);
+    }
+  }
+  let d4 = p.head_dim / 4u;
+  let quad = k0 / 4u + t % 16u;
+  for (var c = 0u; c < 4u; c++) {
+    let mw = j0 + t / 16u + 8u * c;
+    let x = ((b * p.seq + min(mw / group, p.seq - 1u)) * p.heads + g * group + mw % group) * d4 + min(quad, d4 - 1u);
+    s.w[c] = select(vec4<f32>(0.0), X[x], mw < p.rows && quad < d4);
+  }
+  return s;
+}
+
+fn stage(t: u32, s: Staged) {
+  put_a(t, s.a);
+  for (var c = 0u; c < 4u; c++) { tile[W_TILE + at(t / 16u + 8u * c, t % 16u)] = s.w[c]; }
+}
+
+fn row_span(n0: u32, k0: u32) -> vec2<u32> {
+  let first_key = n0 % p.padded;
+  return vec2<u32>(min(first_key * (p.heads / p.kv_heads), p.rows), p.rows);
+}
+
+// Feature kc of row n, the whole sum: into OUT (keys of the pass only).
+fn put(n: u32, kc: u32, x: f32) {
+  let bg = n / p.padded;
+  let j = n - bg * p.padded;
+  if (j >= p.seq) { return; }
+  let nan = bitcast<f32>(0x7fc00000u);
+  OUT[(bg * p.max_len + j) * p.head_dim + kc] = select(nan, x * p.scale, POSITION[0] == 0u);  // bg = b·KVH + g
+}
+
+fn store(n: u32, k: u32, v: vec4<f32>) {
+  if (n >= p.tokens) { return; }
+  for (var c = 0u; c < 4u; c++) {
+    if (k + c < p.head_dim) {
+      if (SPLITS > 1u) { PART[(range * p.tokens + n) * p.head_dim + k + c] = v[c]; } else { put(n, k + c, v[c]); }
+    }
+  }
+}
+
+// The SPLITS ranges' sums of every (row, feature) added up in order (a 2-D grid of 256-wide groups).
+@compute @workgroup_size(256)
+fn split_sum(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+  let e = gid.y * nwg.x * 256u + gid.x;
+  if (e >= p.tokens * p.head_dim) { return; }
+  var x = 0.0;
+  for (var s = 0u; s < SPLITS; s++) { x += PART[s * p.tokens * p.head_dim + e]; }
+  put(e / p.head_dim, e % p.head_dim, x);
+}
+
+// @include _gemm_t_tile.wgsl
