@@ -67,9 +67,12 @@ cannot leak into the results. No subgroup operations: the portable path is the o
 >>> #                               heads=20, kv_heads=5, head_dim=128, max_len=S, scale=128 ** -0.5)
 >>> # for launch in launches: rec.launch(launch)      # every step, after writing step/lengths
 
-The backward (``attention_backward_launches``, ``attention_backward.wgsl``) is flash-attention-2
-style: it recomputes the probabilities from the forward's ``lse`` and takes the same layouts
-and masking; ``attention_backward_reference`` is its torch reference.
+The backward (``attention_backward_launches``) takes the same layouts and masking and recomputes
+the probabilities from the forward's ``lse``: flash-attention-2 style in tiles
+(``attention_backward.wgsl``), or, for passes that start at position 0 (training) and whose
+probabilities fit ``DS_SCRATCH_BYTES``, with P and dS kept whole and dV, dK, dQ as GEMMs over
+them (``attention_scores.wgsl``, ``attention_kv_grad.wgsl``, ``attention_dq.wgsl``).
+``attention_backward_reference`` is the torch reference of both.
 """
 
 from __future__ import annotations
