@@ -1,7 +1,9 @@
 // Cross-entropy of logit rows against their targets, and its gradient in place, one row a
 // workgroup (the rows the LM head just wrote; the vocabulary is not split here):
 //   lse = max + log Σ exp(l − max),   LOSS[n] = lse − l[label]        (0 where label < 0)
-//   L[n][v] ← (exp(l[v] − lse) − [v = label]) · SCALE[0]              (0 rows where label < 0)
+//   L[n][v] ← (exp(l[v] − lse) − [v = label]) · SCALE[0]
+// A row whose label is < 0 is not read and keeps its values (the engine's head runs over the
+// labelled rows only; such rows fill its last tile, and their gradient goes nowhere).
 // SCALE is a buffer (the step's 1 / labelled tokens, or the loss's incoming gradient) so the
 // launch stays the same from step to step.
 
@@ -27,15 +29,16 @@ fn rows(inv: Invocation) {
   let n = wg.x;
   let row = n * p.vocab;
   let label = TARGET[n];
+  let end = select(0u, p.vocab, label >= 0);  // the reductions' barriers stay in uniform control flow
   var m = -3.4028235e38;
-  for (var v = t; v < p.vocab; v += WG) { m = max(m, L[row + v]); }
+  for (var v = t; v < end; v += WG) { m = max(m, L[row + v]); }
   m = max_all(t, m);
   var s = 0.0;
-  for (var v = t; v < p.vocab; v += WG) { s += exp(L[row + v] - m); }
+  for (var v = t; v < end; v += WG) { s += exp(L[row + v] - m); }
   let lse = m + log(sum_all(t, s));
   if (t == 0u && label < 0) { LOSS[n] = 0.0; }
-  let scale = select(0.0, SCALE[0], label >= 0);
-  for (var v = t; v < p.vocab; v += WG) {
+  let scale = SCALE[0];
+  for (var v = t; v < end; v += WG) {
     let l = L[row + v];
     var d = exp(l - lse);
     if (i32(v) == label) {  // the thread that owns the label reads it before overwriting it

@@ -17,7 +17,7 @@ import torch
 
 from torch_wgpu_lora.engine.config import pad
 from torch_wgpu_lora.engine.kernels.bitlinear import bitlinear_launch, bitlinear_reference, gate_up_reference, lora_table
-from torch_wgpu_lora.engine.kernels.embedding import embedding_launches, embedding_reference
+from torch_wgpu_lora.engine.kernels.embedding import embedding_launches, embedding_reference, gather_rows_launch
 from torch_wgpu_lora.engine.kernels.matmul import matmul_launch, matmul_reference
 from torch_wgpu_lora.engine.kernels.norm import quantise_reference, rmsnorm_launch, rmsnorm_reference
 from torch_wgpu_lora.engine.kernels.rope import RopeTarget, rope_launch, rope_reference
@@ -455,6 +455,21 @@ def test_embedding_gather_over_vocabulary_chunks(bf16):
     (got,) = run(embedding_launches(upload(ids.numpy().astype(np.uint32)), chunks, [30, 20], out, tokens=6, k=k,
                                     bf16=bf16), out)
     assert torch.equal(got[:, :k], embedding_reference(ids, weight))
+
+
+@pytest.mark.parametrize("zero_missing", [False, True])
+def test_gather_rows_by_index_leaves_or_zeroes_rows_past_the_table(zero_missing):
+    g = torch.Generator().manual_seed(8)
+    table = torch.randn(9, 64, generator=g)
+    index = torch.tensor([4, 0, 2**32 - 1, 8, 9, 4])  # past the 9 rows: 2**32 - 1 and 9
+    before = torch.randn(6, 64, generator=g)
+    out = upload(before.numpy().copy())
+    (got,) = run([gather_rows_launch(upload(index.numpy().astype(np.uint32)), upload(table.numpy()), out, tokens=6,
+                                     k=60, zero_missing=zero_missing)], out)
+    present = torch.tensor([True, True, False, True, False, True])
+    assert torch.equal(got[present, :60], table[index[present], :60])
+    assert torch.equal(got[~present, :60], torch.zeros(2, 60) if zero_missing else before[~present, :60])
+    assert torch.equal(got[:, 60:], before[:, 60:])  # features past k untouched
 
 
 def test_rope_matches_transformers_and_fills_the_caches():

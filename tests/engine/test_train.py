@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +26,7 @@ from torch_wgpu_lora.integrations.gradcheck import check_parity, randomize_lora_
 from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE
 from torch_wgpu_lora.integrations.tiny import FLAVOURS
 from torch_wgpu_lora.ops.adamw import adamw_reference
-from torch_wgpu_lora.runtime import get_device
+from torch_wgpu_lora.runtime import Recorder, get_device
 
 from .test_model import CONFIGS, batch, tiny_model
 
@@ -76,6 +77,33 @@ def test_adapter_gradients_with_the_input_gradients_split_over_their_rows(flavou
     plans = [plan for plan in engine._plans.values() if isinstance(plan, TrainPlan)]
     assert plans and all(any(isinstance(step, Launch) and step.kernel.name.endswith(":split_sum")
                              for step in plan.slots[0].launches) for plan in plans)
+
+
+@pytest.mark.parametrize("labelled", [5, 70])
+def test_the_lm_head_runs_over_the_labelled_rows_only(labelled):
+    """Instruction tuning labels the response, not the prompt, and padding has no labels: the
+    head's GEMMs run over the labelled rows only (gathered in order, their gradients scattered
+    back to their positions, zeros elsewhere), with grids of that many token tiles. Against
+    autograd, at 2 × 80 positions with labels scattered over them, after a pass of the same plan
+    with every position labelled: 5 (one token tile) and 70 (two)."""
+    model = tiny_model("packed", adapters=True, seed=3)
+    randomize_lora_B(model, seed=4)
+    engine = BitNetEngine(model)
+    ids, mask = batch(model.config.vocab_size, [80, 61], seed=5)
+    labels = torch.full_like(ids, -100)
+    candidates = torch.nonzero(mask[:, 1:]) + torch.tensor([0, 1])  # a label at position j is target j - 1
+    chosen = candidates[torch.randperm(len(candidates), generator=torch.Generator().manual_seed(6))[:labelled]]
+    labels[chosen[:, 0], chosen[:, 1]] = ids[chosen[:, 0], chosen[:, 1]]
+    engine.loss_and_grads(ids, ids.clone(), [80, 61])  # every position labelled first: no row keeps it
+    parity = check_parity(model, {"input_ids": ids, "attention_mask": mask, "labels": labels}, engine=engine)
+    assert parity.report.rms_rel_error <= parity.tolerance, str(parity)
+    assert parity.passed
+    plan = engine.train_plan(2, 80)
+    grids = np.empty(plan.slots[0].grids.shape, np.uint32)
+    rec = Recorder()
+    rec.read(plan.slots[0].grids, grids)
+    rec.submit()
+    assert {int(y) for y in grids.reshape(-1, 3)[:, 1]} == {-(-labelled // 64)}
 
 
 def test_loss_backward_fills_grad_through_the_autograd_node():

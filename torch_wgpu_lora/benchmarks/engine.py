@@ -236,10 +236,19 @@ def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: in
     return out
 
 
+def response_only(ids: torch.Tensor) -> torch.Tensor:
+    """Labels of an instruction-tuning batch: the first half of each row a prompt (-100), the
+    rest the response."""
+    labels = ids.clone()
+    labels[:, : ids.shape[1] // 2] = -100
+    return labels
+
+
 def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...], steps: int,
                             log: Log) -> dict[str, Any]:
-    """Training tok/s of whole optimizer steps (batch 1, every token labelled), GPU time per step
-    and per kernel, and the runtime's peak GPU memory."""
+    """Training tok/s of whole optimizer steps (batch 1, every token labelled; for the longest
+    ``seqs`` also with ``response_only`` labels, under key ``"<seq>_response_only"``), GPU time
+    per step and per kernel, and the runtime's peak GPU memory."""
     from ..integrations.bitnet import lora_parameters
     from ..training.optim import WgpuAdamW
 
@@ -274,6 +283,17 @@ def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int
                          "dispatches": plan.dispatches, "gpu_ms_profiled": gpu_us / 1e3,
                          "lora_grad_kernels_share": lora_us / gpu_us if gpu_us else None, "kernels_us": kernels}
         log(f"engine training seq {seq}: {seq / wall:.0f} tok/s ({wall * 1e3:.1f} ms/step)")
+        if seq == max(seqs):
+            half = [{**micro[0], "labels": response_only(ids)}]
+            engine.train_step(half, optimizer, 1.0)
+            walls = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.train_step(half, optimizer, 1.0)
+                walls.append(time.perf_counter() - t0)
+            wall = statistics.median(walls)
+            out[f"{seq}_response_only"] = {"step_s": wall, "tok_per_s": seq / wall}
+            log(f"engine training seq {seq}, response-only labels: {seq / wall:.0f} tok/s ({wall * 1e3:.1f} ms/step)")
     out["peak_gpu_bytes"] = engine.device.peak_allocated
     return out
 
@@ -359,24 +379,27 @@ def measure_hf_peft_training(config: Any, seqs: tuple[int, ...], steps: int, log
     for seq in seqs:
         ids = torch.randint(0, config.vocab_size, (1, seq), generator=g).cuda()
 
-        def step() -> None:
-            loss = model(input_ids=ids, labels=ids).loss
+        def step(labels: torch.Tensor) -> None:
+            loss = model(input_ids=ids, labels=labels).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
             optimizer.step()
             optimizer.zero_grad()
 
-        step()
-        torch.cuda.synchronize()
-        walls = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
+        for key, labels in ((str(seq), ids), (f"{seq}_response_only", response_only(ids))):
+            if key.endswith("_response_only") and seq != max(seqs):
+                continue
+            step(labels)
             torch.cuda.synchronize()
-            walls.append(time.perf_counter() - t0)
-        wall = statistics.median(walls)
-        out[str(seq)] = {"step_s": wall, "tok_per_s": seq / wall}
-        log(f"HF + PEFT training seq {seq}: {seq / wall:.0f} tok/s")
+            walls = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                step(labels)
+                torch.cuda.synchronize()
+                walls.append(time.perf_counter() - t0)
+            wall = statistics.median(walls)
+            out[key] = {"step_s": wall, "tok_per_s": seq / wall}
+            log(f"HF + PEFT training seq {key}: {seq / wall:.0f} tok/s")
     out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     return out
 
@@ -508,9 +531,9 @@ def main(argv: list[str] | None = None) -> int:
         ratios["prefill_tok_per_s"] = result["engine"]["prefill"]["tok_per_s"] / hf["prefill"]["tok_per_s"]
         ratios["decode_tok_per_s"] = result["engine"]["decode"]["tok_per_s"] / hf["decode"]["tok_per_s"]
     if hf_train:
-        for seq in seqs:
-            ratios[f"training_tok_per_s_{seq}"] = (result["engine_training"][str(seq)]["tok_per_s"]
-                                                   / hf_train[str(seq)]["tok_per_s"])
+        for key in [str(seq) for seq in seqs] + [f"{max(seqs)}_response_only"]:
+            ratios[f"training_tok_per_s_{key}"] = (result["engine_training"][key]["tok_per_s"]
+                                                   / hf_train[key]["tok_per_s"])
         ratios["peak_memory"] = result["engine_training"]["peak_gpu_bytes"] / hf_train["peak_memory_bytes"]
     result["ratios"] = ratios
     save()

@@ -12,10 +12,14 @@ each norm's 1/rms, the queries, keys, values, attention output and log-sum-exp, 
 gate/up pairs and the MLP activation, and, where a site has adapters, its normalised input and
 its h. Nothing is recomputed. At BitNet-2B shapes that is about 70 MB per layer at 512 tokens.
 
-The loss: position t of a sequence predicts label t + 1 (transformers' shift); per token
-chunk the LM head writes the logits, ``cross_entropy.wgsl`` turns them into the loss and its
-gradient (scaled by the ``scale`` buffer: 1 / labelled tokens of the step), and the head's
-transposed matmul sends it back. The [tokens, vocab] logits are never stored whole.
+The loss: position t of a sequence predicts label t + 1 (transformers' shift). Only positions
+with a label reach the LM head: their final-norm rows are gathered in order (``write_inputs``
+writes the positions, and the head GEMMs' grids as indirect dispatch arguments, so instruction
+tuning's prompt tokens and padding cost no head work); per chunk of those rows the head writes
+the logits, ``cross_entropy.wgsl`` turns them into the loss and its gradient (scaled by the
+``scale`` buffer: 1 / labelled tokens of the step), the head's transposed matmul sends it back,
+and the rows are scattered to their positions (zeros elsewhere). The [tokens, vocab] logits are
+never stored whole.
 
 Backward per layer, in reverse: through down_proj (+ its adapters), ffn_sub_norm, relu²·up,
 gate/up (+ adapters), post_attention_layernorm (added into the residual gradient), o_proj
@@ -41,7 +45,7 @@ from .config import pad
 from .kernels.attention import attention_backward_launches, attention_launches
 from .kernels.bitlinear import bitlinear_launch, bitlinear_t_launch
 from .kernels.cross_entropy import cross_entropy_launch, shifted_targets
-from .kernels.embedding import embedding_launches
+from .kernels.embedding import embedding_launches, gather_rows_launch
 from .kernels.ffn import relu2_backward_launch
 from .kernels.lora_grad import da_launch, db_launch, dh_launch
 from .kernels.matmul import matmul_launch, matmul_t_launch
@@ -50,14 +54,32 @@ from .kernels.rope import RopeTarget, rope_backward_launch, rope_launch
 from .weights import EngineWeights, Projection
 
 
+_NONE = 2**32 - 1  # no row: gather_rows_launch leaves (labelled) or zeroes (inverse) it
+
+
 @dataclass
 class _Slot:
     ids: Buffer
-    targets: Buffer
+    targets: Buffer  # i32: the labelled positions' targets in order, then -100
     lengths: Buffer
     losses: Buffer  # a view of the plan's losses buffer: this slot's rows
-    launches: list[Launch] = field(default_factory=list)
+    labelled: Buffer  # u32: the positions with a target, in order, then 2**32 - 1
+    inverse: Buffer  # u32: each position's row among the labelled ones, or 2**32 - 1
+    grids: Buffer  # u32: the head GEMMs' grids over the labelled rows, three words each
+    launches: list = field(default_factory=list)  # Launch or _Indirect
     points: dict[int, tuple] = field(default_factory=dict)  # id(quantising norm launch) -> ((layer, site), codes)
+    # (word in grids, grid x, grid z, first labelled row of its token chunk, the chunk's rows)
+    head_grids: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Indirect:
+    """A launch whose grid ``write_inputs`` sets at each step (three u32 of ``grids`` at word
+    ``at``): the LM head's GEMMs, whose token tiles cover the labelled rows only."""
+
+    launch: Launch
+    grids: Buffer
+    at: int
 
 
 @dataclass
@@ -85,9 +107,14 @@ class TrainPlan:
         stride = pad(n, 64)  # slot views start on 256-byte boundaries
         self.losses = B(slots * stride)
         write(self.losses, np.zeros(slots * stride, np.float32))  # rows between slots stay zero
+        per = min(n, max(64, device.max_binding // (4 * c.vocab) // 64 * 64))  # chunk views stay aligned
+        self.token_chunks = [(r, min(per, n - r)) for r in range(0, n, per)]
+        head_gemms = 2 * len(self.token_chunks) * len(weights.head)
         self.slots = [_Slot(B(n, dtype="u32"), B(n, dtype="i32"), B(batch, dtype="u32"),
                             Buffer.view(self.losses.gpu, self.losses.serial, self.losses.offset + 4 * s * stride, (n,),
-                                        "f32", device)) for s in range(slots)]
+                                        "f32", device),
+                            B(n, dtype="u32"), B(n, dtype="u32"), B(3 * head_gemms, dtype="u32"))
+                      for s in range(slots)]
         # forward scratch
         self.residual, self.xn, self.qkv = B(n, H), B(n, H), B(n, c.q_size + 2 * c.kv_size)
         self.codes = B(n, H // 4, dtype="u32") if quant else None
@@ -118,8 +145,7 @@ class TrainPlan:
         self.d_ffn_xn, self.d_h, self.d_pairs = B(n, F), B(n, c.intermediate), B(n, 2 * c.intermediate)
         self.dh = B(n, max(adapters.max_rank, 1))
         self.grads = adapters.grads()
-        per = min(n, max(64, device.max_binding // (4 * c.vocab) // 64 * 64))  # chunk views stay aligned
-        self.token_chunks = [(r, min(per, n - r)) for r in range(0, n, per)]
+        self.x_head, self.d_head = B(n, H), B(n, H)  # the labelled rows' final norm output, its gradient
         self.logits = B(self.token_chunks[0][1], c.vocab)
         for slot in self.slots:
             self._points = slot.points  # filled by _norm while the slot's program is built
@@ -210,23 +236,30 @@ class TrainPlan:
         out.append(copy_launch(self.residual, self.resid_final))
         out.append(rmsnorm_launch(self.residual, w.final_norm, self.xn_final, tokens=self.rows, k=c.hidden,
                                   eps=c.rms_eps, rstd=self.rstd_final, device=d))
-        for first, count in self.token_chunks:  # the loss, token chunk by token chunk
-            x = self._rows_view(self.xn_final, first, count)
+        # the LM head and the loss over the labelled rows only, gathered in order, chunk by chunk
+        out.append(gather_rows_launch(slot.labelled, self.xn_final, self.x_head, tokens=self.rows,
+                                      k=self.x_head.shape[1], zero_missing=False, device=d))
+        for first, count in self.token_chunks:
+            x = self._rows_view(self.x_head, first, count)
             logits = self._rows_view(self.logits, 0, count)
             begin = 0
             for chunk, rows in zip(w.head, w.head_rows):
-                out.append(matmul_launch(x, Projection(chunk, None, rows, c.hidden), logits, tokens=count,
-                                         out_stride=c.vocab, out_offset=begin, bf16=w.bf16, gemv=False, device=d))
+                out.append(self._labelled_rows(slot, matmul_launch(
+                    x, Projection(chunk, None, rows, c.hidden), logits, tokens=count, out_stride=c.vocab,
+                    out_offset=begin, bf16=w.bf16, gemv=False, device=d), first, count))
                 begin += rows
             out.append(cross_entropy_launch(logits, self._rows_view(slot.targets, first, count), self.scale,
                                             self._rows_view(slot.losses, first, count), rows=count, vocab=c.vocab,
                                             device=d))
             begin = 0
             for i, (chunk, rows) in enumerate(zip(w.head, w.head_rows)):
-                out += matmul_t_launch(logits, Projection(chunk, None, rows, c.hidden),
-                                       self._rows_view(self.d_final, first, count), tokens=count, k=c.hidden,
-                                       bf16=w.bf16, accumulate=i > 0, dy_col=begin, device=d)
+                gemm, *sums = matmul_t_launch(logits, Projection(chunk, None, rows, c.hidden),
+                                              self._rows_view(self.d_head, first, count), tokens=count, k=c.hidden,
+                                              bf16=w.bf16, accumulate=i > 0, dy_col=begin, device=d)
+                out += [self._labelled_rows(slot, gemm, first, count), *sums]
                 begin += rows
+        out.append(gather_rows_launch(slot.inverse, self.d_head, self.d_final, tokens=self.rows,
+                                      k=self.d_final.shape[1], zero_missing=True, device=d))
         out.append(rmsnorm_backward_launch(self.d_final, self.resid_final, self.rstd_final, w.final_norm,
                                            self.d_resid, tokens=self.rows, k=c.hidden, device=d))
         for index in reversed(range(c.layers)):
@@ -268,17 +301,38 @@ class TrainPlan:
                 ]
         return out
 
+    def _labelled_rows(self, slot: _Slot, launch: Launch, first: int, count: int) -> _Indirect:
+        """``launch`` (a head GEMM over ``count`` rows from labelled row ``first``) with its grid's
+        token tiles set at each step to cover that chunk's labelled rows only."""
+        at = 3 * len(slot.head_grids)
+        slot.head_grids.append((at, launch.grid[0], launch.grid[2], first, count))
+        return _Indirect(launch, slot.grids, at)
+
     # -- running ----------------------------------------------------------------------------------
 
     def write_inputs(self, slot: int, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int]) -> int:
         """Write micro-batch ``slot``'s token ids and labels [batch, tokens]; returns its labelled
-        positions (those whose next label is not -100)."""
+        positions (those whose next label is not -100), the rows the LM head then runs over."""
         s = self.slots[slot]
-        targets = shifted_targets(labels.long())
+        targets = shifted_targets(labels.long()).numpy().reshape(-1)
+        positions = np.flatnonzero(targets >= 0)
+        count = len(positions)
+        compact = np.full(self.rows, -100, np.int32)
+        compact[:count] = targets[positions]
+        labelled = np.full(self.rows, _NONE, np.uint32)
+        labelled[:count] = positions
+        inverse = np.full(self.rows, _NONE, np.uint32)
+        inverse[positions] = np.arange(count, dtype=np.uint32)
+        grids = np.zeros(s.grids.numel, np.uint32)
+        for at, x, z, first, rows in s.head_grids:
+            grids[at:at + 3] = (x, -(-min(max(count - first, 0), rows) // 64), z)
         write(s.ids, ids.numpy().astype(np.uint32).reshape(-1))
-        write(s.targets, targets.numpy().astype(np.int32).reshape(-1))
+        write(s.targets, compact)
         write(s.lengths, np.asarray(lengths, np.uint32))
-        return int((targets >= 0).sum())
+        write(s.labelled, labelled)
+        write(s.inverse, inverse)
+        write(s.grids, grids)
+        return count
 
     def set_scale(self, scale: float) -> None:
         """The loss gradient's factor per labelled token (1 / the step's labelled tokens)."""
@@ -289,7 +343,10 @@ class TrainPlan:
         ``capture`` receives copies of the activation codes, as ``ForwardPlan.record``'s."""
         points = self.slots[slot].points if capture is not None else {}
         for item in self.slots[slot].launches:
-            rec.launch(item)
+            if isinstance(item, _Indirect):
+                rec.launch_indirect(item.launch, item.grids, 4 * item.at)
+            else:
+                rec.launch(item)
             if id(item) in points:
                 point, codes = points[id(item)]
                 copies = (Buffer(codes.shape, "u32", self.device), Buffer(self.meta.shape, "f32", self.device))

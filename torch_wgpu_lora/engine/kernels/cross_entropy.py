@@ -4,6 +4,7 @@ and the torch reference.
 The loss of a batch is transformers' (mean over labels != -100, token t predicting label
 t + 1): the host shifts the labels into per-row targets; the kernel writes each row's loss
 and overwrites the row with ``(softmax − onehot) · scale``, ready for the head's backward.
+Rows without a label (target < 0) get loss 0 and are otherwise left alone.
 
 >>> # rec.launch(cross_entropy_launch(logits, targets, scale, losses, rows=n, vocab=V))
 """
@@ -31,7 +32,8 @@ def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
 
 
 def cross_entropy_reference(logits: torch.Tensor, targets: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
-    """(per-row loss, gradient rows) in float64: what the kernel writes."""
+    """(per-row loss, gradient rows) in float64: what the kernel writes (in the rows it writes:
+    the labelled ones; the others' gradient rows here are 0)."""
     x = logits.double().requires_grad_()
     valid = targets >= 0
     losses = torch.zeros(len(targets), dtype=torch.float64)

@@ -1,4 +1,5 @@
-"""Embedding gather (``embedding.wgsl``) over vocabulary chunks, and its torch reference.
+"""Embedding gather (``embedding.wgsl``) over vocabulary chunks, and its torch reference; the
+same kernel gathers float32 rows by index (``gather_rows_launch``).
 
 >>> # launches = embedding_launches(ids, weights.embedding, weights.embedding_rows, out, tokens=n, k=hidden)
 """
@@ -21,6 +22,19 @@ def embedding_launches(ids: Buffer, chunks: list[Buffer], chunk_rows: list[int],
                                      (tokens, k, out.shape[-1], chunk.shape[-1], begin, rows)))
         begin += rows
     return launches
+
+
+def gather_rows_launch(index: Buffer, table: Buffer, out: Buffer, *, tokens: int, k: int, zero_missing: bool,
+                       device: Device | None = None) -> Launch:
+    """``out[n] = table[index[n]]`` for ``tokens`` rows of ``k`` features of float32 ``table``;
+    an index past the table's rows leaves the row alone, or with ``zero_missing`` zeroes it.
+
+    >>> # rec.launch(gather_rows_launch(labelled, xn, x_labelled, tokens=n, k=hidden, zero_missing=False))
+    """
+    device = device or get_device()
+    kern = kernel("embedding.wgsl", "gather", device, ZERO_MISSING=zero_missing)
+    return Launch.build(kern, (-(-k // 256), tokens, 1), (index, table, out),
+                        (tokens, k, out.shape[-1], table.shape[-1], 0, table.shape[0]))
 
 
 def embedding_reference(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
