@@ -34,7 +34,6 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> DQ: array<f32>;
 @group(0) @binding(6) var<storage, read_write> PART: array<f32>;  // SPLITS > 1: the ranges' raw sums
 
-override SPLITS: u32 = 1u;  // ranges of the sum over keys (gemm_tiled's grid z), added up by split_sum
 
 struct Staged {
   a: mat4x4<f32>,  // dS: rows n0 + 4(t / 32) + 16c .. + 3, key j0 + t % 32 (column c)
@@ -100,23 +99,5 @@ fn put(n: u32, kc: u32, x: f32) {
     select(nan, x * p.scale, POSITION[0] == 0u);
 }
 
-fn store(n: u32, k: u32, v: vec4<f32>) {
-  if (n >= p.tokens) { return; }
-  for (var c = 0u; c < 4u; c++) {
-    if (k + c < p.head_dim) {
-      if (SPLITS > 1u) { PART[(range * p.tokens + n) * p.head_dim + k + c] = v[c]; } else { put(n, k + c, v[c]); }
-    }
-  }
-}
-
-// The SPLITS ranges' sums of every (row, feature) added up in order (a 2-D grid of 256-wide groups).
-@compute @workgroup_size(256)
-fn split_sum(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-  let e = gid.y * nwg.x * 256u + gid.x;
-  if (e >= p.tokens * p.head_dim) { return; }
-  var x = 0.0;
-  for (var s = 0u; s < SPLITS; s++) { x += PART[s * p.tokens * p.head_dim + e]; }
-  put(e / p.head_dim, e % p.head_dim, x);
-}
-
 // @include _gemm_t_tile.wgsl
+// @include _attention_gemm_store.wgsl

@@ -198,17 +198,23 @@ def _torch_step(twin, micro, optimizer, max_norm=1.0):
     optimizer.zero_grad()
 
 
+def _twins(seed):
+    """A model with adapters, its deep copy, the engine on the first and the two optimizers
+    (WgpuAdamW on the engine's, torch.optim.AdamW on the copy's) with the same settings."""
+    model = tiny_model("dense", adapters=True, seed=seed)
+    randomize_lora_B(model, seed=seed + 1)
+    twin = copy.deepcopy(model)
+    ours = WgpuAdamW(lora_parameters(model), lr=5e-3, eps=1e-3)  # eps: see the one-step test
+    theirs = torch.optim.AdamW(lora_parameters(twin), lr=5e-3, eps=1e-3, weight_decay=0.01, foreach=False)
+    return model, twin, BitNetEngine(model), ours, theirs
+
+
 def test_twenty_engine_steps_match_twenty_torch_steps():
     """The engine with WgpuAdamW against the torch path with torch.optim.AdamW, from one start.
     Tolerance 1e-4 of each adapter tensor's scale after 20 steps: each step's gradients agree
     to ~1e-6 (float32 orders), and Adam's normalised updates carry such differences forward
     without growing them much over 20 steps; a wrong gradient or update is off by O(1)."""
-    model = tiny_model("dense", adapters=True, seed=8)
-    randomize_lora_B(model, seed=9)
-    twin = copy.deepcopy(model)
-    engine = BitNetEngine(model)
-    ours = WgpuAdamW(lora_parameters(model), lr=5e-3, eps=1e-3)  # eps: see the one-step test
-    theirs = torch.optim.AdamW(lora_parameters(twin), lr=5e-3, eps=1e-3, weight_decay=0.01, foreach=False)
+    model, twin, engine, ours, theirs = _twins(8)
     for step in range(20):
         micro = _micro_batches(model, seed=100 + step)
         engine.train_step(micro, ours, max_grad_norm=1.0)
@@ -229,12 +235,7 @@ def test_steps_in_a_row_keep_the_gpu_values_and_an_edit_in_torch_between_them_wi
     between two steps (after a pull brought the Parameters up to date, as the model's forward
     and state_dict hooks do) is uploaded for the next step while the others keep the GPU's
     values: against the torch path with the same edit. Tolerance as in the twenty-step test."""
-    model = tiny_model("dense", adapters=True, seed=12)
-    randomize_lora_B(model, seed=13)
-    twin = copy.deepcopy(model)
-    engine = BitNetEngine(model)
-    ours = WgpuAdamW(lora_parameters(model), lr=5e-3, eps=1e-3)
-    theirs = torch.optim.AdamW(lora_parameters(twin), lr=5e-3, eps=1e-3, weight_decay=0.01, foreach=False)
+    model, twin, engine, ours, theirs = _twins(12)
     edited = "model.layers.1.self_attn.v_proj"
     device = get_device()
     for step in range(3):  # the last starts with the GPU's values newer than the Parameters
@@ -260,12 +261,7 @@ def test_the_step_encoded_ahead_runs_with_its_own_inputs_learning_rate_and_shape
     every step; a change of shape, then of max_grad_norm, each of which discards the step
     encoded ahead (so a step is encoded twice), while a repeat uses it (once). One submit a
     step. Tolerance as in the twenty-step test."""
-    model = tiny_model("dense", adapters=True, seed=14)
-    randomize_lora_B(model, seed=15)
-    twin = copy.deepcopy(model)
-    engine = BitNetEngine(model)
-    ours = WgpuAdamW(lora_parameters(model), lr=5e-3, eps=1e-3)
-    theirs = torch.optim.AdamW(lora_parameters(twin), lr=5e-3, eps=1e-3, weight_decay=0.01, foreach=False)
+    model, twin, engine, ours, theirs = _twins(14)
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (ours, theirs)]
     recorded = []
     record = engine._record_step
