@@ -47,7 +47,7 @@ fn fetch(t: u32, n0: u32, k0: u32, j0: u32) -> Staged {
   let group = p.heads / p.kv_heads;
   let last_key = clamp(LENS[b], 1u, p.max_len) - 1u;
   let m = j0 + t % STEP;
-  let i = m / group;
+  let i = min(m, p.rows - 1u) / group;  // past the sum (the last step's tail): masked below, read in bounds
   let row = ((b * p.heads + g * group + m % group) * p.padded + i) * p.a_stride;
   let lim = select(0u, min(i, last_key) + 1u, m < p.rows);  // keys < lim are seen
   let key = n0 - bg * p.padded + 4u * (t / STEP);
