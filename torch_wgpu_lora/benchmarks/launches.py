@@ -14,7 +14,8 @@ engine's kernel choices.
 * ``attention_backward_*``: a training step's attention backward of one layer, per count of
   ranges dkdv cuts a key block's query tiles into (``sum_splits`` picks one), and per tile
   that fits the adapter (``backward_tile`` picks the first), and as GEMMs over P and dS kept
-  whole (``from_start``: what a training step runs);
+  whole (``from_start``: what a training step runs), with the split counts ``sum_splits``
+  picks and with each count for all of them;
 * ``attention_prefill_*``: the same length's attention forward (a prefill or training step) per
   tile that fits (``prefill_tile`` picks the first).
 
@@ -161,6 +162,8 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
         name = f"attention_backward_{seq}_tile{t.fixed}x{t.looped}x{t.lanes}"
         out[name + ("_chosen" if t == tile else "")] = timed(backward(tile=t))
     out[f"attention_backward_{seq}_scores_kept"] = timed(backward(from_start=True))  # what training runs
+    for splits in (1, 2, 4, 8):  # the GEMMs' split sums, every GEMM cut alike
+        out[f"attention_backward_{seq}_scores_kept_splits{splits}"] = timed(backward(from_start=True, splits=splits))
     tile = prefill_tile(head_dim, device)
     for t in prefill_tiles(head_dim, device):
         launches = attention_launches(rows, keys, values, Buffer((seq, heads * head_dim)), step, valid, batch=1,
