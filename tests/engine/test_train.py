@@ -284,6 +284,22 @@ def test_the_step_encoded_ahead_runs_with_its_own_inputs_learning_rate_and_shape
             assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
 
 
+def test_a_micro_batch_without_labels_adds_nothing():
+    """Its head GEMMs get empty grids (zero token tiles) and its positions zero gradients: the step
+    equals the torch path's over the other micro-batch alone (the loss per labelled token of the
+    step). Tolerance as in the twenty-step test."""
+    model, twin, engine, ours, theirs = _twins(16)
+    micro = _micro_batches(model, seed=400)
+    empty = {**micro[1], "labels": torch.full_like(micro[1]["labels"], -100)}
+    done = engine.train_step([micro[0], empty], ours, max_grad_norm=1.0)
+    _torch_step(twin, [micro[0]], theirs)
+    assert done["tokens"] == int((micro[0]["labels"][:, 1:] != -100).sum())
+    engine.adapters.pull()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        if "lora_" in name:
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
+
+
 def test_a_non_finite_step_is_skipped_on_the_gpu():
     model = tiny_model("dense", adapters=True, seed=10)
     engine = BitNetEngine(model)
