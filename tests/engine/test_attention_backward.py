@@ -203,7 +203,7 @@ def test_scores_kept_whole_give_nan_after_a_prefix_and_give_way_past_their_scrat
     q, k, v, d_out = random_case(2, 30, 4, 1, 20, 43, seed=1)
     d_q, d_k, d_v = plan.run(q, k, v, d_out, 13, [43, 25])
     assert np.isnan(d_q).all() and np.isnan(d_k).all() and np.isnan(d_v).all()
-    monkeypatch.setattr(attention, "DS_SCRATCH_BYTES", 4 * 2 * 8 * 64 * 40 - 4)  # one float short of P
+    monkeypatch.setattr(attention, "SCORES_SCRATCH_BYTES", 4 * 2 * 8 * 64 * 40 - 4)  # one float short of P
     plan = Backward(2, 40, 8, 2, 16, 40, from_start=True)
     assert "attention_backward.wgsl:dq" in plan.kernels and "attention_dq.wgsl:gemm_tiled" not in plan.kernels
     check(plan, 0, [40, 9])

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..engine.kernels.attention import DS_SCRATCH_BYTES
+from ..engine.kernels.attention import SCORES_SCRATCH_BYTES
 from ..runtime import Recorder, get_device, write
 from ..runtime.kernels import DEFAULT_SHADER_CHECKS
 from .report import write_json
@@ -133,7 +133,7 @@ def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float,
                  "matmul.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma"),
                  "matmul_t.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma")})
     product = 2 * pair_macs * layers  # one product over the causal pairs, every layer
-    if 4 * config.num_attention_heads * -(-seq // 64) * 64 * seq <= DS_SCRATCH_BYTES:  # P kept whole
+    if 4 * config.num_attention_heads * -(-seq // 64) * 64 * seq <= SCORES_SCRATCH_BYTES:  # P kept whole
         work.update({"attention_scores.wgsl:gemm_tiled": (2 * product, "fma"),
                      "attention_kv_grad.wgsl:gemm_tiled": (2 * product, "fma"),
                      "attention_dq.wgsl:gemm_tiled": (product, "fma")})

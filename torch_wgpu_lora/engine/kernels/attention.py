@@ -70,7 +70,7 @@ cannot leak into the results. No subgroup operations: the portable path is the o
 The backward (``attention_backward_launches``) takes the same layouts and masking and recomputes
 the probabilities from the forward's ``lse``: flash-attention-2 style in tiles
 (``attention_backward.wgsl``), or, for passes that start at position 0 (training) and whose
-probabilities fit ``DS_SCRATCH_BYTES``, with P and dS kept whole and dV, dK, dQ as GEMMs over
+probabilities fit ``SCORES_SCRATCH_BYTES``, with P and dS kept whole and dV, dK, dQ as GEMMs over
 them (``attention_scores.wgsl``, ``attention_kv_grad.wgsl``, ``attention_dq.wgsl``).
 ``attention_backward_reference`` is the torch reference of both.
 """
@@ -369,7 +369,7 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
                                 tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int, scale: float,
                                 device: Device | None = None, tile: BackwardTile | None = None,
                                 splits: int | None = None, from_start: bool = False) -> list[Launch]:
-    """The launches of one attention backward (flash-attention-2 style), to record in order.
+    """The launches of one attention backward, to record in order.
 
     Inputs in the forward's layouts: ``q``, ``out`` (the forward's output) and ``d_out`` f32
     ``[batch*tokens, heads*head_dim]``; ``k_cache``/``v_cache`` f32 ``[batch, kv_heads, max_len,
@@ -382,17 +382,18 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
     query of the pass (zero where no query attends, e.g. positions >= lengths[b]). Gradients of
     cache keys before ``pos`` are not computed.
 
-    Three launches (four with splits): ``row_dot`` (D = rowsum(dO * O), into a scratch buffer
-    allocated here and kept alive by the launches), ``dq`` (a workgroup per block of ``tile.fixed`` (query, head)
-    rows of a KV head, looping over key tiles) and ``dkdv`` (a workgroup per block of
-    ``tile.fixed`` keys of a KV head, looping over every query tile of the group's heads that
-    sees it: no atomics), cut into ``splits`` ranges of query tiles (``sum_splits`` by default),
-    whose partial sums a fourth launch, ``dkdv_sum``, adds up. ``tile`` and ``splits`` override
-    the chosen ones (tests, benchmarks); ``splits`` is also the GEMMs' below.
+    Flash-attention-2 style, three launches (four with splits): ``row_dot`` (D = rowsum(dO * O),
+    into a scratch buffer allocated here and kept alive by the launches), ``dq`` (a workgroup per
+    block of ``tile.fixed`` (query, head) rows of a KV head, looping over key tiles) and ``dkdv``
+    (a workgroup per block of ``tile.fixed`` keys of a KV head, looping over every query tile of
+    the group's heads that sees it: no atomics), cut into ``splits`` ranges of query tiles
+    (``sum_splits`` by default), whose partial sums a fourth launch, ``dkdv_sum``, adds up.
+    ``tile`` and ``splits`` override the chosen ones (tests, benchmarks); ``splits`` is also the
+    GEMMs' below.
 
     ``from_start``: the caller promises that the pass's queries start at position 0 (training;
     a pass that does not gets NaN in every output). Then, where P of a pass fits
-    ``DS_SCRATCH_BYTES``, P and dS are kept whole and dV, dK and dQ are GEMMs over them on the
+    ``SCORES_SCRATCH_BYTES``, P and dS are kept whole and dV, dK and dQ are GEMMs over them on the
     shared 8 × 8 tile (``_backward_from_saved_scores``: five launches after ``row_dot``, more with
     split sums), in place of ``dq`` and ``dkdv``, which recompute S and dP in tiles at about a
     tenth of the H200's float32 rate (BitNet-2B at seq 512, one layer on the H200: 360 µs against
@@ -430,7 +431,7 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
                              {6: d_out, 12: out, 13: rd}, params)]
     padded = -(-tokens // 64) * 64  # rows per head of the saved scores
     scores_bytes = 4 * batch * heads * padded * tokens
-    if from_start and scores_bytes <= DS_SCRATCH_BYTES:
+    if from_start and scores_bytes <= SCORES_SCRATCH_BYTES:
         return launches + _backward_from_saved_scores(q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v, step, lengths,
                                                       rd, batch, tokens, heads, kv_heads, head_dim, max_len, scale,
                                                       device, splits)
@@ -485,8 +486,8 @@ def _backward_from_saved_scores(q: Buffer, k_cache: Buffer, v_cache: Buffer, lse
         count = splits or sum_splits(grid[0] * grid[1], device)
         part = dummy(device, "part")
         if count > 1:
-            size = count * rows * head_dim
-            part = device.owned(f"attention_gemm_partials_{size}", lambda: Buffer((size,), "f32", device))
+            partials = count * rows * head_dim
+            part = device.owned(f"attention_gemm_partials_{partials}", lambda: Buffer((partials,), "f32", device))
         tiled = kernel(file, "gemm_tiled", device, SPLITS=count)
         out = [Launch.build(tiled, (*grid, count), (*buffers, part), params)]
         if count > 1:
@@ -511,7 +512,7 @@ def _backward_from_saved_scores(q: Buffer, k_cache: Buffer, v_cache: Buffer, lse
     ]
 
 
-DS_SCRATCH_BYTES = 256 << 20  # attention backward: the largest P or dS kept whole (BitNet-2B at seq 512: 21 MB)
+SCORES_SCRATCH_BYTES = 256 << 20  # the backward's largest P (and dS) kept whole (BitNet-2B at seq 512: 21 MB)
 
 
 SPLIT_WORKGROUPS = 512  # workgroups a split sum aims at on a GPU (see sum_splits)
