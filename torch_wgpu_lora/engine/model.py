@@ -299,11 +299,7 @@ class BitNetEngine(nn.Module):
             slots = len(micro_batches)
             if all_reduce is not None:
                 self._discard_ahead()
-                rec = Recorder(self.device)
-                rec.clear(plan.grads)
-                for slot in range(slots):
-                    plan.record(rec, slot)
-                self._all_reduce_grads(rec, plan, all_reduce)  # submit 1: the gradients go round the processes
+                self._all_reduce_grads(self._record_passes(plan, slots), plan, all_reduce)  # submit 1: the gradients go round the processes
                 recording, stats = self._record_update(Recorder(self.device), plan, max_grad_norm)
                 recording.submit_async().wait()
             else:
@@ -327,15 +323,19 @@ class BitNetEngine(nn.Module):
             return {"loss": None if skipped else loss_sum / labelled, "tokens": labelled, "grad_norm": norm,
                     "skipped": bool(skipped)}
 
-    def _record_step(self, plan: TrainPlan, slots: int, max_grad_norm: float) -> tuple[Recording, np.ndarray]:
-        """A whole optimizer step's command buffer (what ``train_step`` submits), and the array
-        its stats readback fills. It depends on no value of the step: inputs, loss scale and
-        AdamW's values are written into their buffers before it is submitted."""
+    def _record_passes(self, plan: TrainPlan, slots: int) -> Recorder:
+        """A recorder holding every micro-batch's forward, loss and backward of a step."""
         rec = Recorder(self.device)
         rec.clear(plan.grads)
         for slot in range(slots):
             plan.record(rec, slot)
-        return self._record_update(rec, plan, max_grad_norm)
+        return rec
+
+    def _record_step(self, plan: TrainPlan, slots: int, max_grad_norm: float) -> tuple[Recording, np.ndarray]:
+        """A whole optimizer step's command buffer (what ``train_step`` submits), and the array
+        its stats readback fills. It depends on no value of the step: inputs, loss scale and
+        AdamW's values are written into their buffers before it is submitted."""
+        return self._record_update(self._record_passes(plan, slots), plan, max_grad_norm)
 
     def _record_update(self, rec: Recorder, plan: TrainPlan, max_grad_norm: float) -> tuple[Recording, np.ndarray]:
         """Into ``rec``: the global-norm clip, AdamW (its values from ``self._adamw``) and the
