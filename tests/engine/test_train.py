@@ -28,6 +28,7 @@ from torch_wgpu_lora.integrations.tiny import FLAVOURS
 from torch_wgpu_lora.ops.adamw import adamw_reference
 from torch_wgpu_lora.runtime import Recorder, get_device
 
+from ..concurrency import in_forked_child
 from .test_model import CONFIGS, batch, tiny_model
 
 LOSS_RTOL = 1e-5
@@ -278,6 +279,26 @@ def test_the_step_encoded_ahead_runs_with_its_own_inputs_learning_rate_and_shape
         _torch_step(twin, micro, theirs, max_norm)
         for schedule in schedules:
             schedule.step()
+    engine.adapters.pull()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        if "lora_" in name:
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
+
+
+def _steps_the_engine(engine, micro, optimizer) -> str:
+    engine.train_step(micro, optimizer, max_grad_norm=1.0)
+    return "no error"
+
+
+def test_a_step_encoded_ahead_gives_a_forked_child_the_fork_error_and_still_serves_the_parent():
+    model, twin, engine, ours, theirs = _twins(18)
+    micro = _micro_batches(model, seed=500)
+    engine.train_step(micro, ours, max_grad_norm=1.0)  # leaves the next step encoded
+    _torch_step(twin, micro, theirs)
+    message = in_forked_child(_steps_the_engine, engine, micro, ours)
+    assert "forked after its parent created the WebGPU device" in message
+    engine.train_step(micro, ours, max_grad_norm=1.0)  # the parent submits the step encoded ahead
+    _torch_step(twin, micro, theirs)
     engine.adapters.pull()
     for (name, a), b in zip(model.named_parameters(), twin.parameters()):
         if "lora_" in name:
