@@ -210,6 +210,15 @@ def _twins(seed):
     return model, twin, BitNetEngine(model), ours, theirs
 
 
+def _assert_twins_agree(engine, model, twin):
+    """Every adapter tensor of the engine's model (pulled from the GPU) within 1e-4 of its
+    scale of the torch twin's: the twenty-step test says why."""
+    engine.adapters.pull()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        if "lora_" in name:
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
+
+
 def test_twenty_engine_steps_match_twenty_torch_steps():
     """The engine with WgpuAdamW against the torch path with torch.optim.AdamW, from one start.
     Tolerance 1e-4 of each adapter tensor's scale after 20 steps: each step's gradients agree
@@ -250,10 +259,7 @@ def test_steps_in_a_row_keep_the_gpu_values_and_an_edit_in_torch_between_them_wi
             with torch.no_grad():
                 for m in (model, twin):
                     lora_modules(m)[edited].lora_A.mul_(-0.5)
-    engine.adapters.pull()
-    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
-        if "lora_" in name:
-            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
+    _assert_twins_agree(engine, model, twin)
 
 
 def test_the_step_encoded_ahead_runs_with_its_own_inputs_learning_rate_and_shape():
@@ -279,10 +285,7 @@ def test_the_step_encoded_ahead_runs_with_its_own_inputs_learning_rate_and_shape
         _torch_step(twin, micro, theirs, max_norm)
         for schedule in schedules:
             schedule.step()
-    engine.adapters.pull()
-    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
-        if "lora_" in name:
-            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
+    _assert_twins_agree(engine, model, twin)
 
 
 def _steps_the_engine(engine, micro, optimizer) -> str:
@@ -299,10 +302,7 @@ def test_a_step_encoded_ahead_gives_a_forked_child_the_fork_error_and_still_serv
     assert "forked after its parent created the WebGPU device" in message
     engine.train_step(micro, ours, max_grad_norm=1.0)  # the parent submits the step encoded ahead
     _torch_step(twin, micro, theirs)
-    engine.adapters.pull()
-    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
-        if "lora_" in name:
-            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
+    _assert_twins_agree(engine, model, twin)
 
 
 def test_a_micro_batch_without_labels_adds_nothing():
@@ -315,10 +315,7 @@ def test_a_micro_batch_without_labels_adds_nothing():
     done = engine.train_step([micro[0], empty], ours, max_grad_norm=1.0)
     _torch_step(twin, [micro[0]], theirs)
     assert done["tokens"] == int((micro[0]["labels"][:, 1:] != -100).sum())
-    engine.adapters.pull()
-    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
-        if "lora_" in name:
-            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
+    _assert_twins_agree(engine, model, twin)
 
 
 def test_a_non_finite_step_is_skipped_on_the_gpu():

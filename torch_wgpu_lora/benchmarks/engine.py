@@ -261,16 +261,20 @@ def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int
     gc.collect()
     pool_for(engine.device).release()
     engine.device.peak_allocated = engine.device.allocated
-    for seq in seqs:
-        ids = torch.randint(0, engine.engine_config.vocab, (1, seq), generator=g)
-        micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
-        engine.train_step(micro, optimizer, 1.0)  # warm-up: plan, pipelines
+    def timed(micro: list[dict[str, torch.Tensor]]) -> tuple[float, dict[str, Any]]:
+        """Median wall time of ``steps`` optimizer steps after one unmeasured, and the last's result."""
+        engine.train_step(micro, optimizer, 1.0)  # warm-up: plan, pipelines, the step encoded ahead
         walls = []
         for _ in range(steps):
             t0 = time.perf_counter()
             done = engine.train_step(micro, optimizer, 1.0)
             walls.append(time.perf_counter() - t0)
-        wall = statistics.median(walls)
+        return statistics.median(walls), done
+
+    for seq in seqs:
+        ids = torch.randint(0, engine.engine_config.vocab, (1, seq), generator=g)
+        micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
+        wall, done = timed(micro)
         plan = engine.train_plan(1, seq, 1)
         rec = Recorder(engine.device, per_dispatch=True)
         rec.clear(plan.grads)
@@ -284,14 +288,7 @@ def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int
                          "lora_grad_kernels_share": lora_us / gpu_us if gpu_us else None, "kernels_us": kernels}
         log(f"engine training seq {seq}: {seq / wall:.0f} tok/s ({wall * 1e3:.1f} ms/step)")
         if seq == max(seqs):
-            half = [{**micro[0], "labels": response_only(ids)}]
-            engine.train_step(half, optimizer, 1.0)
-            walls = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                engine.train_step(half, optimizer, 1.0)
-                walls.append(time.perf_counter() - t0)
-            wall = statistics.median(walls)
+            wall, _ = timed([{**micro[0], "labels": response_only(ids)}])
             out[f"{seq}_response_only"] = {"step_s": wall, "tok_per_s": seq / wall}
             log(f"engine training seq {seq}, response-only labels: {seq / wall:.0f} tok/s ({wall * 1e3:.1f} ms/step)")
     out["peak_gpu_bytes"] = engine.device.peak_allocated

@@ -102,6 +102,15 @@ class _Read:
 _MAP_READ = "READ_NOSYNC"
 
 
+def _give_back(device: Device, staging: list[Any]) -> None:
+    """Staging buffers (unmapped first where mapped) back to the device's pool."""
+    pool = staging_for(device)
+    for gpu in staging:
+        if gpu.map_state == "mapped":
+            gpu.unmap()
+        pool.give(gpu)
+
+
 class Pending:
     """A submitted recording whose readbacks have not been collected yet."""
 
@@ -125,11 +134,7 @@ class Pending:
             if self._times is not None:
                 self.seconds, self.kernel_times = self._times.collect(self._view(self._times.read))
         finally:
-            pool = staging_for(self.device)
-            for gpu in self._staging:
-                if gpu.map_state == "mapped":
-                    gpu.unmap()
-                pool.give(gpu)
+            _give_back(self.device, self._staging)
             self._staging, self._keep, self.done = [], [], True
         return self.seconds
 
@@ -234,9 +239,7 @@ class Recording:
         if self._command_buffer is None:
             return
         self._command_buffer = None
-        pool = staging_for(self.device)
-        for gpu in self._staging:
-            pool.give(gpu)
+        _give_back(self.device, self._staging)
         self._staging, self._keep = [], []
 
 

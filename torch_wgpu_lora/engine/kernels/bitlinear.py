@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ...runtime import Buffer, Device, Launch, get_device, kernel
-from . import dummy
 from ..weights import Projection
+from . import dummy
 from .attention import DecodePartials
 from .rope import RopeTarget
 
