@@ -13,7 +13,7 @@
 // token per workgroup row of the grid, ROWS weight rows a workgroup, LANES threads a row, each
 // reading 16 bytes (64 weights) at a time through W4 (the same weights as W), the row's length
 // a pipeline constant so that every load of a thread is issued at once; one barrier, then one
-// thread a row sums its lanes. gemm: 64 tokens × 64 rows a workgroup, 4 × 4 a thread, K in
+// thread a row sums its lanes. gemm: 32 (or 64) tokens × 64 rows a workgroup, 4 × 4 a thread, K in
 // steps of 64 through workgroup memory; weights decoded once per step with one shift and
 // mask per four of them.
 //
@@ -298,23 +298,28 @@ fn gemv(inv: Invocation) {
   }
 }
 
-// gemm: 64 tokens × 64 rows a workgroup; thread (tr, tt) owns rows 4tr.. and tokens 4tt..
+// gemm: TILE_TOKENS (32 or 64) tokens × 64 rows a workgroup of 4·TILE_TOKENS threads; thread
+// (tr, tt) owns rows 4tr.. and tokens 4tt.. (bitlinear.py's gemm_tile_tokens says which tile).
+override TILE_TOKENS: u32 = 64u;
+override GEMM_THREADS: u32 = 4u * TILE_TOKENS;
 var<workgroup> xs: array<vec4<u32>, 256>;  // [token][word] of the current K step
 var<workgroup> ws: array<u32, 256>;        // [row][word]
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(GEMM_THREADS)
 fn gemm(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let tr = t % 16u;
   let tt = t / 16u;
-  let n0 = wg.y * 64u;
+  let n0 = wg.y * TILE_TOKENS;
   let j0 = wg.x * 64u;
-  // what this thread loads each step: token/row t / 4, word t % 4
+  // what this thread loads each step: token t / 4, row t / 4 (and with 32 tokens row t / 4 + 32), word t % 4
   let load_n = min(n0 + t / 4u, p.tokens - 1u) * p.k_words + t % 4u;
   let load_j = min(j0 + t / 4u, p.rows - 1u) * p.k_words + t % 4u;
+  let load_j2 = min(j0 + t / 4u + 32u, p.rows - 1u) * p.k_words + t % 4u;
   var a0 = vec4<i32>(0); var a1 = vec4<i32>(0); var a2 = vec4<i32>(0); var a3 = vec4<i32>(0);
   for (var u = 0u; u < p.k_words; u += 4u) {
     xs[t] = XQ[load_n + u];
     ws[t] = W[load_j + u];
+    if (TILE_TOKENS == 32u) { ws[t + 128u] = W[load_j2 + u]; }
     workgroupBarrier();
     for (var w = 0u; w < 4u; w++) {
       let d0 = spread(ws[(4u * tr) * 4u + w]);

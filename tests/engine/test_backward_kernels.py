@@ -180,32 +180,34 @@ def test_cross_entropy_rows_loss_and_gradient_in_place(reductions):
 
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["workgroup-a-token", "invocation-a-token"])
-def test_lora_gradients_for_an_interleaved_segment_and_a_stacked_site(per_row):
+@pytest.mark.parametrize("tokens, rank", [(9, 4), (77, 6)])  # 77: db/da's four-token iterations and their tail
+def test_lora_gradients_for_an_interleaved_segment_and_a_stacked_site(per_row, tokens, rank):
     # An "up" adapter: rows 1, 3, 5, … of a fused gate/up output; its h at column 3 of H.
     g = torch.Generator().manual_seed(5)
-    tokens, f, k, rank, scale = 9, 12, 70, 4, 0.75
+    f, k, scale = 12, 70, 0.75
     x = torch.randn(tokens, k, generator=g)
     A, B = torch.randn(rank, k, generator=g), torch.randn(f, rank, generator=g)
     dy_pairs = torch.randn(tokens, 2 * f, generator=g)
     dy = dy_pairs[:, 1::2]
-    h = torch.zeros(tokens, 8)
+    width = 12  # the site's stacked ranks: this adapter's at columns 3.. of H
+    h = torch.zeros(tokens, width)
     h[:, 3:3 + rank] = x @ A.T
     b_offset, a_offset = 64, 192
-    lb = np.zeros(a_offset + 8 * pad(k, 64), np.float32)
+    lb = np.zeros(a_offset + width * pad(k, 64), np.float32)
     lb[b_offset:b_offset + f * rank] = B.numpy().ravel()
     grads = upload(np.zeros_like(lb))
-    dh = upload(np.zeros((tokens, 8), np.float32))
+    dh = upload(np.zeros((tokens, width), np.float32))
     rows = (1, 2 * f, 2)
     launches = [dh_launch(upload(dy_pairs.numpy()), upload(lb), dh, tokens=tokens, rows=rows, rank=rank, h_col=3,
                           b_offset=b_offset, scale=scale, per_row=per_row),
                 db_launch(upload(dy_pairs.numpy()), upload(h.numpy()), grads, tokens=tokens, rows=rows, rank=rank,
                           h_col=3, b_offset=b_offset, scale=scale),
-                da_launch(dh, upload(padded(x, pad(k, 64))), grads, tokens=tokens, rank=8, k=k, a_offset=a_offset)]
+                da_launch(dh, upload(padded(x, pad(k, 64))), grads, tokens=tokens, rank=width, k=k, a_offset=a_offset)]
     got_grads, got_dh = run(launches, grads, dh)
     dA_ref, dB_ref, _ = lora_grad_reference(x, dy, A, B, scale)
     close(got_dh[:, 3:3 + rank], scale * dy.double() @ B.double(), RTOL, "dh")
     close(got_grads[b_offset:b_offset + f * rank].reshape(f, rank), dB_ref, RTOL, "dB")
-    dA = got_grads[a_offset:a_offset + 8 * pad(k, 64)].reshape(8, -1)
+    dA = got_grads[a_offset:a_offset + width * pad(k, 64)].reshape(width, -1)
     close(dA[3:3 + rank, :k], dA_ref, RTOL, "dA")
     assert not dA[:3].any() and not dA[3 + rank:].any()  # h columns of other adapters are zero here
 

@@ -90,30 +90,34 @@ def _codes(tokens: int, k: int, g: torch.Generator):
     return codes, scales, upload(padded.view(np.uint32).copy()), upload(meta.astype(np.float32))
 
 
+# BitLinear's two kernels, gemm with each of its tiles (gemm_tile_tokens: 32 tokens on GPUs, 64 on CPU adapters)
+PATHS = {"gemv": dict(gemv=True), "gemm": dict(gemv=False, tile_tokens=64), "gemm32": dict(gemv=False, tile_tokens=32)}
+
+
 def _projection(values: torch.Tensor, row_scales: torch.Tensor, divide: bool) -> Projection:
     return Projection(upload(pack_ternary(values)), upload(row_scales.numpy().astype(np.float32)), values.shape[0],
                       values.shape[1], divide)
 
 
-@pytest.mark.parametrize("gemv", [True, False])
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("divide", [True, False])
 @pytest.mark.parametrize("tokens,k,rows", [(1, 64, 8), (3, 100, 37), (70, 2560, 130), (5, 6912, 24)])
-def test_bitlinear_store_matches_the_exact_integer_reference(gemv, divide, tokens, k, rows):
+def test_bitlinear_store_matches_the_exact_integer_reference(path, divide, tokens, k, rows):
     g = torch.Generator().manual_seed(tokens * 1000 + k + rows)
     codes, scales, xq, xm = _codes(tokens, k, g)
     values = torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8)
     row_scales = torch.rand(rows, generator=g) + 0.5
     out = poisoned((tokens, rows + 3))
     launch = bitlinear_launch(xq, xm, _projection(values, row_scales, divide), out, tokens=tokens,
-                              out_stride=rows + 3, out_offset=2, gemv=gemv)
+                              out_stride=rows + 3, out_offset=2, **PATHS[path])
     (got,) = run([launch], out)
     ref = bitlinear_reference(codes, scales, values, row_scales, divide)
     close(got[:, 2:rows + 2], ref, INT_RTOL, "bitlinear")
     assert torch.isnan(got[:, :2]).all() and torch.isnan(got[:, rows + 2:]).all()  # only its columns written
 
 
-@pytest.mark.parametrize("gemv", [True, False])
-def test_bitlinear_adds_into_a_residual_stream(gemv):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_bitlinear_adds_into_a_residual_stream(path):
     g = torch.Generator().manual_seed(1)
     tokens, k, rows = 9, 192, 40
     codes, scales, xq, xm = _codes(tokens, k, g)
@@ -122,14 +126,14 @@ def test_bitlinear_adds_into_a_residual_stream(gemv):
     residual = torch.randn(tokens, rows, generator=g)
     out = upload(residual.numpy())
     launch = bitlinear_launch(xq, xm, _projection(values, row_scales, True), out, tokens=tokens, out_stride=rows,
-                              mode="add", gemv=gemv)
+                              mode="add", **PATHS[path])
     (got,) = run([launch, launch], out)  # twice: it adds, never overwrites
     close(got, residual.double() + 2 * bitlinear_reference(codes, scales, values, row_scales, True), INT_RTOL,
           "residual")
 
 
-@pytest.mark.parametrize("gemv", [True, False])
-def test_bitlinear_gate_up_pairs_with_lora_and_saved_pairs(gemv):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_bitlinear_gate_up_pairs_with_lora_and_saved_pairs(path):
     g = torch.Generator().manual_seed(2)
     tokens, k, f, rank = 6, 128, 20, 3
     codes, scales, xq, xm = _codes(tokens, k, g)
@@ -143,7 +147,7 @@ def test_bitlinear_gate_up_pairs_with_lora_and_saved_pairs(gemv):
     launch = bitlinear_launch(xq, xm, _projection(values, row_scales, False), out, tokens=tokens, out_stride=f,
                               mode="gate_up", h=upload(h.numpy()), lora_rank=2 * rank, lora=upload(table),
                               lora_b=upload(lb),
-                              segments=2, aux=aux, gemv=gemv)
+                              segments=2, aux=aux, **PATHS[path])
     got, saved = run([launch], out, aux)
     raw = bitlinear_reference(codes, scales, values, row_scales, False)
     raw[:, 0::2] += 0.5 * h[:, :rank].double() @ B_gate.double().T
@@ -152,8 +156,8 @@ def test_bitlinear_gate_up_pairs_with_lora_and_saved_pairs(gemv):
     close(got, gate_up_reference(raw), 1e-5, "relu² gate · up")
 
 
-@pytest.mark.parametrize("gemv", [True, False])
-def test_bitlinear_lora_segments_on_a_fused_qkv(gemv):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_bitlinear_lora_segments_on_a_fused_qkv(path):
     # q rows [0, 8), k [8, 12), v [12, 16): adapters on q and v read columns 0.. and 4.. of h.
     g = torch.Generator().manual_seed(3)
     tokens, k = 5, 64
@@ -167,7 +171,7 @@ def test_bitlinear_lora_segments_on_a_fused_qkv(gemv):
     out = poisoned((tokens, 16))
     launch = bitlinear_launch(xq, xm, _projection(values, row_scales, True), out, tokens=tokens, out_stride=16,
                               h=upload(h.numpy()), lora_rank=6, lora=upload(table), lora_b=upload(lb), segments=2,
-                              gemv=gemv)
+                              **PATHS[path])
     (got,) = run([launch], out)
     ref = bitlinear_reference(codes, scales, values, row_scales, True)
     ref[:, :8] += 1.5 * h[:, :4].double() @ Bq.double().T
@@ -338,6 +342,8 @@ def test_gemv_fusions_refuse_what_they_cannot_do():
     out, x, w = poisoned((2, 8)), poisoned((2, 64)), poisoned((64,))
     with pytest.raises(ValueError, match="gemv's fusions"):
         bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, gemv=False, norm=(x, w, 1e-5))
+    with pytest.raises(ValueError, match="gemm tiles hold 32 or 64 tokens, not 16"):
+        bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, gemv=False, tile_tokens=16)
     with pytest.raises(ValueError, match="mode 'rope' and a RopeTarget go together"):
         bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, mode="rope")
     big = _projection(torch.zeros(4, 4160, dtype=torch.int8), torch.ones(4), True)
@@ -379,6 +385,7 @@ def test_matmul_gate_up_and_add():
     res = upload(residual.numpy())
     (got,) = run([matmul_launch(upload(x.numpy()), proj, res, tokens=tokens, out_stride=2 * f, mode="add")], res)
     close(got, residual.double() + matmul_reference(x, weight), FLOAT_RTOL, "add")
+
 
 
 # -- RMSNorm, quantisation, LoRA down -------------------------------------------------------------
