@@ -17,7 +17,9 @@ engine's kernel choices.
   whole (``from_start``: what a training step runs), with the split counts ``sum_splits``
   picks and with each count for all of them;
 * ``attention_prefill_*``: the same length's attention forward (a prefill or training step) per
-  tile that fits (``prefill_tile`` picks the first).
+  tile that fits (``prefill_tile`` picks the first);
+* ``gemm_*``: the forward ternary GEMM of each projection over that many tokens, with 64- and
+  32-token tiles (``gemm_tile_tokens`` picks one).
 
 ``python -m torch_wgpu_lora.benchmarks.launches --out DIR [--checks bounds,full] [--small]``
 writes ``launches.json``.
@@ -34,7 +36,7 @@ import numpy as np
 from ..engine.kernels import STEP_POS
 from ..engine.kernels.attention import (attention_backward_launches, attention_launches, backward_tile,
                                        backward_tiles, decode_splits, sum_splits, prefill_tile, prefill_tiles)
-from ..engine.kernels.bitlinear import bitlinear_launch, gemv_normalises
+from ..engine.kernels.bitlinear import bitlinear_launch, gemm_tile_tokens, gemv_normalises
 from ..engine.kernels.norm import rmsnorm_launch
 from ..engine.kernels.rope import RopeTarget, rope_launch
 from ..engine.weights import Projection
@@ -79,8 +81,8 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
 
     out: dict[str, float] = {}
 
-    def timed(launches: list[Launch]) -> float:
-        return round(per_launch_us(launches, repeats), 2)
+    def timed(launches: list[Launch], times: int = repeats) -> float:
+        return round(per_launch_us(launches, times), 2)
 
     src, dst = floats(256), Buffer((256,), device=device)
     out["copy"] = timed([Launch.build(kernel("copy.wgsl", "copy", device), (1, 1, 1), (src, dst), (64,))])
@@ -98,8 +100,9 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
             finally:
                 set_subgroups(None)
 
-    for name, rows, k, mode in (("qkv", hidden + 2 * kv_heads * head_dim, hidden, "store"), ("o", hidden, hidden, "add"),
-                                ("gate_up", 2 * ffn, hidden, "gate_up"), ("down", hidden, ffn, "add")):
+    projections = (("qkv", hidden + 2 * kv_heads * head_dim, hidden, "store"), ("o", hidden, hidden, "add"),
+                   ("gate_up", 2 * ffn, hidden, "gate_up"), ("down", hidden, ffn, "add"))
+    for name, rows, k, mode in projections:
         proj = Projection(words(rows, k // 16), upload(rng.random(rows).astype(np.float32) + 0.5), rows, k)
         codes, meta = words(1, k // 4), upload(np.ones(2, np.float32))
         result = Buffer((1, rows // 2 if mode == "gate_up" else rows), device=device)
@@ -171,6 +174,16 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
                                       scale=head_dim ** -0.5, lse=Buffer((seq, heads)), tile=t)
         name = f"attention_prefill_{seq}_tile{t.row_quads}x{t.key_tile}x{t.key_lanes}"
         out[name + ("_chosen" if t == tile else "")] = timed(launches)
+    chosen = gemm_tile_tokens(device)
+    for name, rows, k, mode in projections:
+        proj = Projection(words(rows, k // 16), upload(rng.random(rows).astype(np.float32) + 0.5), rows, k)
+        codes, meta = words(seq, k // 4), upload(np.concatenate([np.ones(seq, np.float32), np.zeros(seq, np.float32)]))
+        result = Buffer((seq, rows // 2 if mode == "gate_up" else rows), device=device)
+        for tile_tokens in (64, 32):
+            launch = bitlinear_launch(codes, meta, proj, result, tokens=seq, out_stride=result.shape[1], mode=mode,
+                                      gemv=False, tile_tokens=tile_tokens)
+            out[f"gemm_{name}_{seq}_tile{tile_tokens}" + ("_chosen" if tile_tokens == chosen else "")] = timed(
+                [launch], max(1, repeats // 5))
     return out
 
 
