@@ -149,6 +149,9 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
     assert result["engine_training"]["16_response_only"]["tok_per_s"] > 0  # half the tokens labelled
     assert result["engine"]["prefill"]["tok_per_s"] > 0 and result["engine"]["decode"]["tok_per_s"] > 0
     assert all(v > 0 for v in result["ceilings_tera_ops_per_s"].values())
+    launches = training["dispatches_us"]  # every dispatch of the step, in order, adding up to the profile
+    assert len(launches) == training["dispatches"] and launches[0][0] == "embedding.wgsl:gather"
+    assert sum(us for _, us in launches) == pytest.approx(training["gpu_ms_profiled"] * 1e3, rel=1e-3)
     rates = training["rates"]  # every counted kernel ran, at a share of its ceiling
     assert set(rates) == set(engine.kernel_work(engine.small_config(1), 16, training=True))
     assert all(0 < r["share_of_ceiling"] for r in rates.values())

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from torch_wgpu_lora import BitNetEngine
+from torch_wgpu_lora.engine.kernels import bitlinear
 from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet
 from torch_wgpu_lora.integrations.tiny import FLAVOURS, build_tiny_bitnet
 
@@ -94,6 +95,23 @@ def test_quantised_logits_match_transformers_fed_the_engines_codes(flavour, conf
     assert_logits_close(logits, ref)
     # and the public forward gives the same logits as this instrumented pass
     assert torch.equal(engine(ids, attention_mask=mask).logits, logits)
+
+
+def test_quantised_logits_with_the_gpus_gemm_tile_match_transformers(monkeypatch):
+    # GPUs run the forward ternary GEMM in 32-token tiles (gemm_tile_tokens), CPU adapters in 64:
+    # the whole model with the GPU's tile, on this adapter, across two tiles of tokens.
+    monkeypatch.setattr(bitlinear, "gemm_tile_tokens", lambda device: 32)
+    model = tiny_model("packed", True, **CONFIGS["gqa-tied"])
+    ids, mask = batch(model.config.vocab_size, [40, 23])
+    engine = BitNetEngine(model)
+    logits, codes = forward_with_codes(engine, ids, mask.sum(1).tolist())
+    tiles = {launch.kernel.constants.get("TILE_TOKENS") for launch in engine.plan(2, 40).launches}
+    assert tiles == {None, 32}  # every gemm launch (the others have no tile)
+    stats = FeedStats()
+    with feeding_codes(model, codes, stats):
+        ref = torch_logits(model, ids, mask)
+    assert stats.flips <= FLIP_SHARE * stats.codes, f"{stats.flips} flips in {stats.codes} codes"
+    assert_logits_close(logits, ref)
 
 
 def test_loss_is_transformers_shifted_mean_over_labelled_tokens():

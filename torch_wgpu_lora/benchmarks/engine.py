@@ -248,7 +248,7 @@ def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int
                             log: Log) -> dict[str, Any]:
     """Training tok/s of whole optimizer steps (batch 1, every token labelled; for the longest
     ``seqs`` also with ``response_only`` labels, under key ``"<seq>_response_only"``), GPU time
-    per step and per kernel, and the runtime's peak GPU memory."""
+    per step, per kernel and per dispatch in program order, and the runtime's peak GPU memory."""
     from ..integrations.bitnet import lora_parameters
     from ..training.optim import WgpuAdamW
 
@@ -285,7 +285,8 @@ def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int
         lora_us = sum(us for name, us in kernels.items() if name.startswith("lora_grad"))
         out[str(seq)] = {"step_s": wall, "tok_per_s": seq / wall, "loss": done["loss"],
                          "dispatches": plan.dispatches, "gpu_ms_profiled": gpu_us / 1e3,
-                         "lora_grad_kernels_share": lora_us / gpu_us if gpu_us else None, "kernels_us": kernels}
+                         "lora_grad_kernels_share": lora_us / gpu_us if gpu_us else None, "kernels_us": kernels,
+                         "dispatches_us": [[name, round(seconds * 1e6, 2)] for name, seconds in rec.kernel_times]}
         log(f"engine training seq {seq}: {seq / wall:.0f} tok/s ({wall * 1e3:.1f} ms/step)")
         if seq == max(seqs):
             wall, _ = timed([{**micro[0], "labels": response_only(ids)}])
