@@ -115,7 +115,9 @@ def gemm_tile_tokens(device: Device) -> int:
     """Tokens a ``gemm`` workgroup holds: 32 on GPUs, 64 on CPU adapters. On the H200, at
     BitNet-2B's four projections over 512 tokens, 32-token tiles took 157 / 108 / 490 / 275 µs
     (q/k/v, o, gate/up, down) against 165 / 132 / 515 / 341 for 64-token tiles: twice the
-    workgroups hide more of each one's waits; 16-token tiles were no better at 512 tokens.
+    workgroups hide more of each one's waits; 16-token tiles were no better at 512 tokens. On
+    lavapipe (2 cores; ``benchmarks.launches --small``, 64 tokens) 64-token tiles were as fast or
+    faster (gate/up 2.13 against 2.26 ms).
 
     >>> from types import SimpleNamespace
     >>> gemm_tile_tokens(SimpleNamespace(is_cpu=False)), gemm_tile_tokens(SimpleNamespace(is_cpu=True))
