@@ -4,8 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-has_vulkan_driver() {
-  ls /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json /usr/local/share/vulkan/icd.d/*.json >/dev/null 2>&1
+has_vulkan_driver() {  # any driver manifest in the loader's usual folders (ls of all three failed if one was missing)
+  local manifest
+  for manifest in /usr/share/vulkan/icd.d/*.json /etc/vulkan/icd.d/*.json /usr/local/share/vulkan/icd.d/*.json; do
+    [ -e "$manifest" ] && return 0
+  done
+  return 1
 }
 if ! has_vulkan_driver; then
   echo "setup: no Vulkan driver found; installing Mesa's CPU Vulkan driver (lavapipe)"
