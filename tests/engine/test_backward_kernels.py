@@ -180,7 +180,7 @@ def test_cross_entropy_rows_loss_and_gradient_in_place(reductions):
 
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["workgroup-a-token", "invocation-a-token"])
-@pytest.mark.parametrize("tokens, rank", [(9, 4), (77, 6)])  # 77: db/da's four-token iterations and their tail
+@pytest.mark.parametrize("tokens, rank", [(9, 4), (77, 6)])  # 77: token slices of unequal length; 6: a partial rank quad
 def test_lora_gradients_for_an_interleaved_segment_and_a_stacked_site(per_row, tokens, rank):
     # An "up" adapter: rows 1, 3, 5, … of a fused gate/up output; its h at column 3 of H.
     g = torch.Generator().manual_seed(5)

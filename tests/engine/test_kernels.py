@@ -387,7 +387,6 @@ def test_matmul_gate_up_and_add():
     close(got, residual.double() + matmul_reference(x, weight), FLOAT_RTOL, "add")
 
 
-
 # -- RMSNorm, quantisation, LoRA down -------------------------------------------------------------
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["workgroup-a-row", "invocation-a-row"])

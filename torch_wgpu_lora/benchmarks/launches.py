@@ -102,8 +102,10 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
 
     projections = (("qkv", hidden + 2 * kv_heads * head_dim, hidden, "store"), ("o", hidden, hidden, "add"),
                    ("gate_up", 2 * ffn, hidden, "gate_up"), ("down", hidden, ffn, "add"))
+    weights = {name: Projection(words(rows, k // 16), upload(rng.random(rows).astype(np.float32) + 0.5), rows, k)
+               for name, rows, k, _ in projections}
     for name, rows, k, mode in projections:
-        proj = Projection(words(rows, k // 16), upload(rng.random(rows).astype(np.float32) + 0.5), rows, k)
+        proj = weights[name]
         codes, meta = words(1, k // 4), upload(np.ones(2, np.float32))
         result = Buffer((1, rows // 2 if mode == "gate_up" else rows), device=device)
         for lanes in [n for n in (4, 8, 16, 32) if 64 * 16 * n >= k]:  # a thread loads at most 16 vec4 words a row
@@ -176,7 +178,7 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
         out[name + ("_chosen" if t == tile else "")] = timed(launches)
     chosen = gemm_tile_tokens(device)
     for name, rows, k, mode in projections:
-        proj = Projection(words(rows, k // 16), upload(rng.random(rows).astype(np.float32) + 0.5), rows, k)
+        proj = weights[name]
         codes, meta = words(seq, k // 4), upload(np.concatenate([np.ones(seq, np.float32), np.zeros(seq, np.float32)]))
         result = Buffer((seq, rows // 2 if mode == "gate_up" else rows), device=device)
         for tile_tokens in (64, 32):
