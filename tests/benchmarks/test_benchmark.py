@@ -199,9 +199,11 @@ def test_launch_benchmark_times_every_kernel_shape(tmp_path):
     assert {"copy", "norm_qv_lora_subgroups", "norm_qv_lora_barriers", "gemv_down_lanes32"} <= set(result)
     # one chosen split count per decode attention length; for the attention backward one split
     # count and one tile, for its forward one tile, among every tile that fits this adapter
-    # and for each projection's forward GEMM one tile
-    assert sum(key.endswith("_chosen") for key in result) == len(launches.SHAPES["small"][-1]) + 3 + 4
+    # and for each projection's forward GEMM one tile and input-gradient GEMM one split count
+    assert sum(key.endswith("_chosen") for key in result) == len(launches.SHAPES["small"][-1]) + 3 + 4 + 4
     assert sum(key.startswith("gemm_") for key in result) == 8 and "gemm_o_64_tile64_chosen" in result
+    assert sum(key.startswith("input_grad_") for key in result) == 16  # splits 1, 2, 4, 8 (1 chosen here)
+    assert "input_grad_gate_up_64_splits1_chosen" in result
     assert sum(key.startswith("attention_backward_") and key.endswith("_chosen") for key in result) == 2
     head_dim = launches.SHAPES["small"][4]
     assert sum(key.startswith("attention_prefill_") for key in result) == len(prefill_tiles(head_dim))

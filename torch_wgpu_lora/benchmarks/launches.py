@@ -19,7 +19,10 @@ engine's kernel choices.
 * ``attention_prefill_*``: the same length's attention forward (a prefill or training step) per
   tile that fits (``prefill_tile`` picks the first);
 * ``gemm_*``: the forward ternary GEMM of each projection over that many tokens, with 64- and
-  32-token tiles (``gemm_tile_tokens`` picks one).
+  32-token tiles (``gemm_tile_tokens`` picks one);
+* ``input_grad_*``: the input gradient through each projection's ternary weights over that many
+  tokens (a training step's ``bitlinear_t``, its largest kernel), per count of ranges its sum is
+  split into, the split-sum launch included (``input_grad_splits`` picks one).
 
 ``python -m torch_wgpu_lora.benchmarks.launches --out DIR [--checks bounds,full] [--small]``
 writes ``launches.json``.
@@ -36,7 +39,8 @@ import numpy as np
 from ..engine.kernels import STEP_POS
 from ..engine.kernels.attention import (attention_backward_launches, attention_launches, backward_tile,
                                        backward_tiles, decode_splits, sum_splits, prefill_tile, prefill_tiles)
-from ..engine.kernels.bitlinear import bitlinear_launch, gemm_tile_tokens, gemv_normalises
+from ..engine.kernels.bitlinear import (bitlinear_launch, bitlinear_t_launch, gemm_tile_tokens, gemv_normalises,
+                                       input_grad_splits)
 from ..engine.kernels.norm import rmsnorm_launch
 from ..engine.kernels.rope import RopeTarget, rope_launch
 from ..engine.weights import Projection
@@ -186,6 +190,13 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
                                       gemv=False, tile_tokens=tile_tokens)
             out[f"gemm_{name}_{seq}_tile{tile_tokens}" + ("_chosen" if tile_tokens == chosen else "")] = timed(
                 [launch], max(1, repeats // 5))
+    for name, rows, k, _ in projections:
+        dy, dx = floats(seq, rows), Buffer((seq, k), device=device)
+        chosen = input_grad_splits((k // 64) * -(-seq // 64), rows, device)
+        for splits in sorted({1, 2, 4, 8, chosen}):
+            launches = bitlinear_t_launch(dy, weights[name], dx, tokens=seq, k=k, splits=splits)
+            out[f"input_grad_{name}_{seq}_splits{splits}" + ("_chosen" if splits == chosen else "")] = timed(
+                launches, max(1, repeats // 10))
     return out
 
 
