@@ -196,7 +196,7 @@ def input_grad_splits(workgroups: int, rows: int, device: Device) -> int:
     H200 against counts 1-6, 8, 12 and 16 (the split sum included; ``benchmarks.launches``'
     ``input_grad_*`` times 1, 2, 4, 8): the chosen count was the fastest or within 4% of it for
     each projection at 256 and 512 tokens (o_proj's 512-token sweep aside: the GPU clocked down
-    in it), but down_proj at 256 tokens (290 µs at 4 against 273 at 3)."""
+    in it), except down_proj at 256 tokens (290 µs at 4 against 273 at 3)."""
     if device.is_cpu:
         return 1
     splits = 1
