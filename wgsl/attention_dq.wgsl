@@ -34,7 +34,6 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> DQ: array<f32>;
 @group(0) @binding(6) var<storage, read_write> PART: array<f32>;  // SPLITS > 1: the ranges' raw sums
 
-
 struct Staged {
   a: mat4x4<f32>,  // dS: rows n0 + 4(t / 32) + 16c .. + 3, key j0 + t % 32 (column c)
   w: mat4x4<f32>,  // K: quad t % 16 of keys j0 + t / 16 + 8c (column c)

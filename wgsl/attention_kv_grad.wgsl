@@ -33,7 +33,6 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> OUT: array<f32>;
 @group(0) @binding(6) var<storage, read_write> PART: array<f32>;  // SPLITS > 1: the ranges' raw sums
 
-
 struct Staged {
   a: mat4x4<f32>,  // A: keys n0 + 4(t / 32) + 16c .. + 3 (column c) of query m = j0 + t % 32
   w: mat4x4<f32>,  // X: quad k0 / 4 + t % 16 of queries j0 + t / 16 + 8c (column c)

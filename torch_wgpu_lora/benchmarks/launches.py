@@ -180,7 +180,7 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
                                       scale=head_dim ** -0.5, lse=Buffer((seq, heads)), tile=t)
         name = f"attention_prefill_{seq}_tile{t.row_quads}x{t.key_tile}x{t.key_lanes}"
         out[name + ("_chosen" if t == tile else "")] = timed(launches)
-    chosen = gemm_tile_tokens(device)
+    chosen_tile = gemm_tile_tokens(device)
     for name, rows, k, mode in projections:
         proj = weights[name]
         codes, meta = words(seq, k // 4), upload(np.concatenate([np.ones(seq, np.float32), np.zeros(seq, np.float32)]))
@@ -188,14 +188,13 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
         for tile_tokens in (64, 32):
             launch = bitlinear_launch(codes, meta, proj, result, tokens=seq, out_stride=result.shape[1], mode=mode,
                                       gemv=False, tile_tokens=tile_tokens)
-            out[f"gemm_{name}_{seq}_tile{tile_tokens}" + ("_chosen" if tile_tokens == chosen else "")] = timed(
+            out[f"gemm_{name}_{seq}_tile{tile_tokens}" + ("_chosen" if tile_tokens == chosen_tile else "")] = timed(
                 [launch], max(1, repeats // 5))
-    for name, rows, k, _ in projections:
         dy, dx = floats(seq, rows), Buffer((seq, k), device=device)
-        chosen = input_grad_splits((k // 64) * -(-seq // 64), rows, device)
-        for splits in sorted({1, 2, 4, 8, chosen}):
-            launches = bitlinear_t_launch(dy, weights[name], dx, tokens=seq, k=k, splits=splits)
-            out[f"input_grad_{name}_{seq}_splits{splits}" + ("_chosen" if splits == chosen else "")] = timed(
+        chosen_splits = input_grad_splits((k // 64) * -(-seq // 64), rows, device)
+        for splits in sorted({1, 2, 4, 8, chosen_splits}):
+            launches = bitlinear_t_launch(dy, proj, dx, tokens=seq, k=k, splits=splits)
+            out[f"input_grad_{name}_{seq}_splits{splits}" + ("_chosen" if splits == chosen_splits else "")] = timed(
                 launches, max(1, repeats // 10))
     return out
 

@@ -299,7 +299,8 @@ class BitNetEngine(nn.Module):
             slots = len(micro_batches)
             if all_reduce is not None:
                 self._discard_ahead()
-                self._all_reduce_grads(self._record_passes(plan, slots), plan, all_reduce)  # submit 1: the gradients go round the processes
+                # submit 1: the gradients go round the processes
+                self._all_reduce_grads(self._record_passes(plan, slots), plan, all_reduce)
                 recording, stats = self._record_update(Recorder(self.device), plan, max_grad_norm)
                 recording.submit_async().wait()
             else:
