@@ -1,16 +1,30 @@
 // Shared by bitlinear_t.wgsl and matmul_t.wgsl (// @include): storing four input-gradient
-// features of token n, plus the adapters' own input gradient Σ_r DH[n][r] · LA[r][k]. The
-// including file declares Params (tokens, out_stride, k, lora_rank, dh_stride, la_stride,
-// accumulate) and the bindings OUT, DH, LA and PART.
+// features of token n, plus the adapters' own input gradient Σ_r DH[n][r] · LA[r][k] (with
+// DROPOUT each term times row r's adapter's dropout mask at [n][k]). The including file declares
+// Params (tokens, out_stride, k, lora_rank, dh_stride, la_stride, accumulate and _dropout.wgsl's
+// fields), the bindings OUT, DH, LA, PART and DROP, and includes _dropout.wgsl.
 //
 // With SPLITS > 1 the rows j were split into ranges over the grid's z (gemm_tiled's `range`): each
 // range stores its raw sums into its slice of PART [SPLITS, tokens, k], and split_sum adds the
 // slices up in order, then the LoRA term, into OUT.
 
 override SPLITS: u32 = 1u;
+override DROPOUT: bool = false;
 
 fn lora_term(n: u32, kc: u32) -> f32 {
   var x = 0.0;
+  if (DROPOUT) {  // one mask per adapter: rows r of one adapter are consecutive
+    var key = drop_key(0u);
+    var m = drop_mask(key, n, kc);
+    for (var r = 0u; r < p.lora_rank; r++) {
+      if (drop_key(r) != key) {
+        key = drop_key(r);
+        m = drop_mask(key, n, kc);
+      }
+      x += DH[n * p.dh_stride + r] * LA[r * p.la_stride + kc] * m;
+    }
+    return x;
+  }
   for (var r = 0u; r < p.lora_rank; r++) { x += DH[n * p.dh_stride + r] * LA[r * p.la_stride + kc]; }
   return x;
 }

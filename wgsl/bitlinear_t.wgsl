@@ -3,7 +3,8 @@
 // where ∘ is division by WS[j] (DIVIDE: BitLinear and online AutoBitLinear, y = dot / (ws·s)) or
 // multiplication (offline AutoBitLinear, y = dot / s · ws): activation quantisation counts as the
 // identity, as transformers' STE and this package's packed-BitLinear STE have it. The LoRA term
-// is the adapters' own input gradient (DH = s·dY·B per adapter, LA their stacked A).
+// is the adapters' own input gradient (DH = s·dY·B per adapter, LA their stacked A; with DROPOUT
+// each adapter's term masked by its dropout).
 //
 // Tiling (_gemm_t_tile.wgsl): 64 tokens × 64 input features a workgroup of 128 threads, 8 tokens
 // × 8 features a thread, rows j in steps of 32 through workgroup memory, each half of the
@@ -22,6 +23,9 @@ struct Params {
   dh_stride: u32,
   la_stride: u32,
   accumulate: u32,
+  drop_key: u32,
+  drop_split1: u32,
+  drop_split2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -32,6 +36,7 @@ struct Params {
 @group(0) @binding(5) var<storage, read> DH: array<f32>;
 @group(0) @binding(6) var<storage, read> LA: array<f32>;
 @group(0) @binding(7) var<storage, read_write> PART: array<f32>;  // SPLITS > 1: the ranges' raw sums
+@group(0) @binding(8) var<storage, read> DROP: array<u32>;  // DROPOUT: _dropout.wgsl's state
 
 override DIVIDE: bool = true;
 
@@ -61,4 +66,5 @@ fn stage(t: u32, s: Staged) {
 fn row_span(n0: u32, k0: u32) -> vec2<u32> { return vec2<u32>(0u, p.rows); }
 
 // @include _gemm_t_tile.wgsl
+// @include _dropout.wgsl
 // @include _input_grad_store.wgsl

@@ -4,6 +4,7 @@
 //   dh:  DH[n][h_col + r]          = scale · Σ_i dY[n][begin + step·i] · B[i][r]   (one token a workgroup)
 //   db:  G[b_offset + i·rank + r] (+)= scale · Σ_n dY[n][begin + step·i] · H[n][h_col + r]
 //   da:  G[a_offset + r·x_stride + k] (+)= Σ_n DH[n][r] · X[n][k]                 (DH already scaled)
+//        (with DROPOUT X[n][k] · m[n][k], row r's adapter's dropout mask: _dropout.wgsl)
 // The adapters' input gradient, Σ_r DH[n][r]·A[r][k], is added by the transposed projection.
 
 struct Params {
@@ -21,6 +22,9 @@ struct Params {
   k: u32,          // da: input features
   accumulate: u32,
   scale: f32,
+  drop_key: u32,
+  drop_split1: u32,
+  drop_split2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -31,8 +35,12 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> G: array<f32>;
 @group(0) @binding(6) var<storage, read> X: array<f32>;
 @group(0) @binding(7) var<storage, read> DHR: array<f32>;
+@group(0) @binding(8) var<storage, read> DROP: array<u32>;
 
 override WG: u32 = 256u;
+override DROPOUT: bool = false;
+
+// @include _dropout.wgsl
 
 var<workgroup> red: array<vec4<f32>, WG>;
 
@@ -114,7 +122,9 @@ fn da(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u
   var acc = vec4<f32>(0.0);
   for (var n = t / 32u; n < p.tokens; n += SLICES) {
     let c = quad(n * p.h_stride, r0);
-    acc += X[n * p.x_stride + kk] * vec4<f32>(DHR[c.x], DHR[c.y], DHR[c.z], DHR[c.w]);
+    var x = vec4<f32>(X[n * p.x_stride + kk]);
+    if (DROPOUT) { x *= drop_quad(r0, n, kk); }
+    acc += x * vec4<f32>(DHR[c.x], DHR[c.y], DHR[c.z], DHR[c.w]);
   }
   let total = slices_sum(t, acc);
   if (t >= 32u || k >= p.k) { return; }

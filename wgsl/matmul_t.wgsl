@@ -2,7 +2,7 @@
 //   OUT[n][k] (+)= Σ_j A[n][a_col + j] · W[j][k]   (+ Σ_r DH[n][r] · LA[r][k] with lora_rank > 0)
 // W is the forward's weight, rows j of K features (padded to 64) as float32 or, with BF16, raw
 // bfloat16 pairs (widened once as each step's tile is loaded). The LoRA term is the adapters' own
-// input gradient (DH = s·dY·B, LA their A).
+// input gradient (DH = s·dY·B, LA their A; with DROPOUT each adapter's term masked by its dropout).
 //
 // Tiling (_gemm_t_tile.wgsl): 64 tokens × 64 features a workgroup of 128 threads, 8 tokens × 8
 // features a thread, rows j in steps of 32 through workgroup memory, each half of the workgroup
@@ -20,6 +20,9 @@ struct Params {
   dh_stride: u32,
   la_stride: u32,
   accumulate: u32,
+  drop_key: u32,
+  drop_split1: u32,
+  drop_split2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -29,6 +32,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read> DH: array<f32>;
 @group(0) @binding(5) var<storage, read> LA: array<f32>;
 @group(0) @binding(6) var<storage, read_write> PART: array<f32>;  // SPLITS > 1: the ranges' raw sums
+@group(0) @binding(7) var<storage, read> DROP: array<u32>;  // DROPOUT: _dropout.wgsl's state
 
 override BF16: bool = false;
 
@@ -91,4 +95,5 @@ fn stage(t: u32, s: Staged) {
 fn row_span(n0: u32, k0: u32) -> vec2<u32> { return vec2<u32>(0u, p.rows); }
 
 // @include _gemm_t_tile.wgsl
+// @include _dropout.wgsl
 // @include _input_grad_store.wgsl

@@ -6,8 +6,9 @@
 //   s = 127 / max(max|y|, 1e-5),  q = clamp(round(y · s), −128, 127)   (round half to even)
 // packed four to a u32 in XQ, with s at XM[n] and Σ q (i32 bits) at XM[tokens + n]. With
 // rank > 0 it also computes the LoRA down-projections of y for every adapter reading
-// this input: H[n][r] = Σ_k A[r][k] · y_k (A: the adapters' A matrices stacked). With SAVE
-// it keeps r in RS[n] for the backward pass.
+// this input: H[n][r] = Σ_k A[r][k] · y_k (A: the adapters' A matrices stacked), with DROPOUT
+// of y_k · m_k (each adapter its own mask, _dropout.wgsl). With SAVE it keeps r in RS[n] for
+// the backward pass.
 
 struct Params {
   tokens: u32,
@@ -19,6 +20,9 @@ struct Params {
   h_stride: u32,    // floats per row of H
   eps: f32,
   rank_chunk: u32,  // rmsnorm_rows: LoRA ranks an invocation computes
+  drop_key: u32,
+  drop_split1: u32,
+  drop_split2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -31,15 +35,18 @@ struct Params {
 @group(0) @binding(7) var<storage, read_write> H: array<f32>;
 @group(0) @binding(8) var<storage, read_write> RS: array<f32>;
 @group(0) @binding(9) var<storage, read> A4: array<vec4<f32>>;  // A again, 16 bytes a read (rmsnorm)
+@group(0) @binding(10) var<storage, read> DROP: array<u32>;
 
 override WG: u32 = 256u;  // a multiple of 32
 override QUANT: bool = true;
 override SAVE: bool = false;
 override K: u32 = 64u;       // rmsnorm: features
 override STRIDE: u32 = 64u;  // rmsnorm: K padded to a multiple of 64
+override DROPOUT: bool = false;
 
 // @include _reductions.wgsl
 // @include _quantise.wgsl
+// @include _dropout.wgsl
 
 // A row's 4-feature words are spread over the invocations (word t + WG·i for invocation t), held
 // in registers from the one read of X to the codes; K and STRIDE are pipeline constants so the
@@ -85,7 +92,17 @@ fn rmsnorm(inv: Invocation) {
   if (inv.wg.y > 0u) {  // uniform: the whole workgroup computes its ranks of h and leaves
     var acc = vec4<f32>(0.0);
     for (var i = 0u; i < words; i++) {
-      if (t + WG * i < row_words) { acc += (g[i] * (y[i] * r)) * a[i]; }
+      let w = t + WG * i;
+      if (w < row_words) {
+        let v = g[i] * (y[i] * r);
+        if (DROPOUT) {
+          let m = drop_quad4(ranks, n, w);
+          acc += vec4<f32>(dot(v * m[0], a[i][0]), dot(v * m[1], a[i][1]), dot(v * m[2], a[i][2]),
+                           dot(v * m[3], a[i][3]));
+        } else {
+          acc += v * a[i];
+        }
+      }
     }
     store_h(n, ranks, sum_all4(t, acc), t);
     return;
@@ -148,8 +165,13 @@ fn rmsnorm_rows(@builtin(global_invocation_id) gid: vec3<u32>) {
   let r = inverseSqrt(ss / f32(p.k) + p.eps);
   let first = gid.y * p.rank_chunk;
   for (var j = first; j < min(first + p.rank_chunk, p.rank); j++) {
+    let key = drop_key(j);
     var acc = 0.0;
-    for (var k = 0u; k < p.k; k++) { acc += G[k] * (X[row + k] * r) * A[j * p.stride + k]; }
+    for (var k = 0u; k < p.k; k++) {
+      var y = G[k] * (X[row + k] * r);
+      if (DROPOUT) { y *= drop_mask(key, n, k); }
+      acc += y * A[j * p.stride + k];
+    }
     H[n * p.h_stride + j] = acc;
   }
   if (gid.y != 0u) { return; }

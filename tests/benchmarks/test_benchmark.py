@@ -147,6 +147,7 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
     training = result["engine_training"]["16"]
     assert training["loss"] is not None and 0 < training["loss"] < 20  # None: the step was skipped (non-finite)
     assert result["engine_training"]["16_response_only"]["tok_per_s"] > 0  # half the tokens labelled
+    assert result["engine_training"]["16_dropout"]["tok_per_s"] > 0  # LoRA dropout on
     assert result["engine"]["prefill"]["tok_per_s"] > 0 and result["engine"]["decode"]["tok_per_s"] > 0
     assert all(v > 0 for v in result["ceilings_tera_ops_per_s"].values())
     launches = training["dispatches_us"]  # every dispatch of the step, in order, adding up to the profile

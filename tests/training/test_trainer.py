@@ -188,11 +188,12 @@ def test_resume_continues_bit_identically(base, tmp_path):
 
 def test_resume_on_the_engine_continues_bit_identically(base, tmp_path, monkeypatch):
     # The engine's step is one submit; a crash inside step 8 (after the step-5 checkpoint), then a
-    # resume: the moments come back from the checkpoint into the engine's flat buffers.
+    # resume: the moments come back from the checkpoint into the engine's flat buffers, and torch's
+    # RNG, from which the engine draws its dropout seeds.
     from torch_wgpu_lora.engine.model import BitNetEngine
 
     settings = dict(max_steps=10, save_every=5, gradient_accumulation_steps=2, seed=3, engine="wgpu")
-    straight = fresh_model(base)
+    straight = fresh_model(base, dropout=0.1)
     train(straight, base[1], RECORDS, **options(tmp_path / "straight", **settings))
 
     real_step, calls = BitNetEngine.train_step, {"n": 0}
@@ -205,9 +206,10 @@ def test_resume_on_the_engine_continues_bit_identically(base, tmp_path, monkeypa
 
     monkeypatch.setattr(BitNetEngine, "train_step", crashing_step)
     with pytest.raises(Crash):
-        train(fresh_model(base), base[1], RECORDS, **options(tmp_path / "resumed", **settings))
+        train(fresh_model(base, dropout=0.1), base[1], RECORDS, **options(tmp_path / "resumed", **settings))
     monkeypatch.setattr(BitNetEngine, "train_step", real_step)
-    resumed = fresh_model(base)
+    torch.manual_seed(12345)  # whatever the RNGs hold now must not matter
+    resumed = fresh_model(base, dropout=0.1)
     result = train(resumed, base[1], RECORDS, resume_from=True, **options(tmp_path / "resumed", **settings))
 
     assert result.steps == 10

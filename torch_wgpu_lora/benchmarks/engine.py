@@ -22,7 +22,8 @@ import json
 import statistics
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ from .report import write_json
 from .timing import arithmetic_rate
 
 Log = Callable[[str], None]
+DROPOUT = 0.05  # the LoRA dropout of the "<seq>_dropout" training figures (common in Alpaca recipes)
 
 
 def bitnet_2b_config(layers: int = 30, **overrides: Any) -> Any:
@@ -101,6 +103,24 @@ def _with_adapters(model: torch.nn.Module, rank: int, seed: int) -> torch.nn.Mod
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.01)
     return model
+
+
+@contextmanager
+def _lora_dropout(model: torch.nn.Module, p: float) -> Iterator[None]:
+    """The model's adapters with dropout ``p``, in training mode, for the duration."""
+    from ..integrations.bitnet import lora_modules
+
+    modules = lora_modules(model)
+    saved = {name: m.lora_dropout for name, m in modules.items()}
+    for m in modules.values():
+        m.lora_dropout = torch.nn.Dropout(p)
+        m.train()
+    try:
+        yield
+    finally:
+        for name, m in modules.items():
+            m.lora_dropout = saved[name]
+            m.eval()
 
 
 def _families(kernel_times: list[tuple[str, float]]) -> dict[str, float]:
@@ -247,8 +267,9 @@ def response_only(ids: torch.Tensor) -> torch.Tensor:
 def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...], steps: int,
                             log: Log) -> dict[str, Any]:
     """Training tok/s of whole optimizer steps (batch 1, every token labelled; for the longest
-    ``seqs`` also with ``response_only`` labels, under key ``"<seq>_response_only"``), GPU time
-    per step, per kernel and per dispatch in program order, and the runtime's peak GPU memory."""
+    ``seqs`` also with ``response_only`` labels, under key ``"<seq>_response_only"``, and with
+    LoRA dropout ``DROPOUT``, ``"<seq>_dropout"``), GPU time per step, per kernel and per
+    dispatch in program order, and the runtime's peak GPU memory."""
     from ..integrations.bitnet import lora_parameters
     from ..training.optim import WgpuAdamW
 
@@ -271,16 +292,20 @@ def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int
             walls.append(time.perf_counter() - t0)
         return statistics.median(walls), done
 
+    def profile(plan: Any) -> tuple[dict[str, float], Recorder]:
+        """A pass of ``plan`` timed per dispatch: GPU µs per kernel family, and the recorder."""
+        rec = Recorder(engine.device, per_dispatch=True)
+        rec.clear(plan.grads)
+        plan.record(rec, 0)
+        rec.submit()
+        return _families(rec.kernel_times), rec
+
     for seq in seqs:
         ids = torch.randint(0, engine.engine_config.vocab, (1, seq), generator=g)
         micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
         wall, done = timed(micro)
         plan = engine.train_plan(1, seq, 1)
-        rec = Recorder(engine.device, per_dispatch=True)
-        rec.clear(plan.grads)
-        plan.record(rec, 0)
-        rec.submit()
-        kernels = _families(rec.kernel_times)
+        kernels, rec = profile(plan)
         gpu_us = sum(kernels.values())
         lora_us = sum(us for name, us in kernels.items() if name.startswith("lora_grad"))
         out[str(seq)] = {"step_s": wall, "tok_per_s": seq / wall, "loss": done["loss"],
@@ -292,6 +317,17 @@ def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int
             wall, _ = timed([{**micro[0], "labels": response_only(ids)}])
             out[f"{seq}_response_only"] = {"step_s": wall, "tok_per_s": seq / wall}
             log(f"engine training seq {seq}, response-only labels: {seq / wall:.0f} tok/s ({wall * 1e3:.1f} ms/step)")
+            peak = engine.device.peak_allocated  # the figure of the plain steps: dropout's plan is another
+            with _lora_dropout(model, DROPOUT):
+                wall, _ = timed(micro)
+            kernels, _ = profile(engine.train_plan(1, seq, 1, dropout=True))  # its masks as the last step's
+            out[f"{seq}_dropout"] = {"step_s": wall, "tok_per_s": seq / wall, "kernels_us": kernels}
+            engine._discard_ahead()  # the dropout plan's buffers go before the next length's plan is made
+            engine._plans.pop(("train", 1, seq, 1, True))
+            gc.collect()
+            pool_for(engine.device).release()
+            engine.device.peak_allocated = peak
+            log(f"engine training seq {seq}, LoRA dropout {DROPOUT}: {seq / wall:.0f} tok/s ({wall * 1e3:.1f} ms/step)")
     out["peak_gpu_bytes"] = engine.device.peak_allocated
     return out
 
@@ -384,9 +420,13 @@ def measure_hf_peft_training(config: Any, seqs: tuple[int, ...], steps: int, log
             optimizer.step()
             optimizer.zero_grad()
 
-        for key, labels in ((str(seq), ids), (f"{seq}_response_only", response_only(ids))):
-            if key.endswith("_response_only") and seq != max(seqs):
+        for key, labels in ((str(seq), ids), (f"{seq}_response_only", response_only(ids)), (f"{seq}_dropout", ids)):
+            if "_" in key and seq != max(seqs):
                 continue
+            for layer in model.modules():  # PEFT's LoRA layers: dropout only for the "_dropout" figure
+                if isinstance(getattr(layer, "lora_dropout", None), torch.nn.ModuleDict):
+                    layer.lora_dropout["default"] = (torch.nn.Dropout(DROPOUT) if key.endswith("_dropout")
+                                                     else torch.nn.Identity())
             step(labels)
             torch.cuda.synchronize()
             walls = []
@@ -529,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios["prefill_tok_per_s"] = result["engine"]["prefill"]["tok_per_s"] / hf["prefill"]["tok_per_s"]
         ratios["decode_tok_per_s"] = result["engine"]["decode"]["tok_per_s"] / hf["decode"]["tok_per_s"]
     if hf_train:
-        for key in [str(seq) for seq in seqs] + [f"{max(seqs)}_response_only"]:
+        for key in [str(seq) for seq in seqs] + [f"{max(seqs)}_response_only", f"{max(seqs)}_dropout"]:
             ratios[f"training_tok_per_s_{key}"] = (result["engine_training"][key]["tok_per_s"]
                                                    / hf_train[key]["tok_per_s"])
         ratios["peak_memory"] = result["engine_training"]["peak_gpu_bytes"] / hf_train["peak_memory_bytes"]

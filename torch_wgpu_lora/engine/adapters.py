@@ -20,6 +20,10 @@ the values last uploaded and writes those that changed (an optimizer step, ``loa
 any in-place edit), so the engine never drifts from them. When the engine itself updates
 ``params`` (training with the GPU optimizer), ``pull`` writes the values back.
 
+LoRA dropout (``dropout``): adapters in training mode with ``lora_dropout`` > 0 drop features
+of their input with masks the kernels compute from a pass's seed and each adapter's key
+(``kernels.dropout``); the engine takes one probability for every adapter, as a PEFT config has.
+
 >>> # adapters = EngineAdapters(model, config, device); adapters.sync()
 """
 
@@ -36,6 +40,7 @@ from ..modules import LoRALinear
 from ..runtime import Buffer, Device, Recorder, upload, write
 from .config import EngineConfig, pad
 from .kernels.bitlinear import lora_table
+from .kernels.dropout import NO_SPLIT, SiteDropout, site_key
 
 SITES = {"attn": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "mlp": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}
@@ -135,19 +140,49 @@ class EngineAdapters:
             self._grads = Buffer((self.size,), device=self.device)
         return self._grads
 
-    def check_trainable(self) -> None:
-        """The engine applies no dropout: refuse adapters that would, in training mode."""
-        for m in self.modules:
-            if m.training and not isinstance(m.lora_dropout, nn.Identity):
-                raise ValueError(f"BitNetEngine does not apply LoRA dropout (lora_dropout={m.lora_dropout.p}); "
-                                 "use lora_dropout=0, or eval mode")
+    def dropout(self) -> float:
+        """The LoRA dropout probability the adapters apply now: their ``lora_dropout`` in training
+        mode, 0 in eval mode (as ``nn.Dropout``). Adapters that would drop with different
+        probabilities are refused: the engine takes one for all.
+
+        >>> # p = adapters.dropout()   # 0.05 after model.train() with lora_dropout=0.05, 0 after model.eval()
+        """
+        active = {}
+        for a in self.adapters:
+            d = a.module.lora_dropout
+            if type(d) not in (nn.Dropout, nn.Identity):
+                raise ValueError(f"layer {a.layer} {a.name}: lora_dropout is a {type(d).__name__}; BitNetEngine applies "
+                                 "nn.Dropout (or nn.Identity) only")
+            active[(a.layer, a.name)] = float(d.p) if type(d) is nn.Dropout and d.training else 0.0
+        if len(set(active.values())) > 1:
+            shown = ", ".join(f"layer {layer} {name}: {p}" for (layer, name), p in list(active.items())[:6])
+            raise ValueError("BitNetEngine applies one LoRA dropout probability to every adapter; these differ "
+                             f"(counting adapters in eval mode as 0): {shown}, ...")
+        return next(iter(active.values()), 0.0)
+
+    def keys(self) -> dict[LoRALinear, int]:
+        """Each adapter's dropout key: the kernels' mask of its input is
+        ``kernels.dropout.dropout_mask_reference(seed, key, rows, k, p)``."""
+        return {a.module: site_key(a.layer, list(SITES).index(self._site_name(a))) + a.segment for a in self.adapters}
+
+    def site_dropout(self, layer: int, name: str, state: Buffer) -> SiteDropout | None:
+        """The kernels' view of a site's dropout, its masks seeded from ``state``; None where the
+        site has no adapter."""
+        site = self.sites[layer][name]
+        if not site.rank:
+            return None
+        rows = [a.a_row for a in site.adapters[1:]] + [NO_SPLIT, NO_SPLIT]
+        return SiteDropout(state, site_key(layer, list(SITES).index(name)), (rows[0], rows[1]))
 
     def _changed(self, t: torch.Tensor) -> bool:
         last = self._uploaded.get(id(t))
         return last is None or not torch.equal(last, t.detach())
 
     def _site_of(self, adapter: Adapter) -> Site:
-        return next(s for s in self.sites[adapter.layer].values() if adapter in s.adapters)
+        return self.sites[adapter.layer][self._site_name(adapter)]
+
+    def _site_name(self, adapter: Adapter) -> str:
+        return next(name for name, s in self.sites[adapter.layer].items() if adapter in s.adapters)
 
     def sync(self, force: bool = False, pull: bool = True) -> int:
         """Upload every adapter tensor whose values changed since its last upload; returns how many.

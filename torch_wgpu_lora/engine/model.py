@@ -14,6 +14,11 @@ for every sequence, as transformers numbers them without ``position_ids``.
 
 Threads may share an engine: its GPU passes take turns (``engine.lock``), since each shape's plan
 has one set of activation buffers and KV caches.
+
+LoRA dropout applies as in torch: in training mode, to each adapter's input, with the
+adapters' ``lora_dropout`` (one probability for all). Each pass draws its masks' seed from
+torch's default generator (``torch.manual_seed`` makes a run repeatable); the masks come from
+a hash of that seed, not from torch's own dropout stream (``kernels.dropout``).
 """
 
 from __future__ import annotations
@@ -103,20 +108,24 @@ class BitNetEngine(nn.Module):
         """The transformers config of the model (as ``model.config``)."""
         return self.model.config
 
-    def plan(self, batch: int, tokens: int, logits: str = "all") -> ForwardPlan:
+    def plan(self, batch: int, tokens: int, logits: str = "all", dropout: bool = False) -> ForwardPlan:
         """The forward plan for ``batch`` sequences of ``tokens`` positions (built once, then reused)."""
-        return self._cached(("forward", batch, tokens, logits), lambda: ForwardPlan(
+        return self._cached(("forward", batch, tokens, logits, dropout), lambda: ForwardPlan(
             self.weights, self.adapters, KVCache(self.engine_config, batch, tokens, self.device), tokens,
-            logits=logits))
+            logits=logits, dropout=dropout))
 
-    def train_plan(self, batch: int, tokens: int, slots: int = 1) -> TrainPlan:
+    def train_plan(self, batch: int, tokens: int, slots: int = 1, dropout: bool = False) -> TrainPlan:
         """The forward + loss + backward plan for ``slots`` micro-batches of one shape."""
-        return self._cached(("train", batch, tokens, slots),
-                            lambda: TrainPlan(self.weights, self.adapters, batch, tokens, slots))
+        return self._cached(("train", batch, tokens, slots, dropout),
+                            lambda: TrainPlan(self.weights, self.adapters, batch, tokens, slots, dropout))
 
     def decode_session(self, prompt_length: int, max_new_tokens: int, **sampling: Any) -> DecodeSession:
         """The KV cache, plans and sampling launches of a generation of this shape and sampling
-        (``engine.generate.session``), built once, then reused: building one takes tens of ms."""
+        (``engine.generate.session``), built once, then reused: building one takes tens of ms.
+        Generation applies no LoRA dropout: adapters that would (training mode) are refused."""
+        if self.adapters.dropout():
+            raise ValueError("BitNetEngine generates without LoRA dropout, and the adapters are in training mode "
+                             "with lora_dropout > 0: call model.eval() first (torch_wgpu_lora.generate does)")
         return self._cached(("session", prompt_length, max_new_tokens, tuple(sorted(sampling.items()))),
                             lambda: session(self, prompt_length, max_new_tokens, **sampling))
 
@@ -188,21 +197,24 @@ class BitNetEngine(nn.Module):
             raise ValueError("BitNetEngine keeps its KV cache on the GPU; use torch_wgpu_lora.generate for decoding")
         ids, lengths = self.check_inputs(input_ids, attention_mask, labels)
         params = [p for m in self.adapters.modules for p in (m.lora_A, m.lora_B)]
+        seed = _dropout_seed() if self.adapters.dropout() else None  # one pass's masks: the loss's and its logits'
         if labels is not None and torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            self.adapters.check_trainable()
-            loss = _EngineLoss.apply(self, ids, labels.detach().cpu().long(), lengths, *params)
-            logits = self._logits(ids, lengths) if return_logits else None
+            loss = _EngineLoss.apply(self, ids, labels.detach().cpu().long(), lengths, seed, *params)
+            logits = self._logits(ids, lengths, seed) if return_logits else None
             return CausalLMOutputWithPast(loss=loss, logits=logits)
-        logits = self._logits(ids, lengths)
+        logits = self._logits(ids, lengths, seed)
         loss = causal_lm_loss(logits, labels.cpu().long()) if labels is not None else None
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    def _logits(self, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def _logits(self, ids: torch.Tensor, lengths: list[int], seed: int | None) -> torch.Tensor:
         batch, tokens = ids.shape
         logits = torch.empty(batch * tokens, self.engine_config.vocab, dtype=torch.float32)
         with self.lock:
             self.adapters.sync()
-            plan = self.plan(batch, tokens)
+            p = self.adapters.dropout()
+            plan = self.plan(batch, tokens, dropout=p > 0)
+            if p:
+                plan.set_dropout(_dropout_seed() if seed is None else seed, p)
             write(plan.ids, ids.numpy().astype(np.uint32).reshape(-1))
             plan.cache.set_position(0, lengths)
             rec = Recorder(self.device)
@@ -212,14 +224,20 @@ class BitNetEngine(nn.Module):
         return logits.reshape(batch, tokens, -1)
 
     def loss_and_grads(self, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int],
-                       codes: dict | None = None) -> tuple[torch.Tensor, dict[torch.Tensor, torch.Tensor]]:
+                       codes: dict | None = None, dropout_seed: int | None = None,
+                       ) -> tuple[torch.Tensor, dict[torch.Tensor, torch.Tensor]]:
         """The mean loss over labelled tokens and every adapter Parameter's gradient of it, in one
         submit (what ``loss.backward()`` hands to autograd). ``codes``, a dict, receives the
-        pass's int8 activation codes (``plan.read_codes``' format) for comparisons."""
+        pass's int8 activation codes (``plan.read_codes``' format) for comparisons. With LoRA
+        dropout active (``adapters.dropout()``), ``dropout_seed`` seeds the masks (default: one
+        drawn from torch's generator); ``adapters.keys()`` and ``kernels.dropout`` give them."""
         with self.lock:
             self.adapters.sync()
             batch, tokens = ids.shape
-            plan = self.train_plan(batch, tokens)
+            p = self.adapters.dropout()
+            plan = self.train_plan(batch, tokens, dropout=p > 0)
+            if p:
+                plan.set_dropout(0, _dropout_seed() if dropout_seed is None else dropout_seed, p)
             count = plan.write_inputs(0, ids, labels, lengths)
             if count == 0:
                 raise ValueError("the labels hold no labelled token (all -100 after the shift): no loss to compute")
@@ -274,16 +292,18 @@ class BitNetEngine(nn.Module):
         """
         with self.lock:
             group = self._check_optimizer(optimizer)
-            self.adapters.check_trainable()
+            p = self.adapters.dropout()
             self.adapters.sync(pull=False)  # the GPU's values are the newest: no readback before a step
             tokens = max(int(b["input_ids"].shape[1]) for b in micro_batches)
             batch = max(int(b["input_ids"].shape[0]) for b in micro_batches)
-            plan = self.train_plan(batch, tokens, len(micro_batches))
+            plan = self.train_plan(batch, tokens, len(micro_batches), dropout=p > 0)
             labelled = 0
             for slot, b in enumerate(micro_batches):
                 ids, mask, labels = _padded(b, batch, tokens)
                 ids, lengths = self.check_inputs(ids, mask, labels)
                 labelled += plan.write_inputs(slot, ids, labels, lengths)
+                if p:
+                    plan.set_dropout(slot, _dropout_seed(), p)
             if labelled_total is not None:
                 if isinstance(labelled_total, bool) or not isinstance(labelled_total, int) or labelled_total < labelled:
                     raise ValueError(f"labelled_total must be an integer >= this process's {labelled} labelled tokens, "
@@ -409,8 +429,8 @@ class _EngineLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, engine: BitNetEngine, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int],
-                *params: torch.Tensor) -> torch.Tensor:
-        loss, grads = engine.loss_and_grads(ids, labels, lengths)
+                seed: int | None, *params: torch.Tensor) -> torch.Tensor:
+        loss, grads = engine.loss_and_grads(ids, labels, lengths, dropout_seed=seed)
         ctx.grads = [grads[p] for p in params]
         ctx.save_for_backward(*params)  # autograd then refuses a backward after a Parameter changed in place
         return loss
@@ -423,7 +443,12 @@ class _EngineLoss(torch.autograd.Function):
                                "create_graph=True (double backward, a gradient penalty) is not supported; "
                                "run the model on the torch path (engine='torch') for that")
         ctx.saved_tensors  # noqa: B018 - the version check
-        return (None, None, None, None, *(g * grad for g in ctx.grads))
+        return (None, None, None, None, None, *(g * grad for g in ctx.grads))
+
+
+def _dropout_seed() -> int:
+    """A pass's dropout seed, drawn from torch's default generator (as torch's own dropout draws)."""
+    return int(torch.randint(0, 2**32, (), dtype=torch.int64))
 
 
 def _padded(batch: dict[str, torch.Tensor], rows: int, tokens: int) -> tuple[torch.Tensor, ...]:

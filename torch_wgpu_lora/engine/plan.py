@@ -50,6 +50,7 @@ from .config import EngineConfig, pad
 from .kernels import STEP_POS, STEP_TOKEN_COUNT
 from .kernels.attention import DecodePartials, attention_launches, decode_partials
 from .kernels.bitlinear import GEMV_MAX_TOKENS, bitlinear_launch, gemv_normalises
+from .kernels.dropout import SiteDropout, dropout_state
 from .kernels.embedding import embedding_launches
 from .kernels.matmul import matmul_launch
 from .kernels.norm import rmsnorm_launch
@@ -106,13 +107,17 @@ class ForwardPlan:
     launches of the module's docstring (default: on GPUs; a CPU adapter runs each workgroup's
     re-reading of the row serially, which costs it more than the launches saved). ``ids`` is a
     u32 [batch·tokens] buffer the caller writes, or another plan's (a sampler's next-token buffer).
+    ``dropout``: the adapters apply LoRA dropout (a training-mode forward), with masks from the
+    state ``set_dropout`` writes before each pass; decoding plans take none.
     """
 
     def __init__(self, weights: EngineWeights, adapters: EngineAdapters, cache: KVCache, tokens: int,
                  logits: str = "all", decode: bool = False, ids: Buffer | None = None,
-                 fuse: bool | None = None) -> None:
+                 fuse: bool | None = None, dropout: bool = False) -> None:
         if logits not in LOGITS:
             raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
+        if dropout and decode:
+            raise ValueError("decoding plans apply no LoRA dropout")
         if logits == "last" and cache.batch != 1:
             raise ValueError("logits='last' plans take one sequence")
         config, device = weights.config, cache.device
@@ -137,6 +142,7 @@ class ForwardPlan:
         self.ffn_codes = a.alloc((n, F // 4), "u32") if quant else None
         self.logits_mode = logits
         self.logits = self._logits_buffers(a, n, logits)
+        self.dropout = a.alloc((4,), "u32") if dropout else None
         # (index of a quantising launch, layer, site, its codes, its meta) for ``record(capture=...)``
         self.quant_points: list[tuple[int, int, str, Buffer, Buffer]] = []
         self.launches = self._build(decode, not device.is_cpu if fuse is None else fuse)
@@ -152,12 +158,12 @@ class ForwardPlan:
     # -- building ---------------------------------------------------------------------------------
 
     def _norm(self, x: Buffer, weight: Buffer, site: Site | None, out: Buffer, codes: Buffer | None, k: int,
-              tokens: int | None = None) -> Launch:
+              dropout: SiteDropout | None = None) -> Launch:
         lora = site is not None and site.rank > 0
-        return rmsnorm_launch(x, weight, out, tokens=tokens or self.rows, k=k, eps=self.config.rms_eps,
+        return rmsnorm_launch(x, weight, out, tokens=self.rows, k=k, eps=self.config.rms_eps,
                               codes=codes, meta=self.meta if codes is not None else None,
                               lora_a=site.a if lora else None, h=self.h if lora else None,
-                              rank=site.rank if lora else 0, device=self.device)
+                              rank=site.rank if lora else 0, dropout=dropout, device=self.device)
 
     def _project(self, proj: Projection, x: Buffer, codes: Buffer | None, out: Buffer, mode: str, site: Site,
                  norm: tuple[Buffer, Buffer, float] | None = None, rope: RopeTarget | None = None,
@@ -190,7 +196,9 @@ class ForwardPlan:
                 if codes is not None:  # the next launch quantises: the norm, or the GEMV that normalises
                     self.quant_points.append((len(launches), index, name, codes, self.meta))
                 if not norm:
-                    launches.append(self._norm(x, weight, sites[name], xn, codes, k))
+                    dropout = (self.adapters.site_dropout(index, name, self.dropout) if self.dropout is not None
+                               else None)
+                    launches.append(self._norm(x, weight, sites[name], xn, codes, k, dropout))
                 launches.append(self._project(proj, xn, codes, out, mode, sites[name],
                                               norm=(x, weight, c.rms_eps) if norm else None, rope=rope,
                                               attention=attention if norm else None))
@@ -261,6 +269,12 @@ class ForwardPlan:
                 rec.copy(codes, copies[0])
                 rec.copy(meta, copies[1])
                 capture[(layer, site)] = copies
+
+    def set_dropout(self, seed: int, p: float) -> None:
+        """The LoRA dropout of the next pass: masks from ``seed``, probability ``p``."""
+        if self.dropout is None:
+            raise ValueError("this plan was built without dropout (ForwardPlan(..., dropout=True))")
+        write(self.dropout, dropout_state(seed, p))
 
     def read_logits(self, rec: Recorder, out: np.ndarray) -> None:
         """After the pass, copy the logits into ``out`` (float32 [rows, vocab])."""

@@ -12,6 +12,10 @@ each norm's 1/rms, the queries, keys, values, attention output and log-sum-exp, 
 gate/up pairs and the MLP activation, and, where a site has adapters, its normalised input and
 its h. Nothing is recomputed. At BitNet-2B shapes that is about 70 MB per layer at 512 tokens.
 
+With ``dropout`` the plan applies LoRA dropout: each slot has a dropout state buffer
+(``set_dropout`` writes its seed and probability before the submit) from which the norms'
+h, the gradients of A and the adapters' input gradients derive each adapter's mask.
+
 The loss: position t of a sequence predicts label t + 1 (transformers' shift). Only positions
 with a label reach the LM head: their final-norm rows are gathered in order (``write_inputs``
 writes the positions, and the head GEMMs' grids as indirect dispatch arguments, so instruction
@@ -45,6 +49,7 @@ from .config import pad
 from .kernels.attention import attention_backward_launches, attention_launches
 from .kernels.bitlinear import bitlinear_launch, bitlinear_t_launch
 from .kernels.cross_entropy import cross_entropy_launch, shifted_targets
+from .kernels.dropout import SiteDropout, dropout_state
 from .kernels.embedding import embedding_launches, gather_rows_launch
 from .kernels.ffn import relu2_backward_launch
 from .kernels.lora_grad import da_launch, db_launch, dh_launch
@@ -66,6 +71,7 @@ class _Slot:
     labelled: Buffer  # u32: the positions with a target, in order, then 2**32 - 1
     inverse: Buffer  # u32: each position's row among the labelled ones, or 2**32 - 1
     grids: Buffer  # u32: the head GEMMs' grids over the labelled rows, three words each
+    dropout: Buffer | None  # u32 [4]: the slot's dropout state (kernels.dropout.dropout_state)
     launches: list = field(default_factory=list)  # Launch or _Indirect
     points: dict[int, tuple] = field(default_factory=dict)  # id(quantising norm launch) -> ((layer, site), codes)
     # (word in grids, grid x, grid z, first labelled row of its token chunk, the chunk's rows)
@@ -93,10 +99,11 @@ class TrainPlan:
     """Buffers and launches of a forward + loss + backward of ``slots`` micro-batch shapes."""
 
     def __init__(self, weights: EngineWeights, adapters: EngineAdapters, batch: int, tokens: int,
-                 slots: int = 1) -> None:
+                 slots: int = 1, dropout: bool = False) -> None:
         c, device = weights.config, adapters.device
         self.config, self.weights, self.adapters, self.device = c, weights, adapters, device
         self.batch, self.tokens, self.rows = batch, tokens, batch * tokens
+        self.dropout = dropout
         n = self.rows
         H, F, Q = pad(c.hidden, 64), pad(c.intermediate, 64), pad(c.q_size, 64)
         quant = c.quantised
@@ -113,7 +120,8 @@ class TrainPlan:
         self.slots = [_Slot(B(n, dtype="u32"), B(n, dtype="i32"), B(batch, dtype="u32"),
                             Buffer.view(self.losses.gpu, self.losses.serial, self.losses.offset + 4 * s * stride, (n,),
                                         "f32", device),
-                            B(n, dtype="u32"), B(n, dtype="u32"), B(3 * head_gemms, dtype="u32"))
+                            B(n, dtype="u32"), B(n, dtype="u32"), B(3 * head_gemms, dtype="u32"),
+                            B(4, dtype="u32") if dropout else None)
                       for s in range(slots)]
         # forward scratch
         self.residual, self.xn, self.qkv = B(n, H), B(n, H), B(n, c.q_size + 2 * c.kv_size)
@@ -149,6 +157,7 @@ class TrainPlan:
         self.logits = B(self.token_chunks[0][1], c.vocab)
         for slot in self.slots:
             self._points = slot.points  # filled by _norm while the slot's program is built
+            self._slot = slot  # its dropout state: read by _site_dropout while the program is built
             slot.launches = self._assemble(slot)
 
     # -- helpers --------------------------------------------------------------------------------
@@ -159,14 +168,17 @@ class TrainPlan:
         shape = (count, width) if len(buf.shape) > 1 else (count,)
         return Buffer.view(buf.gpu, buf.serial, buf.offset + 4 * first * width, shape, buf.dtype, self.device)
 
-    def _norm(self, x: Buffer, weight: Buffer, site: Site | None, saved: _SiteSaved, codes: Buffer | None,
-              k: int, point: tuple[int, str] | None = None) -> Launch:
-        lora = site is not None and site.rank > 0
+    def _site_dropout(self, layer: int, site: str) -> SiteDropout | None:
+        return self.adapters.site_dropout(layer, site, self._slot.dropout) if self.dropout else None
+
+    def _norm(self, x: Buffer, weight: Buffer, site: Site, saved: _SiteSaved, codes: Buffer | None, k: int,
+              point: tuple[int, str]) -> Launch:
+        lora = site.rank > 0
         launch = rmsnorm_launch(x, weight, saved.xn, tokens=self.rows, k=k, eps=self.config.rms_eps, codes=codes,
                                 meta=self.meta if codes is not None else None, lora_a=site.a if lora else None,
-                                h=saved.h if lora else None, rank=site.rank if lora else 0, rstd=saved.rstd,
-                                device=self.device)
-        if codes is not None and point is not None:
+                                h=saved.h if lora else None, rank=site.rank, rstd=saved.rstd,
+                                dropout=self._site_dropout(*point), device=self.device)
+        if codes is not None:
             self._points[id(launch)] = (point, codes)
         return launch
 
@@ -180,14 +192,16 @@ class TrainPlan:
         return matmul_launch(saved.xn, proj, out, tokens=self.rows, out_stride=out.shape[-1], mode=mode,
                              bf16=self.weights.bf16, aux=aux, gemv=False, device=self.device, **lora)
 
-    def _project_t(self, proj: Projection, dy: Buffer, out: Buffer, k: int, site: Site) -> list[Launch]:
-        lora = dict(dh=self.dh, lora_a=site.a, lora_rank=site.rank) if site.rank else {}
+    def _project_t(self, proj: Projection, dy: Buffer, out: Buffer, k: int, site: Site,
+                   point: tuple[int, str]) -> list[Launch]:
+        lora = (dict(dh=self.dh, lora_a=site.a, lora_rank=site.rank, dropout=self._site_dropout(*point))
+                if site.rank else {})
         if self.config.quantised:
             return bitlinear_t_launch(dy, proj, out, tokens=self.rows, k=k, device=self.device, **lora)
         return matmul_t_launch(dy, proj, out, tokens=self.rows, k=k, bf16=self.weights.bf16, device=self.device,
                                **lora)
 
-    def _adapter_grads(self, site: Site, dy: Buffer, saved: _SiteSaved) -> list[Launch]:
+    def _adapter_grads(self, site: Site, dy: Buffer, saved: _SiteSaved, point: tuple[int, str]) -> list[Launch]:
         """dh and dB of every adapter of the site, then dA of the site's stacked A."""
         if not site.rank:
             return []
@@ -199,7 +213,7 @@ class TrainPlan:
             launches.append(db_launch(dy, saved.h, self.grads, tokens=self.rows, rows=a.rows, rank=m.r, h_col=a.a_row,
                                       b_offset=a.b_offset, scale=m.scaling, device=self.device))
         launches.append(da_launch(self.dh, saved.xn, self.grads, tokens=self.rows, rank=site.rank, k=site.k,
-                                  a_offset=site.a_offset, device=self.device))
+                                  a_offset=site.a_offset, dropout=self._site_dropout(*point), device=self.device))
         return launches
 
     # -- the program ------------------------------------------------------------------------------
@@ -264,23 +278,24 @@ class TrainPlan:
                                            self.d_resid, tokens=self.rows, k=c.hidden, device=d))
         for index in reversed(range(c.layers)):
             layer, sites, s = w.layers[index], a.sites[index], self.saved[index]
-            out += self._adapter_grads(sites["down"], self.d_resid, s["down"])
+            out += self._adapter_grads(sites["down"], self.d_resid, s["down"], (index, "down"))
             out += [
-                *self._project_t(layer.down, self.d_resid, self.d_ffn_xn, c.intermediate, sites["down"]),
+                *self._project_t(layer.down, self.d_resid, self.d_ffn_xn, c.intermediate, sites["down"],
+                                 (index, "down")),
                 rmsnorm_backward_launch(self.d_ffn_xn, s["ffn"], s["down"].rstd, layer.ffn_sub_norm, self.d_h,
                                         tokens=self.rows, k=c.intermediate, device=d),
                 relu2_backward_launch(self.d_h, s["pairs"], self.d_pairs, tokens=self.rows, features=c.intermediate,
                                       device=d),
             ]
-            out += self._adapter_grads(sites["mlp"], self.d_pairs, s["mlp"])
+            out += self._adapter_grads(sites["mlp"], self.d_pairs, s["mlp"], (index, "mlp"))
             out += [
-                *self._project_t(layer.gate_up, self.d_pairs, self.d_xn, c.hidden, sites["mlp"]),
+                *self._project_t(layer.gate_up, self.d_pairs, self.d_xn, c.hidden, sites["mlp"], (index, "mlp")),
                 rmsnorm_backward_launch(self.d_xn, s["resid_mid"], s["mlp"].rstd, layer.post_norm, self.d_resid,
                                         tokens=self.rows, k=c.hidden, accumulate=True, device=d),
             ]
-            out += self._adapter_grads(sites["o"], self.d_resid, s["o_site"])
+            out += self._adapter_grads(sites["o"], self.d_resid, s["o_site"], (index, "o"))
             out += [
-                *self._project_t(layer.o, self.d_resid, self.d_xn_o, c.q_size, sites["o"]),
+                *self._project_t(layer.o, self.d_resid, self.d_xn_o, c.q_size, sites["o"], (index, "o")),
                 rmsnorm_backward_launch(self.d_xn_o, s["o"], s["o_site"].rstd, layer.attn_sub_norm, self.d_o,
                                         tokens=self.rows, k=c.q_size, device=d),
                 *attention_backward_launches(s["q"], s["k"], s["v"], s["o"], s["lse"], self.d_o, self.d_q, self.d_k,
@@ -292,10 +307,10 @@ class TrainPlan:
                                      tokens=self.rows, tokens_per_seq=self.tokens, heads=c.heads, kv_heads=c.kv_heads,
                                      head_dim=c.head_dim, cache_len=self.tokens, device=d),
             ]
-            out += self._adapter_grads(sites["attn"], self.d_qkv, s["attn"])
+            out += self._adapter_grads(sites["attn"], self.d_qkv, s["attn"], (index, "attn"))
             if index > 0:  # below layer 0 the input gradient reaches no trainable parameter
                 out += [
-                    *self._project_t(layer.qkv, self.d_qkv, self.d_xn, c.hidden, sites["attn"]),
+                    *self._project_t(layer.qkv, self.d_qkv, self.d_xn, c.hidden, sites["attn"], (index, "attn")),
                     rmsnorm_backward_launch(self.d_xn, s["resid_in"], s["attn"].rstd, layer.input_norm, self.d_resid,
                                             tokens=self.rows, k=c.hidden, accumulate=True, device=d),
                 ]
@@ -333,6 +348,12 @@ class TrainPlan:
         write(s.inverse, inverse)
         write(s.grids, grids)
         return count
+
+    def set_dropout(self, slot: int, seed: int, p: float) -> None:
+        """Micro-batch ``slot``'s LoRA dropout for its next pass: masks from ``seed``, probability ``p``."""
+        if not self.dropout:
+            raise ValueError("this plan was built without dropout (TrainPlan(..., dropout=True))")
+        write(self.slots[slot].dropout, dropout_state(seed, p))
 
     def set_scale(self, scale: float) -> None:
         """The loss gradient's factor per labelled token (1 / the step's labelled tokens)."""

@@ -207,17 +207,60 @@ def randomize_lora_B(model: nn.Module, seed: int, std: float = 0.1) -> nn.Module
 
 
 def _engine_pass(engine: Any, batch: dict[str, torch.Tensor], params: list[nn.Parameter],
-                 codes: dict | None) -> tuple[float, list[torch.Tensor]]:
+                 codes: dict | None, dropout_seed: int | None) -> tuple[float, list[torch.Tensor]]:
     ids = batch["input_ids"]
     mask = batch.get("attention_mask")
     lengths = [ids.shape[1]] * ids.shape[0] if mask is None else mask.sum(1).tolist()
-    loss, grads = engine.loss_and_grads(ids.cpu().long(), batch["labels"].cpu().long(), lengths, codes=codes)
+    loss, grads = engine.loss_and_grads(ids.cpu().long(), batch["labels"].cpu().long(), lengths, codes=codes,
+                                        dropout_seed=dropout_seed)
     return loss.item(), [grads[p] for p in params]
+
+
+class _FixedMask(nn.Module):
+    """A dropout that multiplies by a given mask (0 or the scale): the engine's, replayed in torch."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape != self.mask.shape:
+            raise RuntimeError(f"dropout replay: an adapter input of shape {tuple(x.shape)}, the engine's mask "
+                               f"{tuple(self.mask.shape)}")
+        return x * self.mask.to(x.dtype)
+
+
+def engine_dropout_masks(engine: Any, modules: dict[str, nn.Module], seed: int, batch: int,
+                         tokens: int) -> dict[str, torch.Tensor]:
+    """The LoRA dropout masks (0 or 1 / (1 − p), [batch, tokens, in_features]) the engine's kernels
+    apply to each adapter's input in a pass of ``batch`` × ``tokens`` positions seeded with
+    ``seed``, computed in torch (``engine.kernels.dropout``), by the adapters' names in ``modules``."""
+    from ..engine.kernels.dropout import dropout_mask_reference
+
+    p = engine.adapters.dropout()
+    if not p:
+        raise ValueError("the engine's adapters apply no dropout (lora_dropout 0, or eval mode)")
+    keys = {name: engine.adapters.keys()[m] for name, m in lora_modules(engine.model).items()}
+    return {name: dropout_mask_reference(seed, keys[name], batch * tokens, m.in_features, p)
+            .reshape(batch, tokens, -1) for name, m in modules.items()}
+
+
+@contextmanager
+def replayed_dropout(modules: dict[str, nn.Module], masks: dict[str, torch.Tensor] | None) -> Iterator[None]:
+    """Every adapter's dropout replaced by its mask from ``masks`` (nothing changes when None)."""
+    saved = {name: m.lora_dropout for name, m in modules.items()} if masks else {}
+    try:
+        for name, m in modules.items() if masks else ():
+            m.lora_dropout = _FixedMask(masks[name])
+        yield
+    finally:
+        for name, d in saved.items():
+            modules[name].lora_dropout = d
 
 
 def compare_gradients(model: nn.Module, batch: Mapping[str, torch.Tensor] | torch.Tensor, *,
                       reference: nn.Module | None = None, same_forward: bool = False,
-                      engine: Any = None, backend: str = "wgpu") -> GradientReport:
+                      engine: Any = None, backend: str = "wgpu", dropout_seed: int | None = None) -> GradientReport:
     """Adapter gradients from the WebGPU kernels vs. from autograd, on one batch.
 
     Pass 1 runs ``model`` with every adapter on ``backend="wgpu"``; pass 2 runs
@@ -251,6 +294,10 @@ def compare_gradients(model: nn.Module, batch: Mapping[str, torch.Tensor] | torc
     for its int8 codes, fed to both passes): PyTorch float32's own error against a float64
     ``reference``, the scale ``check_parity`` measures WebGPU's against.
 
+    ``dropout_seed`` (with ``engine``): the gradients with LoRA dropout. The engine's pass runs
+    its adapters in training mode with masks seeded by it; the torch passes multiply each
+    adapter's input by the same masks, computed in torch (``engine_dropout_masks``).
+
     >>> # print(compare_gradients(model, ids))
     """
     adapters = lora_modules(model)
@@ -263,6 +310,8 @@ def compare_gradients(model: nn.Module, batch: Mapping[str, torch.Tensor] | torc
         _check_reference(adapters, reference_adapters)
     if backend not in ("wgpu", "torch"):
         raise ValueError(f"backend must be 'wgpu' or 'torch', got {backend!r}")
+    if dropout_seed is not None and engine is None:
+        raise ValueError("dropout_seed compares the engine's LoRA dropout: pass engine too")
     passes = ((model, adapters, backend), (reference, reference_adapters, "torch"))
     backends = {m: m.backend for _, modules, _ in passes for m in modules.values()}
     modes = {m: m.training for net, _, _ in passes for m in net.modules()}
@@ -271,13 +320,21 @@ def compare_gradients(model: nn.Module, batch: Mapping[str, torch.Tensor] | torc
     codes: dict | None = {} if engine is not None and same_forward else None
     stats = FeedStats()
     try:
+        masks = None
         for index, (net, modules, backend) in enumerate(passes):
             net.eval()
             for m in modules.values():
                 m.backend = backend
             params = [p for m in modules.values() for p in (m.lora_A, m.lora_B)]
             if index == 0 and engine is not None:
-                result = _engine_pass(engine, batch, params, codes)
+                if dropout_seed is not None:
+                    for m in modules.values():
+                        m.train()
+                    ids = batch["input_ids"]
+                    masks = engine_dropout_masks(engine, modules, dropout_seed, *ids.shape)
+                result = _engine_pass(engine, batch, params, codes, dropout_seed)
+                for m in modules.values():
+                    m.eval()
                 if backend == "wgpu":
                     results.append(result)
                     continue
@@ -287,7 +344,7 @@ def compare_gradients(model: nn.Module, batch: Mapping[str, torch.Tensor] | torc
                 hooks = feeding_codes(net, codes, stats) if codes else nullcontext()
             else:
                 hooks = _recording(net, outputs) if index == 0 else _replaying(net, outputs)
-            with hooks:
+            with hooks, replayed_dropout(modules, masks):
                 results.append(_loss_and_grads(net, batch, params))
     finally:
         for m, backend in backends.items():
@@ -374,18 +431,21 @@ class ParityCheck:
                 "the passes compute slightly different functions.")
 
 
-def check_parity(model: nn.Module, batch: dict[str, torch.Tensor], engine: Any = None) -> ParityCheck:
+def check_parity(model: nn.Module, batch: dict[str, torch.Tensor], engine: Any = None,
+                 dropout_seed: int | None = None) -> ParityCheck:
     """Compare ``model``'s adapter gradients on ``batch`` (see ``ParityCheck``), from the WebGPU
-    LoRA kernels or, given ``engine``, from the whole-model engine. It makes a float64 copy of
-    the model for the duration (twice the float32 model's memory).
+    LoRA kernels or, given ``engine``, from the whole-model engine (with ``dropout_seed``, with
+    its LoRA dropout: ``compare_gradients``). It makes a float64 copy of the model for the
+    duration (twice the float32 model's memory).
 
     >>> # print(check_parity(apply_lora(load_bitnet(path)), {"input_ids": ids}))
     """
     exact = copy.deepcopy(model).double()
-    report = compare_gradients(model, batch, reference=exact, same_forward=True, engine=engine)
-    float32 = compare_gradients(model, batch, reference=exact, same_forward=True, engine=engine, backend="torch")
+    options = dict(engine=engine, dropout_seed=dropout_seed)
+    report = compare_gradients(model, batch, reference=exact, same_forward=True, **options)
+    float32 = compare_gradients(model, batch, reference=exact, same_forward=True, backend="torch", **options)
     del exact
     return ParityCheck(report=report, longest_sum=longest_sum(model, batch),
                        float32_rms_rel_error=float32.rms_rel_error,
-                       unpinned_max_rel_error=compare_gradients(model, batch, engine=engine).max_rel_error,
+                       unpinned_max_rel_error=compare_gradients(model, batch, **options).max_rel_error,
                        whole_model=engine is not None)

@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from ..integrations.adapters import save_adapter
-from ..integrations.bitnet import lora_modules, lora_parameters
+from ..integrations.bitnet import lora_parameters
 from .checkpoint import (DamagedCheckpoint, checkpoint_name, checkpoint_step, latest_checkpoint, list_checkpoints,
                          load_checkpoint, read_checkpoint, read_rank_rngs, remove_unfinished, rng_state,
                          save_checkpoint, set_rng_state)
@@ -259,9 +259,6 @@ class Trainer:
         self.overwrite = overwrite
         from ..engine import choose_engine
 
-        if engine == "auto" and any(m.lora_dropout.p > 0 for m in lora_modules(model).values()
-                                    if hasattr(m.lora_dropout, "p")):
-            engine = "torch"  # the engine applies no LoRA dropout
         self.engine = choose_engine(model, engine)
         self.optimizer = WgpuAdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.scheduler = make_scheduler(self.optimizer, schedule, self.total_steps, warmup_ratio)

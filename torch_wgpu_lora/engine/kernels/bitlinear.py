@@ -20,6 +20,7 @@ from ...runtime import Buffer, Device, Launch, get_device, kernel
 from ..weights import Projection
 from . import dummy
 from .attention import DecodePartials
+from .dropout import SiteDropout, dropout_params
 from .rope import RopeTarget
 
 MODES = {"store": 0, "add": 1, "gate_up": 2, "rope": 3}
@@ -207,11 +208,15 @@ def input_grad_splits(workgroups: int, rows: int, device: Device) -> int:
 
 def input_grad_launches(file: str, constants: dict, inputs: dict[int, Buffer], sums: dict[int, Buffer], part: int,
                         params: tuple, tokens: int, k: int, k64: int, rows: int, splits: int | None,
-                        device: Device) -> list[Launch]:
+                        dropout: SiteDropout | None, device: Device) -> list[Launch]:
     """The launches of an input-gradient GEMM: ``file``'s gemm_tiled over 64 × 64 tiles of tokens ×
     features (``inputs``: its bindings of A and the weights; ``sums``: OUT, DH, LA; ``part``: the
-    PART binding). One launch, or with ``splits`` > 1 ranges of rows one that stores each range's
-    sums into device-owned scratch and a split_sum launch that adds them up into OUT."""
+    PART binding, DROP the next). One launch, or with ``splits`` > 1 ranges of rows one that stores
+    each range's sums into device-owned scratch and a split_sum launch that adds them up into OUT."""
+    if dropout is not None:
+        constants = dict(constants, DROPOUT=True)
+    sums = {**sums, part + 1: dropout.state if dropout is not None else dummy(device)}
+    params = (*params, *dropout_params(dropout))
     tiles = (k64 // 64, -(-tokens // 64))
     splits = splits or input_grad_splits(tiles[0] * tiles[1], rows, device)
     if splits == 1:
@@ -227,11 +232,13 @@ def input_grad_launches(file: str, constants: dict, inputs: dict[int, Buffer], s
 
 def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k: int, accumulate: bool = False,
                        dh: Buffer | None = None, lora_a: Buffer | None = None, lora_rank: int = 0,
-                       splits: int | None = None, device: Device | None = None) -> list[Launch]:
+                       splits: int | None = None, dropout: SiteDropout | None = None,
+                       device: Device | None = None) -> list[Launch]:
     """The straight-through input gradient of ``proj`` (``bitlinear_t.wgsl``): ``out (+)= (dy ∘ c)·T``
     for ``tokens`` rows of ``dy`` (f32 [tokens, ≥ rows]), plus ``dh·A`` for the adapters (``dh``
-    [tokens, ≥ lora_rank] already scaled, ``lora_a`` their stacked A [lora_rank, K64]). ``splits``:
-    ranges of the rows summed apart (default ``input_grad_splits``)."""
+    [tokens, ≥ lora_rank] already scaled, ``lora_a`` their stacked A [lora_rank, K64]; with
+    ``dropout``, each adapter's term masked by its dropout). ``splits``: ranges of the rows summed
+    apart (default ``input_grad_splits``)."""
     device = device or get_device()
     k_words = proj.weight.shape[1]
     unused = dummy(device)
@@ -240,7 +247,7 @@ def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int
                                (tokens, proj.rows, k_words, dy.shape[-1], out.shape[-1], k, lora_rank,
                                 dh.shape[-1] if dh is not None else 0, lora_a.shape[-1] if lora_a is not None else 0,
                                 int(accumulate)),
-                               tokens, k, 16 * k_words, proj.rows, splits, device)
+                               tokens, k, 16 * k_words, proj.rows, splits, dropout, device)
 
 
 def bitlinear_t_reference(dy: torch.Tensor, values: torch.Tensor, row_scales: torch.Tensor,

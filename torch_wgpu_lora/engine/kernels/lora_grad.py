@@ -13,14 +13,17 @@ from __future__ import annotations
 import torch
 
 from ...runtime import Buffer, Device, Launch, get_device, kernel
+from . import dummy
+from .dropout import SiteDropout, dropout_params
 
 _FILE = "lora_grad.wgsl"
 
 
 def _params(tokens: int, rows: tuple[int, int, int], rank: int, h_col: int, b_offset: int, a_offset: int,
-            dy_stride: int, h_stride: int, x_stride: int, k: int, accumulate: bool, scale: float) -> tuple:
+            dy_stride: int, h_stride: int, x_stride: int, k: int, accumulate: bool, scale: float,
+            dropout: SiteDropout | None = None) -> tuple:
     return (tokens, *rows, rank, h_col, b_offset, a_offset, dy_stride, h_stride, x_stride, k, int(accumulate),
-            float(scale))
+            float(scale), *dropout_params(dropout))
 
 
 def dh_launch(dy: Buffer, lb: Buffer, dh: Buffer, *, tokens: int, rows: tuple[int, int, int], rank: int, h_col: int,
@@ -47,17 +50,21 @@ def db_launch(dy: Buffer, h: Buffer, grads: Buffer, *, tokens: int, rows: tuple[
 
 
 def da_launch(dh: Buffer, x: Buffer, grads: Buffer, *, tokens: int, rank: int, k: int, a_offset: int,
-              accumulate: bool = True, device: Device | None = None) -> Launch:
-    """grads[the site's stacked A] (+)= DH[:, :rank]ᵀ·X (X: the site's normalised input)."""
+              accumulate: bool = True, dropout: SiteDropout | None = None, device: Device | None = None) -> Launch:
+    """grads[the site's stacked A] (+)= DH[:, :rank]ᵀ·X (X: the site's normalised input; with
+    ``dropout``, each adapter's rows of A from its own dropout of X)."""
     device = device or get_device()
-    return Launch.build(kernel(_FILE, "da", device), (-(-k // 32), -(-rank // 4), 1), {5: grads, 6: x, 7: dh},
+    kern = kernel(_FILE, "da", device, **(dict(DROPOUT=True) if dropout is not None else {}))
+    return Launch.build(kern, (-(-k // 32), -(-rank // 4), 1),
+                        {5: grads, 6: x, 7: dh, 8: dropout.state if dropout is not None else dummy(device)},
                         _params(tokens, (0, 1, 1), rank, 0, 0, a_offset, 0, dh.shape[-1], x.shape[-1], k, accumulate,
-                                1.0))
+                                1.0, dropout))
 
 
-def lora_grad_reference(x: torch.Tensor, dy: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dA, dB, dx) of y = scale·(x·Aᵀ)·Bᵀ for x [N, K], dy [N, out], in float64 autograd."""
+def lora_grad_reference(x: torch.Tensor, dy: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float,
+                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dA, dB, dx) of y = scale·((mask ⊙ x)·Aᵀ)·Bᵀ for x [N, K], dy [N, out], in float64 autograd
+    (``mask``: a dropout mask of x, scale included; none: no dropout)."""
     x, A, B = (t.double().requires_grad_() for t in (x, A, B))
-    y = scale * (x @ A.T) @ B.T
+    y = scale * ((x if mask is None else x * mask.double()) @ A.T) @ B.T
     return torch.autograd.grad(y, (A, B, x), dy.double())

@@ -12,6 +12,7 @@ from ...runtime import Buffer, Device, Launch, get_device, kernel
 from ..weights import Projection
 from . import dummy
 from .bitlinear import GEMV_MAX_TOKENS, MODES, input_grad_launches
+from .dropout import SiteDropout
 
 
 def matmul_launch(x: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_stride: int, out_offset: int = 0,
@@ -44,9 +45,10 @@ def matmul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def matmul_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k: int, bf16: bool = False,
                     accumulate: bool = False, dy_col: int = 0, dh: Buffer | None = None, lora_a: Buffer | None = None,
-                    lora_rank: int = 0, splits: int | None = None, device: Device | None = None) -> list[Launch]:
-    """The input gradient of a float projection (``matmul_t.wgsl``): ``out (+)= dy·W`` (+ ``dh·A``),
-    reading ``dy``'s columns from ``dy_col`` (a vocabulary chunk of the logits' gradient). ``splits``:
+                    lora_rank: int = 0, splits: int | None = None, dropout: SiteDropout | None = None,
+                    device: Device | None = None) -> list[Launch]:
+    """The input gradient of a float projection (``matmul_t.wgsl``): ``out (+)= dy·W`` (+ ``dh·A``,
+    with ``dropout`` each adapter's term masked by its dropout), reading ``dy``'s columns from ``dy_col`` (a vocabulary chunk of the logits' gradient). ``splits``:
     ranges of the rows summed apart (default ``input_grad_splits``)."""
     device = device or get_device()
     w_words = proj.weight.shape[1]
@@ -56,4 +58,4 @@ def matmul_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k
                                (tokens, proj.rows, w_words, dy.shape[-1], dy_col, out.shape[-1], k, lora_rank,
                                 dh.shape[-1] if dh is not None else 0, lora_a.shape[-1] if lora_a is not None else 0,
                                 int(accumulate)),
-                               tokens, k, w_words * (2 if bf16 else 1), proj.rows, splits, device)
+                               tokens, k, w_words * (2 if bf16 else 1), proj.rows, splits, dropout, device)
