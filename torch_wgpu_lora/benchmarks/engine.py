@@ -35,6 +35,9 @@ from .report import write_json
 from .timing import arithmetic_rate
 
 Log = Callable[[str], None]
+# Seconds of prefill passes before the first timed one: on a machine just started, the first
+# passes' GPU time was 62.6 ms against 39.1 ms once warm (the H200's clocks ramping up).
+WARM_UP_S = 1.0
 DROPOUT = 0.05  # the LoRA dropout of the "<seq>_dropout" training figures (common in Alpaca recipes)
 
 
@@ -192,15 +195,18 @@ def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: in
     g = torch.Generator().manual_seed(1)
     write(s.prefill.ids, torch.randint(0, vocab, (prefill_tokens,), generator=g).numpy().astype(np.uint32))
     s.cache.set_position(0, [prefill_tokens])
+    start = time.perf_counter()
+    while time.perf_counter() - start < WARM_UP_S:
+        rec = Recorder(device)
+        s.prefill.record(rec)
+        rec.submit()
     gpu, wall = [], []
-    for i in range(repeats + 2):
+    for _ in range(repeats):
         rec = Recorder(device, timestamps=True)
         t0 = time.perf_counter()
         s.prefill.record(rec)
-        seconds = rec.submit()
-        if i >= 2:
-            wall.append(time.perf_counter() - t0)
-            gpu.append(seconds)
+        gpu.append(rec.submit())
+        wall.append(time.perf_counter() - t0)
     out["prefill"] = {"tokens": prefill_tokens, "wall_ms": statistics.median(wall) * 1e3,
                       "gpu_ms": statistics.median(gpu) * 1e3 if gpu[0] else None,
                       "tok_per_s": prefill_tokens / statistics.median(wall), "dispatches": s.prefill.dispatches}
@@ -264,12 +270,48 @@ def response_only(ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...], steps: int,
-                            log: Log) -> dict[str, Any]:
+class HFPeftTraining:
+    """HF transformers + PEFT training on CUDA in bf16, batch 1 (r=8 LoRA on q_proj and v_proj,
+    AdamW on the adapters, clipping at 1): ``step(ids, labels, dropout)`` is one optimizer step,
+    synchronised; ``peak_memory_bytes`` torch's peak since this was built."""
+
+    def __init__(self, config: Any) -> None:
+        from peft import LoraConfig, get_peft_model
+        from transformers import BitNetForCausalLM
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.device("cuda"):
+            model = BitNetForCausalLM(config).to(torch.bfloat16)
+        self.model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
+
+    def step(self, ids: torch.Tensor, labels: torch.Tensor, dropout: float) -> None:
+        for layer in self.model.modules():  # PEFT's LoRA layers
+            if isinstance(getattr(layer, "lora_dropout", None), torch.nn.ModuleDict):
+                layer.lora_dropout["default"] = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+        loss = self.model(input_ids=ids.cuda(), labels=labels.cuda()).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        torch.cuda.synchronize()
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated()
+
+
+def measure_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...], steps: int, log: Log,
+                     hf: HFPeftTraining | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Training tok/s of whole optimizer steps (batch 1, every token labelled; for the longest
     ``seqs`` also with ``response_only`` labels, under key ``"<seq>_response_only"``, and with
     LoRA dropout ``DROPOUT``, ``"<seq>_dropout"``), GPU time per step, per kernel and per
-    dispatch in program order, and the runtime's peak GPU memory."""
+    dispatch in program order, and the runtime's peak GPU memory; with ``hf``, the same steps of
+    HF + PEFT, taking turns with the engine's step by step (so a drift in the host's speed, which
+    moved HF's figure by up to 1.5× between runs, weighs on both alike). Returns (engine's, HF's)."""
     from ..integrations.bitnet import lora_parameters
     from ..training.optim import WgpuAdamW
 
@@ -278,19 +320,36 @@ def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int
     optimizer = WgpuAdamW(lora_parameters(model), lr=1e-4)
     g = torch.Generator().manual_seed(2)
     out: dict[str, Any] = {}
+    theirs: dict[str, Any] | None = {} if hf is not None else None
     engine._plans.clear()  # the generation plans' buffers: not part of training's memory
     gc.collect()
     pool_for(engine.device).release()
     engine.device.peak_allocated = engine.device.allocated
-    def timed(micro: list[dict[str, torch.Tensor]]) -> tuple[float, dict[str, Any]]:
-        """Median wall time of ``steps`` optimizer steps after one unmeasured, and the last's result."""
-        engine.train_step(micro, optimizer, 1.0)  # warm-up: plan, pipelines, the step encoded ahead
-        walls = []
+
+    def timed(key: str, seq: int, micro: list[dict[str, torch.Tensor]], dropout: float = 0.0) -> tuple[float, dict]:
+        """Median wall time of ``steps`` engine optimizer steps after two unmeasured, and the
+        last's result; HF's steps in turn, into ``theirs[key]``."""
+        ids, labels = micro[0]["input_ids"], micro[0]["labels"]
+        for _ in range(2):  # warm-up: the engine's plan, pipelines and step encoded ahead; torch's caches
+            engine.train_step(micro, optimizer, 1.0)
+            if hf is not None:
+                hf.step(ids, labels, dropout)
+        walls, hf_walls = [], []
         for _ in range(steps):
             t0 = time.perf_counter()
             done = engine.train_step(micro, optimizer, 1.0)
             walls.append(time.perf_counter() - t0)
-        return statistics.median(walls), done
+            if hf is not None:
+                t0 = time.perf_counter()
+                hf.step(ids, labels, dropout)
+                hf_walls.append(time.perf_counter() - t0)
+        wall = statistics.median(walls)
+        log(f"engine training seq {key}: {seq / wall:.0f} tok/s ({wall * 1e3:.1f} ms/step)")
+        if theirs is not None:
+            hf_wall = statistics.median(hf_walls)
+            theirs[key] = {"step_s": hf_wall, "tok_per_s": seq / hf_wall}
+            log(f"HF + PEFT training seq {key}: {seq / hf_wall:.0f} tok/s ({hf_wall * 1e3:.1f} ms/step)")
+        return wall, done
 
     def profile(plan: Any) -> tuple[dict[str, float], Recorder]:
         """A pass of ``plan`` timed per dispatch: GPU µs per kernel family, and the recorder."""
@@ -303,7 +362,7 @@ def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int
     for seq in seqs:
         ids = torch.randint(0, engine.engine_config.vocab, (1, seq), generator=g)
         micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
-        wall, done = timed(micro)
+        wall, done = timed(str(seq), seq, micro)
         plan = engine.train_plan(1, seq, 1)
         kernels, rec = profile(plan)
         gpu_us = sum(kernels.values())
@@ -312,24 +371,25 @@ def measure_engine_training(model: torch.nn.Module, engine: Any, seqs: tuple[int
                          "dispatches": plan.dispatches, "gpu_ms_profiled": gpu_us / 1e3,
                          "lora_grad_kernels_share": lora_us / gpu_us if gpu_us else None, "kernels_us": kernels,
                          "dispatches_us": [[name, round(seconds * 1e6, 2)] for name, seconds in rec.kernel_times]}
-        log(f"engine training seq {seq}: {seq / wall:.0f} tok/s ({wall * 1e3:.1f} ms/step)")
         if seq == max(seqs):
-            wall, _ = timed([{**micro[0], "labels": response_only(ids)}])
-            out[f"{seq}_response_only"] = {"step_s": wall, "tok_per_s": seq / wall}
-            log(f"engine training seq {seq}, response-only labels: {seq / wall:.0f} tok/s ({wall * 1e3:.1f} ms/step)")
+            key = f"{seq}_response_only"
+            wall, _ = timed(key, seq, [{**micro[0], "labels": response_only(ids)}])
+            out[key] = {"step_s": wall, "tok_per_s": seq / wall}
             peak = engine.device.peak_allocated  # the figure of the plain steps: dropout's plan is another
+            key = f"{seq}_dropout"
             with _lora_dropout(model, DROPOUT):
-                wall, _ = timed(micro)
+                wall, _ = timed(key, seq, micro, DROPOUT)
             kernels, _ = profile(engine.train_plan(1, seq, 1, dropout=True))  # its masks as the last step's
-            out[f"{seq}_dropout"] = {"step_s": wall, "tok_per_s": seq / wall, "kernels_us": kernels}
+            out[key] = {"step_s": wall, "tok_per_s": seq / wall, "kernels_us": kernels}
             engine._discard_ahead()  # the dropout plan's buffers go before the next length's plan is made
             engine._plans.pop(("train", 1, seq, 1, True))
             gc.collect()
             pool_for(engine.device).release()
             engine.device.peak_allocated = peak
-            log(f"engine training seq {seq}, LoRA dropout {DROPOUT}: {seq / wall:.0f} tok/s ({wall * 1e3:.1f} ms/step)")
     out["peak_gpu_bytes"] = engine.device.peak_allocated
-    return out
+    if theirs is not None:
+        theirs["peak_memory_bytes"] = hf.peak_memory_bytes
+    return out, theirs
 
 
 def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, Any]:
@@ -391,54 +451,6 @@ def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, An
     log(f"drop-in, adapters on wgpu: {out['wgpu']['upload_s']:.3f} s a step uploading, "
         f"{out['wgpu']['wait_s']:.3f} s waiting for results")
     out["wgpu_over_torch"] = out["wgpu"]["step_s"] / out["torch"]["step_s"]
-    return out
-
-
-def measure_hf_peft_training(config: Any, seqs: tuple[int, ...], steps: int, log: Log) -> dict[str, Any] | None:
-    """HF transformers + PEFT training steps on CUDA in bf16 (AdamW on the adapters), batch 1."""
-    if not torch.cuda.is_available():
-        return None
-    from peft import LoraConfig, get_peft_model
-    from transformers import BitNetForCausalLM
-
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    with torch.device("cuda"):
-        model = BitNetForCausalLM(config).to(torch.bfloat16)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
-    model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    g = torch.Generator().manual_seed(2)
-    out: dict[str, Any] = {}
-    for seq in seqs:
-        ids = torch.randint(0, config.vocab_size, (1, seq), generator=g).cuda()
-
-        def step(labels: torch.Tensor) -> None:
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-
-        for key, labels in ((str(seq), ids), (f"{seq}_response_only", response_only(ids)), (f"{seq}_dropout", ids)):
-            if "_" in key and seq != max(seqs):
-                continue
-            for layer in model.modules():  # PEFT's LoRA layers: dropout only for the "_dropout" figure
-                if isinstance(getattr(layer, "lora_dropout", None), torch.nn.ModuleDict):
-                    layer.lora_dropout["default"] = (torch.nn.Dropout(DROPOUT) if key.endswith("_dropout")
-                                                     else torch.nn.Identity())
-            step(labels)
-            torch.cuda.synchronize()
-            walls = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                step(labels)
-                torch.cuda.synchronize()
-                walls.append(time.perf_counter() - t0)
-            wall = statistics.median(walls)
-            out[key] = {"step_s": wall, "tok_per_s": seq / wall}
-            log(f"HF + PEFT training seq {key}: {seq / wall:.0f} tok/s")
-    out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     return out
 
 
@@ -544,12 +556,16 @@ def main(argv: list[str] | None = None) -> int:
         prefill = result["engine" + suffix]["prefill"]
         prefill["rates"] = rates(prefill["kernels_us"], args.prefill, False, f"prefill {args.prefill} kernel rates")
         save()
-        if seqs:
-            training = measure_engine_training(model, engine, seqs, args.train_steps, log)
+        if seqs:  # HF + PEFT's steps take turns with the engine's, in the default mode
+            hf = HFPeftTraining(config) if not suffix and not args.no_hf and torch.cuda.is_available() else None
+            training, theirs = measure_training(model, engine, seqs, args.train_steps, log, hf)
+            del hf
             for seq in seqs:
                 step = training[str(seq)]
                 step["rates"] = rates(step["kernels_us"], seq, True, f"training seq {seq} kernel rates")
             result["engine_training" + suffix] = training
+            if theirs is not None:
+                result["hf_peft_training"] = theirs
             save()
     set_shader_checks(None)
     del model, engine
@@ -557,9 +573,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_hf:
         result["hf_peft"] = measure_hf_peft(config, args.prompt, args.new_tokens, args.prefill, args.repeats, log)
         save()
-        if seqs:
-            result["hf_peft_training"] = measure_hf_peft_training(config, seqs, args.train_steps, log)
-            save()
     if args.drop_in:
         result["drop_in"] = measure_drop_in(config, args.drop_in, 3, log)
         save()
