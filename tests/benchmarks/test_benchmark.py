@@ -138,11 +138,14 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
     from torch_wgpu_lora.benchmarks import engine
 
     engine.main(["--small", "--layers", "1", "--no-hf", "--out", str(tmp_path), "--prefill", "16", "--prompt", "4",
-                 "--new-tokens", "4", "--repeats", "1", "--train", "16", "--train-steps", "1", "--drop-in", "8"])
+                 "--new-tokens", "4", "--repeats", "1", "--train", "16", "--train-steps", "1", "--drop-in", "8",
+                 "--drop-in-steps", "2"])
     result = json.loads((tmp_path / "engine.json").read_text())
     drop_in = result["drop_in"]  # the backends' steps, taking turns
-    assert len(drop_in["wgpu"]["steps_s"]) == len(drop_in["torch"]["steps_s"]) == 3
+    assert len(drop_in["wgpu"]["steps_s"]) == len(drop_in["torch"]["steps_s"]) == 2
     assert drop_in["wgpu_over_torch"] == drop_in["wgpu"]["step_s"] / drop_in["torch"]["step_s"] > 0
+    turns = [w / t for w, t in zip(drop_in["wgpu"]["steps_s"], drop_in["torch"]["steps_s"])]
+    assert drop_in["paired_ratio"] == pytest.approx(sum(turns) / 2)  # the median of two
     assert 0 < drop_in["wgpu"]["upload_s"] + drop_in["wgpu"]["wait_s"] < drop_in["wgpu"]["step_s"]
     training = result["engine_training"]["16"]
     assert training["loss"] is not None and 0 < training["loss"] < 20  # None: the step was skipped (non-finite)

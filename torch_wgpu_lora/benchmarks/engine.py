@@ -396,7 +396,9 @@ def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, An
     """The drop-in path: a CPU torch model (packed BitNet, float32) whose Q/V adapters are
     ``LoRALinear(backend="wgpu")``, against the same with ``backend="torch"``: one training step's
     wall time (forward, backward, AdamW on the adapters), batch 1. The two backends take turns,
-    step by step, so a drift in the host's speed weighs on both alike. For the WebGPU steps it
+    step by step, in alternating order (wgpu first, then torch first), so a drift in the host's
+    speed weighs on both alike; ``paired_ratio`` is the median of each turn's wgpu / torch. For
+    the WebGPU steps it
     also reports the seconds a step's adapter calls spent uploading (x and dY) and waiting for
     their results (the GPU time the base layer's CPU work did not hide, and the copies out of
     the readbacks)."""
@@ -424,7 +426,7 @@ def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, An
     upload, wait = lora_ops.to_gpu, recorder.Pending.wait
     with torch.compiler.set_stance("force_eager"):
         for turn in range(steps + 1):  # the first turn warms up
-            for backend in backends:
+            for backend in backends if turn % 2 else backends[::-1]:
                 set_backend(model, backend)
                 spent.update(upload_s=0.0, wait_s=0.0)
                 lora_ops.to_gpu, recorder.Pending.wait = timed(upload, "upload_s"), timed(wait, "wait_s")
@@ -451,6 +453,8 @@ def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, An
     log(f"drop-in, adapters on wgpu: {out['wgpu']['upload_s']:.3f} s a step uploading, "
         f"{out['wgpu']['wait_s']:.3f} s waiting for results")
     out["wgpu_over_torch"] = out["wgpu"]["step_s"] / out["torch"]["step_s"]
+    out["paired_ratio"] = statistics.median(w / t for w, t in zip(walls["wgpu"], walls["torch"]))
+    log(f"drop-in, wgpu / torch: {out['wgpu_over_torch']:.3f} (medians), {out['paired_ratio']:.3f} (median of turns)")
     return out
 
 
@@ -513,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                         "are keyed with a suffix")
     parser.add_argument("--drop-in", type=int, default=0, metavar="SEQ",
                         help="also time the drop-in path (CPU model, LoRALinear on WebGPU vs torch) at SEQ tokens")
+    parser.add_argument("--drop-in-steps", type=int, default=3, help="timed drop-in steps per backend (default: 3)")
     parser.add_argument("--small", action="store_true", help="a small model (for a CPU adapter): hidden 256, "
                         "FFN 512, vocab 4096, --layers layers")
     args = parser.parse_args(argv)
@@ -574,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         result["hf_peft"] = measure_hf_peft(config, args.prompt, args.new_tokens, args.prefill, args.repeats, log)
         save()
     if args.drop_in:
-        result["drop_in"] = measure_drop_in(config, args.drop_in, 3, log)
+        result["drop_in"] = measure_drop_in(config, args.drop_in, args.drop_in_steps, log)
         save()
     hf, hf_train = result.get("hf_peft"), result.get("hf_peft_training")
     ratios = {}
