@@ -40,7 +40,7 @@ from ..modules import LoRALinear
 from ..runtime import Buffer, Device, Recorder, upload, write
 from .config import EngineConfig, pad
 from .kernels.bitlinear import lora_table
-from .kernels.dropout import NO_SPLIT, SiteDropout, site_key
+from .kernels.dropout import NO_SPLIT, SiteDropout, dropout_mask_reference, site_key
 
 SITES = {"attn": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "mlp": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}
@@ -160,10 +160,15 @@ class EngineAdapters:
                              f"(counting adapters in eval mode as 0): {shown}, ...")
         return next(iter(active.values()), 0.0)
 
-    def keys(self) -> dict[LoRALinear, int]:
-        """Each adapter's dropout key: the kernels' mask of its input is
-        ``kernels.dropout.dropout_mask_reference(seed, key, rows, k, p)``."""
-        return {a.module: site_key(a.layer, list(SITES).index(self._site_name(a))) + a.segment for a in self.adapters}
+    def dropout_masks(self, seed: int, rows: int) -> dict[LoRALinear, torch.Tensor]:
+        """The masks the kernels apply to each adapter's input in a pass of ``rows`` token rows
+        seeded with ``seed`` (0 where dropped, 1 / (1 − p) where kept; [rows, in_features]),
+        computed in torch (``kernels.dropout.dropout_mask_reference``), for comparisons."""
+        p = self.dropout()
+        if not p:
+            raise ValueError("the adapters apply no dropout (lora_dropout 0, or eval mode)")
+        return {a.module: dropout_mask_reference(seed, site_key(a.layer, list(SITES).index(self._site_name(a)))
+                                                 + a.segment, rows, self._site_of(a).k, p) for a in self.adapters}
 
     def site_dropout(self, layer: int, name: str, state: Buffer) -> SiteDropout | None:
         """The kernels' view of a site's dropout, its masks seeded from ``state``; None where the

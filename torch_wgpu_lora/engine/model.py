@@ -230,7 +230,7 @@ class BitNetEngine(nn.Module):
         submit (what ``loss.backward()`` hands to autograd). ``codes``, a dict, receives the
         pass's int8 activation codes (``plan.read_codes``' format) for comparisons. With LoRA
         dropout active (``adapters.dropout()``), ``dropout_seed`` seeds the masks (default: one
-        drawn from torch's generator); ``adapters.keys()`` and ``kernels.dropout`` give them."""
+        drawn from torch's generator); ``adapters.dropout_masks`` gives them."""
         with self.lock:
             self.adapters.sync()
             batch, tokens = ids.shape

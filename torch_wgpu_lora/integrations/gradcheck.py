@@ -234,15 +234,10 @@ def engine_dropout_masks(engine: Any, modules: dict[str, nn.Module], seed: int, 
                          tokens: int) -> dict[str, torch.Tensor]:
     """The LoRA dropout masks (0 or 1 / (1 − p), [batch, tokens, in_features]) the engine's kernels
     apply to each adapter's input in a pass of ``batch`` × ``tokens`` positions seeded with
-    ``seed``, computed in torch (``engine.kernels.dropout``), by the adapters' names in ``modules``."""
-    from ..engine.kernels.dropout import dropout_mask_reference
-
-    p = engine.adapters.dropout()
-    if not p:
-        raise ValueError("the engine's adapters apply no dropout (lora_dropout 0, or eval mode)")
-    keys = {name: engine.adapters.keys()[m] for name, m in lora_modules(engine.model).items()}
-    return {name: dropout_mask_reference(seed, keys[name], batch * tokens, m.in_features, p)
-            .reshape(batch, tokens, -1) for name, m in modules.items()}
+    ``seed`` (``engine.adapters.dropout_masks``), by the adapters' names in ``modules``."""
+    masks = engine.adapters.dropout_masks(seed, batch * tokens)
+    by_name = {name: masks[m] for name, m in lora_modules(engine.model).items()}
+    return {name: by_name[name].reshape(batch, tokens, -1) for name in modules}
 
 
 @contextmanager
