@@ -43,14 +43,3 @@ fn drop_quad4(first: u32, n: u32, w: u32) -> mat4x4<f32> {
   if (drop_key(first + 3u) != key) { q[3] = drop_mask4(drop_key(first + 3u), n, w); }
   return q;
 }
-
-// The same at one feature k: a lane a row.
-fn drop_quad(first: u32, n: u32, k: u32) -> vec4<f32> {
-  let key = drop_key(first);
-  let m = drop_mask(key, n, k);
-  var q = vec4<f32>(m);
-  if (drop_key(first + 1u) != key) { q[1] = drop_mask(drop_key(first + 1u), n, k); }
-  if (drop_key(first + 2u) != key) { q[2] = drop_mask(drop_key(first + 2u), n, k); }
-  if (drop_key(first + 3u) != key) { q[3] = drop_mask(drop_key(first + 3u), n, k); }
-  return q;
-}

@@ -33,7 +33,7 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> DH: array<f32>;
 @group(0) @binding(4) var<storage, read> H: array<f32>;
 @group(0) @binding(5) var<storage, read_write> G: array<f32>;
-@group(0) @binding(6) var<storage, read> X: array<f32>;
+@group(0) @binding(6) var<storage, read> X: array<vec4<f32>>;  // da: rows of x_stride floats
 @group(0) @binding(7) var<storage, read> DHR: array<f32>;
 @group(0) @binding(8) var<storage, read> DROP: array<u32>;
 
@@ -77,9 +77,9 @@ fn dh(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u
   }
 }
 
-// db and da: 32 outputs × one rank quad a workgroup. The tokens are split over SLICES slices of
-// 32 invocations (every SLICES-th token each), so each sums a few dozen tokens rather than all
-// of them one after another, and the slices' sums are added in workgroup memory.
+// db: 32 outputs × one rank quad a workgroup. The tokens are split over SLICES slices of 32
+// invocations (every SLICES-th token each), so each sums a few dozen tokens rather than all of
+// them one after another, and the slices' sums are added in workgroup memory.
 const SLICES: u32 = 8u;
 
 fn slices_sum(t: u32, acc: vec4<f32>) -> vec4<f32> {  // the total, for invocations t < 32
@@ -114,24 +114,48 @@ fn db(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u
   }
 }
 
+// da: 32 features (8 words of 4) × one rank quad a workgroup, the tokens split over 32 slices of
+// 8 invocations; an invocation sums one word's 4 features for the 4 ranks (with DROPOUT one mask
+// hash serves the word's 4 features), and the slices' 16 sums each are added in workgroup memory.
+const DA_SLICES: u32 = 32u;
+
+var<workgroup> red4: array<vec4<f32>, 1024>;  // [rank of the quad][invocation]: a word's 4 features
+
 @compute @workgroup_size(256)
 fn da(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
-  let k = wg.x * 32u + t % 32u;
+  let w = wg.x * 8u + t % 8u;  // feature word: features 4w .. 4w + 3 (X's rows are padded to 64)
   let r0 = wg.y * 4u;
-  let kk = min(k, p.k - 1u);
-  var acc = vec4<f32>(0.0);
-  for (var n = t / 32u; n < p.tokens; n += SLICES) {
+  let words = p.x_stride / 4u;
+  var a0 = vec4<f32>(0.0); var a1 = vec4<f32>(0.0); var a2 = vec4<f32>(0.0); var a3 = vec4<f32>(0.0);
+  for (var n = t / 8u; n < p.tokens; n += DA_SLICES) {
     let c = quad(n * p.h_stride, r0);
-    var x = vec4<f32>(X[n * p.x_stride + kk]);
-    if (DROPOUT) { x *= drop_quad(r0, n, kk); }
-    acc += x * vec4<f32>(DHR[c.x], DHR[c.y], DHR[c.z], DHR[c.w]);
+    let x = X[n * words + min(w, words - 1u)];
+    if (DROPOUT) {
+      let m = drop_quad4(r0, n, w);
+      a0 += (x * m[0]) * DHR[c.x]; a1 += (x * m[1]) * DHR[c.y]; a2 += (x * m[2]) * DHR[c.z]; a3 += (x * m[3]) * DHR[c.w];
+    } else {
+      a0 += x * DHR[c.x]; a1 += x * DHR[c.y]; a2 += x * DHR[c.z]; a3 += x * DHR[c.w];
+    }
   }
-  let total = slices_sum(t, acc);
-  if (t >= 32u || k >= p.k) { return; }
+  red4[t] = a0; red4[256u + t] = a1; red4[512u + t] = a2; red4[768u + t] = a3;
+  workgroupBarrier();
+  for (var half = DA_SLICES / 2u; half > 0u; half >>= 1u) {  // slice s adds slice s + half
+    if (t < 8u * half) {
+      for (var c = 0u; c < 4u; c++) { red4[256u * c + t] += red4[256u * c + t + 8u * half]; }
+    }
+    workgroupBarrier();
+  }
+  if (t >= 8u) { return; }
   for (var c = 0u; c < 4u; c++) {
     if (r0 + c < p.rank) {
-      let o = p.a_offset + (r0 + c) * p.x_stride + k;
-      if (p.accumulate != 0u) { G[o] += total[c]; } else { G[o] = total[c]; }
+      let total = red4[256u * c + t];
+      for (var e = 0u; e < 4u; e++) {
+        let k = 4u * w + e;
+        if (k < p.k) {
+          let o = p.a_offset + (r0 + c) * p.x_stride + k;
+          if (p.accumulate != 0u) { G[o] += total[e]; } else { G[o] = total[e]; }
+        }
+      }
     }
   }
 }

@@ -212,6 +212,11 @@ def test_lora_gradients_for_an_interleaved_segment_and_a_stacked_site(per_row, t
     assert not dA[:3].any() and not dA[3 + rank:].any()  # h columns of other adapters are zero here
 
 
+def test_da_refuses_rows_it_cannot_read_as_words():
+    with pytest.raises(ValueError, match="multiple of 4 floats"):
+        da_launch(poisoned((3, 8)), poisoned((3, 70)), poisoned((8 * 128,)), tokens=3, rank=8, k=70, a_offset=0)
+
+
 @pytest.mark.parametrize("max_norm", [0.0, 0.5, 1e6])
 def test_clipped_adamw_step_matches_torch(max_norm, reductions):
     g = torch.Generator().manual_seed(6)

@@ -51,9 +51,12 @@ def db_launch(dy: Buffer, h: Buffer, grads: Buffer, *, tokens: int, rows: tuple[
 
 def da_launch(dh: Buffer, x: Buffer, grads: Buffer, *, tokens: int, rank: int, k: int, a_offset: int,
               accumulate: bool = True, dropout: SiteDropout | None = None, device: Device | None = None) -> Launch:
-    """grads[the site's stacked A] (+)= DH[:, :rank]ᵀ·X (X: the site's normalised input; with
-    ``dropout``, each adapter's rows of A from its own dropout of X)."""
+    """grads[the site's stacked A] (+)= DH[:, :rank]ᵀ·X (X: the site's normalised input, rows of a
+    multiple of 4 floats as the norms pad them; with ``dropout``, each adapter's rows of A from its
+    own dropout of X)."""
     device = device or get_device()
+    if x.shape[-1] % 4:
+        raise ValueError(f"da reads x's rows as 4-float words: its rows must hold a multiple of 4 floats, got {x.shape}")
     kern = kernel(_FILE, "da", device, **(dict(DROPOUT=True) if dropout is not None else {}))
     return Launch.build(kern, (-(-k // 32), -(-rank // 4), 1),
                         {5: grads, 6: x, 7: dh, 8: dropout.state if dropout is not None else dummy(device)},
