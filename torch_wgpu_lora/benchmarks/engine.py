@@ -272,8 +272,9 @@ def response_only(ids: torch.Tensor) -> torch.Tensor:
 
 class HFPeftTraining:
     """HF transformers + PEFT training on CUDA in bf16, batch 1 (r=8 LoRA on q_proj and v_proj,
-    AdamW on the adapters, clipping at 1): ``step(ids, labels, dropout)`` is one optimizer step,
-    synchronised; ``peak_memory_bytes`` torch's peak since this was built."""
+    AdamW on the adapters, clipping at 1): ``set_dropout(p)`` sets the adapters' dropout,
+    ``step(ids, labels)`` is one optimizer step, synchronised; ``peak_memory_bytes`` torch's peak
+    since this was built."""
 
     def __init__(self, config: Any) -> None:
         from peft import LoraConfig, get_peft_model
@@ -288,10 +289,12 @@ class HFPeftTraining:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
 
-    def step(self, ids: torch.Tensor, labels: torch.Tensor, dropout: float) -> None:
+    def set_dropout(self, p: float) -> None:
         for layer in self.model.modules():  # PEFT's LoRA layers
             if isinstance(getattr(layer, "lora_dropout", None), torch.nn.ModuleDict):
-                layer.lora_dropout["default"] = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+                layer.lora_dropout["default"] = torch.nn.Dropout(p) if p else torch.nn.Identity()
+
+    def step(self, ids: torch.Tensor, labels: torch.Tensor) -> None:
         loss = self.model(input_ids=ids.cuda(), labels=labels.cuda()).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
@@ -311,7 +314,7 @@ def measure_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...],
     LoRA dropout ``DROPOUT``, ``"<seq>_dropout"``), GPU time per step, per kernel and per
     dispatch in program order, and the runtime's peak GPU memory; with ``hf``, the same steps of
     HF + PEFT, taking turns with the engine's step by step (so a drift in the host's speed, which
-    moved HF's figure by up to 1.5× between runs, weighs on both alike). Returns (engine's, HF's)."""
+    moved HF's figure by up to 1.6× between runs, weighs on both alike). Returns (engine's, HF's)."""
     from ..integrations.bitnet import lora_parameters
     from ..training.optim import WgpuAdamW
 
@@ -330,10 +333,12 @@ def measure_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...],
         """Median wall time of ``steps`` engine optimizer steps after two unmeasured, and the
         last's result; HF's steps in turn, into ``theirs[key]``."""
         ids, labels = micro[0]["input_ids"], micro[0]["labels"]
+        if hf is not None:
+            hf.set_dropout(dropout)
         for _ in range(2):  # warm-up: the engine's plan, pipelines and step encoded ahead; torch's caches
             engine.train_step(micro, optimizer, 1.0)
             if hf is not None:
-                hf.step(ids, labels, dropout)
+                hf.step(ids, labels)
         walls, hf_walls = [], []
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -341,7 +346,7 @@ def measure_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...],
             walls.append(time.perf_counter() - t0)
             if hf is not None:
                 t0 = time.perf_counter()
-                hf.step(ids, labels, dropout)
+                hf.step(ids, labels)
                 hf_walls.append(time.perf_counter() - t0)
         wall = statistics.median(walls)
         log(f"engine training seq {key}: {seq / wall:.0f} tok/s ({wall * 1e3:.1f} ms/step)")
