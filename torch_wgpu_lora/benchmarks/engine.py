@@ -111,19 +111,17 @@ def _with_adapters(model: torch.nn.Module, rank: int, seed: int) -> torch.nn.Mod
 @contextmanager
 def _lora_dropout(model: torch.nn.Module, p: float) -> Iterator[None]:
     """The model's adapters with dropout ``p``, in training mode, for the duration."""
-    from ..integrations.bitnet import lora_modules
+    from ..integrations.bitnet import lora_modules, swapped_dropout
 
     modules = lora_modules(model)
-    saved = {name: m.lora_dropout for name, m in modules.items()}
-    for m in modules.values():
-        m.lora_dropout = torch.nn.Dropout(p)
-        m.train()
-    try:
-        yield
-    finally:
-        for name, m in modules.items():
-            m.lora_dropout = saved[name]
-            m.eval()
+    with swapped_dropout(modules, {name: torch.nn.Dropout(p) for name in modules}):
+        for m in modules.values():
+            m.train()
+        try:
+            yield
+        finally:
+            for m in modules.values():
+                m.eval()
 
 
 def _families(kernel_times: list[tuple[str, float]]) -> dict[str, float]:

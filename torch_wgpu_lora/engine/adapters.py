@@ -53,6 +53,7 @@ class Adapter:
 
     module: LoRALinear
     layer: int
+    site: str  # its norm site (a key of SITES)
     name: str
     a_row: int  # first row of its A in the site's stacked A (= its first column of h)
     b_offset: int  # where its B [out, r] starts in ``params`` (floats)
@@ -99,7 +100,7 @@ class EngineAdapters:
                 a_offset, size = size, size + pad(rank * pad(k, 64), _ALIGN)
                 adapters, a_row = [], 0
                 for n, m in modules:
-                    adapters.append(Adapter(m, index, n, a_row, size, len(adapters), rows_of(config, n)))
+                    adapters.append(Adapter(m, index, site, n, a_row, size, len(adapters), rows_of(config, n)))
                     a_row += m.r
                     size += pad(m.lora_B.numel(), _ALIGN)
                 sites[site] = Site(k, rank, a_offset, None, None, len(adapters), adapters)
@@ -167,8 +168,8 @@ class EngineAdapters:
         p = self.dropout()
         if not p:
             raise ValueError("the adapters apply no dropout (lora_dropout 0, or eval mode)")
-        return {a.module: dropout_mask_reference(seed, site_key(a.layer, list(SITES).index(self._site_name(a)))
-                                                 + a.segment, rows, self._site_of(a).k, p) for a in self.adapters}
+        return {a.module: dropout_mask_reference(seed, site_key(a.layer, list(SITES).index(a.site)) + a.segment, rows,
+                                                 self._site_of(a).k, p) for a in self.adapters}
 
     def site_dropout(self, layer: int, name: str, state: Buffer) -> SiteDropout | None:
         """The kernels' view of a site's dropout, its masks seeded from ``state``; None where the
@@ -184,10 +185,7 @@ class EngineAdapters:
         return last is None or not torch.equal(last, t.detach())
 
     def _site_of(self, adapter: Adapter) -> Site:
-        return self.sites[adapter.layer][self._site_name(adapter)]
-
-    def _site_name(self, adapter: Adapter) -> str:
-        return next(name for name, s in self.sites[adapter.layer].items() if adapter in s.adapters)
+        return self.sites[adapter.layer][adapter.site]
 
     def sync(self, force: bool = False, pull: bool = True) -> int:
         """Upload every adapter tensor whose values changed since its last upload; returns how many.

@@ -207,14 +207,14 @@ class BitNetEngine(nn.Module):
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def _logits(self, ids: torch.Tensor, lengths: list[int], seed: int | None) -> torch.Tensor:
+        """The logits of a pass; with ``seed`` (dropout active), the adapters dropping with its masks."""
         batch, tokens = ids.shape
         logits = torch.empty(batch * tokens, self.engine_config.vocab, dtype=torch.float32)
         with self.lock:
             self.adapters.sync()
-            p = self.adapters.dropout()
-            plan = self.plan(batch, tokens, dropout=p > 0)
-            if p:
-                plan.set_dropout(_dropout_seed() if seed is None else seed, p)
+            plan = self.plan(batch, tokens, dropout=seed is not None)
+            if seed is not None:
+                plan.set_dropout(seed, self.adapters.dropout())
             write(plan.ids, ids.numpy().astype(np.uint32).reshape(-1))
             plan.cache.set_position(0, lengths)
             rec = Recorder(self.device)

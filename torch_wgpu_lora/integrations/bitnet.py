@@ -26,8 +26,9 @@ import os
 import re
 import sys
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -215,6 +216,23 @@ def set_backend(model: nn.Module, backend: str) -> nn.Module:
     for m in lora_modules(model).values():
         m.backend = backend
     return model
+
+
+@contextmanager
+def swapped_dropout(modules: dict[str, nn.Module], dropouts: dict[str, nn.Module]) -> Iterator[None]:
+    """The adapters ``modules`` (by name) with ``lora_dropout`` replaced by ``dropouts[name]`` for
+    the duration, then restored.
+
+    >>> # with swapped_dropout(lora_modules(model), {n: nn.Dropout(0.1) for n in lora_modules(model)}): ...
+    """
+    saved = {name: modules[name].lora_dropout for name in dropouts}
+    try:
+        for name, dropout in dropouts.items():
+            modules[name].lora_dropout = dropout
+        yield
+    finally:
+        for name, dropout in saved.items():
+            modules[name].lora_dropout = dropout
 
 
 def load_bitnet(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -21,14 +21,14 @@ gives every adapter a seeded nonzero B first, so that every row is a real compar
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
-from .bitnet import is_linear_like, layer_index, lora_modules
+from .bitnet import is_linear_like, layer_index, lora_modules, swapped_dropout
 from .quantisation import FLIP_SHARE, FeedStats, feeding_codes
 
 _PARAMS = ("A", "B")
@@ -240,17 +240,13 @@ def engine_dropout_masks(engine: Any, modules: dict[str, nn.Module], seed: int, 
     return {name: by_name[name].reshape(batch, tokens, -1) for name in modules}
 
 
-@contextmanager
-def replayed_dropout(modules: dict[str, nn.Module], masks: dict[str, torch.Tensor] | None) -> Iterator[None]:
-    """Every adapter's dropout replaced by its mask from ``masks`` (nothing changes when None)."""
-    saved = {name: m.lora_dropout for name, m in modules.items()} if masks else {}
-    try:
-        for name, m in modules.items() if masks else ():
-            m.lora_dropout = _FixedMask(masks[name])
-        yield
-    finally:
-        for name, d in saved.items():
-            modules[name].lora_dropout = d
+def replayed_dropout(modules: dict[str, nn.Module],
+                     masks: dict[str, torch.Tensor] | None) -> AbstractContextManager[None]:
+    """Every adapter's dropout replaced by its mask from ``masks``, for the duration (nothing
+    changes when None)."""
+    if not masks:
+        return nullcontext()
+    return swapped_dropout(modules, {name: _FixedMask(mask) for name, mask in masks.items()})
 
 
 def compare_gradients(model: nn.Module, batch: Mapping[str, torch.Tensor] | torch.Tensor, *,
@@ -322,14 +318,12 @@ def compare_gradients(model: nn.Module, batch: Mapping[str, torch.Tensor] | torc
                 m.backend = backend
             params = [p for m in modules.values() for p in (m.lora_A, m.lora_B)]
             if index == 0 and engine is not None:
-                if dropout_seed is not None:
+                if dropout_seed is not None:  # the engine drops in training mode; the torch passes replay it
                     for m in modules.values():
                         m.train()
-                    ids = batch["input_ids"]
-                    masks = engine_dropout_masks(engine, modules, dropout_seed, *ids.shape)
+                    masks = engine_dropout_masks(engine, modules, dropout_seed, *batch["input_ids"].shape)
                 result = _engine_pass(engine, batch, params, codes, dropout_seed)
-                for m in modules.values():
-                    m.eval()
+                net.eval()
                 if backend == "wgpu":
                     results.append(result)
                     continue
