@@ -1,14 +1,16 @@
 // The attention backward's probabilities and score gradients of a training pass (queries from
-// position 0), kept whole for the GEMMs that follow (attention_kv_grad.wgsl, attention_dq.wgsl):
+// position 0), kept whole for the GEMMs that follow (attention_kv_grad.wgsl, attention_apply.wgsl):
 //   MODE 0: SC[n][j] = Σ_d Q[b, i, h, d] · K[b, g, j, d]                       (S)
 //   MODE 1: dP[n][j] = Σ_d dO[b, i, h, d] · V[b, g, j, d], and as it is stored
 //           SC[n][j] ← P = exp(scale·S − lse)   DS[n][j] ← dS = P ∘ (dP − D)
 // for row n = (b·H + h)·TP + i (TP: T rounded up to 64, so a workgroup's 64 rows are one head's),
 // key j ≤ lim = min(i, len_b − 1) (len_b = LENS[b] clamped to 1..S, as attention.wgsl has it),
-// g = h / R. Entries past a row's limit are not written (the GEMMs that read them mask them), and
-// a tile whose keys all lie past its rows' limits sums nothing.
-// Layouts: A = Q or dO [B·T, H, D]; K or V [B, KVH, S, D4] vec4; SC, DS [B·H·TP, T]; LSE (the
-// forward's, natural log) and DR (D = rowsum(dO ∘ O), row_dot's) [B·T, H].
+// g = h / R. Entries past a row's limit are written only where they share a vec4 with a seen key,
+// and never read (the GEMMs that read them mask them); a tile whose keys all lie past its rows'
+// limits sums nothing.
+// Layouts: A = Q or dO [B·T, H, D]; K or V [B, KVH, S, D4] vec4; SC, DS [B·H·TP, TP] as vec4s (rows
+// padded like the heads', so that every row starts on a vec4); LSE (the forward's, natural log)
+// and DR (D = rowsum(dO ∘ O), row_dot's) [B·T, H].
 //
 // Tiling (_gemm_t_tile.wgsl): 64 rows × 64 keys a workgroup of 128 threads, the head dim in
 // steps of 32 through workgroup memory.
@@ -29,8 +31,8 @@ struct Params {
 @group(0) @binding(1) var<storage, read> LENS: array<u32>;
 @group(0) @binding(2) var<storage, read> A: array<f32>;          // Q (MODE 0) or dO (MODE 1)
 @group(0) @binding(3) var<storage, read> KV: array<vec4<f32>>;   // K (MODE 0) or V (MODE 1)
-@group(0) @binding(4) var<storage, read_write> SC: array<f32>;
-@group(0) @binding(5) var<storage, read_write> DS: array<f32>;   // MODE 1
+@group(0) @binding(4) var<storage, read_write> SC: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read_write> DS: array<vec4<f32>>;  // MODE 1
 @group(0) @binding(6) var<storage, read> LSE: array<f32>;        // MODE 1
 @group(0) @binding(7) var<storage, read> DR: array<f32>;         // MODE 1
 
@@ -98,24 +100,22 @@ fn row_span(n0: u32, k0: u32) -> vec2<u32> {
   return vec2<u32>(0u, select(0u, p.rows, k0 < keys_seen(n0)));
 }
 
+// Keys k .. k + 3 of row n as one vec4 where key k is seen: the keys past the row's limit in it get
+// values no reader uses (the GEMMs that follow mask them as they load).
 fn store(n: u32, k: u32, v: vec4<f32>) {
   let bh = n / p.padded;
   let i = n - bh * p.padded;
   if (n >= p.tokens || i >= p.seq) { return; }
   let b = bh / p.heads;
-  let lim = min(i, keys_of(b) - 1u);
-  let row = (b * p.seq + i) * p.heads + bh % p.heads;
-  for (var c = 0u; c < 4u; c++) {
-    let j = k + c;
-    if (j > lim) { return; }
-    let at = n * p.seq + j;
-    if (MODE == 0u) {
-      SC[at] = v[c];
-    } else {
-      let pr = exp2(SC[at] * (p.scale * LOG2E) - LSE[row] * LOG2E);
-      SC[at] = pr;
-      DS[at] = pr * (v[c] - DR[row]);
-    }
+  if (k > min(i, keys_of(b) - 1u)) { return; }
+  let at = (n * p.padded + k) / 4u;
+  if (MODE == 0u) {
+    SC[at] = v;
+  } else {
+    let row = (b * p.seq + i) * p.heads + bh % p.heads;
+    let pr = exp2(SC[at] * (p.scale * LOG2E) - LSE[row] * LOG2E);
+    SC[at] = pr;
+    DS[at] = pr * (v - DR[row]);
   }
 }
 

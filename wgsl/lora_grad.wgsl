@@ -1,7 +1,7 @@
 // LoRA gradients inside the engine's backward, for one adapter (a segment of a fused projection:
 // output rows begin, begin + step, … < end; its B [rows, rank] at LB[b_offset]; its h at column
 // h_col of H) or for a site's stacked A:
-//   dh:  DH[n][h_col + r]          = scale · Σ_i dY[n][begin + step·i] · B[i][r]   (one token a workgroup)
+//   dh:  DH[n][h_col + r]          = scale · Σ_i dY[n][begin + step·i] · B[i][r]   (four tokens a workgroup)
 //   db:  G[b_offset + i·rank + r] (+)= scale · Σ_n dY[n][begin + step·i] · H[n][h_col + r]
 //   da:  G[a_offset + r·x_stride + k] (+)= Σ_n DH[n][r] · X[n][k]                 (DH already scaled)
 //        (with DROPOUT X[n][k] · m[n][k], row r's adapter's dropout mask: _dropout.wgsl)
@@ -41,8 +41,9 @@ override WG: u32 = 256u;
 override DROPOUT: bool = false;
 
 // @include _dropout.wgsl
+// @include _reductions.wgsl
 
-var<workgroup> red: array<vec4<f32>, WG>;
+var<workgroup> slice_sums: array<vec4<f32>, WG>;
 
 fn rows() -> u32 { return (p.end - p.begin + p.step - 1u) / p.step; }
 
@@ -52,28 +53,36 @@ fn quad(base: u32, r0: u32) -> vec4<u32> {  // the four rank columns r0.. (the l
                    base + min(r0 + 3u, last));
 }
 
+// dh: four tokens a workgroup, so that each load of B serves four tokens; the rank quads in turn.
+fn put_dh(n: u32, r0: u32, v: vec4<f32>) {
+  if (n >= p.tokens) { return; }
+  for (var c = 0u; c < 4u; c++) {
+    if (r0 + c < p.rank) { DH[n * p.h_stride + p.h_col + r0 + c] = p.scale * v[c]; }
+  }
+}
+
 @compute @workgroup_size(WG)
-fn dh(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
-  let n = wg.x;
+fn dh(inv: Invocation) {
+  enter(inv);
+  let t = inv.t;
+  let n0 = 4u * inv.wg.x;
   let count = rows();
+  let last = p.tokens - 1u;  // tokens past it repeat it (not stored)
+  let dy = vec4<u32>(min(n0, last), min(n0 + 1u, last), min(n0 + 2u, last), min(n0 + 3u, last)) * p.dy_stride +
+           vec4<u32>(p.begin);
   for (var r0 = 0u; r0 < p.rank; r0 += 4u) {
-    var acc = vec4<f32>(0.0);
+    var a0 = vec4<f32>(0.0); var a1 = vec4<f32>(0.0); var a2 = vec4<f32>(0.0); var a3 = vec4<f32>(0.0);
     for (var i = t; i < count; i += WG) {
       let c = quad(p.b_offset + i * p.rank, r0);
-      acc += DY[n * p.dy_stride + p.begin + p.step * i] * vec4<f32>(LB[c.x], LB[c.y], LB[c.z], LB[c.w]);
+      let b = vec4<f32>(LB[c.x], LB[c.y], LB[c.z], LB[c.w]);
+      let j = p.step * i;
+      a0 += DY[dy.x + j] * b; a1 += DY[dy.y + j] * b; a2 += DY[dy.z + j] * b; a3 += DY[dy.w + j] * b;
     }
-    red[t] = acc;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-      if (t < s) { red[t] += red[t + s]; }
-      workgroupBarrier();
-    }
-    if (t == 0u) {
-      for (var c = 0u; c < 4u; c++) {
-        if (r0 + c < p.rank) { DH[n * p.h_stride + p.h_col + r0 + c] = p.scale * red[0][c]; }
-      }
-    }
-    workgroupBarrier();
+    let s0 = sum_all4(t, a0);
+    let s1 = sum_all4(t, a1);
+    let s2 = sum_all4(t, a2);
+    let s3 = sum_all4(t, a3);
+    if (t == 0u) { put_dh(n0, r0, s0); put_dh(n0 + 1u, r0, s1); put_dh(n0 + 2u, r0, s2); put_dh(n0 + 3u, r0, s3); }
   }
 }
 
@@ -83,11 +92,11 @@ fn dh(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u
 const SLICES: u32 = 8u;
 
 fn slices_sum(t: u32, acc: vec4<f32>) -> vec4<f32> {  // the total, for invocations t < 32
-  red[t] = acc;
+  slice_sums[t] = acc;
   workgroupBarrier();
   var total = vec4<f32>(0.0);
   if (t < 32u) {
-    for (var s = 0u; s < SLICES; s++) { total += red[32u * s + t]; }
+    for (var s = 0u; s < SLICES; s++) { total += slice_sums[32u * s + t]; }
   }
   return total;
 }
@@ -119,7 +128,7 @@ fn db(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u
 // hash serves the word's 4 features), and the slices' 16 sums each are added in workgroup memory.
 const DA_SLICES: u32 = 32u;
 
-var<workgroup> red4: array<vec4<f32>, 1024>;  // [rank of the quad][invocation]: a word's 4 features
+var<workgroup> da_sums: array<vec4<f32>, 1024>;  // [rank of the quad][invocation]: a word's 4 features
 
 @compute @workgroup_size(256)
 fn da(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
@@ -137,18 +146,18 @@ fn da(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u
       a0 += x * DHR[c.x]; a1 += x * DHR[c.y]; a2 += x * DHR[c.z]; a3 += x * DHR[c.w];
     }
   }
-  red4[t] = a0; red4[256u + t] = a1; red4[512u + t] = a2; red4[768u + t] = a3;
+  da_sums[t] = a0; da_sums[256u + t] = a1; da_sums[512u + t] = a2; da_sums[768u + t] = a3;
   workgroupBarrier();
   for (var half = DA_SLICES / 2u; half > 0u; half >>= 1u) {  // slice s adds slice s + half
     if (t < 8u * half) {
-      for (var c = 0u; c < 4u; c++) { red4[256u * c + t] += red4[256u * c + t + 8u * half]; }
+      for (var c = 0u; c < 4u; c++) { da_sums[256u * c + t] += da_sums[256u * c + t + 8u * half]; }
     }
     workgroupBarrier();
   }
   if (t >= 8u) { return; }
   for (var c = 0u; c < 4u; c++) {
     if (r0 + c < p.rank) {
-      let total = red4[256u * c + t];
+      let total = da_sums[256u * c + t];
       for (var e = 0u; e < 4u; e++) {
         let k = 4u * w + e;
         if (k < p.k) {

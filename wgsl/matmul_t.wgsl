@@ -28,10 +28,10 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> A: array<f32>;
 @group(0) @binding(2) var<storage, read> W: array<vec4<u32>>;
-@group(0) @binding(3) var<storage, read_write> OUT: array<f32>;
+@group(0) @binding(3) var<storage, read_write> OUT: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> DH: array<f32>;
-@group(0) @binding(5) var<storage, read> LA: array<f32>;
-@group(0) @binding(6) var<storage, read_write> PART: array<f32>;  // SPLITS > 1: the ranges' raw sums
+@group(0) @binding(5) var<storage, read> LA: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read_write> PART: array<vec4<f32>>;  // SPLITS > 1: the ranges' raw sums
 @group(0) @binding(7) var<storage, read> DROP: array<u32>;  // DROPOUT: _dropout.wgsl's state
 
 override BF16: bool = false;

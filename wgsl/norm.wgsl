@@ -28,7 +28,7 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> X: array<f32>;
 @group(0) @binding(2) var<storage, read> G: array<f32>;
-@group(0) @binding(3) var<storage, read_write> XN: array<f32>;
+@group(0) @binding(3) var<storage, read_write> XN: array<vec4<f32>>;  // rows of stride floats
 @group(0) @binding(4) var<storage, read_write> XQ: array<u32>;
 @group(0) @binding(5) var<storage, read_write> XM: array<f32>;
 @group(0) @binding(6) var<storage, read> A: array<f32>;
@@ -113,7 +113,7 @@ fn rmsnorm(inv: Invocation) {
     if (w < row_words) {
       let v = g[i] * (y[i] * r);
       y[i] = v;
-      for (var l = 0u; l < 4u; l++) { XN[out + 4u * w + l] = v[l]; }
+      XN[out / 4u + w] = v;
       m = max(m, absmax4(v));
     }
   }
@@ -176,11 +176,14 @@ fn rmsnorm_rows(@builtin(global_invocation_id) gid: vec3<u32>) {
   }
   if (gid.y != 0u) { return; }
   var m = 0.0;
-  for (var k = 0u; k < p.stride; k++) {
-    var y = 0.0;
-    if (k < p.k) { y = G[k] * (X[row + k] * r); }
-    XN[out + k] = y;
-    m = max(m, abs(y));
+  for (var w = 0u; w < p.stride / 4u; w++) {
+    var y = vec4<f32>(0.0);
+    for (var l = 0u; l < 4u; l++) {
+      let k = 4u * w + l;
+      if (k < p.k) { y[l] = G[k] * (X[row + k] * r); }
+    }
+    XN[out / 4u + w] = y;
+    m = max(m, absmax4(y));
   }
   if (SAVE) { RS[n] = r; }
   if (QUANT) {

@@ -17,6 +17,11 @@ struct Params {
 @group(0) @binding(3) var<storage, read> RS: array<f32>;
 @group(0) @binding(4) var<storage, read> G: array<f32>;
 @group(0) @binding(5) var<storage, read_write> OUT: array<f32>;
+// The same bindings 16 bytes a read (rmsnorm_backward4: k and every row stride multiples of 4)
+@group(0) @binding(6) var<storage, read> DY4: array<vec4<f32>>;
+@group(0) @binding(7) var<storage, read> X4: array<vec4<f32>>;
+@group(0) @binding(8) var<storage, read> G4: array<vec4<f32>>;
+@group(0) @binding(9) var<storage, read_write> OUT4: array<vec4<f32>>;
 
 override WG: u32 = 256u;
 
@@ -39,6 +44,28 @@ fn rmsnorm_backward(inv: Invocation) {
   for (var k = t; k < p.k; k += WG) {
     let v = r * (G[k] * DY[dy + k]) - X[x + k] * c;
     if (p.accumulate != 0u) { OUT[o + k] += v; } else { OUT[o + k] = v; }
+  }
+}
+
+// The same, four features an invocation at a time (a vec4 read or write where rmsnorm_backward
+// makes four scalar ones, each warp-wide access a quarter as wide).
+@compute @workgroup_size(WG)
+fn rmsnorm_backward4(inv: Invocation) {
+  enter(inv);
+  let t = inv.t;
+  let n = inv.wg.x;
+  let words = p.k / 4u;
+  let dy = n * p.dy_stride / 4u;
+  let x = n * p.x_stride / 4u;
+  var s = 0.0;
+  for (var w = t; w < words; w += WG) { s += dot(G4[w] * DY4[dy + w], X4[x + w]); }
+  let total = sum_all(t, s);
+  let r = RS[n];
+  let c = r * r * r * total / f32(p.k);
+  let o = n * p.out_stride / 4u;
+  for (var w = t; w < words; w += WG) {
+    let v = r * (G4[w] * DY4[dy + w]) - X4[x + w] * c;
+    if (p.accumulate != 0u) { OUT4[o + w] += v; } else { OUT4[o + w] = v; }
   }
 }
 

@@ -184,12 +184,15 @@ def test_kernel_work_counts_the_projections_and_head_as_torch_counts_them():
     assert work["matmul.wgsl:gemm_tiled"][0] == work["matmul_t.wgsl:gemm_tiled"][0] == head
     # attention: torch multiplies every (query, key) pair, the kernels the causal ones
     attention = sum(n for op, n in counts["Global"].items() if "bmm" in str(op))
-    assert work["attention.wgsl:prefill"][0] * 2 * seq == attention * (seq + 1)
-    # the backward: S, dP, dV, dK and dQ once each; past the scratch for P, dq and dkdv recompute S, dP
-    assert work["attention_scores.wgsl:gemm_tiled"][0] == work["attention_kv_grad.wgsl:gemm_tiled"][0] == \
-        2 * work["attention_dq.wgsl:gemm_tiled"][0] == work["attention.wgsl:prefill"][0]
+    forward = engine.kernel_work(config, seq, training=False)["attention.wgsl:prefill"][0]
+    assert forward * 2 * seq == attention * (seq + 1)
+    # training keeps S whole: S and O = P·V forward; S, dP, dV, dK and dQ once each backward
+    assert "attention.wgsl:prefill" not in work
+    assert 2 * work["attention_scores.wgsl:gemm_tiled"][0] == 3 * forward
+    assert work["attention_apply.wgsl:gemm_tiled"][0] == work["attention_kv_grad.wgsl:gemm_tiled"][0] == forward
+    # past the scratch: the flash kernels, dq and dkdv recomputing S and dP
     long = engine.kernel_work(engine.bitnet_2b_config(1), 4096, training=True)
-    assert "attention_dq.wgsl:gemm_tiled" not in long and "attention_scores.wgsl:gemm_tiled" not in long
+    assert "attention_apply.wgsl:gemm_tiled" not in long and "attention_scores.wgsl:gemm_tiled" not in long
     assert long["attention_backward.wgsl:dq"][0] * 2 == 3 * long["attention.wgsl:prefill"][0]
     assert long["attention_backward.wgsl:dkdv"][0] == 2 * long["attention.wgsl:prefill"][0]
 

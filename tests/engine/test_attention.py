@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from torch_wgpu_lora.engine.kernels import STEP_POS
+from torch_wgpu_lora.engine.kernels import STEP_POS, attention
 from torch_wgpu_lora.engine.kernels.attention import (_PREFILL_TILES, PrefillTile, attention_launches,
                                                       attention_reference, prefill_tile)
 from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, write
@@ -158,14 +158,42 @@ def test_prefill_every_tile_that_fits_the_adapter():
     assert any(t.workgroup_bytes(128) <= 16 * 1024 for t in _PREFILL_TILES)  # WebGPU's default limit
 
 
+FROM_START_CASES = {name: case for name, case in PREFILL_CASES.items() if case[5] == 0}
+
+
+@pytest.mark.parametrize("case", sorted(FROM_START_CASES))
+def test_a_pass_from_position_0_keeps_its_scores_whole(case):
+    # training's forward: S, its softmax in place and O = P·V as GEMMs, not the flash kernel
+    batch, tokens, heads, kv_heads, head_dim, pos, lengths = FROM_START_CASES[case]
+    attn = Attention(batch, tokens, heads, kv_heads, head_dim, tokens, from_start=True)
+    assert [launch.kernel.name for launch in attn.launches][:2] == ["attention_scores.wgsl:gemm_tiled",
+                                                                    "attention_softmax.wgsl:rows"]
+    check_once(*FROM_START_CASES[case], from_start=True)
+    check_once(*FROM_START_CASES[case], from_start=True, max_len=tokens + 5)  # a cache longer than the pass
+
+
+def test_a_pass_from_start_gives_nan_after_a_prefix_and_gives_way_past_its_scratch(monkeypatch):
+    q, k, v = random_case(2, 30, 4, 2, 20, 43, seed=3)
+    attn = Attention(2, 30, 4, 2, 20, 43, from_start=True)
+    attn.set_inputs(q, k, v, [43, 25])
+    out, lse = attn.run(13, [43, 25])  # keys before the pass have no scores: NaN, not a wrong value
+    assert np.isnan(out).all() and np.isnan(lse).all()
+    monkeypatch.setattr(attention, "SCORES_SCRATCH_BYTES", attention.saved_scores_bytes(2, 8, 40) - 4)
+    attn = Attention(2, 40, 8, 2, 16, 40, from_start=True)
+    assert [launch.kernel.name for launch in attn.launches] == ["attention.wgsl:prefill"]
+    check_once(2, 40, 8, 2, 16, 0, [40, 9], from_start=True)
+
+
 def test_prefill_without_lse_and_rows_not_filling_a_block():
     # 3 queries x 1 head: 3 rows in a 32-row block; no lse buffer given
     q, k, v = random_case(2, 3, 3, 3, 16, 3, seed=1)
-    attn = Attention(2, 3, 3, 3, 16, 3, lse=False)
-    attn.set_inputs(q, k, v, [3, 2])
-    out, lse = attn.run(0, [3, 2])
-    assert lse is None
-    assert_close(out, attention_reference(q, k, v, 0, [3, 2], 3, 3, 0.25)[0], "out", RTOL)
+    for from_start in (False, True):
+        attn = Attention(2, 3, 3, 3, 16, 3, lse=False, from_start=from_start)
+        attn.set_inputs(q, k, v, [3, 2])
+        out, lse = attn.run(0, [3, 2])
+        assert lse is None
+        assert_close(out, attention_reference(q, k, v, 0, [3, 2], 3, 3, 0.25)[0], f"out from_start={from_start}",
+                     RTOL)
 
 
 # ---- decode --------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ class Backward:
         self.lengths = Buffer((batch,), "u32")
         scale = head_dim ** -0.5
         self.launches = attention_launches(self.q, self.k, self.v, self.out, self.step, self.lengths, scale=scale,
-                                           lse=self.lse, **self.shape)
+                                           lse=self.lse, from_start=from_start, **self.shape)
         self.launches += attention_backward_launches(self.q, self.k, self.v, self.out, self.lse, self.d_out, self.d_q,
                                                      self.d_k, self.d_v, self.step, self.lengths, scale=scale,
                                                      tile=tile, splits=splits, from_start=from_start,
@@ -140,7 +140,7 @@ def check_once(batch, tokens, heads, kv_heads, head_dim, pos, lengths, *, seed=0
                splits=None, from_start=False) -> float:
     plan = Backward(batch, tokens, heads, kv_heads, head_dim, max_len or pos + tokens, tile=tile, splits=splits,
                     from_start=from_start)
-    assert ("attention_dq.wgsl:gemm_tiled" in plan.kernels) == from_start
+    assert ("attention_apply.wgsl:gemm_tiled" in plan.kernels) == from_start
     assert ("attention_backward.wgsl:dq" in plan.kernels) != from_start
     return check(plan, pos, lengths, seed)
 
@@ -203,9 +203,9 @@ def test_scores_kept_whole_give_nan_after_a_prefix_and_give_way_past_their_scrat
     q, k, v, d_out = random_case(2, 30, 4, 1, 20, 43, seed=1)
     d_q, d_k, d_v = plan.run(q, k, v, d_out, 13, [43, 25])
     assert np.isnan(d_q).all() and np.isnan(d_k).all() and np.isnan(d_v).all()
-    monkeypatch.setattr(attention, "SCORES_SCRATCH_BYTES", 4 * 2 * 8 * 64 * 40 - 4)  # one float short of P
+    monkeypatch.setattr(attention, "SCORES_SCRATCH_BYTES", 4 * 2 * 8 * 64 * 64 - 4)  # one float short of P
     plan = Backward(2, 40, 8, 2, 16, 40, from_start=True)
-    assert "attention_backward.wgsl:dq" in plan.kernels and "attention_dq.wgsl:gemm_tiled" not in plan.kernels
+    assert "attention_backward.wgsl:dq" in plan.kernels and "attention_apply.wgsl:gemm_tiled" not in plan.kernels
     check(plan, 0, [40, 9])
 
 

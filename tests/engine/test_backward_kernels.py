@@ -62,7 +62,7 @@ def test_bitlinear_input_gradient_with_lora(divide, tokens, rows, k, splits):
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-@pytest.mark.parametrize("tokens,rows,k", [(3, 9, 64), (70, 130, 100)])
+@pytest.mark.parametrize("tokens,rows,k", [(3, 9, 64), (70, 130, 100), (5, 12, 98)])
 def test_matmul_input_gradient(bf16, tokens, rows, k):
     g = torch.Generator().manual_seed(tokens + rows)
     dy = torch.randn(tokens, rows, generator=g)
@@ -73,6 +73,7 @@ def test_matmul_input_gradient(bf16, tokens, rows, k):
     out = poisoned((tokens, pad(k, 64)))
     (got,) = run([*matmul_t_launch(upload(dy.numpy()), proj, out, tokens=tokens, k=k, bf16=bf16)], out)
     close(got[:, :k], dy.double() @ weight.double(), RTOL, "dx")
+    assert np.isnan(got[:, k:]).all()  # padding columns untouched, a vec4 shared with the last features too
 
 
 @pytest.mark.parametrize("splits", [1, 2], ids=["one-range", "split-k"])
@@ -98,10 +99,23 @@ def test_matmul_input_gradient_of_a_vocabulary_chunk_adds_with_lora(bf16, splits
     assert torch.equal(got[:, k:], base[:, k:])
 
 
+def test_input_gradients_refuse_rows_they_cannot_access_as_vec4s():
+    proj = Projection(upload(np.zeros((8, 4), np.uint32)), upload(np.ones(8, np.float32)), 8, 64)
+    dense = Projection(upload(np.zeros((8, 64), np.float32)), None, 8, 63)
+    dy, dh = Buffer((2, 8)), Buffer((2, 1))
+    for out, lora_a, wrong in ((Buffer((2, 64)), Buffer((1, 63)), "lora_a"), (Buffer((2, 63)), None, "out")):
+        lora = dict(dh=dh, lora_a=lora_a, lora_rank=1) if lora_a is not None else {}
+        with pytest.raises(ValueError, match=f"{wrong}'s rows must be padded to a multiple of 4 floats"):
+            bitlinear_t_launch(dy, proj, out, tokens=2, k=63, **lora)
+        with pytest.raises(ValueError, match=f"{wrong}'s rows must be padded to a multiple of 4 floats"):
+            matmul_t_launch(dy, dense, out, tokens=2, k=63, **lora)
+
+
+@pytest.mark.parametrize("k", [100, 99], ids=["vec4-rows", "scalar-rows"])  # the workgroup kernel's two forms
 @pytest.mark.parametrize("per_row", [False, True], ids=["workgroup-a-row", "invocation-a-row"])
-def test_rmsnorm_backward_adds_into_a_residual_gradient(per_row, reductions):
+def test_rmsnorm_backward_adds_into_a_residual_gradient(per_row, k, reductions):
     g = torch.Generator().manual_seed(1)
-    tokens, k = 5, 100
+    tokens = 5
     x = torch.randn(tokens, k, generator=g)
     w = torch.rand(k, generator=g) + 0.5
     dy = torch.randn(tokens, k, generator=g)
@@ -110,10 +124,13 @@ def test_rmsnorm_backward_adds_into_a_residual_gradient(per_row, reductions):
     rstd = torch.rsqrt(x.pow(2).mean(-1) + 1e-5)
     base = torch.randn(tokens, 128, generator=g)
     out = upload(base.numpy().copy())
-    (got,) = run([rmsnorm_backward_launch(upload(padded(dy, 128)), upload(padded(x, 128)), upload(rstd.numpy()),
-                                          upload(w.numpy()), out, tokens=tokens, k=k, accumulate=True,
-                                          per_row=per_row)], out)
+    launch = rmsnorm_backward_launch(upload(padded(dy, 128)), upload(padded(x, 128)), upload(rstd.numpy()),
+                                     upload(w.numpy()), out, tokens=tokens, k=k, accumulate=True, per_row=per_row)
+    assert launch.kernel.name.endswith("rmsnorm_backward_rows" if per_row else
+                                       "rmsnorm_backward4" if k % 4 == 0 else "rmsnorm_backward")
+    (got,) = run([launch], out)
     close(got[:, :k], base[:, :k].double() + dx, RTOL, "d residual")
+    assert torch.equal(torch.as_tensor(got[:, k:]), base[:, k:])  # columns past k untouched
 
 
 def test_relu2_backward():
@@ -181,7 +198,7 @@ def test_cross_entropy_rows_loss_and_gradient_in_place(reductions):
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["workgroup-a-token", "invocation-a-token"])
 @pytest.mark.parametrize("tokens, rank", [(9, 4), (77, 6)])  # 77: token slices of unequal length; 6: a partial rank quad
-def test_lora_gradients_for_an_interleaved_segment_and_a_stacked_site(per_row, tokens, rank):
+def test_lora_gradients_for_an_interleaved_segment_and_a_stacked_site(per_row, tokens, rank, reductions):
     # An "up" adapter: rows 1, 3, 5, … of a fused gate/up output; its h at column 3 of H.
     g = torch.Generator().manual_seed(5)
     f, k, scale = 12, 70, 0.75

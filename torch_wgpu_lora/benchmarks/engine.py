@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..engine.kernels.attention import SCORES_SCRATCH_BYTES
+from ..engine.kernels.attention import SCORES_SCRATCH_BYTES, saved_scores_bytes
 from ..runtime import Recorder, get_device, write
 from ..runtime.kernels import DEFAULT_SHADER_CHECKS
 from .report import write_json
@@ -137,28 +137,31 @@ def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float,
     packed BitNet ``config``: the int8 operations of the ternary GEMMs (ceiling "dp4a") and the
     float32 flops of the rest ("fma"), a multiply-add counted as two; the forward (prefill,
     last position's logits only) or a training step (logits of every position, the backward).
-    Attention counts the causal pairs only. Its backward, where P of a pass fits its scratch,
-    computes S, dP (``attention_scores``), dV, dK (``attention_kv_grad``) and dQ
-    (``attention_dq``) once each; else ``dq`` recomputes S and dP for dQ and ``dkdv`` both for dV
-    and dK. Layer 0's q/k/v input gradient is not computed."""
+    Attention counts the causal pairs only. A training step, where S of a pass fits its scratch,
+    computes S (``attention_scores``) and O = P·V (``attention_apply``) forward, then S, dP
+    (``attention_scores``), dV, dK (``attention_kv_grad``) and dQ (``attention_apply``) once each;
+    else the flash kernels: ``prefill``, then ``dq`` recomputing S and dP for dQ and ``dkdv`` both
+    for dV and dK. Layer 0's q/k/v input gradient is not computed."""
     h, f, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     d = h // config.num_attention_heads
     kv = config.num_key_value_heads * d
     projections = [(h + 2 * kv) * h, h * h, 2 * f * h, h * f]  # qkv, o, gate/up, down: rows × features
     ternary = 2 * seq * layers * sum(projections)
-    pair_macs = seq * (seq + 1) // 2 * d * config.num_attention_heads  # one matmul over the causal pairs
-    work = {"bitlinear.wgsl:gemm": (ternary, "dp4a"), "attention.wgsl:prefill": (2 * 2 * pair_macs * layers, "fma")}
+    product = 2 * seq * (seq + 1) // 2 * d * config.num_attention_heads * layers  # one over the causal pairs
+    kept = training and saved_scores_bytes(1, config.num_attention_heads, seq) <= SCORES_SCRATCH_BYTES
+    work = {"bitlinear.wgsl:gemm": (ternary, "dp4a")}
+    if kept:
+        work.update({"attention_scores.wgsl:gemm_tiled": (3 * product, "fma"),
+                     "attention_apply.wgsl:gemm_tiled": (2 * product, "fma"),
+                     "attention_kv_grad.wgsl:gemm_tiled": (2 * product, "fma")})
+    else:
+        work["attention.wgsl:prefill"] = (2 * product, "fma")
     if not training:
         return work
     work.update({"bitlinear_t.wgsl:gemm_tiled": (ternary - 2 * seq * projections[0], "fma"),
                  "matmul.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma"),
                  "matmul_t.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma")})
-    product = 2 * pair_macs * layers  # one product over the causal pairs, every layer
-    if 4 * config.num_attention_heads * -(-seq // 64) * 64 * seq <= SCORES_SCRATCH_BYTES:  # P kept whole
-        work.update({"attention_scores.wgsl:gemm_tiled": (2 * product, "fma"),
-                     "attention_kv_grad.wgsl:gemm_tiled": (2 * product, "fma"),
-                     "attention_dq.wgsl:gemm_tiled": (product, "fma")})
-    else:
+    if not kept:
         work.update({"attention_backward.wgsl:dq": (3 * product, "fma"),
                      "attention_backward.wgsl:dkdv": (4 * product, "fma")})
     return work

@@ -236,7 +236,8 @@ class TrainPlan:
                                                          c.kv_heads, c.head_dim, self.tokens), tokens=self.rows, device=d),
                 *attention_launches(s["q"], s["k"], s["v"], s["o"], self.step, slot.lengths, batch=self.batch,
                                     tokens=self.tokens, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                                    max_len=self.tokens, scale=c.head_dim ** -0.5, lse=s["lse"], device=d),
+                                    max_len=self.tokens, scale=c.head_dim ** -0.5, lse=s["lse"], device=d,
+                                    from_start=True),  # training passes start at position 0
                 self._norm(s["o"], layer.attn_sub_norm, sites["o"], s["o_site"], self.codes, c.q_size, (index, "o")),
                 self._project(layer.o, s["o_site"], self.codes, self.residual, "add", sites["o"]),
                 copy_launch(self.residual, s["resid_mid"]),

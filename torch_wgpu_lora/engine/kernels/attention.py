@@ -71,7 +71,9 @@ The backward (``attention_backward_launches``) takes the same layouts and maskin
 the probabilities from the forward's ``lse``: flash-attention-2 style in tiles
 (``attention_backward.wgsl``), or, for passes that start at position 0 (training) and whose
 probabilities fit ``SCORES_SCRATCH_BYTES``, with P and dS kept whole and dV, dK, dQ as GEMMs over
-them (``attention_scores.wgsl``, ``attention_kv_grad.wgsl``, ``attention_dq.wgsl``).
+them (``attention_scores.wgsl``, ``attention_kv_grad.wgsl``, ``attention_apply.wgsl``). Such passes'
+forward (``from_start``) keeps S whole too: a GEMM, a softmax over its rows
+(``attention_softmax.wgsl``) and O = P·V (``attention_apply.wgsl``).
 ``attention_backward_reference`` is the torch reference of both.
 """
 
@@ -211,7 +213,7 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
                        batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int, scale: float,
                        lse: Buffer | None = None, decode: bool = False, device: Device | None = None,
                        tile: PrefillTile | None = None, splits: int | None = None,
-                       partials: DecodePartials | None = None) -> list[Launch]:
+                       partials: DecodePartials | None = None, from_start: bool = False) -> list[Launch]:
     """The launches of one attention call, to record in order at every step.
 
     ``q``/``out`` f32 ``[batch*tokens, heads*head_dim]``; ``k_cache``/``v_cache`` f32
@@ -225,6 +227,12 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
     leaves out the combine launch: ``out`` is not written, the partials' reader merges them.
     ``tile`` and ``splits`` override the chosen prefill tile and the decode split count (tests
     and benchmarks).
+
+    ``from_start`` (not decoding): the caller promises that the pass's queries start at position 0
+    (training; a pass that does not gets NaN in ``out`` and ``lse``). Then, where S of the pass
+    fits ``SCORES_SCRATCH_BYTES``, S is kept whole and turned into P in place, and O = P·V is a
+    GEMM (``_forward_from_kept_scores``: three launches, four with a split sum) in place of the
+    flash kernel (BitNet-2B at seq 512, one layer on the H200: see benchmarks/RESULTS.md).
 
     >>> # launches = attention_launches(q, kc, vc, out, step, lengths, batch=1, tokens=1, heads=20,
     >>> #                               kv_heads=5, head_dim=128, max_len=4096, scale=128 ** -0.5,
@@ -249,6 +257,11 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
     lse_buf = lse if lse is not None else Buffer((4,), "f32", device)
     rows = tokens * group
 
+    if not decode and from_start and saved_scores_bytes(batch, heads, tokens) <= SCORES_SCRATCH_BYTES:
+        kept = _KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, device)
+        lse_rows = lse if lse is not None else device.owned(
+            f"attention_lse_{batch * tokens * heads}", lambda: Buffer((batch * tokens * heads,), "f32", device))
+        return _forward_from_kept_scores(kept, q, k_cache, v_cache, out, step, lengths, lse_rows)
     if not decode:
         tile = tile or prefill_tile(head_dim, device)
         ct = tile.columns(head_dim)
@@ -429,12 +442,10 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
 
     launches = [Launch.build(row_dot, grid(-(-rows_total // (row_threads // lanes_per_row))),
                              {6: d_out, 12: out, 13: rd}, params)]
-    padded = -(-tokens // 64) * 64  # rows per head of the saved scores
-    scores_bytes = 4 * batch * heads * padded * tokens
-    if from_start and scores_bytes <= SCORES_SCRATCH_BYTES:
-        return launches + _backward_from_saved_scores(q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v, step, lengths,
-                                                      rd, batch, tokens, heads, kv_heads, head_dim, max_len, scale,
-                                                      device, splits)
+    if from_start and saved_scores_bytes(batch, heads, tokens) <= SCORES_SCRATCH_BYTES:
+        kept = _KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, device)
+        return launches + _backward_from_kept_scores(kept, q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v, step,
+                                                     lengths, rd, splits)
     ct = tile.column_threads(head_dim)
     key_blocks = -(-tokens // tile.fixed)
     splits = splits or sum_splits(key_blocks * kv_heads * batch, device)
@@ -458,61 +469,119 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
     ]
 
 
-def _backward_from_saved_scores(q: Buffer, k_cache: Buffer, v_cache: Buffer, lse: Buffer, d_out: Buffer,
-                                d_q: Buffer, d_k: Buffer, d_v: Buffer, step: Buffer, lengths: Buffer, rd: Buffer,
-                                batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int,
-                                scale: float, device: Device, splits: int | None) -> list[Launch]:
-    """After row_dot: P and dS of every causal pair kept whole (two launches of
-    ``attention_scores.wgsl``), then dV = Pᵀ dO, dK = scale · dSᵀ q (``attention_kv_grad.wgsl``)
-    and dQ = scale · dS k (``attention_dq.wgsl``), each a GEMM on the shared 8 × 8 tile whose sum
-    is cut into ``splits`` ranges (``sum_splits`` by default) added up by a ``split_sum`` launch."""
-    padded = -(-tokens // 64) * 64
-    size = batch * heads * padded * tokens
-    sc, ds = device.owned(f"attention_scores_{size}", lambda: (Buffer((size,), "f32", device),
-                                                               Buffer((size,), "f32", device)))
-    features = -(-head_dim // 64)
-    score = dict(tokens=batch * heads * padded, rows=head_dim, a_stride=head_dim, padded=padded, seq=tokens,
-                 heads=heads, kv_heads=kv_heads, max_len=max_len, scale=float(scale))
-    score_grid = (padded // 64, batch * heads * padded // 64, 1)
-    launches = [Launch.build(kernel("attention_scores.wgsl", "gemm_tiled", device, MODE=0), score_grid,
-                             (lengths, q, k_cache, sc, ds, lse, rd), score),
-                Launch.build(kernel("attention_scores.wgsl", "gemm_tiled", device, MODE=1), score_grid,
-                             (lengths, d_out, v_cache, sc, ds, lse, rd), score)]
+@dataclass(frozen=True)
+class _KeptScores:
+    """The shapes and scratch of a pass whose score matrices are kept whole (``from_start``):
+    P or S and dS ``[batch·heads·padded, padded]`` (device-owned, shared by the layers of a step,
+    which run one after another), with ``padded`` = tokens rounded up to 64."""
 
-    def gemm(file: str, rows: int, buffers: tuple[Buffer, ...], params: dict) -> list[Launch]:
+    batch: int
+    tokens: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    max_len: int
+    scale: float
+    device: Device
+
+    @property
+    def padded(self) -> int:
+        return -(-self.tokens // 64) * 64
+
+    def scratch(self) -> tuple[Buffer, Buffer]:
+        size = saved_scores_bytes(self.batch, self.heads, self.tokens) // 4
+        return self.device.owned(f"attention_scores_{size}", lambda: (Buffer((size,), "f32", self.device),
+                                                                      Buffer((size,), "f32", self.device)))
+
+    def scores(self, mode: int, a: Buffer, cache: Buffer, lengths: Buffer, lse: Buffer, rd: Buffer) -> Launch:
+        """``attention_scores.wgsl``: S = q·Kᵀ (mode 0) or dP = dO·Vᵀ, turning S into P and dS (mode 1)."""
+        sc, ds = self.scratch()
+        params = dict(tokens=self.batch * self.heads * self.padded, rows=self.head_dim, a_stride=self.head_dim,
+                      padded=self.padded, seq=self.tokens, heads=self.heads, kv_heads=self.kv_heads,
+                      max_len=self.max_len, scale=float(self.scale))
+        grid = (self.padded // 64, self.batch * self.heads * self.padded // 64, 1)
+        return Launch.build(kernel("attention_scores.wgsl", "gemm_tiled", self.device, MODE=mode), grid,
+                            (lengths, a, cache, sc, ds, lse, rd), params)
+
+    def softmax(self, step: Buffer, lengths: Buffer, lse: Buffer) -> Launch:
+        """``attention_softmax.wgsl``: S into P in place, and the rows' lse."""
+        params = dict(seq=self.tokens, heads=self.heads, padded=self.padded, max_len=self.max_len,
+                      scale=float(self.scale))
+        return Launch.build(kernel("attention_softmax.wgsl", "rows", self.device),
+                            (self.tokens, self.batch * self.heads, 1), (step, lengths, self.scratch()[0], lse), params)
+
+    def gemm(self, file: str, rows: int, buffers: tuple[Buffer, ...], params: dict,
+             splits: int | None) -> list[Launch]:
         """``file``'s GEMM over ``rows`` output rows, its sums split where that fills a GPU;
-        ``buffers``: (step, lengths, the saved P or dS, the other operand, the output)."""
-        grid = (features, rows // 64)
-        count = splits or sum_splits(grid[0] * grid[1], device)
-        part = dummy(device, "part")
+        ``buffers``: (step, lengths, the kept P or dS, the other operand, the output)."""
+        grid = (-(-self.head_dim // 64), rows // 64)
+        count = splits or sum_splits(grid[0] * grid[1], self.device)
+        part = dummy(self.device, "part")
         if count > 1:
-            partials = count * rows * head_dim
-            part = device.owned(f"attention_gemm_partials_{partials}", lambda: Buffer((partials,), "f32", device))
-        tiled = kernel(file, "gemm_tiled", device, SPLITS=count)
-        out = [Launch.build(tiled, (*grid, count), (*buffers, part), params)]
+            partials = count * rows * self.head_dim
+            part = self.device.owned(f"attention_gemm_partials_{partials}",
+                                     lambda: Buffer((partials,), "f32", self.device))
+        out = [Launch.build(kernel(file, "gemm_tiled", self.device, SPLITS=count), (*grid, count),
+                            (*buffers, part), params)]
         if count > 1:
-            groups = -(-rows * head_dim // 256)
-            limit = device.max_workgroups
-            out.append(Launch.build(kernel(file, "split_sum", device, SPLITS=count),
+            groups = -(-rows * self.head_dim // (4 * 256))  # an invocation a vec4
+            limit = self.device.max_workgroups
+            out.append(Launch.build(kernel(file, "split_sum", self.device, SPLITS=count),
                                     (min(groups, limit), -(-groups // limit), 1),
                                     {1: buffers[0], 5: buffers[4], 6: part}, params))  # step, the output
         return out
 
-    kv = dict(tokens=batch * kv_heads * padded, rows=tokens * (heads // kv_heads), a_stride=tokens, padded=padded,
-              seq=tokens, heads=heads, kv_heads=kv_heads, max_len=max_len, head_dim=head_dim)
-    rows = batch * heads * padded
-    return launches + [
-        *gemm("attention_kv_grad.wgsl", batch * kv_heads * padded, (step, lengths, sc, d_out, d_v),
-              {**kv, "scale": 1.0}),
-        *gemm("attention_kv_grad.wgsl", batch * kv_heads * padded, (step, lengths, ds, q, d_k),
-              {**kv, "scale": float(scale)}),
-        *gemm("attention_dq.wgsl", rows, (step, lengths, ds, k_cache, d_q),
-              dict(tokens=rows, rows=tokens, a_stride=tokens, padded=padded, heads=heads, kv_heads=kv_heads,
-                   max_len=max_len, head_dim=head_dim, scale=float(scale))),
-    ]
+    def apply(self, scores: Buffer, cache: Buffer, out: Buffer, step: Buffer, lengths: Buffer, scale: float,
+              splits: int | None) -> list[Launch]:
+        """``attention_apply.wgsl``: out = scale · scores·cache (O = P·V, dQ = scale · dS·K)."""
+        rows = self.batch * self.heads * self.padded
+        return self.gemm("attention_apply.wgsl", rows, (step, lengths, scores, cache, out),
+                         dict(tokens=rows, rows=self.tokens, a_stride=self.padded, padded=self.padded,
+                              heads=self.heads, kv_heads=self.kv_heads, max_len=self.max_len,
+                              head_dim=self.head_dim, scale=float(scale)), splits)
+
+    def kv_grad(self, scores: Buffer, x: Buffer, out: Buffer, step: Buffer, lengths: Buffer, scale: float,
+                splits: int | None) -> list[Launch]:
+        """``attention_kv_grad.wgsl``: out = scale · scoresᵀ·x (dV = Pᵀ dO, dK = scale · dSᵀ q)."""
+        rows = self.batch * self.kv_heads * self.padded
+        return self.gemm("attention_kv_grad.wgsl", rows, (step, lengths, scores, x, out),
+                         dict(tokens=rows, rows=self.tokens * (self.heads // self.kv_heads), a_stride=self.padded,
+                              padded=self.padded, seq=self.tokens, heads=self.heads, kv_heads=self.kv_heads,
+                              max_len=self.max_len, head_dim=self.head_dim, scale=float(scale)), splits)
+
+
+def _forward_from_kept_scores(kept: _KeptScores, q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
+                              step: Buffer, lengths: Buffer, lse: Buffer) -> list[Launch]:
+    """S = q·Kᵀ kept whole, its rows' softmax in place (P, and lse), then O = P·V: a GEMM, a row
+    kernel and a GEMM on the shared 8 × 8 tile where the flash kernel runs at about 13% of the
+    float32 rate."""
+    unused = dummy(kept.device)
+    return [kept.scores(0, q, k_cache, lengths, unused, unused), kept.softmax(step, lengths, lse),
+            *kept.apply(kept.scratch()[0], v_cache, out, step, lengths, 1.0, None)]
+
+
+def _backward_from_kept_scores(kept: _KeptScores, q: Buffer, k_cache: Buffer, v_cache: Buffer, lse: Buffer,
+                               d_out: Buffer, d_q: Buffer, d_k: Buffer, d_v: Buffer, step: Buffer, lengths: Buffer,
+                               rd: Buffer, splits: int | None) -> list[Launch]:
+    """After row_dot: P and dS of every causal pair kept whole (two launches of
+    ``attention_scores.wgsl``), then dV = Pᵀ dO, dK = scale · dSᵀ q (``attention_kv_grad.wgsl``)
+    and dQ = scale · dS k (``attention_apply.wgsl``), each a GEMM on the shared 8 × 8 tile whose
+    sum is cut into ``splits`` ranges (``sum_splits`` by default) added up by a ``split_sum`` launch."""
+    sc, ds = kept.scratch()
+    return [kept.scores(0, q, k_cache, lengths, lse, rd), kept.scores(1, d_out, v_cache, lengths, lse, rd),
+            *kept.kv_grad(sc, d_out, d_v, step, lengths, 1.0, splits),
+            *kept.kv_grad(ds, q, d_k, step, lengths, kept.scale, splits),
+            *kept.apply(ds, k_cache, d_q, step, lengths, kept.scale, splits)]
 
 
 SCORES_SCRATCH_BYTES = 256 << 20  # the backward's largest P (and dS) kept whole (BitNet-2B at seq 512: 21 MB)
+
+
+def saved_scores_bytes(batch: int, heads: int, tokens: int) -> int:
+    """Bytes of a pass's P (and of its dS) kept whole: a row of ``tokens`` rounded up to 64 keys
+    for each (sequence, head, query) with the queries rounded up alike."""
+    padded = -(-tokens // 64) * 64
+    return 4 * batch * heads * padded * padded
 
 
 SPLIT_WORKGROUPS = 512  # workgroups a split sum aims at on a GPU (see sum_splits)

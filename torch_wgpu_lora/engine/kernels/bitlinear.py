@@ -222,12 +222,20 @@ def input_grad_launches(file: str, constants: dict, inputs: dict[int, Buffer], s
     if splits == 1:
         return [Launch.build(kernel(file, "gemm_tiled", device, **constants), (*tiles, 1),
                              {**inputs, **sums, part: dummy(device, "part")}, params)]
-    size = splits * tokens * k
+    size = splits * tokens * -(-k // 4) * 4  # rows of whole vec4s
     scratch = device.owned(f"input_grad_partials_{size}", lambda: Buffer((size,), device=device))
     gemm = kernel(file, "gemm_tiled", device, SPLITS=splits, **constants)
     total = kernel(file, "split_sum", device, SPLITS=splits, **constants)
     return [Launch.build(gemm, (*tiles, splits), {**inputs, **sums, part: scratch}, params),
-            Launch.build(total, (-(-k // 256), tokens, 1), {**sums, part: scratch}, params)]
+            Launch.build(total, (-(-k // 1024), tokens, 1), {**sums, part: scratch}, params)]
+
+
+def check_vec4_rows(out: Buffer, lora_a: Buffer | None) -> None:
+    """Raises unless the input gradient's output and the adapters' stacked A have rows of whole
+    vec4s, as the input-gradient kernels read and write them."""
+    for name, buf in (("out", out), ("lora_a", lora_a)):
+        if buf is not None and buf.shape[-1] % 4:
+            raise ValueError(f"{name}'s rows must be padded to a multiple of 4 floats, got {buf.shape[-1]}")
 
 
 def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k: int, accumulate: bool = False,
@@ -240,6 +248,7 @@ def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int
     ``dropout``, each adapter's term masked by its dropout). ``splits``: ranges of the rows summed
     apart (default ``input_grad_splits``)."""
     device = device or get_device()
+    check_vec4_rows(out, lora_a)
     k_words = proj.weight.shape[1]
     unused = dummy(device)
     return input_grad_launches("bitlinear_t.wgsl", dict(DIVIDE=proj.divide), {1: dy, 2: proj.weight, 3: proj.scale},

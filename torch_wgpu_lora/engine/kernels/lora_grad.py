@@ -29,10 +29,10 @@ def _params(tokens: int, rows: tuple[int, int, int], rank: int, h_col: int, b_of
 def dh_launch(dy: Buffer, lb: Buffer, dh: Buffer, *, tokens: int, rows: tuple[int, int, int], rank: int, h_col: int,
               b_offset: int, scale: float, per_row: bool | None = None, device: Device | None = None) -> Launch:
     """DH[:, h_col:h_col+rank] = scale · dY[:, rows]·B (B at ``b_offset`` of ``lb``). ``per_row``: one
-    invocation a token, no barriers (the default on CPU adapters), or a workgroup a token."""
+    invocation a token, no barriers (the default on CPU adapters), or a workgroup for four tokens."""
     device = device or get_device()
     per_row = device.is_cpu if per_row is None else per_row
-    grid = (-(-tokens // 64), 1, 1) if per_row else (tokens, 1, 1)
+    grid = (-(-tokens // 64), 1, 1) if per_row else (-(-tokens // 4), 1, 1)
     return Launch.build(kernel(_FILE, "dh_rows" if per_row else "dh", device), grid, {1: dy, 2: lb, 3: dh},
                         _params(tokens, rows, rank, h_col, b_offset, 0, dy.shape[-1], dh.shape[-1], 0, 0, False,
                                 scale))

@@ -11,7 +11,7 @@ import torch
 from ...runtime import Buffer, Device, Launch, get_device, kernel
 from ..weights import Projection
 from . import dummy
-from .bitlinear import GEMV_MAX_TOKENS, MODES, input_grad_launches
+from .bitlinear import GEMV_MAX_TOKENS, MODES, check_vec4_rows, input_grad_launches
 from .dropout import SiteDropout
 
 
@@ -51,6 +51,7 @@ def matmul_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k
     with ``dropout`` each adapter's term masked by its dropout), reading ``dy``'s columns from ``dy_col`` (a vocabulary chunk of the logits' gradient). ``splits``:
     ranges of the rows summed apart (default ``input_grad_splits``)."""
     device = device or get_device()
+    check_vec4_rows(out, lora_a)
     w_words = proj.weight.shape[1]
     unused = dummy(device)
     return input_grad_launches("matmul_t.wgsl", dict(BF16=bf16),

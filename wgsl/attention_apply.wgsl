@@ -1,14 +1,14 @@
-// dQ of the attention backward as a GEMM over the dS that attention_backward.wgsl's dkdv saved
-// (SAVE_DS), for passes whose queries start at position 0 (training):
-//   dQ[b, i, h, :] = scale · Σ_{j ≤ lim} dS[b, h, i, j] · K[b, g, j, :]    g = h / R,
-//   lim = min(i, len_b - 1)  (len_b = LENS[b] clamped to 1..S, as attention_backward.wgsl has it)
-// The flash kernel dq recomputes S and dP for this; here they are not recomputed at all.
-// Layouts: A = dS [B·H·TP, T] (row n = (b·H + h)·TP + i; TP = T rounded up to 64, so a workgroup's
-// 64 rows are one head's); K [B, KVH, S, D4] vec4; DQ [B·T, H, D] as the forward's q.
-// Entries of dS that dkdv does not write (keys past a row's limit) are never read: they are
-// masked to zero as loaded, and a workgroup's keys end after its last row's limit (row_span).
-// A pass that does not start at position 0 gets NaN everywhere: its keys before the pass have
-// no dS here.
+// A pass's kept score matrix applied to cache rows, for passes whose queries start at position 0
+// (training), as a GEMM:
+//   OUT[b, i, h, :] = scale · Σ_{j ≤ lim} A[(b·H + h)·TP + i][j] · C[b, g, j, :]    g = h / R,
+//   lim = min(i, len_b - 1)  (len_b = LENS[b] clamped to 1..S, as attention.wgsl has it)
+// The forward's O = P·V (A = attention_softmax.wgsl's P, C the value cache, scale 1) and the
+// backward's dQ = scale · dS·K (A = attention_scores.wgsl's dS, C the key cache).
+// Layouts: A [B·H·TP, TP] (TP = T rounded up to 64, so a workgroup's 64 rows are one head's);
+// C [B, KVH, S, D4] vec4; OUT [B·T, H, D] as the forward's q.
+// Entries of A past a row's limit are never read: they are masked to zero as loaded, and a
+// workgroup's keys end after its last row's limit (row_span). A pass that does not start at
+// position 0 gets NaN everywhere: its keys before the pass have no scores here.
 //
 // Tiling (_gemm_t_tile.wgsl): 64 rows × 64 head-dim features a workgroup of 128 threads, keys in
 // steps of 32 through workgroup memory; with SPLITS > 1 the sum over keys is cut into ranges
@@ -17,7 +17,7 @@
 struct Params {
   tokens: u32,    // B·H·TP: rows n
   rows: u32,      // T: keys j (the pass's own)
-  a_stride: u32,  // T: floats per dS row
+  a_stride: u32,  // TP: floats per row of A
   padded: u32,    // TP
   heads: u32,     // H
   kv_heads: u32,  // KVH
@@ -29,22 +29,22 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> POSITION: array<u32>;  // the step buffer: STEP_POS = 0
 @group(0) @binding(2) var<storage, read> LENS: array<u32>;
-@group(0) @binding(3) var<storage, read> A: array<f32>;  // dS
-@group(0) @binding(4) var<storage, read> K: array<vec4<f32>>;
-@group(0) @binding(5) var<storage, read_write> DQ: array<f32>;
-@group(0) @binding(6) var<storage, read_write> PART: array<f32>;  // SPLITS > 1: the ranges' raw sums
+@group(0) @binding(3) var<storage, read> A: array<f32>;  // P or dS
+@group(0) @binding(4) var<storage, read> C: array<vec4<f32>>;  // the value or key cache
+@group(0) @binding(5) var<storage, read_write> OUT: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read_write> PART: array<vec4<f32>>;  // SPLITS > 1: the ranges' raw sums
 
 struct Staged {
-  a: mat4x4<f32>,  // dS: rows n0 + 4(t / 32) + 16c .. + 3, key j0 + t % 32 (column c)
-  w: mat4x4<f32>,  // K: quad t % 16 of keys j0 + t / 16 + 8c (column c)
+  a: mat4x4<f32>,  // A: rows n0 + 4(t / 32) + 16c .. + 3, key j0 + t % 32 (column c)
+  w: mat4x4<f32>,  // C: quad t % 16 of keys j0 + t / 16 + 8c (column c)
 }
 
 // The last key of sequence b, one past: what no row of it sees.
 fn keys_of(b: u32) -> u32 { return clamp(LENS[b], 1u, p.max_len); }
 
-// dS of rows n .. n + 3, tokens i .. i + 3 of one head, at key j; zero where the row does not see
+// A of rows n .. n + 3, tokens i .. i + 3 of one head, at key j; zero where the row does not see
 // the key (past min(i, seq_keys - 1)) or is padding.
-fn ds_quad(n: u32, i: u32, seq_keys: u32, j: u32) -> vec4<f32> {
+fn masked_quad(n: u32, i: u32, seq_keys: u32, j: u32) -> vec4<f32> {
   var v = vec4<f32>(0.0);
   for (var r = 0u; r < 4u; r++) {
     let seen = i + r < p.rows && j <= min(i + r, seq_keys - 1u);
@@ -61,8 +61,8 @@ fn fetch(t: u32, n0: u32, k0: u32, j0: u32) -> Staged {
   let j = j0 + t % STEP;
   let n = n0 + 4u * (t / STEP);
   let i = n - bh * p.padded;
-  s.a = mat4x4<f32>(ds_quad(n, i, seq_keys, j), ds_quad(n + 16u, i + 16u, seq_keys, j),
-                    ds_quad(n + 32u, i + 32u, seq_keys, j), ds_quad(n + 48u, i + 48u, seq_keys, j));
+  s.a = mat4x4<f32>(masked_quad(n, i, seq_keys, j), masked_quad(n + 16u, i + 16u, seq_keys, j),
+                    masked_quad(n + 32u, i + 32u, seq_keys, j), masked_quad(n + 48u, i + 48u, seq_keys, j));
   let g = (bh % p.heads) / (p.heads / p.kv_heads);
   let d4 = p.head_dim / 4u;
   let cache = (b * p.kv_heads + g) * p.max_len;
@@ -70,7 +70,7 @@ fn fetch(t: u32, n0: u32, k0: u32, j0: u32) -> Staged {
   let keys = min(p.rows, seq_keys);  // cache rows at or past the length are never read
   for (var c = 0u; c < 4u; c++) {
     let key = j0 + t / 16u + 8u * c;
-    s.w[c] = select(vec4<f32>(0.0), K[(cache + min(key, keys - 1u)) * d4 + min(quad, d4 - 1u)],
+    s.w[c] = select(vec4<f32>(0.0), C[(cache + min(key, keys - 1u)) * d4 + min(quad, d4 - 1u)],
                     key < keys && quad < d4);
   }
   return s;
@@ -88,14 +88,14 @@ fn row_span(n0: u32, k0: u32) -> vec2<u32> {
   return vec2<u32>(0u, min(last, keys_of(bh / p.heads) - 1u) + 1u);
 }
 
-// Feature kc of row n, the whole sum: into DQ (rows of the pass only).
-fn put(n: u32, kc: u32, x: f32) {
+// Features k .. k + 3 of row n, the whole sum: into OUT (rows of the pass only).
+fn put4(n: u32, k: u32, x: vec4<f32>) {
   let bh = n / p.padded;
   let i = n - bh * p.padded;
   if (i >= p.rows) { return; }
   let nan = bitcast<f32>(0x7fc00000u);
-  DQ[((bh / p.heads * p.rows + i) * p.heads + bh % p.heads) * p.head_dim + kc] =
-    select(nan, x * p.scale, POSITION[0] == 0u);
+  OUT[(((bh / p.heads * p.rows + i) * p.heads + bh % p.heads) * p.head_dim + k) / 4u] =
+    select(vec4<f32>(nan), x * p.scale, POSITION[0] == 0u);
 }
 
 // @include _gemm_t_tile.wgsl

@@ -1,0 +1,66 @@
+// The forward's softmax of a training pass (queries from position 0) over the scores that
+// attention_scores.wgsl (MODE 0) kept whole, in place, one row a workgroup:
+//   lse = ln Σ_{j ≤ lim} exp(scale·S[n][j])   SC[n][j] ← P = exp(scale·S[n][j] − lse)  (j ≤ lim)
+// for row n = (b·H + h)·TP + i, lim = min(i, len_b − 1) (len_b = LENS[b] clamped to 1..S, as
+// attention.wgsl has it); LSE[(b·T + i)·H + h] ← lse, the natural log the backward expects.
+// Keys past the limit in a row's last vec4 get P = 0; later vec4s are not touched. A pass that
+// does not start at position 0 gets NaN in LSE (attention_apply.wgsl, which reads P, gives NaN
+// outputs too).
+// Layouts: SC [B·H·TP, TP] as vec4s (TP: T rounded up to 64); LSE [B·T, H].
+
+struct Params {
+  seq: u32,      // T
+  heads: u32,    // H
+  padded: u32,   // TP
+  max_len: u32,  // S: cache rows per (b, g)
+  scale: f32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> POSITION: array<u32>;  // the step buffer: STEP_POS = 0
+@group(0) @binding(2) var<storage, read> LENS: array<u32>;
+@group(0) @binding(3) var<storage, read_write> SC: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> LSE: array<f32>;
+
+override WG: u32 = 64u;
+
+// @include _reductions.wgsl
+
+const LOG2E: f32 = 1.4426950408889634;
+const LN2: f32 = 0.6931471805599453;
+
+// Row i of (sequence, head) bh = wg.y: workgroup (i, bh).
+@compute @workgroup_size(WG)
+fn rows(inv: Invocation) {
+  enter(inv);
+  let t = inv.t;
+  let i = inv.wg.x;
+  let bh = inv.wg.y;
+  let b = bh / p.heads;
+  let keys = min(i, clamp(LENS[b], 1u, p.max_len) - 1u) + 1u;  // keys 0 .. keys - 1 are seen
+  let quads = (keys + 3u) / 4u;
+  let base = (bh * p.padded + i) * (p.padded / 4u);
+  let c = p.scale * LOG2E;  // exp(scale·s) = exp2(c·s)
+  var m = -3.4028235e38;
+  for (var q = t; q < quads; q += WG) {
+    let past = vec4<u32>(4u * q) + vec4<u32>(0u, 1u, 2u, 3u) >= vec4<u32>(keys);
+    let s = select(SC[base + q], vec4<f32>(-3.4028235e38), past);
+    m = max(m, max(max(s.x, s.y), max(s.z, s.w)));
+  }
+  m = max_all(t, m);
+  var l = 0.0;
+  for (var q = t; q < quads; q += WG) {
+    let past = vec4<u32>(4u * q) + vec4<u32>(0u, 1u, 2u, 3u) >= vec4<u32>(keys);
+    let e = select(exp2(c * (SC[base + q] - m)), vec4<f32>(0.0), past);
+    l += e.x + e.y + e.z + e.w;
+  }
+  let lse2 = c * m + log2(sum_all(t, l));  // in base 2
+  for (var q = t; q < quads; q += WG) {
+    let past = vec4<u32>(4u * q) + vec4<u32>(0u, 1u, 2u, 3u) >= vec4<u32>(keys);
+    SC[base + q] = select(exp2(c * SC[base + q] - lse2), vec4<f32>(0.0), past);
+  }
+  if (t == 0u) {
+    let nan = bitcast<f32>(0x7fc00000u);
+    LSE[(b * p.seq + i) * p.heads + bh % p.heads] = select(nan, lse2 * LN2, POSITION[0] == 0u);
+  }
+}
