@@ -178,7 +178,7 @@ def test_a_pass_from_start_gives_nan_after_a_prefix_and_gives_way_past_its_scrat
     attn.set_inputs(q, k, v, [43, 25])
     out, lse = attn.run(13, [43, 25])  # keys before the pass have no scores: NaN, not a wrong value
     assert np.isnan(out).all() and np.isnan(lse).all()
-    monkeypatch.setattr(attention, "SCORES_SCRATCH_BYTES", attention.saved_scores_bytes(2, 8, 40) - 4)
+    monkeypatch.setattr(attention, "SCORES_SCRATCH_BYTES", attention.kept_scores_bytes(2, 8, 40) - 4)
     attn = Attention(2, 40, 8, 2, 16, 40, from_start=True)
     assert [launch.kernel.name for launch in attn.launches] == ["attention.wgsl:prefill"]
     check_once(2, 40, 8, 2, 16, 0, [40, 9], from_start=True)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..engine.kernels.attention import SCORES_SCRATCH_BYTES, saved_scores_bytes
+from ..engine.kernels.attention import SCORES_SCRATCH_BYTES, kept_scores_bytes
 from ..runtime import Recorder, get_device, write
 from ..runtime.kernels import DEFAULT_SHADER_CHECKS
 from .report import write_json
@@ -148,7 +148,7 @@ def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float,
     projections = [(h + 2 * kv) * h, h * h, 2 * f * h, h * f]  # qkv, o, gate/up, down: rows × features
     ternary = 2 * seq * layers * sum(projections)
     product = 2 * seq * (seq + 1) // 2 * d * config.num_attention_heads * layers  # one over the causal pairs
-    kept = training and saved_scores_bytes(1, config.num_attention_heads, seq) <= SCORES_SCRATCH_BYTES
+    kept = training and kept_scores_bytes(1, config.num_attention_heads, seq) <= SCORES_SCRATCH_BYTES
     work = {"bitlinear.wgsl:gemm": (ternary, "dp4a")}
     if kept:
         work.update({"attention_scores.wgsl:gemm_tiled": (3 * product, "fma"),

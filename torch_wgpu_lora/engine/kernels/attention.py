@@ -254,14 +254,14 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
     _check_size("lengths", lengths, batch)
     if lse is not None:
         _check_size("lse", lse, batch * tokens * heads)
-    lse_buf = lse if lse is not None else Buffer((4,), "f32", device)
-    rows = tokens * group
-
-    if not decode and from_start and saved_scores_bytes(batch, heads, tokens) <= SCORES_SCRATCH_BYTES:
+    if not decode and from_start and kept_scores_bytes(batch, heads, tokens) <= SCORES_SCRATCH_BYTES:
         kept = _KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, device)
         lse_rows = lse if lse is not None else device.owned(
             f"attention_lse_{batch * tokens * heads}", lambda: Buffer((batch * tokens * heads,), "f32", device))
         return _forward_from_kept_scores(kept, q, k_cache, v_cache, out, step, lengths, lse_rows)
+    lse_buf = lse if lse is not None else Buffer((4,), "f32", device)
+    rows = tokens * group
+
     if not decode:
         tile = tile or prefill_tile(head_dim, device)
         ct = tile.columns(head_dim)
@@ -442,7 +442,7 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
 
     launches = [Launch.build(row_dot, grid(-(-rows_total // (row_threads // lanes_per_row))),
                              {6: d_out, 12: out, 13: rd}, params)]
-    if from_start and saved_scores_bytes(batch, heads, tokens) <= SCORES_SCRATCH_BYTES:
+    if from_start and kept_scores_bytes(batch, heads, tokens) <= SCORES_SCRATCH_BYTES:
         kept = _KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, device)
         return launches + _backward_from_kept_scores(kept, q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v, step,
                                                      lengths, rd, splits)
@@ -489,7 +489,7 @@ class _KeptScores:
         return -(-self.tokens // 64) * 64
 
     def scratch(self) -> tuple[Buffer, Buffer]:
-        size = saved_scores_bytes(self.batch, self.heads, self.tokens) // 4
+        size = kept_scores_bytes(self.batch, self.heads, self.tokens) // 4
         return self.device.owned(f"attention_scores_{size}", lambda: (Buffer((size,), "f32", self.device),
                                                                       Buffer((size,), "f32", self.device)))
 
@@ -574,12 +574,12 @@ def _backward_from_kept_scores(kept: _KeptScores, q: Buffer, k_cache: Buffer, v_
             *kept.apply(ds, k_cache, d_q, step, lengths, kept.scale, splits)]
 
 
-SCORES_SCRATCH_BYTES = 256 << 20  # the backward's largest P (and dS) kept whole (BitNet-2B at seq 512: 21 MB)
+SCORES_SCRATCH_BYTES = 256 << 20  # a pass's largest S or P (and dS) kept whole (BitNet-2B at seq 512: 21 MB)
 
 
-def saved_scores_bytes(batch: int, heads: int, tokens: int) -> int:
-    """Bytes of a pass's P (and of its dS) kept whole: a row of ``tokens`` rounded up to 64 keys
-    for each (sequence, head, query) with the queries rounded up alike."""
+def kept_scores_bytes(batch: int, heads: int, tokens: int) -> int:
+    """Bytes of a pass's S or P (and of its dS) kept whole: a row of ``tokens`` rounded up to 64
+    keys for each (sequence, head, query), the queries rounded up alike."""
     padded = -(-tokens // 64) * 64
     return 4 * batch * heads * padded * padded
 
