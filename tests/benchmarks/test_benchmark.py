@@ -184,10 +184,13 @@ def test_kernel_work_counts_the_projections_and_head_as_torch_counts_them():
     assert work["matmul.wgsl:gemm_tiled"][0] == work["matmul_t.wgsl:gemm_tiled"][0] == head
     # attention: torch multiplies every (query, key) pair, the kernels the causal ones
     attention = sum(n for op, n in counts["Global"].items() if "bmm" in str(op))
-    forward = engine.kernel_work(config, seq, training=False)["attention.wgsl:prefill"][0]
-    assert forward * 2 * seq == attention * (seq + 1)
-    # training keeps S whole: S and O = P·V forward; S, dP, dV, dK and dQ once each backward
-    assert "attention.wgsl:prefill" not in work
+    # passes from position 0 keep S whole: S and O = P·V forward, each one product over the causal
+    # pairs; training adds S, dP, dV, dK and dQ once each
+    prompt = engine.kernel_work(config, seq, training=False)
+    assert "attention.wgsl:prefill" not in prompt and "attention.wgsl:prefill" not in work
+    assert prompt["attention_scores.wgsl:gemm_tiled"][0] == prompt["attention_apply.wgsl:gemm_tiled"][0]
+    assert prompt["attention_scores.wgsl:gemm_tiled"][0] * 2 * 2 * seq == attention * (seq + 1)
+    forward = 2 * prompt["attention_scores.wgsl:gemm_tiled"][0]
     assert 2 * work["attention_scores.wgsl:gemm_tiled"][0] == 3 * forward
     assert work["attention_apply.wgsl:gemm_tiled"][0] == work["attention_kv_grad.wgsl:gemm_tiled"][0] == forward
     # past the scratch: the flash kernels, dq and dkdv recomputing S and dP

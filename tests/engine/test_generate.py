@@ -176,3 +176,15 @@ def test_a_reused_session_generates_what_a_fresh_one_does():
     assert dict(engine._plans) == sessions  # nothing new was built
     fresh, _ = engine_generate(BitNetEngine(model), second, 12, set(), repetition_penalty=5.0)
     assert reused == fresh
+
+
+def test_the_prompt_pass_keeps_its_attention_scores_whole_and_decoding_cannot():
+    # A prompt starts at position 0: its attention runs as GEMMs over S kept whole (checked against
+    # transformers by the generation tests above); a decoding plan continues a cache.
+    model = tiny_model("packed", adapters=True, seed=5)
+    engine = BitNetEngine(model)
+    s = engine.decode_session(6, 4)
+    assert "attention_softmax.wgsl:rows" in [launch.kernel.name for launch in s.prefill.launches]
+    assert "attention_softmax.wgsl:rows" not in [launch.kernel.name for launch in s.decode.launches]
+    with pytest.raises(ValueError, match="cannot promise to start at position 0"):
+        ForwardPlan(engine.weights, engine.adapters, s.cache, 1, logits="last", decode=True, from_start=True)

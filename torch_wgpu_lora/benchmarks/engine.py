@@ -137,23 +137,23 @@ def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float,
     packed BitNet ``config``: the int8 operations of the ternary GEMMs (ceiling "dp4a") and the
     float32 flops of the rest ("fma"), a multiply-add counted as two; the forward (prefill,
     last position's logits only) or a training step (logits of every position, the backward).
-    Attention counts the causal pairs only. A training step, where S of a pass fits its scratch,
-    computes S (``attention_scores``) and O = P·V (``attention_apply``) forward, then S, dP
-    (``attention_scores``), dV, dK (``attention_kv_grad``) and dQ (``attention_apply``) once each;
-    else the flash kernels: ``prefill``, then ``dq`` recomputing S and dP for dQ and ``dkdv`` both
-    for dV and dK. Layer 0's q/k/v input gradient is not computed."""
+    Attention counts the causal pairs only. Both passes start at position 0: where S of the pass
+    fits its scratch, the forward computes S (``attention_scores``) and O = P·V
+    (``attention_apply``), and a training step's backward S, dP (``attention_scores``), dV, dK
+    (``attention_kv_grad``) and dQ (``attention_apply``) once each; else the flash kernels:
+    ``prefill``, then ``dq`` recomputing S and dP for dQ and ``dkdv`` both for dV and dK. Layer 0's
+    q/k/v input gradient is not computed."""
     h, f, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     d = h // config.num_attention_heads
     kv = config.num_key_value_heads * d
     projections = [(h + 2 * kv) * h, h * h, 2 * f * h, h * f]  # qkv, o, gate/up, down: rows × features
     ternary = 2 * seq * layers * sum(projections)
     product = 2 * seq * (seq + 1) // 2 * d * config.num_attention_heads * layers  # one over the causal pairs
-    kept = training and kept_scores_bytes(1, config.num_attention_heads, seq) <= SCORES_SCRATCH_BYTES
+    kept = kept_scores_bytes(1, config.num_attention_heads, seq) <= SCORES_SCRATCH_BYTES
     work = {"bitlinear.wgsl:gemm": (ternary, "dp4a")}
     if kept:
-        work.update({"attention_scores.wgsl:gemm_tiled": (3 * product, "fma"),
-                     "attention_apply.wgsl:gemm_tiled": (2 * product, "fma"),
-                     "attention_kv_grad.wgsl:gemm_tiled": (2 * product, "fma")})
+        work.update({"attention_scores.wgsl:gemm_tiled": (product, "fma"),
+                     "attention_apply.wgsl:gemm_tiled": (product, "fma")})
     else:
         work["attention.wgsl:prefill"] = (2 * product, "fma")
     if not training:
@@ -161,7 +161,11 @@ def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float,
     work.update({"bitlinear_t.wgsl:gemm_tiled": (ternary - 2 * seq * projections[0], "fma"),
                  "matmul.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma"),
                  "matmul_t.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma")})
-    if not kept:
+    if kept:
+        work.update({"attention_scores.wgsl:gemm_tiled": (3 * product, "fma"),
+                     "attention_apply.wgsl:gemm_tiled": (2 * product, "fma"),
+                     "attention_kv_grad.wgsl:gemm_tiled": (2 * product, "fma")})
+    else:
         work.update({"attention_backward.wgsl:dq": (3 * product, "fma"),
                      "attention_backward.wgsl:dkdv": (4 * product, "fma")})
     return work

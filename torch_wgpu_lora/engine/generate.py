@@ -46,7 +46,7 @@ def session(engine, prompt_length: int, max_new_tokens: int, *, strategy: str = 
         raise ValueError(f"a {prompt_length}-token prompt and max_new_tokens={max_new_tokens} need {length} positions; "
                          f"the model's context is {config.max_positions} (max_position_embeddings)")
     cache = KVCache(config, 1, length, device)
-    prefill = ForwardPlan(engine.weights, engine.adapters, cache, prompt_length, logits="last")
+    prefill = ForwardPlan(engine.weights, engine.adapters, cache, prompt_length, logits="last", from_start=True)
     next_token = Buffer((1,), "u32", device)
     decode = ForwardPlan(engine.weights, engine.adapters, cache, 1, logits="last", decode=True, ids=next_token)
     seen = Buffer((config.vocab,), "u32", device)

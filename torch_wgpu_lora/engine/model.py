@@ -112,7 +112,7 @@ class BitNetEngine(nn.Module):
         """The forward plan for ``batch`` sequences of ``tokens`` positions (built once, then reused)."""
         return self._cached(("forward", batch, tokens, logits, dropout), lambda: ForwardPlan(
             self.weights, self.adapters, KVCache(self.engine_config, batch, tokens, self.device), tokens,
-            logits=logits, dropout=dropout))
+            logits=logits, dropout=dropout, from_start=True))  # its passes start at position 0
 
     def train_plan(self, batch: int, tokens: int, slots: int = 1, dropout: bool = False) -> TrainPlan:
         """The forward + loss + backward plan for ``slots`` micro-batches of one shape."""

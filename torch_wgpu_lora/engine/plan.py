@@ -108,16 +108,21 @@ class ForwardPlan:
     re-reading of the row serially, which costs it more than the launches saved). ``ids`` is a
     u32 [batch·tokens] buffer the caller writes, or another plan's (a sampler's next-token buffer).
     ``dropout``: the adapters apply LoRA dropout (a training-mode forward), with masks from the
-    state ``set_dropout`` writes before each pass; decoding plans take none.
+    state ``set_dropout`` writes before each pass; decoding plans take none. ``from_start``: the
+    caller promises that every pass starts at position 0 (a prompt, a batch's logits), so
+    attention keeps its scores whole and runs as GEMMs (``attention_launches``); such a plan run
+    at another position gives NaN.
     """
 
     def __init__(self, weights: EngineWeights, adapters: EngineAdapters, cache: KVCache, tokens: int,
                  logits: str = "all", decode: bool = False, ids: Buffer | None = None,
-                 fuse: bool | None = None, dropout: bool = False) -> None:
+                 fuse: bool | None = None, dropout: bool = False, from_start: bool = False) -> None:
         if logits not in LOGITS:
             raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
         if dropout and decode:
             raise ValueError("decoding plans apply no LoRA dropout")
+        if from_start and decode:
+            raise ValueError("decoding plans continue a cache: they cannot promise to start at position 0")
         if logits == "last" and cache.batch != 1:
             raise ValueError("logits='last' plans take one sequence")
         config, device = weights.config, cache.device
@@ -145,6 +150,7 @@ class ForwardPlan:
         self.dropout = a.alloc((4,), "u32") if dropout else None
         # (index of a quantising launch, layer, site, its codes, its meta) for ``record(capture=...)``
         self.quant_points: list[tuple[int, int, str, Buffer, Buffer]] = []
+        self.from_start = from_start
         self.launches = self._build(decode, not device.is_cpu if fuse is None else fuse)
 
     def _logits_buffers(self, a: "_Buffers", n: int, mode: str) -> list[tuple[int, Buffer]]:
@@ -216,7 +222,7 @@ class ForwardPlan:
                                            cache.lengths, batch=self.batch, tokens=self.tokens, heads=c.heads,
                                            kv_heads=c.kv_heads, head_dim=c.head_dim, max_len=cache.length,
                                            scale=c.head_dim ** -0.5, decode=decode, device=self.device,
-                                           partials=partials)
+                                           partials=partials, from_start=self.from_start)
             site(self.attn, layer.attn_sub_norm, "o", self.xn, self.codes, c.q_size, layer.o, self.residual, "add",
                  attention=partials)
             site(self.residual, layer.post_norm, "mlp", self.xn, self.codes, c.hidden, layer.gate_up, self.ffn,

@@ -472,8 +472,8 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
 @dataclass(frozen=True)
 class _KeptScores:
     """The shapes and scratch of a pass whose score matrices are kept whole (``from_start``):
-    P or S and dS ``[batch·heads·padded, padded]`` (device-owned, shared by the layers of a step,
-    which run one after another), with ``padded`` = tokens rounded up to 64."""
+    S or P, and the backward's dS, ``[batch·heads·padded, padded]`` (device-owned, shared by the
+    layers of a step, which run one after another), with ``padded`` = tokens rounded up to 64."""
 
     batch: int
     tokens: int
@@ -488,14 +488,16 @@ class _KeptScores:
     def padded(self) -> int:
         return -(-self.tokens // 64) * 64
 
-    def scratch(self) -> tuple[Buffer, Buffer]:
+    def scratch(self, grads: bool = False) -> Buffer:
+        """S or P (``grads``: dS), device-owned per size."""
         size = kept_scores_bytes(self.batch, self.heads, self.tokens) // 4
-        return self.device.owned(f"attention_scores_{size}", lambda: (Buffer((size,), "f32", self.device),
-                                                                      Buffer((size,), "f32", self.device)))
+        name = f"attention_{'score_grads' if grads else 'scores'}_{size}"
+        return self.device.owned(name, lambda: Buffer((size,), "f32", self.device))
 
     def scores(self, mode: int, a: Buffer, cache: Buffer, lengths: Buffer, lse: Buffer, rd: Buffer) -> Launch:
-        """``attention_scores.wgsl``: S = q·Kᵀ (mode 0) or dP = dO·Vᵀ, turning S into P and dS (mode 1)."""
-        sc, ds = self.scratch()
+        """``attention_scores.wgsl``: S = q·Kᵀ (mode 0; dS is not written) or dP = dO·Vᵀ, turning S
+        into P and dS (mode 1)."""
+        sc, ds = self.scratch(), (self.scratch(grads=True) if mode == 1 else dummy(self.device, "score_grads"))
         params = dict(tokens=self.batch * self.heads * self.padded, rows=self.head_dim, a_stride=self.head_dim,
                       padded=self.padded, seq=self.tokens, heads=self.heads, kv_heads=self.kv_heads,
                       max_len=self.max_len, scale=float(self.scale))
@@ -508,7 +510,7 @@ class _KeptScores:
         params = dict(seq=self.tokens, heads=self.heads, padded=self.padded, max_len=self.max_len,
                       scale=float(self.scale))
         return Launch.build(kernel("attention_softmax.wgsl", "rows", self.device),
-                            (self.tokens, self.batch * self.heads, 1), (step, lengths, self.scratch()[0], lse), params)
+                            (self.tokens, self.batch * self.heads, 1), (step, lengths, self.scratch(), lse), params)
 
     def gemm(self, file: str, rows: int, buffers: tuple[Buffer, ...], params: dict,
              splits: int | None) -> list[Launch]:
@@ -557,7 +559,7 @@ def _forward_from_kept_scores(kept: _KeptScores, q: Buffer, k_cache: Buffer, v_c
     float32 rate."""
     unused = dummy(kept.device)
     return [kept.scores(0, q, k_cache, lengths, unused, unused), kept.softmax(step, lengths, lse),
-            *kept.apply(kept.scratch()[0], v_cache, out, step, lengths, 1.0, None)]
+            *kept.apply(kept.scratch(), v_cache, out, step, lengths, 1.0, None)]
 
 
 def _backward_from_kept_scores(kept: _KeptScores, q: Buffer, k_cache: Buffer, v_cache: Buffer, lse: Buffer,
@@ -567,7 +569,7 @@ def _backward_from_kept_scores(kept: _KeptScores, q: Buffer, k_cache: Buffer, v_
     ``attention_scores.wgsl``), then dV = Pᵀ dO, dK = scale · dSᵀ q (``attention_kv_grad.wgsl``)
     and dQ = scale · dS k (``attention_apply.wgsl``), each a GEMM on the shared 8 × 8 tile whose
     sum is cut into ``splits`` ranges (``sum_splits`` by default) added up by a ``split_sum`` launch."""
-    sc, ds = kept.scratch()
+    sc, ds = kept.scratch(), kept.scratch(grads=True)
     return [kept.scores(0, q, k_cache, lengths, lse, rd), kept.scores(1, d_out, v_cache, lengths, lse, rd),
             *kept.kv_grad(sc, d_out, d_v, step, lengths, 1.0, splits),
             *kept.kv_grad(ds, q, d_k, step, lengths, kept.scale, splits),
