@@ -149,25 +149,19 @@ def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float,
     projections = [(h + 2 * kv) * h, h * h, 2 * f * h, h * f]  # qkv, o, gate/up, down: rows × features
     ternary = 2 * seq * layers * sum(projections)
     product = 2 * seq * (seq + 1) // 2 * d * config.num_attention_heads * layers  # one over the causal pairs
-    kept = kept_scores_bytes(1, config.num_attention_heads, seq) <= SCORES_SCRATCH_BYTES
+    if kept_scores_bytes(1, config.num_attention_heads, seq) <= SCORES_SCRATCH_BYTES:
+        products = ({"attention_scores.wgsl:gemm_tiled": 3, "attention_apply.wgsl:gemm_tiled": 2,
+                     "attention_kv_grad.wgsl:gemm_tiled": 2} if training else
+                    {"attention_scores.wgsl:gemm_tiled": 1, "attention_apply.wgsl:gemm_tiled": 1})
+    else:
+        products = ({"attention.wgsl:prefill": 2, "attention_backward.wgsl:dq": 3, "attention_backward.wgsl:dkdv": 4}
+                    if training else {"attention.wgsl:prefill": 2})
     work = {"bitlinear.wgsl:gemm": (ternary, "dp4a")}
-    if kept:
-        work.update({"attention_scores.wgsl:gemm_tiled": (product, "fma"),
-                     "attention_apply.wgsl:gemm_tiled": (product, "fma")})
-    else:
-        work["attention.wgsl:prefill"] = (2 * product, "fma")
-    if not training:
-        return work
-    work.update({"bitlinear_t.wgsl:gemm_tiled": (ternary - 2 * seq * projections[0], "fma"),
-                 "matmul.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma"),
-                 "matmul_t.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma")})
-    if kept:
-        work.update({"attention_scores.wgsl:gemm_tiled": (3 * product, "fma"),
-                     "attention_apply.wgsl:gemm_tiled": (2 * product, "fma"),
-                     "attention_kv_grad.wgsl:gemm_tiled": (2 * product, "fma")})
-    else:
-        work.update({"attention_backward.wgsl:dq": (3 * product, "fma"),
-                     "attention_backward.wgsl:dkdv": (4 * product, "fma")})
+    work.update({name: (count * product, "fma") for name, count in products.items()})
+    if training:
+        work.update({"bitlinear_t.wgsl:gemm_tiled": (ternary - 2 * seq * projections[0], "fma"),
+                     "matmul.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma"),
+                     "matmul_t.wgsl:gemm_tiled": (2 * seq * vocab * h, "fma")})
     return work
 
 

@@ -79,13 +79,12 @@ def rmsnorm_backward_launch(dy: Buffer, x: Buffer, rstd: Buffer, weight: Buffer,
     device = device or get_device()
     rows = device.is_cpu and k <= ROWS_MAX_STEPS if per_row is None else per_row
     strides = (dy.shape[-1], x.shape[-1], out.shape[-1])
+    buffers = {1: dy, 2: x, 3: rstd, 4: weight, 5: out}
     if rows:
         entry = "rmsnorm_backward_rows"
-    else:  # a workgroup a row, reading whole vec4s where every row starts on one
-        entry = "rmsnorm_backward4" if all(n % 4 == 0 for n in (k, *strides)) else "rmsnorm_backward"
-    if entry == "rmsnorm_backward4":  # DY4, X4, G4, OUT4: the same buffers as vec4s
-        buffers = {3: rstd, 6: dy, 7: x, 8: weight, 9: out}
+    elif all(n % 4 == 0 for n in (k, *strides)):  # every row starts on a vec4: DY4, X4, G4, OUT4
+        entry, buffers = "rmsnorm_backward4", {3: rstd, 6: dy, 7: x, 8: weight, 9: out}
     else:
-        buffers = {1: dy, 2: x, 3: rstd, 4: weight, 5: out}
+        entry = "rmsnorm_backward"
     return Launch.build(kernel("norm_backward.wgsl", entry, device), (-(-tokens // 64) if rows else tokens, 1, 1),
                         buffers, (tokens, k, *strides, int(accumulate)))
