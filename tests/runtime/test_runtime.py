@@ -305,20 +305,44 @@ def test_copy_launch_copies_inside_a_pass_and_refuses_what_it_cannot_copy():
 
 
 def test_a_readback_costs_one_queue_submit(monkeypatch):
-    """wgpu-py's READ map mode submits an empty command buffer before mapping; the staging
-    buffers' copies are in the submit just made, so the recorder maps without it."""
-    device = get_device()
+    """wgpu-py's READ map mode submits an empty command buffer before mapping; the recorder maps
+    its staging buffers itself, after the one submit that filled them."""
+    from wgpu.backends.wgpu_native._api import libf
+
     src = upload(np.arange(8, dtype=np.float32))
     out = np.zeros(8, np.float32)
-    queue, submits = device.wgpu.queue, []
-    real = queue.submit
-    monkeypatch.setattr(queue, "submit", lambda buffers: (submits.append(len(buffers)), real(buffers))[1])
+    submits = []
+    for name in ("wgpuQueueSubmit", "wgpuQueueSubmitForIndex"):
+        real = getattr(libf, name)
+        monkeypatch.setattr(libf, name, lambda *args, real=real, name=name: (submits.append(name), real(*args))[1])
     for _ in range(2):  # the second maps a pooled staging buffer that was mapped before
         rec = Recorder()
         rec.read(src, out)
         rec.submit()
-    assert submits == [1, 1]
+    assert submits == ["wgpuQueueSubmitForIndex"] * 2
     np.testing.assert_array_equal(out, np.arange(8))
+
+
+def test_readbacks_in_flight_are_collected_in_any_order_without_wgpu_pys_map(monkeypatch):
+    """Each readback waits for its own submission only, and maps without wgpu-py's map_async
+    (whose poll thread would wait for all submitted work and hold up submits meanwhile)."""
+    import wgpu
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the recorder called wgpu-py's map_async")
+
+    monkeypatch.setattr(type(get_device().wgpu.create_buffer(size=16, usage=wgpu.BufferUsage.MAP_READ)),
+                        "map_async", refuse)
+    outs = [np.zeros(1000, np.float32) for _ in range(3)]
+    pending = []
+    for i, out in enumerate(outs):
+        rec = Recorder()
+        rec.read(upload(np.full(1000, i, np.float32)), out)
+        pending.append(rec.submit_async())
+    for p in reversed(pending):  # the newest first: an older one has finished by then
+        p.wait()
+    for i, out in enumerate(outs):
+        np.testing.assert_array_equal(out, i)
 
 
 def test_a_recording_encoded_ahead_runs_with_the_values_written_before_its_submit():

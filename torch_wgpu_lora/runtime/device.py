@@ -46,6 +46,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
 
 ADAPTER_ENV = "TORCH_WGPU_LORA_ADAPTER"
+
+
+def native() -> tuple[Any, Any]:
+    """wgpu-native's cffi ``ffi`` and its entry points wrapped to raise WebGPU errors as
+    exceptions (wgpu-py's own ``libf``): for what wgpu-py does not expose, a submission's
+    index and a wait for it."""
+    from wgpu.backends.wgpu_native._api import libf
+    from wgpu.backends.wgpu_native._ffi import ffi
+
+    return ffi, libf
+
 LOCAL_RANK_ENV = "LOCAL_RANK"  # set by torchrun and accelerate launch for each process of a machine
 
 INSTALL_HINT = (
@@ -215,11 +226,26 @@ class Device:
             self.allocated += nbytes
             self.peak_allocated = max(self.peak_allocated, self.allocated)
 
-    def submit(self, command_buffers: list[Any]) -> None:
-        """``queue.submit``, counted (tests check how many submits a step makes)."""
-        self.queue.submit(command_buffers)
+    def submit(self, command_buffers: list[Any]) -> int:
+        """``queue.submit``, counted (tests check how many submits a step makes); returns the
+        submission's index, for ``wait_for``."""
+        ffi, libf = native()
+        handles = ffi.new("WGPUCommandBuffer[]", [cb._internal for cb in command_buffers])
+        index = int(libf.wgpuQueueSubmitForIndex(self.queue._internal, len(command_buffers), handles))
         with self.lock:
             self.submits += 1
+        return index
+
+    def wait_for(self, index: int) -> None:
+        """Block until submission ``index`` has finished on the GPU (later ones may still run).
+
+        wgpu-py's ``map_async`` would wait differently: its poll thread waits for *every*
+        submitted command buffer while holding wgpu's fence, and a ``queue.submit`` meanwhile
+        waits for that lock. A generation that submits batch N + 1 and then waits for batch N's
+        readback would have each submit wait for the GPU to drain, leaving it idle until the
+        next batch arrives. So the runtime waits for the one submission, then maps."""
+        ffi, libf = native()
+        libf.wgpuDevicePoll(self.wgpu._internal, True, ffi.new("uint64_t *", index))
 
     @property
     def name(self) -> str:

@@ -27,13 +27,14 @@ submits in flight never share one. A Recorder itself belongs to one thread.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from .buffers import DTYPES, Buffer, staging_for
-from .device import Device, get_device
+from .device import Device, get_device, native
 from .kernels import Kernel, Uniform, kernel
 
 _QUERIES_PER_SET = 4096  # WebGPU's largest query set
@@ -92,32 +93,82 @@ class _Read:
     pieces: list[tuple[int, int, int]]  # (staging index, staging offset, bytes)
 
 
-# wgpu-py's map mode READ first submits an empty command buffer (a workaround for mapping a
-# buffer whose only writes are queued ``write_buffer`` calls: wgpu-native issue 305); a staging
-# buffer is only ever written by a copy in the command buffer submitted just before it is
-# mapped, so the extra submit buys nothing. "READ_NOSYNC" (wgpu-py 0.32's mode without it)
-# saves it: on the H200, 65 µs of each submit_async of an adapter forward in a loop; on
-# lavapipe, whose submits run the queued work, the wait for the recording moves out of
-# submit_async.
-_MAP_READ = "READ_NOSYNC"
-
-
 def _give_back(device: Device, staging: list[Any]) -> None:
-    """Staging buffers (unmapped first where mapped) back to the device's pool."""
+    """Staging buffers back to the device's pool."""
     pool = staging_for(device)
     for gpu in staging:
-        if gpu.map_state == "mapped":
-            gpu.unmap()
         pool.give(gpu)
+
+
+class _Mapper:
+    """Maps staging buffers for reading once their submission has finished (``Device.wait_for``),
+    by wgpu-native's calls rather than wgpu-py's ``map_async`` (whose poll thread would wait for
+    all submitted work and hold up other submits meanwhile: ``Device.wait_for`` says why). One
+    callback for all maps; each map's ticket, passed as its user data, keys its status."""
+
+    def __init__(self) -> None:
+        ffi, _ = native()
+        self.status: dict[int, int] = {}
+        self.tickets = itertools.count(1)
+
+        def mapped(status: int, _message: Any, ticket: Any, _unused: Any) -> None:
+            self.status[int(ffi.cast("intptr_t", ticket))] = int(status)
+
+        self.callback = ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void *)", mapped)
+
+    def map(self, device: Device, staging: list[Any]) -> None:
+        """Map every buffer of ``staging`` for reading; their submission has finished."""
+        ffi, libf = native()
+        from wgpu.backends.wgpu_native._ffi import lib
+
+        tickets = []
+        for gpu in staging:
+            ticket = next(self.tickets)
+            info = ffi.new("WGPUBufferMapCallbackInfo *")
+            info.mode = lib.WGPUCallbackMode_AllowProcessEvents
+            info.callback = self.callback
+            info.userdata1 = ffi.cast("void *", ticket)
+            libf.wgpuBufferMapAsync(gpu._internal, lib.WGPUMapMode_Read, 0, gpu.size, info[0])
+            tickets.append(ticket)
+        # the work is done, so one poll completes the maps (a blocking one if a second is needed)
+        block = False
+        while any(t not in self.status for t in tickets):
+            libf.wgpuDevicePoll(device.wgpu._internal, block, ffi.NULL)
+            block = True
+        failed = [status for status in (self.status.pop(t) for t in tickets) if status != lib.WGPUMapAsyncStatus_Success]
+        if failed:
+            for gpu in staging:
+                _unmap(gpu)
+            raise RuntimeError(f"mapping a readback's staging buffer failed (WGPUMapAsyncStatus {failed[0]})")
+
+
+def _mapper() -> _Mapper:
+    global _mapper_cached
+    if _mapper_cached is None:
+        _mapper_cached = _Mapper()
+    return _mapper_cached
+
+
+_mapper_cached: _Mapper | None = None
+
+
+def _mapped(gpu: Any, offset: int, nbytes: int) -> memoryview:
+    """``nbytes`` of a mapped staging buffer from ``offset``: valid until it is unmapped."""
+    ffi, libf = native()
+    return memoryview(ffi.buffer(libf.wgpuBufferGetConstMappedRange(gpu._internal, offset, nbytes), nbytes))
+
+
+def _unmap(gpu: Any) -> None:
+    native()[1].wgpuBufferUnmap(gpu._internal)
 
 
 class Pending:
     """A submitted recording whose readbacks have not been collected yet."""
 
     def __init__(self, device: Device, staging: list[Any], reads: list[_Read], keep: list[Any],
-                 times: "_Timestamps | None") -> None:
+                 times: "_Timestamps | None", index: int) -> None:
         self.device, self._staging, self._reads, self._keep, self._times = device, staging, reads, keep, times
-        self._promises = [s.map_async(_MAP_READ) for s in staging]
+        self.index = index  # the submission's, for Device.wait_for
         self.done = False
         self.seconds: float | None = None
         self.kernel_times: list[tuple[str, float]] = []
@@ -126,14 +177,19 @@ class Pending:
         """Wait for the GPU, fill every readback's output; returns GPU seconds when timed."""
         if self.done:
             return self.seconds
+        mapped: list[Any] = []
         try:
-            for promise in self._promises:
-                promise.sync_wait()
+            if self._staging:
+                self.device.wait_for(self.index)
+                _mapper().map(self.device, self._staging)
+                mapped = self._staging
             for read in self._reads:
                 read.sink(self._view(read))
             if self._times is not None:
                 self.seconds, self.kernel_times = self._times.collect(self._view(self._times.read))
         finally:
+            for gpu in mapped:
+                _unmap(gpu)
             _give_back(self.device, self._staging)
             self._staging, self._keep, self.done = [], [], True
         return self.seconds
@@ -144,13 +200,12 @@ class Pending:
             return np.empty(read.buf.shape, np_dtype)
         if len(read.pieces) == 1:
             index, offset, nbytes = read.pieces[0]
-            raw = self._staging[index].read_mapped(offset, nbytes, copy=False)
+            raw = _mapped(self._staging[index], offset, nbytes)
             return np.frombuffer(raw, dtype=np_dtype, count=read.buf.numel).reshape(read.buf.shape)
         whole = np.empty(sum(n for _, _, n in read.pieces), np.uint8)  # a readback past one staging buffer
         at = 0
         for index, offset, nbytes in read.pieces:
-            whole[at:at + nbytes] = np.frombuffer(self._staging[index].read_mapped(offset, nbytes, copy=False),
-                                                  np.uint8)
+            whole[at:at + nbytes] = np.frombuffer(_mapped(self._staging[index], offset, nbytes), np.uint8)
             at += nbytes
         return whole.view(np_dtype)[: read.buf.numel].reshape(read.buf.shape)
 
@@ -231,8 +286,8 @@ class Recording:
             raise RuntimeError("this recording was already submitted or discarded")
         self.device.check_usable()
         command_buffer, self._command_buffer = self._command_buffer, None
-        self.device.submit([command_buffer])
-        return Pending(self.device, self._staging, self._reads, self._keep, self._times)
+        index = self.device.submit([command_buffer])
+        return Pending(self.device, self._staging, self._reads, self._keep, self._times, index)
 
     def discard(self) -> None:
         """Drop it unsubmitted."""
@@ -450,13 +505,12 @@ class Recorder:
 
 
 def synchronize(device: Device | None = None) -> None:
-    """Wait until all submitted GPU work has finished (by mapping a tiny buffer).
+    """Wait until all submitted GPU work has finished.
 
-    ``queue.on_submitted_work_done_sync`` raises in wgpu 0.32, so we copy four bytes
-    in a fresh submit and wait for its mapping: a fence waits for all earlier work
-    on the queue.
+    ``queue.on_submitted_work_done_sync`` raises in wgpu 0.32, so this submits an empty
+    command buffer (which also carries any queued ``write_buffer``) and waits for it: the
+    queue runs submissions in order.
     """
     device = device or get_device()
-    rec = Recorder(device)
-    rec.read(device.owned("sync_source", lambda: Buffer((4,), "u32", device)), lambda view: None)
-    rec.submit()
+    device.check_usable()
+    device.wait_for(device.submit([device.wgpu.create_command_encoder().finish()]))
