@@ -49,7 +49,7 @@ from .adapters import EngineAdapters, Site
 from .config import EngineConfig, pad
 from .kernels import STEP_POS, STEP_TOKEN_COUNT
 from .kernels.attention import DecodePartials, attention_launches, decode_partials
-from .kernels.bitlinear import GEMV_MAX_TOKENS, bitlinear_launch, gemv_normalises
+from .kernels.bitlinear import bitlinear_launch, gemv_max_tokens, gemv_normalises
 from .kernels.dropout import SiteDropout, dropout_state
 from .kernels.embedding import embedding_launches
 from .kernels.matmul import matmul_launch
@@ -186,7 +186,7 @@ class ForwardPlan:
         c, w, cache = self.config, self.weights, self.cache
         launches = embedding_launches(self.ids, w.embedding, w.embedding_rows, self.residual, tokens=self.rows,
                                       k=c.hidden, bf16=w.bf16, device=self.device)
-        fused = fuse and decode and c.quantised and self.rows <= GEMV_MAX_TOKENS  # see the module's docstring
+        fused = fuse and decode and c.quantised and self.rows <= gemv_max_tokens(self.device)  # see the module's docstring
         for index, layer in enumerate(w.layers):
             sites = self.adapters.sites[index]
 

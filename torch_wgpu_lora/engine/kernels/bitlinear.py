@@ -24,10 +24,19 @@ from .dropout import SiteDropout, dropout_params
 from .rope import RopeTarget
 
 MODES = {"store": 0, "add": 1, "gate_up": 2, "rope": 3}
-GEMV_MAX_TOKENS = 4  # up to this many tokens, a gemv per token reads the weights no faster than gemm
 _ROW_LOADS_MAX = 16  # gemv: vec4 words of a weight row one thread holds (ROW_LOADS_MAX in bitlinear.wgsl)
 GEMV_MAX_FEATURES = 16384  # gemv's longest row: its codes staged in workgroup memory (16 KiB)
 GEMV_THREADS = 65536  # gemv: threads a launch aims at (measured on the H200 over LANES 4..32)
+
+
+def gemv_max_tokens(device: Device) -> int:
+    """Up to this many tokens a projection runs as ``gemv`` (a weight pass per token: the first from
+    memory, the others mostly from L2) rather than ``gemm``, whose few workgroups at so few tokens
+    each walk a whole row of weights in a long dependent loop. On the H200, µs a launch gemv / gemm
+    at 16 tokens: q/k/v 19.9 / 37.0, o 21.6 / 38.0, gate/up 40.1 / 46.2, down 36.8 / 93.1; at 24
+    gate/up's gemv is the slower (58.0 / 46.4). On a CPU adapter it stays 4 tokens, the GEMV path's
+    share of the tests (lavapipe's gemm is faster there already: o_proj 402 against 1,111 µs at 4)."""
+    return 4 if device.is_cpu else 16
 
 
 def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_stride: int,
@@ -60,7 +69,7 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     k_words = proj.weight.shape[1]
     if codes.shape[-1] != 4 * k_words:
         raise ValueError(f"codes have {codes.shape[-1]} words per token; the weights need {4 * k_words}")
-    gemv = tokens <= GEMV_MAX_TOKENS and proj.k <= GEMV_MAX_FEATURES if gemv is None else gemv
+    gemv = tokens <= gemv_max_tokens(device) and proj.k <= GEMV_MAX_FEATURES if gemv is None else gemv
     if gemv and proj.k > GEMV_MAX_FEATURES:
         raise ValueError(f"gemv takes rows of up to {GEMV_MAX_FEATURES} features, not {proj.k}")
     if (norm or rope) and not gemv:

@@ -11,8 +11,10 @@ import torch
 from ...runtime import Buffer, Device, Launch, get_device, kernel
 from ..weights import Projection
 from . import dummy
-from .bitlinear import GEMV_MAX_TOKENS, MODES, check_vec4_rows, input_grad_launches
+from .bitlinear import MODES, check_vec4_rows, input_grad_launches
 from .dropout import SiteDropout
+
+GEMV_MAX_TOKENS = 4  # up to this many tokens, a gemv per token reads the weights no faster than gemm
 
 
 def matmul_launch(x: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_stride: int, out_offset: int = 0,
