@@ -117,29 +117,35 @@ class _Mapper:
         self.callback = ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void *)", mapped)
 
     def map(self, device: Device, staging: list[Any]) -> None:
-        """Map every buffer of ``staging`` for reading; their submission has finished."""
+        """Map every buffer of ``staging`` for reading; their submission has finished. On an
+        error none stays mapped."""
         ffi, libf = native()
         from wgpu.backends.wgpu_native._ffi import lib
 
-        tickets = []
-        for gpu in staging:
-            ticket = next(self.tickets)
-            info = ffi.new("WGPUBufferMapCallbackInfo *")
-            info.mode = lib.WGPUCallbackMode_AllowProcessEvents
-            info.callback = self.callback
-            info.userdata1 = ffi.cast("void *", ticket)
-            libf.wgpuBufferMapAsync(gpu._internal, lib.WGPUMapMode_Read, 0, gpu.size, info[0])
-            tickets.append(ticket)
-        # the work is done, so one poll completes the maps (a blocking one if a second is needed)
-        block = False
-        while any(t not in self.status for t in tickets):
-            libf.wgpuDevicePoll(device.wgpu._internal, block, ffi.NULL)
-            block = True
-        failed = [status for status in (self.status.pop(t) for t in tickets) if status != lib.WGPUMapAsyncStatus_Success]
-        if failed:
+        tickets: list[int] = []
+        try:
             for gpu in staging:
-                _unmap(gpu)
-            raise RuntimeError(f"mapping a readback's staging buffer failed (WGPUMapAsyncStatus {failed[0]})")
+                ticket = next(self.tickets)
+                info = ffi.new("WGPUBufferMapCallbackInfo *")
+                info.mode = lib.WGPUCallbackMode_AllowProcessEvents
+                info.callback = self.callback
+                info.userdata1 = ffi.cast("void *", ticket)
+                tickets.append(ticket)
+                libf.wgpuBufferMapAsync(gpu._internal, lib.WGPUMapMode_Read, 0, gpu.size, info[0])
+            # the work is done, so one poll completes the maps (a blocking one if a second is needed)
+            block = False
+            while any(t not in self.status for t in tickets):
+                libf.wgpuDevicePoll(device.wgpu._internal, block, ffi.NULL)
+                block = True
+            statuses = [self.status.pop(t) for t in tickets]
+            if any(status != lib.WGPUMapAsyncStatus_Success for status in statuses):
+                raise RuntimeError(f"mapping a readback's staging buffers failed (WGPUMapAsyncStatus {statuses})")
+        except BaseException:
+            for gpu in staging[:len(tickets)]:
+                lib.wgpuBufferUnmap(gpu._internal)  # unchecked: a pending map is cancelled, a failed one left
+            for t in tickets:
+                self.status.pop(t, None)
+            raise
 
 
 def _mapper() -> _Mapper:
