@@ -323,28 +323,6 @@ def test_a_readback_costs_one_queue_submit(monkeypatch):
     np.testing.assert_array_equal(out, np.arange(8))
 
 
-def test_readbacks_in_flight_are_collected_in_any_order_without_wgpu_pys_map(monkeypatch):
-    """Each readback waits for its own submission only, and maps without wgpu-py's map_async
-    (whose poll thread would wait for all submitted work and hold up submits meanwhile)."""
-    import wgpu
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the recorder called wgpu-py's map_async")
-
-    monkeypatch.setattr(type(get_device().wgpu.create_buffer(size=16, usage=wgpu.BufferUsage.MAP_READ)),
-                        "map_async", refuse)
-    outs = [np.zeros(1000, np.float32) for _ in range(3)]
-    pending = []
-    for i, out in enumerate(outs):
-        rec = Recorder()
-        rec.read(upload(np.full(1000, i, np.float32)), out)
-        pending.append(rec.submit_async())
-    for p in reversed(pending):  # the newest first: an older one has finished by then
-        p.wait()
-    for i, out in enumerate(outs):
-        np.testing.assert_array_equal(out, i)
-
-
 def test_a_recording_encoded_ahead_runs_with_the_values_written_before_its_submit():
     """``Recorder.finish`` encodes now; the buffers and the ``Uniform`` written between that and
     the submit are what the GPU sees. Each recording submits once; a discarded one gives its
@@ -432,7 +410,16 @@ def test_indirect_launch_reads_its_grid_from_the_gpu():
     np.testing.assert_array_equal(out, np.r_[np.ones(768), np.zeros(256)])
 
 
-def test_async_submits_overlap_and_fill_their_outputs_when_waited():
+def test_async_submits_overlap_and_fill_their_outputs_when_waited(monkeypatch):
+    """Each readback waits for its own submission only, and maps without wgpu-py's map_async
+    (whose poll thread would wait for all submitted work and hold up submits meanwhile)."""
+    import wgpu
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the recorder called wgpu-py's map_async")
+
+    monkeypatch.setattr(type(get_device().wgpu.create_buffer(size=16, usage=wgpu.BufferUsage.MAP_READ)),
+                        "map_async", refuse)
     outs = [np.zeros(4, np.float32) for _ in range(3)]
     pendings = []
     for i, out in enumerate(outs):

@@ -48,14 +48,15 @@ from typing import Any, Callable, Iterator, TypeVar
 ADAPTER_ENV = "TORCH_WGPU_LORA_ADAPTER"
 
 
-def native() -> tuple[Any, Any]:
-    """wgpu-native's cffi ``ffi`` and its entry points wrapped to raise WebGPU errors as
-    exceptions (wgpu-py's own ``libf``): for what wgpu-py does not expose, a submission's
-    index and a wait for it."""
+def native() -> tuple[Any, Any, Any]:
+    """wgpu-native through cffi: (``ffi``, ``lib``, ``libf``), ``lib`` its entry points and
+    constants as they are, ``libf`` the entry points wrapped to raise WebGPU errors as
+    exceptions (wgpu-py's own). For what wgpu-py does not expose (a submission's index, a wait
+    for it, maps no poll thread waits on) and the recorder's launch fast path."""
     from wgpu.backends.wgpu_native._api import libf
-    from wgpu.backends.wgpu_native._ffi import ffi
+    from wgpu.backends.wgpu_native._ffi import ffi, lib
 
-    return ffi, libf
+    return ffi, lib, libf
 
 LOCAL_RANK_ENV = "LOCAL_RANK"  # set by torchrun and accelerate launch for each process of a machine
 
@@ -229,7 +230,7 @@ class Device:
     def submit(self, command_buffers: list[Any]) -> int:
         """``queue.submit``, counted (tests check how many submits a step makes); returns the
         submission's index, for ``wait_for``."""
-        ffi, libf = native()
+        ffi, _, libf = native()
         handles = ffi.new("WGPUCommandBuffer[]", [cb._internal for cb in command_buffers])
         index = int(libf.wgpuQueueSubmitForIndex(self.queue._internal, len(command_buffers), handles))
         with self.lock:
@@ -244,7 +245,7 @@ class Device:
         waits for that lock. A generation that submits batch N + 1 and then waits for batch N's
         readback would have each submit wait for the GPU to drain, leaving it idle until the
         next batch arrives. So the runtime waits for the one submission, then maps."""
-        ffi, libf = native()
+        ffi, _, libf = native()
         libf.wgpuDevicePoll(self.wgpu._internal, True, ffi.new("uint64_t *", index))
 
     @property

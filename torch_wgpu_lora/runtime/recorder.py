@@ -107,7 +107,7 @@ class _Mapper:
     callback for all maps; each map's ticket, passed as its user data, keys its status."""
 
     def __init__(self) -> None:
-        ffi, _ = native()
+        ffi = native()[0]
         self.status: dict[int, int] = {}
         self.tickets = itertools.count(1)
 
@@ -119,9 +119,7 @@ class _Mapper:
     def map(self, device: Device, staging: list[Any]) -> None:
         """Map every buffer of ``staging`` for reading; their submission has finished. On an
         error none stays mapped."""
-        ffi, libf = native()
-        from wgpu.backends.wgpu_native._ffi import lib
-
+        ffi, lib, libf = native()
         tickets: list[int] = []
         try:
             for gpu in staging:
@@ -160,12 +158,12 @@ _mapper_cached: _Mapper | None = None
 
 def _mapped(gpu: Any, offset: int, nbytes: int) -> memoryview:
     """``nbytes`` of a mapped staging buffer from ``offset``: valid until it is unmapped."""
-    ffi, libf = native()
+    ffi, _, libf = native()
     return memoryview(ffi.buffer(libf.wgpuBufferGetConstMappedRange(gpu._internal, offset, nbytes), nbytes))
 
 
 def _unmap(gpu: Any) -> None:
-    native()[1].wgpuBufferUnmap(gpu._internal)
+    native()[2].wgpuBufferUnmap(gpu._internal)
 
 
 class Pending:
@@ -223,10 +221,8 @@ def _lib() -> Any:
     """wgpu-native's raw entry points (cffi), for the launch fast path."""
     global _lib_cached
     if _lib_cached is None:
-        from wgpu.backends.wgpu_native._ffi import ffi, lib
-
+        ffi, _lib_cached, _ = native()
         _NULL.append(ffi.NULL)
-        _lib_cached = lib
     return _lib_cached
 
 
