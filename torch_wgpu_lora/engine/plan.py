@@ -186,7 +186,8 @@ class ForwardPlan:
         c, w, cache = self.config, self.weights, self.cache
         launches = embedding_launches(self.ids, w.embedding, w.embedding_rows, self.residual, tokens=self.rows,
                                       k=c.hidden, bf16=w.bf16, device=self.device)
-        fused = fuse and decode and c.quantised and self.rows <= gemv_max_tokens(self.device)  # see the module's docstring
+        # see the module's docstring
+        fused = fuse and decode and c.quantised and self.rows <= gemv_max_tokens(self.device)
         for index, layer in enumerate(w.layers):
             sites = self.adapters.sites[index]
 

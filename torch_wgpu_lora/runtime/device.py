@@ -46,18 +46,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
 
 ADAPTER_ENV = "TORCH_WGPU_LORA_ADAPTER"
-
-
-def native() -> tuple[Any, Any, Any]:
-    """wgpu-native through cffi: (``ffi``, ``lib``, ``libf``), ``lib`` its entry points and
-    constants as they are, ``libf`` the entry points wrapped to raise WebGPU errors as
-    exceptions (wgpu-py's own). For what wgpu-py does not expose (a submission's index, a wait
-    for it, maps no poll thread waits on) and the recorder's launch fast path."""
-    from wgpu.backends.wgpu_native._api import libf
-    from wgpu.backends.wgpu_native._ffi import ffi, lib
-
-    return ffi, lib, libf
-
 LOCAL_RANK_ENV = "LOCAL_RANK"  # set by torchrun and accelerate launch for each process of a machine
 
 INSTALL_HINT = (
@@ -172,6 +160,17 @@ def local_rank_from_env() -> int | None:
     return value
 
 
+def native() -> tuple[Any, Any, Any]:
+    """wgpu-native through cffi: (``ffi``, ``lib``, ``libf``), ``lib`` its entry points and
+    constants as they are, ``libf`` the entry points wrapped to raise WebGPU errors as
+    exceptions (wgpu-py's own). For what wgpu-py does not expose (a submission's index, a wait
+    for it, maps no poll thread waits on) and the recorder's launch fast path."""
+    from wgpu.backends.wgpu_native._api import libf
+    from wgpu.backends.wgpu_native._ffi import ffi, lib
+
+    return ffi, lib, libf
+
+
 class Device:
     """A wgpu device, the facts about it that kernels need, and the state it owns.
 
@@ -243,9 +242,10 @@ class Device:
         wgpu-py's ``map_async`` waits differently: its poll thread waits for *every* submitted
         command buffer (``wgpuDevicePoll`` with wait), and a ``queue.submit`` made meanwhile does
         not return before that poll does (on the H200, a decode batch's submit took 5.6-7.5 ms
-        while the batch before's readback was pending, 0.1 ms once the runtime mapped this way). A generation that submits
-        batch N + 1 and then waits for batch N's readback would leave the GPU idle until each
-        submit returned. So the runtime waits for the one submission, then maps."""
+        while the batch before's readback was pending, 0.1 ms once the runtime mapped this way).
+        A generation that submits batch N + 1 and then waits for batch N's readback would leave
+        the GPU idle until each submit returned. So the runtime waits for the one submission,
+        then maps."""
         ffi, _, libf = native()
         libf.wgpuDevicePoll(self.wgpu._internal, True, ffi.new("uint64_t *", index))
 

@@ -27,6 +27,7 @@ submits in flight never share one. A Recorder itself belongs to one thread.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -146,14 +147,9 @@ class _Mapper:
             raise
 
 
+@functools.cache
 def _mapper() -> _Mapper:
-    global _mapper_cached
-    if _mapper_cached is None:
-        _mapper_cached = _Mapper()
-    return _mapper_cached
-
-
-_mapper_cached: _Mapper | None = None
+    return _Mapper()
 
 
 def _mapped(gpu: Any, offset: int, nbytes: int) -> memoryview:
