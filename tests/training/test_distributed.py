@@ -37,6 +37,8 @@ from torch_wgpu_lora import Trainer
 from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet, lora_parameters, lora_state_dict
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
 from torch_wgpu_lora.prompts import format_prompt
+from torch_wgpu_lora.runtime import get_device
+from torch_wgpu_lora.runtime.device import ADAPTER_ENV
 from torch_wgpu_lora.training.data import shard
 
 from .test_trainer import EVAL_RECORDS, RECORDS
@@ -145,6 +147,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def ranks_env() -> dict[str, str]:
+    """What every rank's environment adds: nothing where this machine has an adapter of the preferred
+    kind for each rank, or a CPU adapter (which the ranks share); on a machine with fewer GPUs than
+    ranks, the first of them named in ADAPTER_ENV, so that the ranks share it by hand."""
+    device = get_device()
+    if device.choice.of_kind >= WORLD or device.is_cpu:
+        return {}
+    return {ADAPTER_ENV: device.info["device"]}
+
+
 def launch(folder: Path, job: dict, timeout: float = 150) -> tuple[list[dict | None], list[int], list[str]]:
     """Start WORLD fresh processes running ``worker`` (ranks 0..WORLD-1, gloo over localhost); returns
     each rank's results (None if it wrote none), exit status and stderr."""
@@ -156,7 +168,7 @@ def launch(folder: Path, job: dict, timeout: float = 150) -> tuple[list[dict | N
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD),
                "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(WORLD), JOB_ENV: str(spec),
                "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",  # 2 processes share 2 cores with lavapipe
-               "PYTHONFAULTHANDLER": "1"}  # a crash in native code shows its Python stack
+               "PYTHONFAULTHANDLER": "1", **ranks_env()}  # a crash in native code shows its Python stack
         with open(folder / f"stderr-{rank}.txt", "w") as log:  # a file, not a pipe: a full pipe would block
             procs.append(subprocess.Popen([sys.executable, "-c", "from tests.training.test_distributed import worker; worker()"],
                                           cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log))
@@ -341,7 +353,9 @@ def test_each_rank_took_its_own_adapter_or_shared_the_cpu_one(two_ranks):
     for rank, result in enumerate(results):
         device = result["device"]
         assert device["local_rank"] == rank
-        if device["adapters_of_kind"] > rank:
+        if ranks_env():  # fewer GPUs than ranks: the first, named by hand for both
+            assert device["adapter_index"] == 0 and ADAPTER_ENV in device["choice"]
+        elif device["adapters_of_kind"] > rank:
             assert device["adapter_index"] == rank
         else:  # lavapipe: one CPU adapter, which both share
             assert device["adapter_index"] == 0 and "share" in device["choice"]
@@ -448,7 +462,7 @@ def test_torchrun_runs_the_command_line_on_two_processes(tiny, tmp_path):
     data.write_text(json.dumps(RECORDS))
     args = ["train", "--model", tiny["model"], "--data", str(data), "--max-steps", "2", "--no-progress",
             "--lr", "5e-3", "--dist-timeout", "60"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", **ranks_env()}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "torch_wgpu_lora", *args, "--output", str(tmp_path / "two"), "--batch-size", "2"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)

@@ -20,6 +20,7 @@ The forward is transformers' own, unchanged.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -285,8 +286,29 @@ def load_bitnet(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> 
     # Mismatched sizes are reported below with the other disagreements rather than raised by transformers.
     model, info = BitNetForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, use_safetensors=True,
                                                     output_loading_info=True, ignore_mismatched_sizes=True)
-    _check_loading_info(folder, info)
+    _check_loading_info(folder, info, _shapes_unlike_config(model))
     return model
+
+
+def _shapes_unlike_config(model: nn.Module) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(name, loaded shape, shape by config) of each parameter whose shape is not the one the model's
+    config gives it (packed 2-bit weights: four rows a byte, as transformers packs them).
+    transformers reports such tensors itself, except where its quantiser loads them (transformers
+    5.17, packed AutoBitLinear: the checkpoint's tensors kept as they are, whatever config.json says)."""
+    from transformers.integrations.bitnet import VALUES_PER_ITEM
+
+    with torch.device("meta"):
+        described = dict(type(model)(copy.deepcopy(model.config)).named_parameters())
+    unlike = []
+    for name, p in model.named_parameters():
+        if name not in described:
+            continue
+        wanted = tuple(described[name].shape)
+        if not p.is_floating_point() and wanted:
+            wanted = (-(-wanted[0] // VALUES_PER_ITEM), *wanted[1:])
+        if tuple(p.shape) != wanted:
+            unlike.append((name, tuple(p.shape), wanted))
+    return unlike
 
 
 def _check_weight_files(folder: Path) -> None:
@@ -310,9 +332,12 @@ def _check_weight_files(folder: Path) -> None:
                              "download it again") from None
 
 
-def _check_loading_info(folder: Path, info: dict[str, list]) -> None:
-    """Refuse weights that do not fill the model config.json describes, exactly."""
-    mismatched, missing, unexpected = (sorted(info[k]) for k in ("mismatched_keys", "missing_keys", "unexpected_keys"))
+def _check_loading_info(folder: Path, info: dict[str, list], unlike: list[tuple[str, Any, Any]]) -> None:
+    """Refuse weights that do not fill the model config.json describes, exactly: transformers'
+    loading report, and ``unlike`` (tensors loaded in a shape config.json does not give them)."""
+    missing, unexpected = (sorted(info[k]) for k in ("missing_keys", "unexpected_keys"))
+    mismatched = sorted({key: (key, stored, wanted) for key, stored, wanted in [*info["mismatched_keys"], *unlike]}
+                        .values())
     if mismatched:
         key, stored, wanted = mismatched[0]
         raise ValueError(f"{str(folder)!r}: the weights do not match config.json: {key} is {list(stored)} in the "
