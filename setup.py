@@ -16,12 +16,14 @@ setup(
     # The floors are the first releases with the APIs the package uses (tests/test_packaging.py checks them):
     # torch 2.6: torch.compiler.set_stance, torch.nn.utils.get_total_norm / clip_grads_with_norm_
     # (torch.library.custom_op with register_fake / register_autograd needs 2.4);
-    # transformers 4.56: from_pretrained(dtype=...) (before, the keyword was torch_dtype).
+    # transformers 5.13: packed AutoBitLinear checkpoints (microsoft/bitnet-b1.58-2B-4T's format) load as
+    # ternary weights its forward runs (4.56 and 5.0 report the packed tensors as mismatched; 5.9, 5.11 and
+    # 5.12 keep uint8 codes their forward cannot multiply); from_pretrained(dtype=...) needs 4.56.
     install_requires=[
         "torch>=2.6",
         "numpy>=1.24",
         "wgpu>=0.32,<0.33",
-        "transformers>=4.56",
+        "transformers>=5.13",
         "accelerate>=0.26",
         "safetensors>=0.4",
         "tokenizers>=0.19",

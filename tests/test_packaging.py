@@ -40,6 +40,9 @@ API_FLOORS = [
     ("torch", "CustomOpDef.register_fake", r"\.register_fake\b", (2, 4)),
     ("torch", "CustomOpDef.register_autograd", r"\.register_autograd\(", (2, 4)),
     ("transformers", "from_pretrained(dtype=...)", r"from_pretrained\([^)]*\bdtype=", (4, 56)),
+    # not an API but a behaviour: checked by running tests/integrations/test_bitnet.py on each release
+    ("transformers", "packed AutoBitLinear checkpoints loading as ternary weights its forward runs",
+     r"\bAutoBitLinear\b", (5, 13)),
 ]
 
 

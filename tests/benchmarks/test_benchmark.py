@@ -146,7 +146,8 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
     assert drop_in["wgpu_over_torch"] == drop_in["wgpu"]["step_s"] / drop_in["torch"]["step_s"] > 0
     turns = [w / t for w, t in zip(drop_in["wgpu"]["steps_s"], drop_in["torch"]["steps_s"])]
     assert drop_in["paired_ratio"] == pytest.approx(sum(turns) / 2)  # the median of two
-    assert 0 < drop_in["wgpu"]["upload_s"] + drop_in["wgpu"]["wait_s"] < drop_in["wgpu"]["step_s"]
+    wgpu = drop_in["wgpu"]  # uploads and waits happen inside the adapters' nodes
+    assert 0 < wgpu["upload_s"] + wgpu["wait_s"] <= wgpu["adapter_s"] < wgpu["step_s"]
     training = result["engine_training"]["16"]
     assert training["loss"] is not None and 0 < training["loss"] < 20  # None: the step was skipped (non-finite)
     assert result["engine_training"]["16_response_only"]["tok_per_s"] > 0  # half the tokens labelled
