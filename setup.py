@@ -19,12 +19,13 @@ setup(
     # transformers 5.13: packed AutoBitLinear checkpoints (microsoft/bitnet-b1.58-2B-4T's format) load as
     # ternary weights its forward runs (4.56 and 5.0 report the packed tensors as mismatched; 5.9, 5.11 and
     # 5.12 keep uint8 codes their forward cannot multiply); from_pretrained(dtype=...) needs 4.56.
+    # accelerate 1.1: transformers loads quantised BitNet checkpoints only with it (ACCELERATE_MIN_VERSION).
     install_requires=[
         "torch>=2.6",
         "numpy>=1.24",
         "wgpu>=0.32,<0.33",
         "transformers>=5.13",
-        "accelerate>=0.26",
+        "accelerate>=1.1",
         "safetensors>=0.4",
         "tokenizers>=0.19",
         "tqdm>=4.60",

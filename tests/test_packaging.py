@@ -43,6 +43,8 @@ API_FLOORS = [
     # not an API but a behaviour: checked by running tests/integrations/test_bitnet.py on each release
     ("transformers", "packed AutoBitLinear checkpoints loading as ternary weights its forward runs",
      r"\bAutoBitLinear\b", (5, 13)),
+    ("accelerate", "transformers loading quantised BitNet checkpoints (its ACCELERATE_MIN_VERSION)",
+     r"\bAutoBitLinear\b", (1, 1)),
 ]
 
 
