@@ -146,6 +146,21 @@ def test_a_config_that_disagrees_with_the_weights_is_refused(checkpoints, tmp_pa
         load_bitnet(folder)
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_tensors_unlike_the_config_are_refused_when_transformers_reports_none(checkpoints, monkeypatch, flavour):
+    # transformers 5.17 loads packed AutoBitLinear checkpoints' tensors as they are, whatever config.json
+    # says, and reports no mismatch: load_bitnet compares every loaded shape with the config's itself.
+    from transformers import BitNetForCausalLM
+
+    loaded = load_bitnet(checkpoints[flavour])  # shapes and config agree (packed codes four rows a byte)
+    loaded.config.hidden_size = 128
+    silent = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+    monkeypatch.setattr(BitNetForCausalLM, "from_pretrained", classmethod(lambda cls, *a, **k: (loaded, silent)))
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight is \[320, 64\] in the weights but "
+                                         r"\[320, 128\] by config.json"):
+        load_bitnet(checkpoints[flavour])
+
+
 def test_a_folder_with_pickled_weights_only_is_refused(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints["dense"], tmp_path / "model")
     torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")

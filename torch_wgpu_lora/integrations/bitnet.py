@@ -292,10 +292,10 @@ def load_bitnet(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> 
 
 def _shapes_unlike_config(model: nn.Module) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """(name, loaded shape, shape by config) of each parameter whose shape is not the one the model's
-    config gives it. Integer weights hold ternary codes, packed four rows a byte as transformers
-    packs them or (some transformers releases) one a byte: either shape is the config's.
-    transformers reports such tensors itself, except where its quantiser loads them (transformers
-    5.17, packed AutoBitLinear: the checkpoint's tensors kept as they are, whatever config.json says)."""
+    config gives it (integer weights: ternary codes packed four rows a byte, as transformers packs
+    them). transformers reports such tensors itself, except where its quantiser loads them
+    (transformers 5.17, packed AutoBitLinear: the checkpoint's tensors kept as they are, whatever
+    config.json says)."""
     from transformers.integrations.bitnet import VALUES_PER_ITEM
 
     with torch.device("meta"):
@@ -305,11 +305,9 @@ def _shapes_unlike_config(model: nn.Module) -> list[tuple[str, tuple[int, ...], 
         if name not in described:
             continue
         wanted = tuple(described[name].shape)
-        allowed = {wanted}
         if not p.is_floating_point() and wanted:
             wanted = (-(-wanted[0] // VALUES_PER_ITEM), *wanted[1:])
-            allowed.add(wanted)
-        if tuple(p.shape) not in allowed:
+        if tuple(p.shape) != wanted:
             unlike.append((name, tuple(p.shape), wanted))
     return unlike
 
