@@ -163,12 +163,13 @@ def launch(folder: Path, job: dict, timeout: float = 150) -> tuple[list[dict | N
     spec = folder / "job.json"
     spec.write_text(json.dumps({**job, "folder": str(folder)}))
     port = _free_port()
+    shared = ranks_env()
     procs = []
     for rank in range(WORLD):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD),
                "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(WORLD), JOB_ENV: str(spec),
                "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",  # 2 processes share 2 cores with lavapipe
-               "PYTHONFAULTHANDLER": "1", **ranks_env()}  # a crash in native code shows its Python stack
+               "PYTHONFAULTHANDLER": "1", **shared}  # a crash in native code shows its Python stack
         with open(folder / f"stderr-{rank}.txt", "w") as log:  # a file, not a pipe: a full pipe would block
             procs.append(subprocess.Popen([sys.executable, "-c", "from tests.training.test_distributed import worker; worker()"],
                                           cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log))
