@@ -17,9 +17,11 @@ from transformers.integrations.bitnet import AutoBitLinear, BitLinear, pack_weig
 
 from torch_wgpu_lora.init import hesper_uniform
 from torch_wgpu_lora.integrations.bitnet import (apply_lora, load_bitnet, lora_modules, lora_parameters,
-                                                 use_ste_backward)
+                                                 UNPACK_SHAPES, unpack_ternary, use_ste_backward)
 from torch_wgpu_lora.integrations.tiny import FLAVOURS, TINY_CONFIG, build_tiny_bitnet, ternarize
 from torch_wgpu_lora.modules import LoRALinear
+
+from ..concurrency import in_threads
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LAYERS = TINY_CONFIG["num_hidden_layers"]
@@ -174,12 +176,45 @@ def test_a_folder_with_pickled_weights_only_is_refused(checkpoints, tmp_path):
 # -- the packed BitLinear's straight-through backward ------------------------------------------
 
 def test_ste_forward_is_transformers_forward_bit_for_bit(checkpoints):
+    """Every projection of every layer in model order: layers of one shape share the unpacking
+    buffers, so each must see its own weights."""
     model = load_bitnet(checkpoints["packed"])
-    x = torch.randn(3, 16, TINY_CONFIG["hidden_size"], generator=torch.Generator().manual_seed(0))
-    expected = {name: projection(model, 1, name)(x) for name in ("q_proj", "gate_proj")}
+    gen = torch.Generator().manual_seed(0)
+    inputs = {name: torch.randn(3, 16, projection(model, 0, name).in_features, generator=gen) for name in PROJECTIONS}
+    keys = [(index, name) for index in range(LAYERS) for name in PROJECTIONS]
+    expected = {key: projection(model, *key)(inputs[key[1]]) for key in keys}
     assert use_ste_backward(model) == len(PROJECTIONS) * LAYERS
-    for name, y in expected.items():
-        assert torch.equal(projection(model, 1, name)(x.clone().requires_grad_(True)), y)
+    for key in keys:
+        assert torch.equal(projection(model, *key)(inputs[key[1]].clone().requires_grad_(True)), expected[key]), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unpack_ternary_decodes_the_packed_format_into_a_reused_buffer(dtype):
+    gen = torch.Generator().manual_seed(4)
+    first, second = (torch.randint(0, 256, (6, 10), generator=gen, dtype=torch.uint8) for _ in range(2))
+    other_shape = torch.randint(0, 256, (3, 10), generator=gen, dtype=torch.uint8)
+    a = unpack_ternary(first, dtype)
+    assert a.dtype == dtype and torch.equal(a.float(), decode_packed(first))
+    assert torch.equal(unpack_ternary(other_shape, dtype).float(), decode_packed(other_shape))
+    b = unpack_ternary(second, dtype)
+    assert torch.equal(b.float(), decode_packed(second))
+    assert b.data_ptr() == a.data_ptr()  # one buffer a shape: no fresh pages a call
+    for rows in range(7, 7 + UNPACK_SHAPES):  # as many other shapes as a thread keeps: the oldest, 6 rows, goes
+        unpack_ternary(torch.zeros((rows, 10), dtype=torch.uint8), dtype)
+    again = unpack_ternary(first, dtype)
+    assert torch.equal(again.float(), decode_packed(first)) and again.data_ptr() != a.data_ptr()
+
+
+def test_unpack_ternary_buffers_are_per_thread():
+    packed = [torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(i), dtype=torch.uint8)
+              for i in range(4)]
+    expected = [decode_packed(p) for p in packed]
+
+    def check(i: int) -> None:
+        for _ in range(200):  # interleaved with the other threads' calls of the same shape
+            assert torch.equal(unpack_ternary(packed[i], torch.float32), expected[i])
+
+    in_threads(check, len(packed))
 
 
 def test_ste_backward_is_dy_over_scale_times_ternary_weight(checkpoints):

@@ -396,6 +396,15 @@ def measure_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...],
     return out, theirs
 
 
+def _minor_faults() -> int | None:
+    """This process's minor page faults so far (None where the platform has no ``resource``)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, Any]:
     """The drop-in path: a CPU torch model (packed BitNet, float32) whose Q/V adapters are
     ``LoRALinear(backend="wgpu")``, against the same with ``backend="torch"``: one training step's
@@ -406,7 +415,9 @@ def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, An
     also reports the seconds a step's adapter calls spent uploading (x and dY) and waiting for
     their results (the GPU time the base layer's CPU work did not hide, and the copies out of
     the readbacks), and ``adapter_s``: all the time the step spent in the adapters' autograd nodes
-    (those two, recording and submitting; the rest of the step is the base model's, in torch)."""
+    (those two, recording and submitting; the rest of the step is the base model's, in torch).
+    ``page_faults``: each backend's minor page faults a step (None without ``resource``): a CPU
+    step's time moves with them, so they show whether two figures were taken alike."""
     from ..integrations.bitnet import lora_parameters, set_backend
     from ..ops import lora as lora_ops
     from ..runtime import recorder
@@ -416,6 +427,7 @@ def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, An
     optimizer = torch.optim.AdamW(lora_parameters(model), lr=1e-4)
     backends = ("wgpu", "torch")
     walls: dict[str, list[float]] = {backend: [] for backend in backends}
+    faults: dict[str, list[int | None]] = {backend: [] for backend in backends}
     spent = {"upload_s": 0.0, "wait_s": 0.0, "adapter_s": 0.0}
     exposed: dict[str, list[float]] = {key: [] for key in spent}  # the WebGPU steps'
 
@@ -440,26 +452,28 @@ def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, An
                 for cls, name, fn in nodes:  # autograd looks a Function's forward and backward up at each call
                     setattr(cls, name, staticmethod(timed(fn, "adapter_s")))
                 try:
-                    t0 = time.perf_counter()
+                    faults0, t0 = _minor_faults(), time.perf_counter()
                     model(input_ids=ids, labels=ids).loss.backward()
                     optimizer.step()
                     optimizer.zero_grad()
-                    wall = time.perf_counter() - t0
+                    wall, faults1 = time.perf_counter() - t0, _minor_faults()
                 finally:
                     lora_ops.to_gpu, recorder.Pending.wait = upload, wait
                     for cls, name, fn in nodes:
                         setattr(cls, name, staticmethod(fn))
                 if turn:
                     walls[backend].append(wall)
+                    faults[backend].append(None if faults0 is None else faults1 - faults0)
                     if backend == "wgpu":
                         for key in exposed:
                             exposed[key].append(spent[key])
     out: dict[str, Any] = {"seq": seq}
     for backend in backends:
         wall = statistics.median(walls[backend])
-        out[backend] = {"step_s": wall, "tok_per_s": seq / wall, "steps_s": walls[backend]}
+        page_faults = None if None in faults[backend] else statistics.median(faults[backend])
+        out[backend] = {"step_s": wall, "tok_per_s": seq / wall, "steps_s": walls[backend], "page_faults": page_faults}
         log(f"drop-in training step, adapters on {backend}: {wall:.2f} s (steps: "
-            f"{', '.join(f'{w:.2f}' for w in walls[backend])})")
+            f"{', '.join(f'{w:.2f}' for w in walls[backend])}), {page_faults} minor page faults a step")
     out["wgpu"].update({key: statistics.median(values) for key, values in exposed.items()})
     log(f"drop-in, adapters on wgpu: {out['wgpu']['adapter_s']:.3f} s a step in the adapters' nodes, of which "
         f"{out['wgpu']['upload_s']:.3f} s uploading and {out['wgpu']['wait_s']:.3f} s waiting for results")

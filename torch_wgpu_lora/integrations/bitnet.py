@@ -15,7 +15,10 @@ activation quantisation counts as the identity, so with ``y ≈ x·Wᵀ / weight
 
     dx = (dy / weight_scale) · W_ternary.
 
-The forward is transformers' own, unchanged.
+The forward is transformers' own, op for op, except where the ternary weight comes from:
+``unpack_ternary`` writes the same values into a buffer each thread reuses, where
+transformers' ``unpack_weights`` allocates about three times the unpacked weight afresh on
+every call (on a CPU, first-touch page faults that cost more than the unpacking itself).
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ import json
 import os
 import re
 import sys
+import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import LoraConfig
@@ -75,6 +80,61 @@ def projection_modules(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
             for index, layer in enumerate(model.model.layers) for name in PROJECTIONS]
 
 
+UNPACK_SHAPES = 8  # unpacking buffers a thread keeps: BitNet has 4 packed shapes (q/o, k/v, gate/up, down)
+
+
+class _UnpackBuffers(threading.local):
+    """This thread's ``unpack_ternary`` buffers, (values, one bit field) by (packed shape, dtype,
+    device), the ``UNPACK_SHAPES`` most recently used."""
+
+    def __init__(self) -> None:
+        self.by_key: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+
+_UNPACK_BUFFERS = _UnpackBuffers()
+
+
+def unpack_ternary(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """transformers' ``unpack_weights(packed, dtype)``: a packed ``BitLinear`` weight [rows / 4, ...]
+    (four 2-bit codes a byte, bit field i holding rows i·rows/4 onwards) as ternary values
+    [rows, ...] in ``dtype``, written into a buffer that this thread reuses for every weight of
+    that shape: the next call with that shape on this thread overwrites the result, so use it at
+    once (the packed layers' forward and backward do). A thread keeps the buffers of its
+    ``UNPACK_SHAPES`` most recent shapes and dtypes (BitNet-2B's four in float32: 174 MB). Inside ``torch.compile``, and
+    for a layer without a dtype, it is transformers' own function.
+
+    >>> unpack_ternary(torch.tensor([[0b10_01_00_10]], dtype=torch.uint8), torch.float32).flatten().tolist()
+    [1.0, -1.0, 0.0, 1.0]
+    """
+    if torch.compiler.is_compiling() or dtype is None:
+        return sys.modules[_TRANSFORMERS_BITNET].unpack_weights(packed, dtype=dtype)
+    key, kept = (tuple(packed.shape), dtype, packed.device), _UNPACK_BUFFERS.by_key
+    if key in kept:
+        kept.move_to_end(key)
+    else:
+        kept[key] = (torch.empty((4 * packed.shape[0], *packed.shape[1:]), dtype=dtype, device=packed.device),
+                     torch.empty_like(packed))
+        if len(kept) > UNPACK_SHAPES:
+            kept.popitem(last=False)
+    values, field = kept[key]
+    for i, rows in enumerate(values.split(packed.shape[0])):
+        torch.bitwise_right_shift(packed, 2 * i, out=field)
+        rows.copy_(field.bitwise_and_(3)).sub_(1)  # slice by slice: each still in cache for its sub
+    return values
+
+
+def _bitlinear_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``BitLinear.forward``, op for op, with its weight from ``unpack_ternary``."""
+    if layer.rms_norm is not None:
+        x = layer.rms_norm(x)
+    x_quant, x_scale = layer.activation_quant(x)
+    y = F.linear(x_quant.to(layer.dtype), unpack_ternary(layer.weight, layer.dtype))
+    y = layer.post_quant_process(y, layer.weight_scale, x_scale)
+    if layer.bias is not None:
+        y += layer.bias.view(1, -1).expand_as(y)
+    return y
+
+
 class _BitLinearSTE(torch.autograd.Function):
     """transformers' ``BitLinear.forward`` with the straight-through backward
     dx = (dy / weight_scale) · W_ternary (through the layer's optional RMSNorm)."""
@@ -85,13 +145,13 @@ class _BitLinearSTE(torch.autograd.Function):
         ctx.x_dtype = x.dtype
         if layer.rms_norm is not None:
             ctx.save_for_backward(x)
-        return _bitlinear_class().forward(layer, x)
+        return _bitlinear_forward(layer, x)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
         layer = ctx.layer
-        weight = sys.modules[_TRANSFORMERS_BITNET].unpack_weights(layer.weight, dtype=layer.dtype)
+        weight = unpack_ternary(layer.weight, layer.dtype)
         dx = (dy / layer.weight_scale).to(weight.dtype) @ weight
         if layer.rms_norm is not None:  # BitLinear normalises before quantising: chain through it
             (x,) = ctx.saved_tensors

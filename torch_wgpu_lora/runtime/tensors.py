@@ -65,20 +65,21 @@ def to_gpu(t: torch.Tensor, layout: str = "rows4", device: Device | None = None)
 
 
 def into(dst: torch.Tensor, layout: str = "rows4") -> Callable[[np.ndarray], None]:
-    """A readback sink that copies a mapped view in ``layout`` into the float32 tensor ``dst``."""
-    target = dst.detach().numpy()
+    """A readback sink that copies a mapped view in ``layout`` into the float32 tensor ``dst``,
+    by torch's ``copy_`` (which spreads a large copy over torch's threads)."""
+    target = dst.detach()
     if layout == "flat":
-        target = target.reshape(-1)
+        target = target.view(-1)
 
         def sink(view: np.ndarray) -> None:
-            np.copyto(target, view[: target.size])
+            target.copy_(torch.from_numpy(view[: target.numel()]))
 
         return sink
     if layout == "cols4":
         target = target.T
 
     def sink(view: np.ndarray) -> None:
-        np.copyto(target, view[:, : target.shape[1]])
+        target.copy_(torch.from_numpy(view[:, : target.shape[1]]))
 
     return sink
 
