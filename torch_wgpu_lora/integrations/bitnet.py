@@ -100,8 +100,8 @@ def unpack_ternary(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     [rows, ...] in ``dtype``, written into a buffer that this thread reuses for every weight of
     that shape: the next call with that shape on this thread overwrites the result, so use it at
     once (the packed layers' forward and backward do). A thread keeps the buffers of its
-    ``UNPACK_SHAPES`` most recent shapes and dtypes (BitNet-2B's four in float32: 174 MB). Inside ``torch.compile``, and
-    for a layer without a dtype, it is transformers' own function.
+    ``UNPACK_SHAPES`` most recent shapes and dtypes (BitNet-2B's four in float32: 174 MB).
+    Inside ``torch.compile``, and for a layer without a dtype, it is transformers' own function.
 
     >>> unpack_ternary(torch.tensor([[0b10_01_00_10]], dtype=torch.uint8), torch.float32).flatten().tolist()
     [1.0, -1.0, 0.0, 1.0]
