@@ -70,16 +70,12 @@ def into(dst: torch.Tensor, layout: str = "rows4") -> Callable[[np.ndarray], Non
     target = dst.detach()
     if layout == "flat":
         target = target.view(-1)
-
-        def sink(view: np.ndarray) -> None:
-            target.copy_(torch.from_numpy(view[: target.numel()]))
-
-        return sink
-    if layout == "cols4":
+    elif layout == "cols4":
         target = target.T
+    width = target.shape[-1]
 
-    def sink(view: np.ndarray) -> None:
-        target.copy_(torch.from_numpy(view[:, : target.shape[1]]))
+    def sink(view: np.ndarray) -> None:  # the padding past each row's width (or the flat size) is left
+        target.copy_(torch.from_numpy(view[..., :width]))
 
     return sink
 
