@@ -3,6 +3,7 @@
 //   MODE 0: SC[n][j] = Σ_d Q[b, i, h, d] · K[b, g, j, d]                       (S)
 //   MODE 1: dP[n][j] = Σ_d dO[b, i, h, d] · V[b, g, j, d], and as it is stored
 //           SC[n][j] ← P = exp(scale·S − lse)   DS[n][j] ← dS = P ∘ (dP − D)
+//   MODE 2: the same dP where SC already holds P (the forward's, kept): DS[n][j] ← P ∘ (dP − D)
 // for row n = (b·H + h)·TP + i (TP: T rounded up to 64, so a workgroup's 64 rows are one head's),
 // key j ≤ lim = min(i, len_b − 1) (len_b = LENS[b] clamped to 1..S, as attention.wgsl has it),
 // g = h / R. Entries past a row's limit are written only where they share a vec4 with a seen key,
@@ -29,12 +30,12 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> LENS: array<u32>;
-@group(0) @binding(2) var<storage, read> A: array<f32>;          // Q (MODE 0) or dO (MODE 1)
-@group(0) @binding(3) var<storage, read> KV: array<vec4<f32>>;   // K (MODE 0) or V (MODE 1)
+@group(0) @binding(2) var<storage, read> A: array<f32>;          // Q (MODE 0) or dO
+@group(0) @binding(3) var<storage, read> KV: array<vec4<f32>>;   // K (MODE 0) or V
 @group(0) @binding(4) var<storage, read_write> SC: array<vec4<f32>>;
-@group(0) @binding(5) var<storage, read_write> DS: array<vec4<f32>>;  // MODE 1
+@group(0) @binding(5) var<storage, read_write> DS: array<vec4<f32>>;  // MODES 1, 2
 @group(0) @binding(6) var<storage, read> LSE: array<f32>;        // MODE 1
-@group(0) @binding(7) var<storage, read> DR: array<f32>;         // MODE 1
+@group(0) @binding(7) var<storage, read> DR: array<f32>;         // MODES 1, 2
 
 override MODE: u32 = 0u;
 
@@ -111,12 +112,15 @@ fn store(n: u32, k: u32, v: vec4<f32>) {
   let at = (n * p.padded + k) / 4u;
   if (MODE == 0u) {
     SC[at] = v;
-  } else {
-    let row = (b * p.seq + i) * p.heads + bh % p.heads;
-    let pr = exp2(SC[at] * (p.scale * LOG2E) - LSE[row] * LOG2E);
-    SC[at] = pr;
-    DS[at] = pr * (v - DR[row]);
+    return;
   }
+  let row = (b * p.seq + i) * p.heads + bh % p.heads;
+  var pr = SC[at];
+  if (MODE == 1u) {
+    pr = exp2(pr * (p.scale * LOG2E) - LSE[row] * LOG2E);
+    SC[at] = pr;
+  }
+  DS[at] = pr * (v - DR[row]);
 }
 
 // @include _gemm_t_tile.wgsl

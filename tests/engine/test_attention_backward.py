@@ -68,9 +68,11 @@ def nan_fill(buf: Buffer) -> None:
 class Backward:
     """One plan: the forward (prefill, with lse) then the backward, recorded together."""
 
-    def __init__(self, batch, tokens, heads, kv_heads, head_dim, max_len, tile=None, splits=None, from_start=False):
+    def __init__(self, batch, tokens, heads, kv_heads, head_dim, max_len, tile=None, splits=None, from_start=False,
+                 keep_p=False):
         self.shape = dict(batch=batch, tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                           max_len=max_len)
+        scores = Buffer((attention.kept_scores_bytes(batch, heads, tokens) // 4,)) if keep_p else None
         rows, cache = (batch * tokens, heads * head_dim), (batch, kv_heads, max_len, head_dim)
         self.q, self.out, self.d_out, self.d_q = (Buffer(rows) for _ in range(4))
         self.k, self.v, self.d_k, self.d_v = (Buffer(cache) for _ in range(4))
@@ -79,10 +81,10 @@ class Backward:
         self.lengths = Buffer((batch,), "u32")
         scale = head_dim ** -0.5
         self.launches = attention_launches(self.q, self.k, self.v, self.out, self.step, self.lengths, scale=scale,
-                                           lse=self.lse, from_start=from_start, **self.shape)
+                                           lse=self.lse, from_start=from_start, scores=scores, **self.shape)
         self.launches += attention_backward_launches(self.q, self.k, self.v, self.out, self.lse, self.d_out, self.d_q,
                                                      self.d_k, self.d_v, self.step, self.lengths, scale=scale,
-                                                     tile=tile, splits=splits, from_start=from_start,
+                                                     tile=tile, splits=splits, from_start=from_start, scores=scores,
                                                      **self.shape)
         self.kernels = [launch.kernel.name for launch in self.launches]
         # P and dS kept whole (from_start), poisoned too: entries past a row's limit must not be read
@@ -195,6 +197,40 @@ def test_gradients_as_gemms_over_p_and_ds_kept_whole(case, splits):
     # over them; rows of a head past T (padded to 64) and keys a row does not see are never summed.
     # Their sums cut into ranges (GPUs; uneven, and more ranges than some tiles have steps)
     check_once(*CASES[case], from_start=True, splits=splits)
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("case", sorted(name for name, c in CASES.items() if c[5] == 0))
+def test_gradients_over_p_kept_from_the_forward(case, splits):
+    # a training step's layer keeps the forward's P in its own buffer: the backward reads it (one
+    # scores launch, dS, where it would compute S and then P and dS in two)
+    plan = Backward(*CASES[case][:5], CASES[case][5] + CASES[case][1], splits=splits, from_start=True, keep_p=True)
+    assert plan.kernels.count("attention_scores.wgsl:gemm_tiled") == 2  # the forward's S, the backward's dS
+    check(plan, 0, CASES[case][6])
+
+
+def test_a_scores_buffer_is_refused_where_it_would_not_be_used(monkeypatch):
+    args = Backward(2, 8, 4, 2, 8, 8, from_start=True)
+    shape = dict(batch=2, tokens=8, heads=4, kv_heads=2, head_dim=8, max_len=8)
+    common = (args.q, args.k, args.v, args.out, args.step, args.lengths)
+    with pytest.raises(ValueError, match="scores has 32767 elements, needs 32768"):  # 2 · 4 heads of 64 × 64
+        attention_launches(*common, scale=1.0, from_start=True, scores=Buffer((32767,)), **shape)
+    with pytest.raises(ValueError, match="only used by a training pass"):
+        attention_launches(*common, scale=1.0, scores=Buffer((32768,)), **shape)  # not from the start
+    with pytest.raises(ValueError, match="only used by a training pass"):
+        attention_backward_launches(args.q, args.k, args.v, args.out, args.lse, args.d_out, args.d_q, args.d_k,
+                                    args.d_v, args.step, args.lengths, scale=1.0, scores=Buffer((32768,)), **shape)
+    monkeypatch.setattr(attention, "SCORES_SCRATCH_BYTES", 4 * 32768 - 4)  # S would not be kept whole
+    with pytest.raises(ValueError, match="only used by a training pass"):
+        attention_launches(*common, scale=1.0, from_start=True, scores=Buffer((32768,)), **shape)
+
+
+def test_a_training_step_keeps_p_while_every_layers_fit_the_budget(monkeypatch):
+    assert attention.keeps_probabilities(30, 1, 20, 640) and not attention.keeps_probabilities(30, 1, 20, 704)
+    assert not attention.keeps_probabilities(30, 2, 20, 512)  # two sequences: 1.26 GB
+    size = attention.kept_scores_bytes(1, 20, 512)
+    monkeypatch.setattr(attention, "SCORES_SCRATCH_BYTES", size - 1)  # one layer's P past the scratch
+    assert not attention.keeps_probabilities(1, 1, 20, 512)
 
 
 def test_scores_kept_whole_give_nan_after_a_prefix_and_give_way_past_their_scratch(monkeypatch):

@@ -60,15 +60,11 @@ def test_every_adapter_gradient_matches_autograd(flavour, config):
     assert parity.passed
 
 
-@pytest.mark.parametrize("flavour", ["packed", "dense"])
-def test_adapter_gradients_with_the_input_gradients_split_over_their_rows(flavour, monkeypatch):
-    # split-K, the GPUs' default at 2B shapes (CPU adapters keep one range): forced to three ranges
-    # of every input-gradient GEMM, the LM head's included
-    from torch_wgpu_lora.engine.kernels import bitlinear
+def checked_train_plans(flavour: str) -> tuple:
+    """A tiny model's adapter gradients from the engine checked against autograd; returns the model
+    and the engine's training plans, whose launches the caller then inspects."""
     from torch_wgpu_lora.engine.train_plan import TrainPlan
-    from torch_wgpu_lora.runtime import Launch
 
-    monkeypatch.setattr(bitlinear, "input_grad_splits", lambda workgroups, rows, device: 3)
     model = tiny_model(flavour, adapters=True, seed=1)
     randomize_lora_B(model, seed=2)
     engine = BitNetEngine(model)
@@ -76,8 +72,39 @@ def test_adapter_gradients_with_the_input_gradients_split_over_their_rows(flavou
     assert parity.report.rms_rel_error <= parity.tolerance, str(parity)
     assert parity.passed
     plans = [plan for plan in engine._plans.values() if isinstance(plan, TrainPlan)]
-    assert plans and all(any(isinstance(step, Launch) and step.kernel.name.endswith(":split_sum")
-                             for step in plan.slots[0].launches) for plan in plans)
+    assert plans
+    return model, plans
+
+
+def launched(plan) -> list[str]:
+    """The kernel names of a training plan's first slot, in order (indirect launches included)."""
+    return [getattr(step, "launch", step).kernel.name for step in plan.slots[0].launches]
+
+
+@pytest.mark.parametrize("flavour", ["packed", "dense"])
+def test_adapter_gradients_with_the_input_gradients_split_over_their_rows(flavour, monkeypatch):
+    # split-K, the GPUs' default at 2B shapes (CPU adapters keep one range): forced to three ranges
+    # of every input-gradient GEMM, the LM head's included
+    from torch_wgpu_lora.engine.kernels import bitlinear
+
+    monkeypatch.setattr(bitlinear, "input_grad_splits", lambda workgroups, rows, device: 3)
+    _, plans = checked_train_plans(flavour)
+    assert all(any(kernel.endswith(":split_sum") for kernel in launched(plan)) for plan in plans)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_adapter_gradients_with_p_kept_from_the_forward_or_computed_again(keep, monkeypatch):
+    # each layer's attention probabilities kept for its backward (the default where they fit), or
+    # past the budget the backward computing S again from q and k
+    from torch_wgpu_lora.engine.kernels import attention
+
+    if not keep:
+        monkeypatch.setattr(attention, "KEPT_PROBABILITIES_BYTES", 0)
+    model, plans = checked_train_plans("packed")
+    for plan in plans:
+        scores = launched(plan).count("attention_scores.wgsl:gemm_tiled")
+        assert scores == (2 if keep else 3) * model.config.num_hidden_layers
+        assert all((saved["p"] is not None) == keep for saved in plan.saved)
 
 
 @pytest.mark.parametrize("labelled", [5, 70])

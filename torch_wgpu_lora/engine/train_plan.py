@@ -10,7 +10,10 @@ add into ``adapters.grads()`` (clear it at the start of a step).
 Kept from the forward, per layer: the residual stream before the attention and before the MLP,
 each norm's 1/rms, the queries, keys, values, attention output and log-sum-exp, the raw
 gate/up pairs and the MLP activation, and, where a site has adapters, its normalised input and
-its h. Nothing is recomputed. At BitNet-2B shapes that is about 70 MB per layer at 512 tokens.
+its h. Nothing is recomputed. At BitNet-2B shapes that is about 70 MB per layer at 512 tokens;
+and the attention probabilities P, 21 MB a layer, where every layer's fit the attention kernels'
+budget (``keeps_probabilities``: a sequence of up to 640 tokens at BitNet-2B shapes; past it, each
+backward computes S again).
 
 With ``dropout`` the plan applies LoRA dropout: each slot has a dropout state buffer
 (``set_dropout`` writes its seed and probability before the submit) from which the norms'
@@ -46,7 +49,8 @@ import torch
 from ..runtime import Buffer, Launch, Recorder, copy_launch, write
 from .adapters import EngineAdapters, Site
 from .config import pad
-from .kernels.attention import attention_backward_launches, attention_launches
+from .kernels.attention import (attention_backward_launches, attention_launches, keeps_probabilities,
+                                kept_scores_bytes)
 from .kernels.bitlinear import bitlinear_launch, bitlinear_t_launch
 from .kernels.cross_entropy import cross_entropy_launch, shifted_targets
 from .kernels.dropout import SiteDropout, dropout_state
@@ -131,6 +135,7 @@ class TrainPlan:
         self.ffn_xn = B(n, F)
         # kept for the backward, per layer
         shape_kv = (batch, c.kv_heads, tokens, c.head_dim)
+        keep_p = keeps_probabilities(c.layers, batch, c.heads, tokens)
         self.saved = []
         for index in range(c.layers):
             sites = adapters.sites[index]
@@ -142,6 +147,7 @@ class TrainPlan:
             self.saved.append(dict(
                 resid_in=B(n, H), resid_mid=B(n, H), q=B(n, c.q_size), k=B(*shape_kv), v=B(*shape_kv),
                 o=B(n, c.q_size), lse=B(n, c.heads), pairs=B(n, 2 * c.intermediate), ffn=B(n, F),
+                p=B(kept_scores_bytes(batch, c.heads, tokens) // 4) if keep_p else None,
                 attn=site_saved("attn", H, self.xn), o_site=site_saved("o", H, self.xn),
                 mlp=site_saved("mlp", H, self.xn), down=site_saved("down", F, self.ffn_xn)))
         self.resid_final, self.xn_final, self.rstd_final = B(n, H), B(n, H), B(n)
@@ -237,7 +243,7 @@ class TrainPlan:
                 *attention_launches(s["q"], s["k"], s["v"], s["o"], self.step, slot.lengths, batch=self.batch,
                                     tokens=self.tokens, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
                                     max_len=self.tokens, scale=c.head_dim ** -0.5, lse=s["lse"], device=d,
-                                    from_start=True),  # training passes start at position 0
+                                    from_start=True, scores=s["p"]),  # training passes start at position 0
                 self._norm(s["o"], layer.attn_sub_norm, sites["o"], s["o_site"], self.codes, c.q_size, (index, "o")),
                 self._project(layer.o, s["o_site"], self.codes, self.residual, "add", sites["o"]),
                 copy_launch(self.residual, s["resid_mid"]),
@@ -303,7 +309,7 @@ class TrainPlan:
                                              self.d_v, self.step, slot.lengths, batch=self.batch, tokens=self.tokens,
                                              heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
                                              max_len=self.tokens, scale=c.head_dim ** -0.5, device=d,
-                                             from_start=True),  # training passes start at position 0
+                                             from_start=True, scores=s["p"]),  # training passes start at 0
                 rope_backward_launch(self.d_q, self.d_k, self.d_v, w.rope_cos, w.rope_sin, self.step, self.d_qkv,
                                      tokens=self.rows, tokens_per_seq=self.tokens, heads=c.heads, kv_heads=c.kv_heads,
                                      head_dim=c.head_dim, cache_len=self.tokens, device=d),

@@ -73,7 +73,9 @@ the probabilities from the forward's ``lse``: flash-attention-2 style in tiles
 probabilities fit ``SCORES_SCRATCH_BYTES``, with P and dS kept whole and dV, dK, dQ as GEMMs over
 them (``attention_scores.wgsl``, ``attention_kv_grad.wgsl``, ``attention_apply.wgsl``). Such passes'
 forward (``from_start``) keeps S whole too: a GEMM, a softmax over its rows
-(``attention_softmax.wgsl``) and O = P·V (``attention_apply.wgsl``).
+(``attention_softmax.wgsl``) and O = P·V (``attention_apply.wgsl``); a training step whose layers'
+P fit ``KEPT_PROBABILITIES_BYTES`` keeps each layer's P for its backward, which then does not
+compute S again.
 ``attention_backward_reference`` is the torch reference of both.
 """
 
@@ -89,7 +91,8 @@ from . import dummy
 
 __all__ = ["BackwardTile", "DecodePartials", "PrefillTile", "attention_backward_launches",
            "attention_backward_reference", "attention_launches", "attention_reference", "backward_tile",
-           "backward_tiles", "decode_partials", "decode_splits", "prefill_tile", "prefill_tiles"]
+           "backward_tiles", "decode_partials", "decode_splits", "keeps_probabilities", "prefill_tile",
+           "prefill_tiles"]
 
 FILE = "attention.wgsl"
 
@@ -204,6 +207,15 @@ def _decode_shape(d4: int) -> dict[str, int]:
     return {"DNT": threads, "LPK": lanes, "DBK": _DECODE_KEYS, "DKL": min(threads // d4, _DECODE_KEYS)}
 
 
+def _check_scores(scores: Buffer | None, kept_path: bool, batch: int, heads: int, tokens: int) -> None:
+    if scores is None:
+        return
+    if not kept_path:
+        raise ValueError("attention: a scores buffer is only used by a training pass (from_start, not decoding) "
+                         f"whose scores fit SCORES_SCRATCH_BYTES ({SCORES_SCRATCH_BYTES} bytes)")
+    _check_size("scores", scores, kept_scores_bytes(batch, heads, tokens) // 4)
+
+
 def _check_size(name: str, buf: Buffer, numel: int) -> None:
     if buf.numel < numel:
         raise ValueError(f"attention: {name} has {buf.numel} elements, needs {numel}")
@@ -213,7 +225,8 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
                        batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int, scale: float,
                        lse: Buffer | None = None, decode: bool = False, device: Device | None = None,
                        tile: PrefillTile | None = None, splits: int | None = None,
-                       partials: DecodePartials | None = None, from_start: bool = False) -> list[Launch]:
+                       partials: DecodePartials | None = None, from_start: bool = False,
+                       scores: Buffer | None = None) -> list[Launch]:
     """The launches of one attention call, to record in order at every step.
 
     ``q``/``out`` f32 ``[batch*tokens, heads*head_dim]``; ``k_cache``/``v_cache`` f32
@@ -233,6 +246,9 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
     fits ``SCORES_SCRATCH_BYTES``, S is kept whole and turned into P in place, and O = P·V is a
     GEMM (``_forward_from_kept_scores``: three launches, four with a split sum) in place of the
     flash kernel (BitNet-2B at seq 512, one layer on the H200: see benchmarks/RESULTS.md).
+    ``scores`` (f32, ``kept_scores_bytes`` of the pass): the caller's buffer for S, which then
+    holds P, to give to ``attention_backward_launches`` (``keeps_probabilities`` says when a
+    training step does); without it S lives in device-owned scratch the next pass overwrites.
 
     >>> # launches = attention_launches(q, kc, vc, out, step, lengths, batch=1, tokens=1, heads=20,
     >>> #                               kv_heads=5, head_dim=128, max_len=4096, scale=128 ** -0.5,
@@ -254,8 +270,10 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
     _check_size("lengths", lengths, batch)
     if lse is not None:
         _check_size("lse", lse, batch * tokens * heads)
-    if not decode and from_start and kept_scores_bytes(batch, heads, tokens) <= SCORES_SCRATCH_BYTES:
-        kept = _KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, device)
+    kept_path = not decode and from_start and kept_scores_bytes(batch, heads, tokens) <= SCORES_SCRATCH_BYTES
+    _check_scores(scores, kept_path, batch, heads, tokens)
+    if kept_path:
+        kept = _KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, device, scores)
         lse_rows = lse if lse is not None else device.owned(
             f"attention_lse_{batch * tokens * heads}", lambda: Buffer((batch * tokens * heads,), "f32", device))
         return _forward_from_kept_scores(kept, q, k_cache, v_cache, out, step, lengths, lse_rows)
@@ -381,7 +399,8 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
                                 d_q: Buffer, d_k: Buffer, d_v: Buffer, step: Buffer, lengths: Buffer, *, batch: int,
                                 tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int, scale: float,
                                 device: Device | None = None, tile: BackwardTile | None = None,
-                                splits: int | None = None, from_start: bool = False) -> list[Launch]:
+                                splits: int | None = None, from_start: bool = False,
+                                scores: Buffer | None = None) -> list[Launch]:
     """The launches of one attention backward, to record in order.
 
     Inputs in the forward's layouts: ``q``, ``out`` (the forward's output) and ``d_out`` f32
@@ -410,7 +429,8 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
     shared 8 × 8 tile (``_backward_from_saved_scores``: five launches after ``row_dot``, more with
     split sums), in place of ``dq`` and ``dkdv``, which recompute S and dP in tiles at about a
     tenth of the H200's float32 rate (BitNet-2B at seq 512, one layer on the H200: 360 µs against
-    650).
+    650). ``scores``: the buffer the forward's ``attention_launches`` kept P in; the backward then
+    reads it instead of computing S again.
     """
     device = device or get_device()
     if head_dim % 4 or head_dim <= 0:
@@ -442,8 +462,10 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
 
     launches = [Launch.build(row_dot, grid(-(-rows_total // (row_threads // lanes_per_row))),
                              {6: d_out, 12: out, 13: rd}, params)]
-    if from_start and kept_scores_bytes(batch, heads, tokens) <= SCORES_SCRATCH_BYTES:
-        kept = _KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, device)
+    kept_path = from_start and kept_scores_bytes(batch, heads, tokens) <= SCORES_SCRATCH_BYTES
+    _check_scores(scores, kept_path, batch, heads, tokens)
+    if kept_path:
+        kept = _KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, device, scores)
         return launches + _backward_from_kept_scores(kept, q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v, step,
                                                      lengths, rd, splits)
     ct = tile.column_threads(head_dim)
@@ -473,7 +495,9 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
 class _KeptScores:
     """The shapes and scratch of a pass whose score matrices are kept whole (``from_start``):
     S or P, and the backward's dS, ``[batch·heads·padded, padded]`` (device-owned, shared by the
-    layers of a step, which run one after another), with ``padded`` = tokens rounded up to 64."""
+    layers of a step, which run one after another), with ``padded`` = tokens rounded up to 64.
+    ``kept``: the caller's buffer for S and P instead, which holds P from the forward until the
+    backward (a training step's, one a layer)."""
 
     batch: int
     tokens: int
@@ -483,21 +507,24 @@ class _KeptScores:
     max_len: int
     scale: float
     device: Device
+    kept: Buffer | None = None
 
     @property
     def padded(self) -> int:
         return -(-self.tokens // 64) * 64
 
     def scratch(self, grads: bool = False) -> Buffer:
-        """S or P (``grads``: dS), device-owned per size."""
+        """S or P (``kept`` where given; ``grads``: dS), device-owned per size."""
+        if self.kept is not None and not grads:
+            return self.kept
         size = kept_scores_bytes(self.batch, self.heads, self.tokens) // 4
         name = f"attention_{'score_grads' if grads else 'scores'}_{size}"
         return self.device.owned(name, lambda: Buffer((size,), "f32", self.device))
 
     def scores(self, mode: int, a: Buffer, cache: Buffer, lengths: Buffer, lse: Buffer, rd: Buffer) -> Launch:
         """``attention_scores.wgsl``: S = q·Kᵀ (mode 0; dS is not written) or dP = dO·Vᵀ, turning S
-        into P and dS (mode 1)."""
-        sc, ds = self.scratch(), (self.scratch(grads=True) if mode == 1 else dummy(self.device, "score_grads"))
+        into P and dS (mode 1) or, where the scores hold P already, into dS (mode 2)."""
+        sc, ds = self.scratch(), (self.scratch(grads=True) if mode else dummy(self.device, "score_grads"))
         params = dict(tokens=self.batch * self.heads * self.padded, rows=self.head_dim, a_stride=self.head_dim,
                       padded=self.padded, seq=self.tokens, heads=self.heads, kv_heads=self.kv_heads,
                       max_len=self.max_len, scale=float(self.scale))
@@ -566,17 +593,25 @@ def _backward_from_kept_scores(kept: _KeptScores, q: Buffer, k_cache: Buffer, v_
                                d_out: Buffer, d_q: Buffer, d_k: Buffer, d_v: Buffer, step: Buffer, lengths: Buffer,
                                rd: Buffer, splits: int | None) -> list[Launch]:
     """After row_dot: P and dS of every causal pair kept whole (two launches of
-    ``attention_scores.wgsl``), then dV = Pᵀ dO, dK = scale · dSᵀ q (``attention_kv_grad.wgsl``)
-    and dQ = scale · dS k (``attention_apply.wgsl``), each a GEMM on the shared 8 × 8 tile whose
-    sum is cut into ``splits`` ranges (``sum_splits`` by default) added up by a ``split_sum`` launch."""
+    ``attention_scores.wgsl``: S again, then P and dS; one, dS, where ``kept.kept`` holds the
+    forward's P), then dV = Pᵀ dO, dK = scale · dSᵀ q (``attention_kv_grad.wgsl``) and
+    dQ = scale · dS k (``attention_apply.wgsl``), each a GEMM on the shared 8 × 8 tile whose sum is
+    cut into ``splits`` ranges (``sum_splits`` by default) added up by a ``split_sum`` launch."""
     sc, ds = kept.scratch(), kept.scratch(grads=True)
-    return [kept.scores(0, q, k_cache, lengths, lse, rd), kept.scores(1, d_out, v_cache, lengths, lse, rd),
+    if kept.kept is not None:
+        scores = [kept.scores(2, d_out, v_cache, lengths, lse, rd)]
+    else:
+        scores = [kept.scores(0, q, k_cache, lengths, lse, rd), kept.scores(1, d_out, v_cache, lengths, lse, rd)]
+    return [*scores,
             *kept.kv_grad(sc, d_out, d_v, step, lengths, 1.0, splits),
             *kept.kv_grad(ds, q, d_k, step, lengths, kept.scale, splits),
             *kept.apply(ds, k_cache, d_q, step, lengths, kept.scale, splits)]
 
 
 SCORES_SCRATCH_BYTES = 256 << 20  # a pass's largest S or P (and dS) kept whole (BitNet-2B at seq 512: 21 MB)
+# The most a training step keeps of its layers' P from the forward to the backward, which then does
+# not compute S again (BitNet-2B at seq 512: 30 layers × 21 MB; from 704 tokens, 1.2 GB, it recomputes)
+KEPT_PROBABILITIES_BYTES = 1 << 30
 
 
 def kept_scores_bytes(batch: int, heads: int, tokens: int) -> int:
@@ -584,6 +619,13 @@ def kept_scores_bytes(batch: int, heads: int, tokens: int) -> int:
     keys for each (sequence, head, query), the queries rounded up alike."""
     padded = -(-tokens // 64) * 64
     return 4 * batch * heads * padded * padded
+
+
+def keeps_probabilities(layers: int, batch: int, heads: int, tokens: int) -> bool:
+    """Whether a training pass of ``layers`` layers keeps each layer's P for its backward (the
+    ``scores`` buffers of ``attention_launches`` and ``attention_backward_launches``)."""
+    size = kept_scores_bytes(batch, heads, tokens)
+    return size <= SCORES_SCRATCH_BYTES and layers * size <= KEPT_PROBABILITIES_BYTES
 
 
 SPLIT_WORKGROUPS = 512  # workgroups a split sum aims at on a GPU (see sum_splits)
