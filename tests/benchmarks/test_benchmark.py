@@ -53,6 +53,30 @@ def test_steady_wall_is_the_mean_of_back_to_back_iterations_with_one_finish():
     assert len(finished) == 2  # after the warm-up and once at the end
 
 
+@pytest.mark.parametrize("n", range(1, 13))
+def test_median_interval_covers_the_median_as_often_as_it_says(n):
+    # For a continuous distribution, [x_k, x_(n+1-k)] misses the median exactly when fewer than k
+    # samples fall on one of its sides: counted here over all 2^n sides the samples can take.
+    import itertools
+
+    low, high, coverage = timing.median_interval([float(v) for v in range(n)])
+    k = int(low) + 1
+    assert high == n - k  # symmetric order statistics
+    holds = sum(k <= sum(sides) <= n - k for sides in itertools.product((0, 1), repeat=n))
+    assert coverage == holds / 2 ** n
+    if k > 1:  # k is the largest that reaches 95%: one more would not
+        assert coverage >= 0.95
+    if k + 1 <= (n + 1) // 2:
+        tighter = sum(k + 1 <= sum(sides) <= n - k - 1 for sides in itertools.product((0, 1), repeat=n))
+        assert tighter / 2 ** n < 0.95
+
+
+def test_median_interval_takes_order_statistics_of_unsorted_values():
+    assert timing.median_interval([3.0, 9.0, 1.0, 7.0, 5.0, 2.0, 8.0, 4.0, 6.0]) == (2.0, 8.0, 0.9609375)
+    with pytest.raises(ValueError, match="at least one value"):
+        timing.median_interval([])
+
+
 def test_measure_reports_times_checks_and_ratios():
     result = measure(Case(64, 128, 96, 8, True, "tiny"), iters=3, repeats=2)
     assert result.wall_us > 0 and result.staged_us > 0 and result.torch_wall_us > 0
@@ -134,6 +158,29 @@ def test_packed_model_initialises_every_weight_from_its_seed():
     assert torch.isfinite(logits).all() and logits.std() > 0.1
 
 
+def test_base_alone_bypasses_the_adapters_and_restores_them():
+    import copy
+
+    from torch_wgpu_lora.benchmarks.engine import _base_alone, _with_adapters, packed_model, small_config
+    from torch_wgpu_lora.integrations.bitnet import lora_modules, lora_parameters, set_backend
+
+    model = set_backend(_with_adapters(packed_model(small_config(1), dtype=torch.float32), 4, seed=0), "torch")
+    without = copy.deepcopy(model)  # the reference: the same model with every B zero adds nothing
+    for m in lora_modules(without).values():
+        torch.nn.init.zeros_(m.lora_B)
+    ids = torch.arange(1, 9)[None]
+    with torch.no_grad():
+        with_adapters, base = model(ids).logits, without(ids).logits
+    assert not torch.allclose(with_adapters, base)  # the adapters change the output
+    with _base_alone(model):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()  # runs: the embeddings' output requires grad
+    torch.testing.assert_close(out.logits.detach(), base, rtol=0, atol=0)
+    assert all(p.grad is None for p in lora_parameters(model))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, with_adapters, rtol=0, atol=0)
+
+
 def test_engine_benchmark_trains_on_real_steps(tmp_path):
     from torch_wgpu_lora.benchmarks import engine
 
@@ -141,12 +188,16 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
                  "--new-tokens", "4", "--repeats", "1", "--train", "16", "--train-steps", "1", "--drop-in", "8",
                  "--drop-in-steps", "2"])
     result = json.loads((tmp_path / "engine.json").read_text())
-    drop_in = result["drop_in"]  # the backends' steps, taking turns
-    assert len(drop_in["wgpu"]["steps_s"]) == len(drop_in["torch"]["steps_s"]) == 2
-    assert all(drop_in[backend]["page_faults"] >= 0 for backend in ("wgpu", "torch"))  # Linux: resource exists
+    drop_in = result["drop_in"]  # the backends' steps and the base alone, taking turns
+    assert len(drop_in["wgpu"]["steps_s"]) == len(drop_in["torch"]["steps_s"]) == len(drop_in["base"]["steps_s"]) == 2
+    assert all(drop_in[variant]["page_faults"] >= 0 for variant in ("wgpu", "torch", "base"))  # Linux: resource
     assert drop_in["wgpu_over_torch"] == drop_in["wgpu"]["step_s"] / drop_in["torch"]["step_s"] > 0
     turns = [w / t for w, t in zip(drop_in["wgpu"]["steps_s"], drop_in["torch"]["steps_s"])]
     assert drop_in["paired_ratio"] == pytest.approx(sum(turns) / 2)  # the median of two
+    assert drop_in["paired_interval"] == [min(turns), max(turns), 0.5]  # two turns: the extremes, 50%
+    for backend in ("wgpu", "torch"):
+        less_base = [s - b for s, b in zip(drop_in[backend]["steps_s"], drop_in["base"]["steps_s"])]
+        assert drop_in[backend]["adapters_s"] == pytest.approx(sum(less_base) / 2)
     wgpu = drop_in["wgpu"]  # uploads and waits happen inside the adapters' nodes
     assert 0 < wgpu["upload_s"] + wgpu["wait_s"] <= wgpu["adapter_s"] < wgpu["step_s"]
     training = result["engine_training"]["16"]
@@ -194,14 +245,17 @@ def test_kernel_work_counts_the_projections_and_head_as_torch_counts_them():
     # attention: torch multiplies every (query, key) pair, the kernels the causal ones
     attention = total("bmm")
     # passes from position 0 keep S whole: S and O = P·V forward, each one product over the causal
-    # pairs; training adds S, dP, dV, dK and dQ once each
+    # pairs; training adds dP, dV, dK and dQ once each, and S again where P is not kept
     prompt = engine.kernel_work(config, seq, training=False)
     assert "attention.wgsl:prefill" not in prompt and "attention.wgsl:prefill" not in work
     assert prompt["attention_scores.wgsl:gemm_tiled"][0] == prompt["attention_apply.wgsl:gemm_tiled"][0]
     assert prompt["attention_scores.wgsl:gemm_tiled"][0] * 2 * 2 * seq == attention * (seq + 1)
     forward = 2 * prompt["attention_scores.wgsl:gemm_tiled"][0]
-    assert 2 * work["attention_scores.wgsl:gemm_tiled"][0] == 3 * forward
+    assert work["attention_scores.wgsl:gemm_tiled"][0] == forward  # each layer's P kept for its backward
     assert work["attention_apply.wgsl:gemm_tiled"][0] == work["attention_kv_grad.wgsl:gemm_tiled"][0] == forward
+    many = engine.kernel_work(engine.bitnet_2b_config(30), 704, training=True)  # 30 layers' P past the budget
+    single = engine.kernel_work(engine.bitnet_2b_config(30), 704, training=False)
+    assert many["attention_scores.wgsl:gemm_tiled"][0] == 3 * single["attention_scores.wgsl:gemm_tiled"][0]
     # past the scratch: the flash kernels, dq and dkdv recomputing S and dP
     long = engine.kernel_work(engine.bitnet_2b_config(1), 4096, training=True)
     assert "attention_apply.wgsl:gemm_tiled" not in long and "attention_scores.wgsl:gemm_tiled" not in long

@@ -22,13 +22,13 @@ import json
 import statistics
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
-from ..engine.kernels.attention import SCORES_SCRATCH_BYTES, kept_scores_bytes
+from ..engine.kernels.attention import SCORES_SCRATCH_BYTES, keeps_probabilities, kept_scores_bytes
 from ..runtime import Recorder, get_device, write
 from ..runtime.kernels import DEFAULT_SHADER_CHECKS
 from .report import write_json
@@ -139,8 +139,9 @@ def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float,
     last position's logits only) or a training step (logits of every position, the backward).
     Attention counts the causal pairs only. Both passes start at position 0: where S of the pass
     fits its scratch, the forward computes S (``attention_scores``) and O = P·V
-    (``attention_apply``), and a training step's backward S, dP (``attention_scores``), dV, dK
-    (``attention_kv_grad``) and dQ (``attention_apply``) once each; else the flash kernels:
+    (``attention_apply``), and a training step's backward dP (``attention_scores``; S again too
+    where the layers' P are not kept, ``keeps_probabilities``), dV, dK (``attention_kv_grad``) and
+    dQ (``attention_apply``) once each; else the flash kernels:
     ``prefill``, then ``dq`` recomputing S and dP for dQ and ``dkdv`` both for dV and dK. Layer 0's
     q/k/v input gradient is not computed."""
     h, f, layers, vocab = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
@@ -150,7 +151,8 @@ def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float,
     ternary = 2 * seq * layers * sum(projections)
     product = 2 * seq * (seq + 1) // 2 * d * config.num_attention_heads * layers  # one over the causal pairs
     if kept_scores_bytes(1, config.num_attention_heads, seq) <= SCORES_SCRATCH_BYTES:
-        products = ({"attention_scores.wgsl:gemm_tiled": 3, "attention_apply.wgsl:gemm_tiled": 2,
+        scores = 2 if keeps_probabilities(layers, 1, config.num_attention_heads, seq) else 3
+        products = ({"attention_scores.wgsl:gemm_tiled": scores, "attention_apply.wgsl:gemm_tiled": 2,
                      "attention_kv_grad.wgsl:gemm_tiled": 2} if training else
                     {"attention_scores.wgsl:gemm_tiled": 1, "attention_apply.wgsl:gemm_tiled": 1})
     else:
@@ -405,29 +407,53 @@ def _minor_faults() -> int | None:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+@contextmanager
+def _base_alone(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` with its adapters bypassed (each ``LoRALinear`` calls its base layer alone) and its
+    embeddings' output requiring grad, so that a backward still runs through every layer: what
+    the adapters add to a training step is that step's time less this one's."""
+    from ..integrations.bitnet import lora_modules
+
+    modules = list(lora_modules(model).values())
+    for m in modules:
+        m.forward = m.base_layer.__call__  # a bound method, kept in the instance's __dict__: found first
+    hook = model.get_input_embeddings().register_forward_hook(lambda _m, _i, out: out.detach().requires_grad_())
+    try:
+        yield
+    finally:
+        hook.remove()
+        for m in modules:
+            del m.forward
+
+
 def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, Any]:
     """The drop-in path: a CPU torch model (packed BitNet, float32) whose Q/V adapters are
     ``LoRALinear(backend="wgpu")``, against the same with ``backend="torch"``: one training step's
-    wall time (forward, backward, AdamW on the adapters), batch 1. The two backends take turns,
-    step by step, in alternating order (wgpu first, then torch first), so a drift in the host's
-    speed weighs on both alike; ``paired_ratio`` is the median of each turn's wgpu / torch. For
-    the WebGPU steps it
-    also reports the seconds a step's adapter calls spent uploading (x and dY) and waiting for
-    their results (the GPU time the base layer's CPU work did not hide, and the copies out of
-    the readbacks), and ``adapter_s``: all the time the step spent in the adapters' autograd nodes
-    (those two, recording and submitting; the rest of the step is the base model's, in torch).
-    ``page_faults``: each backend's minor page faults a step (None without ``resource``): a CPU
-    step's time moves with them, so they show whether two figures were taken alike."""
+    wall time (forward, backward, AdamW on the adapters), batch 1. A third variant, ``base``, is
+    the same step with the adapters bypassed (``_base_alone``). The three take turns, step by
+    step, each turn in a rotated order, so that a drift in the host's speed weighs on all alike.
+
+    Per backend: ``step_s`` (the median), ``steps_s``, ``adapters_s`` (the median over turns of
+    the step less the same turn's base step: what its adapters cost a step) and ``page_faults``
+    (minor page faults a step, None without ``resource``: a CPU step's time moves with them).
+    ``paired_ratio`` is the median of each turn's wgpu / torch and ``paired_interval`` its
+    distribution-free interval (``timing.median_interval``: low, high, coverage): the host's
+    step-to-step noise is larger than the gap between the backends, and this says whether the
+    turns resolve it. For the WebGPU steps: the seconds a step's adapter calls spent uploading
+    (x and dY) and waiting for results (the GPU time the base layer's CPU work did not hide, and
+    the copies out of the readbacks), and ``adapter_s``, all the time spent in the adapters'
+    autograd nodes (those two, recording and submitting)."""
     from ..integrations.bitnet import lora_parameters, set_backend
     from ..ops import lora as lora_ops
     from ..runtime import recorder
+    from .timing import median_interval
 
     model = _with_adapters(packed_model(config, dtype=torch.float32), 8, seed=0)
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(3))
     optimizer = torch.optim.AdamW(lora_parameters(model), lr=1e-4)
-    backends = ("wgpu", "torch")
-    walls: dict[str, list[float]] = {backend: [] for backend in backends}
-    faults: dict[str, list[int | None]] = {backend: [] for backend in backends}
+    variants = ("wgpu", "torch", "base")
+    walls: dict[str, list[float]] = {v: [] for v in variants}
+    faults: dict[str, list[int | None]] = {v: [] for v in variants}
     spent = {"upload_s": 0.0, "wait_s": 0.0, "adapter_s": 0.0}
     exposed: dict[str, list[float]] = {key: [] for key in spent}  # the WebGPU steps'
 
@@ -440,46 +466,60 @@ def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, An
                 spent[key] += time.perf_counter() - t0
         return wrapper
 
+    def step(variant: str) -> tuple[float, int | None]:
+        if variant != "base":
+            set_backend(model, variant)
+        with _base_alone(model) if variant == "base" else nullcontext():
+            faults0, t0 = _minor_faults(), time.perf_counter()
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()  # with the adapters bypassed it has no gradients and skips them
+            optimizer.zero_grad()
+            wall, faults1 = time.perf_counter() - t0, _minor_faults()
+        return wall, None if faults0 is None else faults1 - faults0
+
     upload, wait = lora_ops.to_gpu, recorder.Pending.wait
     nodes = [(cls, name, getattr(cls, name)) for cls in (lora_ops._Start, lora_ops._Finish)
              for name in ("forward", "backward")]
     with torch.compiler.set_stance("force_eager"):
         for turn in range(steps + 1):  # the first turn warms up
-            for backend in backends if turn % 2 else backends[::-1]:
-                set_backend(model, backend)
+            for variant in variants[turn % 3:] + variants[:turn % 3]:
                 spent.update({key: 0.0 for key in spent})
                 lora_ops.to_gpu, recorder.Pending.wait = timed(upload, "upload_s"), timed(wait, "wait_s")
                 for cls, name, fn in nodes:  # autograd looks a Function's forward and backward up at each call
                     setattr(cls, name, staticmethod(timed(fn, "adapter_s")))
                 try:
-                    faults0, t0 = _minor_faults(), time.perf_counter()
-                    model(input_ids=ids, labels=ids).loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    wall, faults1 = time.perf_counter() - t0, _minor_faults()
+                    wall, step_faults = step(variant)
                 finally:
                     lora_ops.to_gpu, recorder.Pending.wait = upload, wait
                     for cls, name, fn in nodes:
                         setattr(cls, name, staticmethod(fn))
                 if turn:
-                    walls[backend].append(wall)
-                    faults[backend].append(None if faults0 is None else faults1 - faults0)
-                    if backend == "wgpu":
+                    walls[variant].append(wall)
+                    faults[variant].append(step_faults)
+                    if variant == "wgpu":
                         for key in exposed:
                             exposed[key].append(spent[key])
     out: dict[str, Any] = {"seq": seq}
-    for backend in backends:
-        wall = statistics.median(walls[backend])
-        page_faults = None if None in faults[backend] else statistics.median(faults[backend])
-        out[backend] = {"step_s": wall, "tok_per_s": seq / wall, "steps_s": walls[backend], "page_faults": page_faults}
-        log(f"drop-in training step, adapters on {backend}: {wall:.2f} s (steps: "
-            f"{', '.join(f'{w:.2f}' for w in walls[backend])}), {page_faults} minor page faults a step")
+    for variant in variants:
+        wall = statistics.median(walls[variant])
+        page_faults = None if None in faults[variant] else statistics.median(faults[variant])
+        out[variant] = {"step_s": wall, "tok_per_s": seq / wall, "steps_s": walls[variant], "page_faults": page_faults}
+        if variant != "base":
+            out[variant]["adapters_s"] = statistics.median(w - b for w, b in zip(walls[variant], walls["base"]))
+        log(f"drop-in training step, {variant}: {wall:.2f} s (steps: {', '.join(f'{w:.2f}' for w in walls[variant])}), "
+            f"{page_faults} minor page faults a step")
     out["wgpu"].update({key: statistics.median(values) for key, values in exposed.items()})
     log(f"drop-in, adapters on wgpu: {out['wgpu']['adapter_s']:.3f} s a step in the adapters' nodes, of which "
         f"{out['wgpu']['upload_s']:.3f} s uploading and {out['wgpu']['wait_s']:.3f} s waiting for results")
+    log(f"drop-in, what the adapters add to a step (median over turns of the step less the base step): "
+        f"wgpu {out['wgpu']['adapters_s']:.3f} s, torch {out['torch']['adapters_s']:.3f} s")
     out["wgpu_over_torch"] = out["wgpu"]["step_s"] / out["torch"]["step_s"]
-    out["paired_ratio"] = statistics.median(w / t for w, t in zip(walls["wgpu"], walls["torch"]))
-    log(f"drop-in, wgpu / torch: {out['wgpu_over_torch']:.3f} (medians), {out['paired_ratio']:.3f} (median of turns)")
+    turns = [w / t for w, t in zip(walls["wgpu"], walls["torch"])]
+    out["paired_ratio"] = statistics.median(turns)
+    out["paired_interval"] = median_interval(turns)
+    low, high, coverage = out["paired_interval"]
+    log(f"drop-in, wgpu / torch: {out['wgpu_over_torch']:.3f} (medians), {out['paired_ratio']:.3f} (median of turns; "
+        f"{low:.3f} to {high:.3f} with {coverage:.0%} confidence)")
     return out
 
 
