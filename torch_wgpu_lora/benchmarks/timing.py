@@ -25,9 +25,9 @@ from ..runtime import Buffer, Recorder, get_device, kernel
 
 def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
     """A distribution-free interval for the median of what ``values`` sample: the order statistics
-    x[k] and x[n + 1 − k] (1-based, sorted) with the largest k whose coverage, 1 − 2·P(Binomial(n, ½) < k), is at least
-    ``confidence`` (k = 1, the extremes, when no k reaches it: fewer than 6 values for 95%).
-    Returns (low, high, coverage).
+    x[k] and x[n + 1 − k] (1-based, sorted) with the largest k whose coverage,
+    1 − 2·P(Binomial(n, ½) < k), is at least ``confidence`` (k = 1, the extremes, when no k reaches
+    it: fewer than 6 values for 95%). Returns (low, high, coverage).
 
     >>> median_interval([1.06, 0.91, 1.27, 1.14, 0.95, 1.07])
     (0.91, 1.27, 0.96875)

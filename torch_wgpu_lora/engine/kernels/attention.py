@@ -496,8 +496,8 @@ class _KeptScores:
     """The shapes and scratch of a pass whose score matrices are kept whole (``from_start``):
     S or P, and the backward's dS, ``[batch·heads·padded, padded]`` (device-owned, shared by the
     layers of a step, which run one after another), with ``padded`` = tokens rounded up to 64.
-    ``kept``: the caller's buffer for S and P instead, which holds P from the forward until the
-    backward (a training step's, one a layer)."""
+    ``probabilities``: the caller's buffer for S and P instead, which holds P from the forward
+    until the backward (a training step's, one a layer)."""
 
     batch: int
     tokens: int
@@ -507,16 +507,16 @@ class _KeptScores:
     max_len: int
     scale: float
     device: Device
-    kept: Buffer | None = None
+    probabilities: Buffer | None = None
 
     @property
     def padded(self) -> int:
         return -(-self.tokens // 64) * 64
 
     def scratch(self, grads: bool = False) -> Buffer:
-        """S or P (``kept`` where given; ``grads``: dS), device-owned per size."""
-        if self.kept is not None and not grads:
-            return self.kept
+        """S or P (``probabilities`` where given; ``grads``: dS), device-owned per size."""
+        if self.probabilities is not None and not grads:
+            return self.probabilities
         size = kept_scores_bytes(self.batch, self.heads, self.tokens) // 4
         name = f"attention_{'score_grads' if grads else 'scores'}_{size}"
         return self.device.owned(name, lambda: Buffer((size,), "f32", self.device))
@@ -593,12 +593,12 @@ def _backward_from_kept_scores(kept: _KeptScores, q: Buffer, k_cache: Buffer, v_
                                d_out: Buffer, d_q: Buffer, d_k: Buffer, d_v: Buffer, step: Buffer, lengths: Buffer,
                                rd: Buffer, splits: int | None) -> list[Launch]:
     """After row_dot: P and dS of every causal pair kept whole (two launches of
-    ``attention_scores.wgsl``: S again, then P and dS; one, dS, where ``kept.kept`` holds the
+    ``attention_scores.wgsl``: S again, then P and dS; one, dS, where ``kept.probabilities`` holds the
     forward's P), then dV = Pᵀ dO, dK = scale · dSᵀ q (``attention_kv_grad.wgsl``) and
     dQ = scale · dS k (``attention_apply.wgsl``), each a GEMM on the shared 8 × 8 tile whose sum is
     cut into ``splits`` ranges (``sum_splits`` by default) added up by a ``split_sum`` launch."""
     sc, ds = kept.scratch(), kept.scratch(grads=True)
-    if kept.kept is not None:
+    if kept.probabilities is not None:
         scores = [kept.scores(2, d_out, v_cache, lengths, lse, rd)]
     else:
         scores = [kept.scores(0, q, k_cache, lengths, lse, rd), kept.scores(1, d_out, v_cache, lengths, lse, rd)]
