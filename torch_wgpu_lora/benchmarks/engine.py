@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..engine.kernels.attention import SCORES_SCRATCH_BYTES, keeps_probabilities, kept_scores_bytes
+from ..engine.kernels.attention import keeps_probabilities, scores_kept_whole
 from ..runtime import Recorder, get_device, write
 from ..runtime.kernels import DEFAULT_SHADER_CHECKS
 from .report import write_json
@@ -150,7 +150,7 @@ def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float,
     projections = [(h + 2 * kv) * h, h * h, 2 * f * h, h * f]  # qkv, o, gate/up, down: rows × features
     ternary = 2 * seq * layers * sum(projections)
     product = 2 * seq * (seq + 1) // 2 * d * config.num_attention_heads * layers  # one over the causal pairs
-    if kept_scores_bytes(1, config.num_attention_heads, seq) <= SCORES_SCRATCH_BYTES:
+    if scores_kept_whole(1, config.num_attention_heads, seq):
         scores = 2 if keeps_probabilities(layers, 1, config.num_attention_heads, seq) else 3
         products = ({"attention_scores.wgsl:gemm_tiled": scores, "attention_apply.wgsl:gemm_tiled": 2,
                      "attention_kv_grad.wgsl:gemm_tiled": 2} if training else

@@ -92,7 +92,7 @@ from . import dummy
 __all__ = ["BackwardTile", "DecodePartials", "PrefillTile", "attention_backward_launches",
            "attention_backward_reference", "attention_launches", "attention_reference", "backward_tile",
            "backward_tiles", "decode_partials", "decode_splits", "keeps_probabilities", "prefill_tile",
-           "prefill_tiles"]
+           "prefill_tiles", "scores_kept_whole"]
 
 FILE = "attention.wgsl"
 
@@ -270,7 +270,7 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
     _check_size("lengths", lengths, batch)
     if lse is not None:
         _check_size("lse", lse, batch * tokens * heads)
-    kept_path = not decode and from_start and kept_scores_bytes(batch, heads, tokens) <= SCORES_SCRATCH_BYTES
+    kept_path = not decode and from_start and scores_kept_whole(batch, heads, tokens)
     _check_scores(scores, kept_path, batch, heads, tokens)
     if kept_path:
         kept = _KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, device, scores)
@@ -462,7 +462,7 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
 
     launches = [Launch.build(row_dot, grid(-(-rows_total // (row_threads // lanes_per_row))),
                              {6: d_out, 12: out, 13: rd}, params)]
-    kept_path = from_start and kept_scores_bytes(batch, heads, tokens) <= SCORES_SCRATCH_BYTES
+    kept_path = from_start and scores_kept_whole(batch, heads, tokens)
     _check_scores(scores, kept_path, batch, heads, tokens)
     if kept_path:
         kept = _KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, device, scores)
@@ -621,11 +621,17 @@ def kept_scores_bytes(batch: int, heads: int, tokens: int) -> int:
     return 4 * batch * heads * padded * padded
 
 
+def scores_kept_whole(batch: int, heads: int, tokens: int) -> bool:
+    """Whether a pass from position 0 keeps its S or P whole (GEMMs over them) rather than running
+    the flash kernels: where they fit ``SCORES_SCRATCH_BYTES``."""
+    return kept_scores_bytes(batch, heads, tokens) <= SCORES_SCRATCH_BYTES
+
+
 def keeps_probabilities(layers: int, batch: int, heads: int, tokens: int) -> bool:
     """Whether a training pass of ``layers`` layers keeps each layer's P for its backward (the
     ``scores`` buffers of ``attention_launches`` and ``attention_backward_launches``)."""
-    size = kept_scores_bytes(batch, heads, tokens)
-    return size <= SCORES_SCRATCH_BYTES and layers * size <= KEPT_PROBABILITIES_BYTES
+    return (scores_kept_whole(batch, heads, tokens)
+            and layers * kept_scores_bytes(batch, heads, tokens) <= KEPT_PROBABILITIES_BYTES)
 
 
 SPLIT_WORKGROUPS = 512  # workgroups a split sum aims at on a GPU (see sum_splits)
