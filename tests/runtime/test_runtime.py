@@ -266,6 +266,25 @@ def test_arena_views_are_aligned_separate_and_kernels_see_only_their_range():
     np.testing.assert_array_equal(out_b, np.arange(256, dtype=np.float32).reshape(4, 64).sum(0))
 
 
+def test_rows_and_slice_are_views_of_their_range_and_refuse_what_does_not_fit():
+    x = upload(np.arange(24, dtype=np.float32).reshape(6, 4))
+    middle, tail = x.rows(2, 3), x.slice(17, (3,))
+    assert middle.gpu is x.gpu and middle.shape == (3, 4) and middle.offset == x.offset + 2 * 16
+    out_rows, out_tail = np.zeros((3, 4), np.float32), np.zeros(3, np.float32)
+    rec = Recorder()
+    rec.read(middle, out_rows)
+    rec.read(tail, out_tail)
+    rec.submit()
+    np.testing.assert_array_equal(out_rows, np.arange(8, 20).reshape(3, 4))
+    np.testing.assert_array_equal(out_tail, [17, 18, 19])
+    with pytest.raises(ValueError, match="rows 4..7 of a buffer of 6 rows"):
+        x.rows(4, 3)
+    with pytest.raises(ValueError, match="slice of 4 elements at 21"):
+        x.slice(21, (4,))
+    with pytest.raises(ValueError, match="binding runs past the end"):
+        x.slice(21, (3,))
+
+
 def test_copy_and_clear():
     src = upload(np.arange(8, dtype=np.float32))
     dst = Buffer((8,))

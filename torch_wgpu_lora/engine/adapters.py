@@ -111,8 +111,7 @@ class EngineAdapters:
         for sites in self.sites:
             for site in sites.values():
                 if site.rank:
-                    site.a = Buffer.view(self.params.gpu, self.params.serial, self.params.offset + 4 * site.a_offset,
-                                         (site.rank, pad(site.k, 64)), "f32", device)
+                    site.a = self.params.slice(site.a_offset, (site.rank, pad(site.k, 64)))
                     site.table = upload(lora_table(self._segments(site)), device)
         self.modules = [a.module for sites in self.sites for s in sites.values() for a in s.adapters]
         self._uploaded: dict[int, torch.Tensor] = {}  # id(parameter) -> the values on the GPU
@@ -266,10 +265,8 @@ class EngineAdapters:
             m, site = adapter.module, self._site_of(adapter)
             width = pad(site.k, 64)
             a_at, b_at = site.a_offset + adapter.a_row * width, adapter.b_offset
-            out[m.lora_A] = ("rows4", *(Buffer.view(b.gpu, b.serial, b.offset + 4 * a_at, (m.r, width), "f32",
-                                                    self.device) for b in buffers))
-            out[m.lora_B] = ("flat", *(Buffer.view(b.gpu, b.serial, b.offset + 4 * b_at, (m.lora_B.numel(),), "f32",
-                                                   self.device) for b in buffers))
+            out[m.lora_A] = ("rows4", *(b.slice(a_at, (m.r, width)) for b in buffers))
+            out[m.lora_B] = ("flat", *(b.slice(b_at, (m.lora_B.numel(),)) for b in buffers))
         return out
 
     def load_moments(self, optimizer, flat: tuple[Buffer, Buffer]) -> None:

@@ -233,12 +233,7 @@ class ForwardPlan:
         if self.logits_mode == "none":
             return launches
         if self.logits_mode == "last":  # the single sequence's last position only
-            last = self.rows - 1
-            row_bytes = self.xn.shape[1] * 4
-            source = Buffer.view(self.residual.gpu, self.residual.serial, self.residual.offset + last * row_bytes,
-                                 (1, self.xn.shape[1]), "f32", self.device)
-            target = Buffer.view(self.xn.gpu, self.xn.serial, self.xn.offset + last * row_bytes,
-                                 (1, self.xn.shape[1]), "f32", self.device)
+            source, target = self.residual.rows(self.rows - 1, 1), self.xn.rows(self.rows - 1, 1)
             launches.append(rmsnorm_launch(source, w.final_norm, target, tokens=1, k=c.hidden, eps=c.rms_eps,
                                            device=self.device))
             heads = [(0, 1, target)]
@@ -246,10 +241,7 @@ class ForwardPlan:
             launches.append(self._norm(self.residual, w.final_norm, None, self.xn, None, c.hidden))
             heads = []
             for first, buf in self.logits:
-                row_bytes = self.xn.shape[1] * 4
-                heads.append((first, buf.shape[0], Buffer.view(self.xn.gpu, self.xn.serial,
-                                                               self.xn.offset + first * row_bytes,
-                                                               (buf.shape[0], self.xn.shape[1]), "f32", self.device)))
+                heads.append((first, buf.shape[0], self.xn.rows(first, buf.shape[0])))
         for (first, count, x), (_, logits) in zip(heads, self.logits):
             begin = 0
             for chunk, rows in zip(w.head, w.head_rows):

@@ -122,8 +122,7 @@ class TrainPlan:
         self.token_chunks = [(r, min(per, n - r)) for r in range(0, n, per)]
         head_gemms = 2 * len(self.token_chunks) * len(weights.head)
         self.slots = [_Slot(B(n, dtype="u32"), B(n, dtype="i32"), B(batch, dtype="u32"),
-                            Buffer.view(self.losses.gpu, self.losses.serial, self.losses.offset + 4 * s * stride, (n,),
-                                        "f32", device),
+                            self.losses.slice(s * stride, (n,)),
                             B(n, dtype="u32"), B(n, dtype="u32"), B(3 * head_gemms, dtype="u32"),
                             B(4, dtype="u32") if dropout else None)
                       for s in range(slots)]
@@ -167,12 +166,6 @@ class TrainPlan:
             slot.launches = self._assemble(slot)
 
     # -- helpers --------------------------------------------------------------------------------
-
-    def _rows_view(self, buf: Buffer, first: int, count: int) -> Buffer:
-        """Rows ``first`` .. ``first + count`` of a [rows, width] (or [rows]) buffer."""
-        width = buf.shape[-1] if len(buf.shape) > 1 else 1
-        shape = (count, width) if len(buf.shape) > 1 else (count,)
-        return Buffer.view(buf.gpu, buf.serial, buf.offset + 4 * first * width, shape, buf.dtype, self.device)
 
     def _site_dropout(self, layer: int, site: str) -> SiteDropout | None:
         return self.adapters.site_dropout(layer, site, self._slot.dropout) if self.dropout else None
@@ -261,21 +254,21 @@ class TrainPlan:
         out.append(gather_rows_launch(slot.labelled, self.xn_final, self.x_head, tokens=self.rows,
                                       k=self.x_head.shape[1], zero_missing=False, device=d))
         for first, count in self.token_chunks:
-            x = self._rows_view(self.x_head, first, count)
-            logits = self._rows_view(self.logits, 0, count)
+            x = self.x_head.rows(first, count)
+            logits = self.logits.rows(0, count)
             begin = 0
             for chunk, rows in zip(w.head, w.head_rows):
                 out.append(self._labelled_rows(slot, matmul_launch(
                     x, Projection(chunk, None, rows, c.hidden), logits, tokens=count, out_stride=c.vocab,
                     out_offset=begin, bf16=w.bf16, gemv=False, device=d), first, count))
                 begin += rows
-            out.append(cross_entropy_launch(logits, self._rows_view(slot.targets, first, count), self.scale,
-                                            self._rows_view(slot.losses, first, count), rows=count, vocab=c.vocab,
+            out.append(cross_entropy_launch(logits, slot.targets.rows(first, count), self.scale,
+                                            slot.losses.rows(first, count), rows=count, vocab=c.vocab,
                                             device=d))
             begin = 0
             for i, (chunk, rows) in enumerate(zip(w.head, w.head_rows)):
                 gemm, *sums = matmul_t_launch(logits, Projection(chunk, None, rows, c.hidden),
-                                              self._rows_view(self.d_head, first, count), tokens=count, k=c.hidden,
+                                              self.d_head.rows(first, count), tokens=count, k=c.hidden,
                                               bf16=w.bf16, accumulate=i > 0, dy_col=begin, device=d)
                 out += [self._labelled_rows(slot, gemm, first, count), *sums]
                 begin += rows

@@ -160,6 +160,35 @@ class Buffer:
         buf._pooled = False
         return buf
 
+    def slice(self, offset: int, shape: tuple[int, ...]) -> "Buffer":
+        """A view of this buffer's elements from element ``offset``, shaped ``shape`` (same
+        dtype; the view shares the wgpu buffer and does not keep it alive).
+
+        >>> b = Buffer((4, 8))
+        >>> b.slice(8, (2, 8)).offset
+        32
+        """
+        count = math.prod(int(s) for s in shape)
+        if offset < 0 or offset + count > self.numel:
+            raise ValueError(f"slice of {count} elements at {offset} does not fit a buffer of {self.numel}")
+        start = self.offset + offset * np.dtype(DTYPES[self.dtype]).itemsize
+        view = Buffer.view(self.gpu, self.serial, start, shape, self.dtype, self.device)
+        if start + view.binding_size > self.gpu.size:  # bindings and readbacks span whole 16-byte words
+            raise ValueError(f"slice of {count} elements at {offset}: its {view.binding_size}-byte binding runs past "
+                             f"the end of the GPU buffer ({self.gpu.size} bytes)")
+        return view
+
+    def rows(self, first: int, count: int) -> "Buffer":
+        """Rows ``first`` .. ``first + count`` of a [rows, ...] buffer, as a view.
+
+        >>> Buffer((4, 8)).rows(1, 2).shape
+        (2, 8)
+        """
+        width = math.prod(self.shape[1:])
+        if first < 0 or count < 0 or first + count > self.shape[0]:
+            raise ValueError(f"rows {first}..{first + count} of a buffer of {self.shape[0]} rows")
+        return self.slice(first * width, (count, *self.shape[1:]))
+
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
