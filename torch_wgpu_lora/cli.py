@@ -329,12 +329,11 @@ def cmd_bench(argv: list[str]) -> int:
 # -- the parser -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import LoraConfig
+    from .config import BACKENDS, LoraConfig
     from .demo import DEMO_STEPS, run_demo
     from .generation import generate
     from .logits import STRATEGIES
     from .engine import ENGINES
-    from .modules import BACKENDS
     from .training.schedule import SCHEDULES
     from .training.trainer import Trainer
 

@@ -26,7 +26,9 @@ import numpy as np
 
 from .init import INITS
 
-__all__ = ["LoraConfig"]
+__all__ = ["BACKENDS", "LoraConfig"]
+
+BACKENDS = ("wgpu", "torch")  # where LoRALinear computes its adapter: WebGPU kernels, or torch ops
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # the kernels compute in float32
 _SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed (PEFT's init) and Hesper's u64 seeds
@@ -76,9 +78,6 @@ class LoraConfig:
         if self.init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
         set_field("seed", _seed(self.seed))
-        # Imported here, not above, so that LoRALinear (modules.py) can check its arguments with this class.
-        from .modules import BACKENDS
-
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 

@@ -17,11 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import LoraConfig
+from .config import BACKENDS, LoraConfig
 from .init import init_lora_A
 from .ops.lora import base_plus_lora, lora, lora_reference
-
-BACKENDS = ("wgpu", "torch")
 
 
 class LoRALinear(nn.Module):
