@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from torch_wgpu_lora.integrations.tiny import build_tiny_tokenizer
-from torch_wgpu_lora.training.data import IGNORE_INDEX, collate, encode_records, epoch_order, read_records
+from torch_wgpu_lora.loss import IGNORE_INDEX
+from torch_wgpu_lora.training.data import collate, encode_records, epoch_order, read_records
 
 RECORDS = [
     {"instruction": "Name a primary colour.", "input": "", "output": "Red."},

@@ -34,11 +34,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..loss import IGNORE_INDEX
 from ..prompts import check_unicode, format_prompt
 
-__all__ = ["IGNORE_INDEX", "Example", "collate", "encode_records", "epoch_order", "read_records", "shard"]
+__all__ = ["Example", "collate", "encode_records", "epoch_order", "read_records", "shard"]
 
-IGNORE_INDEX = -100  # label of positions without loss (cross_entropy's ignore_index)
 
 Records = list[dict[str, str]]
 
