@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torch_wgpu_lora import WgpuAdamW
-from torch_wgpu_lora.training.optim import clip_grad_norm
+from torch_wgpu_lora.optim import clip_grad_norm
 
 SHAPES = [(8, 64), (64, 8), (4, 100), (3,)]
 

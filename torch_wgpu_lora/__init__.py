@@ -29,7 +29,7 @@ _EXPORTS = {
     "save_adapter": "integrations.adapters",
     "load_adapter": "integrations.adapters",
     "compare_gradients": "integrations.gradcheck",
-    "WgpuAdamW": "training.optim",
+    "WgpuAdamW": "optim",
     "Trainer": "training.trainer",
     "train": "training.trainer",
     "generate": "generation",

@@ -20,6 +20,12 @@ so autograd refuses a backward through a graph built before the step.
 Hyperparameters live in ``param_groups`` as in any torch optimizer, so torch's LR
 schedulers drive ``lr``; ``state_dict()`` is laid out like torch.optim.AdamW's
 (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter) and either optimizer loads the other's.
+
+A fused step run elsewhere (``BitNetEngine.train_step``: every adapter in one flat buffer,
+clip and AdamW in one launch each) works on this optimizer's state through three public
+calls: ``adopt_moments`` hands the moments over to the caller's GPU buffers (values kept),
+``step_scalars`` gives the next step's AdamW values, and ``count_step`` counts a step applied
+there. ``state_dict`` and ``load_state_dict`` keep working on the adopted buffers.
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..ops.adamw import adamw_step
-from ..runtime import Buffer, Recorder, get_device
-from ..runtime.tensors import into, refresh, resident, resident_layouts, to_gpu
+from .ops.optimizer import adamw_scalars, adamw_step
+from .runtime import Buffer, Recorder, get_device
+from .runtime.tensors import into, refresh, resident, resident_layouts, to_gpu, write_into
 
 __all__ = ["WgpuAdamW", "clip_grad_norm"]
 
@@ -65,6 +71,7 @@ class WgpuAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         # Per parameter: the GPU layout it is updated in (fixed at its first step) and its moments.
         self._moments: dict[torch.Tensor, tuple[str, Buffer, Buffer]] = {}
+        self._adopted: set[torch.Tensor] = set()  # whose moments live in a caller's buffers (adopt_moments)
 
     def _ordered_params(self) -> list[torch.Tensor]:
         """Parameters in the order ``state_dict`` numbers them."""
@@ -120,6 +127,64 @@ class WgpuAdamW(torch.optim.Optimizer):
             torch.autograd.graph.increment_version(p)
         return loss
 
+    def moments(self, p: torch.Tensor) -> tuple[str, Buffer, Buffer] | None:
+        """``p``'s (layout, exp_avg, exp_avg_sq) on the GPU; None before its first step."""
+        return self._moments.get(p)
+
+    @torch.no_grad()
+    def adopt_moments(self, views: dict[torch.Tensor, tuple[str, Buffer, Buffer]]) -> None:
+        """Keep each parameter's moments in the given GPU buffers from now on: (layout, exp_avg,
+        exp_avg_sq), e.g. views of one flat buffer that a fused step updates. The moments held
+        now are copied into them first (zeros for a parameter without any), so no state is
+        lost; buffers adopted already are left as they are. ``step()``, ``state_dict()`` and
+        ``load_state_dict()`` then work on them.
+
+        >>> # optimizer.adopt_moments(adapters.views((exp_avg, exp_avg_sq)))
+        """
+        ours = set(self._ordered_params())
+        strangers = [tuple(p.shape) for p in views if p not in ours]
+        if strangers:
+            raise ValueError(f"WgpuAdamW.adopt_moments: parameters of shapes {strangers} are not this optimizer's")
+        changed = [p for p, (_, m, v) in views.items() if self._moments.get(p, (None, None, None))[1:] != (m, v)]
+        if not changed:
+            return
+        held = {}
+        rec = Recorder()
+        for p in changed:
+            if p in self._moments:
+                layout, *buffers = self._moments[p]
+                held[p] = [torch.empty_like(p, memory_format=torch.contiguous_format) for _ in buffers]
+                for t, buf in zip(held[p], buffers):
+                    rec.read(buf, into(t, layout))
+        if held:
+            rec.submit()
+        for p in changed:
+            layout, *targets = views[p]
+            for t, target in zip(held.get(p, (torch.zeros_like(p),) * 2), targets):
+                write_into(target, t, layout)
+            self._moments[p] = views[p]
+            self._adopted.add(p)
+            self.state[p].setdefault("step", torch.tensor(0.0))  # a parameter with moments has a step count
+
+    def step_scalars(self) -> tuple[float, ...]:
+        """The AdamW values (``ops.optimizer.adamw_scalars``) of the next step of this optimizer's
+        one parameter group, for a fused step run elsewhere."""
+        if len(self.param_groups) != 1:
+            raise ValueError("WgpuAdamW.step_scalars: a fused step takes one parameter group")
+        group = self.param_groups[0]
+        first = group["params"][0]
+        step = int(self.state[first]["step"].item()) + 1 if "step" in self.state[first] else 1
+        return adamw_scalars(step, group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+    def count_step(self) -> None:
+        """Count one step applied elsewhere to every parameter of the one group (a fused step on
+        adopted moments): each parameter's ``step`` advances, and LR schedulers see a step taken,
+        as after ``step()``."""
+        for p in self.param_groups[0]["params"]:
+            self.state[p].setdefault("step", torch.tensor(0.0))
+            self.state[p]["step"] += 1
+        self._opt_called = True  # torch.optim.Optimizer's own mark of a step, which LR schedulers check
+
     def state_dict(self) -> dict[str, Any]:
         """torch's layout, with each parameter's moments read back into new CPU tensors."""
         packed = super().state_dict()
@@ -168,13 +233,19 @@ class WgpuAdamW(torch.optim.Optimizer):
                     raise ValueError(f"WgpuAdamW.load_state_dict: {name} of parameter {i} has shape "
                                      f"{tuple(t.shape)}, the parameter {tuple(params[i].shape)}")
         super().load_state_dict({**state_dict, "state": rest})
-        self._moments = {}
-        for i, pair in moments.items():
-            p = params[i]
-            self.state[p]["step"] = torch.as_tensor(self.state[p]["step"], dtype=torch.float32).clone()
-            if p.numel():
+        adopted = {p: self._moments[p] for p in self._adopted}  # they stay in their buffers, which take the values
+        self._moments = dict(adopted)
+        loaded = {params[i]: pair for i, pair in moments.items()}
+        for p in self._ordered_params():
+            if p in loaded:
+                self.state[p]["step"] = torch.as_tensor(self.state[p]["step"], dtype=torch.float32).clone()
+            if p in adopted:
+                layout, *buffers = adopted[p]
+                for t, buf in zip(loaded.get(p, (torch.zeros_like(p),) * 2), buffers):
+                    write_into(buf, t.detach(), layout)
+            elif p in loaded and p.numel():
                 layout = self._layout(p)
-                self._moments[p] = (layout, *(to_gpu(t.detach(), layout) for t in pair))
+                self._moments[p] = (layout, *(to_gpu(t.detach(), layout) for t in loaded[p]))
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:

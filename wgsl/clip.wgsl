@@ -1,5 +1,5 @@
-// The first half of the engine's optimizer step, on the GPU, over the flat gradient G of every
-// adapter:
+// The global-norm clip of an optimizer step, on the GPU, over a flat gradient G (every
+// adapter of a model):
 //   sumsq   PART[w] = Σ G[i]² over workgroup w's grid-stride share
 //   stats   STATS = [‖G‖, clip coefficient, non-finite flag, loss sum]: the global-norm clip of
 //           torch.nn.utils.clip_grad_norm_ (coef = min(1, max_norm / (‖G‖ + 1e-6)); max_norm 0: off),

@@ -266,7 +266,8 @@ def test_kernel_work_counts_the_projections_and_head_as_torch_counts_them():
 def test_launch_benchmark_times_every_kernel_shape(tmp_path):
     from torch_wgpu_lora.benchmarks import launches
     from torch_wgpu_lora.engine.kernels.attention import backward_tiles, prefill_tiles
-    from torch_wgpu_lora.engine.kernels.bitlinear import gemm_tile_tokens, input_grad_splits
+    from torch_wgpu_lora.engine.kernels.bitlinear import gemm_tile_tokens
+    from torch_wgpu_lora.engine.kernels.projection import input_grad_splits
 
     launches.main(["--small", "--out", str(tmp_path), "--repeats", "2"])
     result = json.loads((tmp_path / "launches.json").read_text())["bounds"]

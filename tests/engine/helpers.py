@@ -1,39 +1,189 @@
-"""Shared by the engine's tests: run a pass and read back the int8 codes it chose; compare a
-kernel's output with a float64 reference."""
+"""Shared by the engine's tests: tiny models and batches, launches run and read back, poisoned
+buffers, the one closeness check, and the engine-against-torch training twins."""
 
 from __future__ import annotations
+
+import copy
+import tempfile
 
 import numpy as np
 import torch
 
-from torch_wgpu_lora.engine.plan import read_codes
-from torch_wgpu_lora.runtime import Recorder, write
+from torch_wgpu_lora import BitNetEngine, WgpuAdamW
+from torch_wgpu_lora.engine.workspace import Workspace
+from torch_wgpu_lora.integrations.bitnet import apply_lora, lora_parameters, load_bitnet
+from torch_wgpu_lora.integrations.gradcheck import randomize_lora_B
+from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet
+from torch_wgpu_lora.loss import IGNORE_INDEX, labelled_tokens
+from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, write
+
+# Logits of the engine against transformers': within 1e-4 of the largest |logit| (float32 on both
+# sides, sums in other orders: errors ~1e-6 of the scale, so 100× margin; an indexing bug gives O(1)).
+LOGIT_RTOL = 1e-4
+# A loss (a mean of float32 cross-entropies summed in another order) against torch's.
+LOSS_RTOL = 1e-5
+
+CONFIGS = {
+    "gqa-tied": {},
+    "untied-mha-3-layers": dict(tie_word_embeddings=False, num_key_value_heads=4, num_hidden_layers=3),
+    "odd-sizes": dict(hidden_size=48, intermediate_size=40, num_attention_heads=4, num_key_value_heads=1,
+                      vocab_size=67, num_hidden_layers=1),
+}
 
 
-def forward_with_codes(engine, ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, dict]:
-    """The engine's logits [batch, tokens, vocab] and the codes of every quantisation point."""
-    batch, tokens = ids.shape
-    engine.adapters.sync()
-    plan = engine.plan(batch, tokens)
-    write(plan.ids, ids.numpy().astype(np.uint32).reshape(-1))
-    plan.cache.set_position(0, lengths)
-    capture, logits = {}, torch.empty(batch * tokens, engine.engine_config.vocab)
-    rec = Recorder()
-    plan.record(rec, capture=capture)
-    plan.read_logits(rec, logits.numpy())
-    rec.submit()
-    return logits.reshape(batch, tokens, -1), read_codes(capture, batch, tokens, engine.engine_config)
+def tiny_model(flavour: str, adapters: bool, seed: int = 0, **config) -> torch.nn.Module:
+    """A tiny BitNet of ``flavour`` built offline, in eval mode; with ``adapters``, r=4 adapters on five
+    projections whose B is random (so every adapter changes the logits)."""
+    model = load_bitnet(build_tiny_bitnet(tempfile.mkdtemp(), flavour=flavour, seed=seed, **config))
+    if adapters:
+        apply_lora(model, r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model.eval()
 
 
-def assert_close(got: np.ndarray, ref: torch.Tensor, what: str, rtol: float, terms: float = 0.0) -> float:
-    """Checks max |got - ref| <= rtol · max |ref| (and that every element is finite); returns the
-    error relative to that scale (the absolute error when it is zero). ``terms``: the scale used
-    instead when the reference is all zeros because its terms cancel exactly (float32 sums of them
-    in another order reach zero only to their rounding): the size of those terms."""
-    ref = ref.numpy()
-    assert got.shape == ref.shape, what
-    assert np.isfinite(got).all(), f"{what}: {np.count_nonzero(~np.isfinite(got))} elements not finite (unwritten?)"
-    scale = float(np.abs(ref).max()) or terms
-    err = np.abs(got.astype(np.float64) - ref).max()
+def batch(vocab: int, lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids [len(lengths), max(lengths)] and the right-padding mask of ``lengths``."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = max(lengths)
+    ids = torch.randint(0, vocab, (len(lengths), tokens), generator=g)
+    mask = (torch.arange(tokens)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return ids, mask
+
+
+def labelled_batch(model: torch.nn.Module, lengths: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
+    """A batch with labels on every real position but the first two (a prompt without loss, as in
+    instruction tuning)."""
+    ids, mask = batch(model.config.vocab_size, lengths, seed)
+    labels = ids.clone()
+    labels[:, :2] = IGNORE_INDEX
+    labels[mask == 0] = IGNORE_INDEX
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def torch_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """transformers' own logits of the model, eagerly."""
+    with torch.compiler.set_stance("force_eager"), torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+def forward_with_codes(engine: BitNetEngine, ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, dict]:
+    """The engine's logits [batch, tokens, vocab] and the int8 codes of every quantisation point."""
+    codes: dict = {}
+    logits = engine.plan(*ids.shape).logits_of(ids, lengths, codes=codes)
+    return logits, codes
+
+
+def assert_close(got, ref, rtol: float, what: str, terms: float = 0.0) -> float:
+    """The closeness check of the engine's tests: max |got - ref| <= rtol · max |ref| (tensors or
+    arrays, compared in float64), every element of ``got`` finite. Returns the error relative to
+    that scale (the absolute error when it is zero). ``terms``: the scale used instead when the
+    reference is all zeros because its terms cancel exactly (float32 sums of them in another order
+    reach zero only to their rounding): the size of those terms."""
+    got, ref = (x.detach().double() if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x)).double()
+                for x in (got, ref))
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} against {tuple(ref.shape)}"
+    bad = int((~torch.isfinite(got)).sum())
+    assert not bad, f"{what}: {bad} elements not finite (unwritten?)"
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    scale = scale or terms
+    err = float((got - ref).abs().max()) if ref.numel() else 0.0
     assert err <= rtol * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
     return err / scale if scale else err
+
+
+def run(launches, *reads: Buffer) -> list[torch.Tensor]:
+    """Record ``launches``, read ``reads`` back, submit once; the read buffers as tensors."""
+    rec = Recorder()
+    for launch in launches:
+        rec.launch(launch)
+    outs = []
+    for buf in reads:
+        out = np.empty(buf.shape, {"f32": np.float32, "u32": np.uint32, "i32": np.int32}[buf.dtype])
+        rec.read(buf, out)
+        outs.append(out)
+    rec.submit()
+    return [torch.from_numpy(o) for o in outs]
+
+
+def poisoned(shape: tuple[int, ...], dtype: str = "f32") -> Buffer:
+    """A buffer filled with NaN (float) or 0xDEADBEEF (integers), so an element a kernel leaves
+    unwritten shows."""
+    buf = Buffer(shape, dtype)
+    nan_fill(buf)
+    return buf
+
+
+def nan_fill(buf: Buffer) -> None:
+    """Overwrite ``buf`` with NaN (float) or 0xDEADBEEF (integers)."""
+    write(buf, np.full(buf.shape, np.nan, np.float32) if buf.dtype == "f32" else np.full(buf.shape, 0xDEADBEEF, np.uint32))
+
+
+def nan_past(cache: torch.Tensor, lengths) -> np.ndarray:
+    """A KV cache [batch, kv_heads, positions, dim] as float32, NaN at every position at or past
+    each sequence's length (so a key read past the length shows)."""
+    x = cache.float().clone()
+    for b, n in enumerate(lengths):
+        x[b, :, n:] = float("nan")
+    return np.ascontiguousarray(x.numpy())
+
+
+def padded(x: torch.Tensor, width: int) -> np.ndarray:
+    """[rows, k] as float32 rows zero-padded to ``width``."""
+    out = np.zeros((x.shape[0], width), np.float32)
+    out[:, : x.shape[1]] = x.numpy()
+    return out
+
+
+def kernel_workspace() -> Workspace:
+    """A workspace for launches built outside a plan."""
+    return Workspace(get_device())
+
+
+# -- the engine's optimizer steps against the torch path ----------------------------------------------
+
+def micro_batches(model: torch.nn.Module, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Two labelled micro-batches of different shapes."""
+    return [labelled_batch(model, lengths, seed=seed + i) for i, lengths in enumerate(([9, 5], [7, 7, 3]))]
+
+
+def torch_step(twin: torch.nn.Module, micro: list[dict], optimizer: torch.optim.Optimizer,
+               max_norm: float = 1.0) -> None:
+    """The torch path's step over ``micro``: the loss weighted per labelled token, clipping, AdamW."""
+    tokens = sum(labelled_tokens(b["labels"]) for b in micro)
+    for b in micro:
+        (twin(**b).loss * labelled_tokens(b["labels"]) / tokens).backward()
+    torch.nn.utils.clip_grad_norm_(lora_parameters(twin), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def twins(seed: int, dropout: float = 0.0) -> tuple:
+    """A model with adapters, its deep copy, the engine on the first and the two optimizers
+    (WgpuAdamW on the engine's, torch.optim.AdamW on the copy's) with the same settings. eps
+    comparable to the gradients (not 1e-7): the update is then proportional to the gradient rather
+    than its sign, so a comparison sees the gradient's size too."""
+    model = tiny_model("dense", adapters=True, seed=seed)
+    randomize_lora_B(model, seed=seed + 1)
+    twin = copy.deepcopy(model)
+    ours = WgpuAdamW(lora_parameters(model), lr=5e-3, eps=1e-3)
+    theirs = torch.optim.AdamW(lora_parameters(twin), lr=5e-3, eps=1e-3, weight_decay=0.01, foreach=False)
+    return model, twin, BitNetEngine(model), ours, theirs
+
+
+# Adapters after engine steps against torch steps from one start: 1e-4 of each tensor's scale. Each
+# step's gradients agree to ~1e-6 (float32 orders), and Adam's normalised updates carry such
+# differences forward without growing them much over 20 steps; a wrong gradient or update is off by O(1).
+TWIN_RTOL = 1e-4
+
+
+def assert_twins_agree(engine: BitNetEngine, model: torch.nn.Module, twin: torch.nn.Module) -> None:
+    """Every adapter tensor of the engine's model (pulled from the GPU) within TWIN_RTOL of its
+    scale of the torch twin's."""
+    engine.adapters.pull()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        if "lora_" in name:
+            assert_close(a.detach(), b.detach(), TWIN_RTOL, name)

@@ -1,4 +1,4 @@
-"""The causal GQA attention kernels (engine/kernels/attention.py, wgsl/attention.wgsl) against
+"""The causal GQA attention kernels (engine/kernels/attention/: flash, decode, kept scores) against
 ``attention_reference`` in float64, and the reference against transformers' eager attention.
 
 Tolerance: float32 kernels against float64 torch, max |ours - ref| <= 1e-4 * max |ref| per
@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from torch_wgpu_lora.engine.kernels import STEP_POS, attention
-from torch_wgpu_lora.engine.kernels.attention import (_PREFILL_TILES, PrefillTile, attention_launches,
-                                                      attention_reference, prefill_tile)
+from torch_wgpu_lora.engine.kernels import STEP_POS
+from torch_wgpu_lora.engine.kernels.attention import (PrefillTile, attention_launches, attention_reference,
+                                                      kept_scores_bytes, policy, prefill_tile)
+from torch_wgpu_lora.engine.kernels.attention.flash import PREFILL_TILES
 from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, write
 
-from .helpers import assert_close
+from .helpers import assert_close, kernel_workspace, nan_fill, nan_past
 
 RTOL = 1e-4  # of the reference's max magnitude; see module docstring
 
@@ -34,14 +35,6 @@ def random_case(batch, tokens, heads, kv_heads, head_dim, max_len, seed):
     k = torch.randn(batch, kv_heads, max_len, head_dim, generator=g, dtype=torch.float64)
     v = torch.randn(batch, kv_heads, max_len, head_dim, generator=g, dtype=torch.float64)
     return q, k, v
-
-
-def poisoned(cache: torch.Tensor, lengths) -> np.ndarray:
-    """The cache as float32 with NaN at every position at or past each sequence's length."""
-    x = cache.float().clone()
-    for b, n in enumerate(lengths):
-        x[b, :, n:] = float("nan")
-    return np.ascontiguousarray(x.numpy())
 
 
 class Attention:
@@ -58,19 +51,20 @@ class Attention:
         self.step = Buffer((4,), "u32")
         self.lengths = Buffer((batch,), "u32")
         self.launches = attention_launches(self.q, self.k, self.v, self.out, self.step, self.lengths,
-                                           scale=head_dim ** -0.5, lse=self.lse, decode=decode, **self.shape, **kw)
+                                           scale=head_dim ** -0.5, lse=self.lse, decode=decode,
+                                           workspace=kernel_workspace(), **self.shape, **kw)
 
     def set_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, poison_from) -> None:
         write(self.q, np.ascontiguousarray(q.float().numpy()))
-        write(self.k, poisoned(k, poison_from))
-        write(self.v, poisoned(v, poison_from))
+        write(self.k, nan_past(k, poison_from))
+        write(self.v, nan_past(v, poison_from))
 
     def run(self, pos: int, lengths) -> tuple[np.ndarray, np.ndarray | None]:
         step = np.zeros(4, np.uint32)
         step[STEP_POS] = pos
         write(self.step, step)
         write(self.lengths, np.asarray(lengths, np.uint32))
-        write(self.out, np.full(self.out.shape, np.nan, np.float32))
+        nan_fill(self.out)
         out = np.zeros(self.out.shape, np.float32)
         lse = None
         rec = Recorder()
@@ -78,7 +72,7 @@ class Attention:
             rec.launch(launch)
         rec.read(self.out, out)
         if self.lse is not None:
-            write(self.lse, np.full(self.lse.shape, np.nan, np.float32))
+            nan_fill(self.lse)
             lse = np.zeros(self.lse.shape, np.float32)
             rec.read(self.lse, lse)
         rec.submit()
@@ -93,7 +87,7 @@ def check_once(batch, tokens, heads, kv_heads, head_dim, pos, lengths, *, decode
     out, lse = attn.run(pos, lengths)
     ref_out, ref_lse = attention_reference(q, k, v, pos, lengths, heads, kv_heads, head_dim ** -0.5)
     tag = f"B={batch} T={tokens} H={heads}/{kv_heads} D={head_dim} pos={pos} lengths={lengths} decode={decode} {kw}"
-    return assert_close(out, ref_out, f"out {tag}", RTOL), assert_close(lse, ref_lse, f"lse {tag}", RTOL)
+    return assert_close(out, ref_out, RTOL, f"out {tag}"), assert_close(lse, ref_lse, RTOL, f"lse {tag}")
 
 
 # ---- the reference --------------------------------------------------------------------------
@@ -149,13 +143,13 @@ def test_prefill_every_tile_that_fits_the_adapter():
     # the tiles smaller devices get (16 KiB of workgroup memory) must be right too
     limit = get_device().limits["max-compute-workgroup-storage-size"]
     chosen = prefill_tile(64)
-    for tile in _PREFILL_TILES + (PrefillTile(2, 16, 4),):  # and 4 key lanes (odd D4: one lane idle)
+    for tile in PREFILL_TILES + (PrefillTile(2, 16, 4),):  # and 4 key lanes (odd D4: one lane idle)
         for head_dim in (64, 20):
             if tile.workgroup_bytes(head_dim) <= limit:
                 check_once(2, 45, 8, 2, head_dim, 3, [48, 7], tile=tile)
     assert chosen.workgroup_bytes(64) <= limit
-    assert _PREFILL_TILES[0].workgroup_bytes(128) <= 48 * 1024  # NVIDIA's limit: the big tile for BitNet
-    assert any(t.workgroup_bytes(128) <= 16 * 1024 for t in _PREFILL_TILES)  # WebGPU's default limit
+    assert PREFILL_TILES[0].workgroup_bytes(128) <= 48 * 1024  # NVIDIA's limit: the big tile for BitNet
+    assert any(t.workgroup_bytes(128) <= 16 * 1024 for t in PREFILL_TILES)  # WebGPU's default limit
 
 
 FROM_START_CASES = {name: case for name, case in PREFILL_CASES.items() if case[5] == 0}
@@ -178,7 +172,7 @@ def test_a_pass_from_start_gives_nan_after_a_prefix_and_gives_way_past_its_scrat
     attn.set_inputs(q, k, v, [43, 25])
     out, lse = attn.run(13, [43, 25])  # keys before the pass have no scores: NaN, not a wrong value
     assert np.isnan(out).all() and np.isnan(lse).all()
-    monkeypatch.setattr(attention, "SCORES_SCRATCH_BYTES", attention.kept_scores_bytes(2, 8, 40) - 4)
+    monkeypatch.setattr(policy, "SCORES_SCRATCH_BYTES", kept_scores_bytes(2, 8, 40) - 4)
     attn = Attention(2, 40, 8, 2, 16, 40, from_start=True)
     assert [launch.kernel.name for launch in attn.launches] == ["attention.wgsl:prefill"]
     check_once(2, 40, 8, 2, 16, 0, [40, 9], from_start=True)
@@ -192,8 +186,8 @@ def test_prefill_without_lse_and_rows_not_filling_a_block():
         attn.set_inputs(q, k, v, [3, 2])
         out, lse = attn.run(0, [3, 2])
         assert lse is None
-        assert_close(out, attention_reference(q, k, v, 0, [3, 2], 3, 3, 0.25)[0], f"out from_start={from_start}",
-                     RTOL)
+        assert_close(out, attention_reference(q, k, v, 0, [3, 2], 3, 3, 0.25)[0], RTOL,
+                     f"out from_start={from_start}")
 
 
 # ---- decode --------------------------------------------------------------------------------
@@ -214,8 +208,8 @@ def test_decode_steps_record_the_same_launches(splits, tokens, heads, kv_heads, 
         lengths = [pos + tokens, min(40, pos + tokens), pos + tokens]
         out, lse = attn.run(pos, lengths)
         ref_out, ref_lse = attention_reference(q, k, v, pos, lengths, heads, kv_heads, head_dim ** -0.5)
-        assert_close(out, ref_out, f"out pos={pos} splits={splits}", RTOL)
-        assert_close(lse, ref_lse, f"lse pos={pos} splits={splits}", RTOL)
+        assert_close(out, ref_out, RTOL, f"out pos={pos} splits={splits}")
+        assert_close(lse, ref_lse, RTOL, f"lse pos={pos} splits={splits}")
         if previous is not None:
             assert not np.allclose(out[:tokens], previous[:tokens]), f"pos={pos}: output did not change"
         previous = out
@@ -226,35 +220,26 @@ def test_decode_bitnet_shape_long_cache():
     check_once(2, 1, 20, 5, 128, 999, [1000, 321], decode=True, max_len=1024)
 
 
-def test_decode_and_prefill_agree_on_one_token():
-    q, k, v = random_case(2, 1, 4, 2, 32, 90, seed=7)
-    results = []
+def test_one_token_against_a_long_cache_by_the_flash_and_the_decoding_kernels():
     for decode in (False, True):
-        attn = Attention(2, 1, 4, 2, 32, 90, decode=decode, splits=3)
-        attn.set_inputs(q, k, v, [90, 61])
-        results.append(attn.run(89, [90, 61]))
-    np.testing.assert_allclose(results[0][0], results[1][0], rtol=0, atol=1e-5)
-    np.testing.assert_allclose(results[0][1], results[1][1], rtol=0, atol=1e-5)
+        check_once(2, 1, 4, 2, 32, 89, [90, 61], decode=decode, seed=7, **(dict(splits=3) if decode else {}))
 
 
 # ---- coverage and errors ----------------------------------------------------------------------
 
 def test_every_output_element_is_written():
-    # shapes whose rows fill no block evenly (R=2, T=5: 10 rows; D=12: 3 vec4 columns, CT=1)
+    # shapes whose rows fill no block evenly (R=2, T=5: 10 rows; D=12: 3 vec4 columns, CT=1); run()
+    # poisons out and lse with NaN first, and assert_close refuses any element not finite
     for decode in (False, True):
-        q, k, v = random_case(3, 5, 6, 3, 12, 20, seed=3)
-        attn = Attention(3, 5, 6, 3, 12, 20, decode=decode)
-        attn.set_inputs(q, k, v, [20, 1, 9])
-        out, lse = attn.run(15, [20, 1, 9])  # run() poisons out and lse with NaN first
-        assert np.isfinite(out).all() and np.isfinite(lse).all()
+        check_once(3, 5, 6, 3, 12, 15, [20, 1, 9], decode=decode, seed=3, max_len=20)
 
 
 def test_bad_shapes_are_refused():
     bufs = [Buffer((4, 40)), Buffer((1, 2, 4, 10)), Buffer((1, 2, 4, 10)), Buffer((4, 40)), Buffer((4,), "u32"),
             Buffer((1,), "u32")]
     with pytest.raises(ValueError, match="multiple of 4"):
-        attention_launches(*bufs, batch=1, tokens=4, heads=4, kv_heads=2, head_dim=10, max_len=4, scale=1.0)
+        attention_launches(*bufs, batch=1, tokens=4, heads=4, kv_heads=2, head_dim=10, max_len=4, scale=1.0, workspace=kernel_workspace())
     with pytest.raises(ValueError, match="multiple of kv_heads"):
-        attention_launches(*bufs, batch=1, tokens=4, heads=3, kv_heads=2, head_dim=8, max_len=4, scale=1.0)
+        attention_launches(*bufs, batch=1, tokens=4, heads=3, kv_heads=2, head_dim=8, max_len=4, scale=1.0, workspace=kernel_workspace())
     with pytest.raises(ValueError, match="k_cache has"):
-        attention_launches(*bufs, batch=1, tokens=4, heads=4, kv_heads=2, head_dim=8, max_len=8, scale=1.0)
+        attention_launches(*bufs, batch=1, tokens=4, heads=4, kv_heads=2, head_dim=8, max_len=8, scale=1.0, workspace=kernel_workspace())

@@ -21,13 +21,15 @@ import numpy as np
 import pytest
 import torch
 
-from torch_wgpu_lora.engine.kernels import STEP_POS, attention
-from torch_wgpu_lora.engine.kernels.attention import (_BACKWARD_TILES, BackwardTile, attention_backward_launches,
+from torch_wgpu_lora.engine.kernels import STEP_POS
+from torch_wgpu_lora.engine.kernels.attention import (BackwardTile, attention_backward_launches,
                                                       attention_backward_reference, attention_launches,
-                                                      attention_reference, backward_tile, sum_splits)
+                                                      attention_reference, backward_tile, keeps_probabilities,
+                                                      kept_scores_bytes, policy, sum_splits)
+from torch_wgpu_lora.engine.kernels.attention.flash import BACKWARD_TILES
 from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, write
 
-from .helpers import assert_close
+from .helpers import assert_close, kernel_workspace, nan_fill, nan_past
 
 RTOL = 1e-4  # of the reference's max magnitude; see module docstring
 
@@ -54,17 +56,6 @@ def autograd_reference(q, k, v, d_out, pos, lengths, heads, kv_heads, scale):
     return q.grad, k.grad, v.grad
 
 
-def poisoned(cache: torch.Tensor, lengths) -> np.ndarray:
-    x = cache.float().clone()
-    for b, n in enumerate(lengths):
-        x[b, :, n:] = float("nan")
-    return np.ascontiguousarray(x.numpy())
-
-
-def nan_fill(buf: Buffer) -> None:
-    write(buf, np.full(buf.shape, np.nan, np.float32))
-
-
 class Backward:
     """One plan: the forward (prefill, with lse) then the backward, recorded together."""
 
@@ -72,20 +63,21 @@ class Backward:
                  keep_p=False):
         self.shape = dict(batch=batch, tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                           max_len=max_len)
-        scores = Buffer((attention.kept_scores_bytes(batch, heads, tokens) // 4,)) if keep_p else None
+        scores = Buffer((kept_scores_bytes(batch, heads, tokens) // 4,)) if keep_p else None
         rows, cache = (batch * tokens, heads * head_dim), (batch, kv_heads, max_len, head_dim)
         self.q, self.out, self.d_out, self.d_q = (Buffer(rows) for _ in range(4))
         self.k, self.v, self.d_k, self.d_v = (Buffer(cache) for _ in range(4))
         self.lse = Buffer((batch * tokens, heads))
         self.step = Buffer((4,), "u32")
         self.lengths = Buffer((batch,), "u32")
-        scale = head_dim ** -0.5
+        scale, workspace = head_dim ** -0.5, kernel_workspace()
         self.launches = attention_launches(self.q, self.k, self.v, self.out, self.step, self.lengths, scale=scale,
-                                           lse=self.lse, from_start=from_start, scores=scores, **self.shape)
+                                           lse=self.lse, from_start=from_start, scores=scores, workspace=workspace,
+                                           **self.shape)
         self.launches += attention_backward_launches(self.q, self.k, self.v, self.out, self.lse, self.d_out, self.d_q,
                                                      self.d_k, self.d_v, self.step, self.lengths, scale=scale,
                                                      tile=tile, splits=splits, from_start=from_start, scores=scores,
-                                                     **self.shape)
+                                                     workspace=workspace, **self.shape)
         self.kernels = [launch.kernel.name for launch in self.launches]
         # P and dS kept whole (from_start), poisoned too: entries past a row's limit must not be read
         self.saved = [buf for launch in self.launches if launch.kernel.name.startswith("attention_scores")
@@ -94,8 +86,8 @@ class Backward:
     def run(self, q, k, v, d_out, pos, lengths):
         write(self.q, np.ascontiguousarray(q.float().numpy()))
         write(self.d_out, np.ascontiguousarray(d_out.float().numpy()))
-        write(self.k, poisoned(k, lengths))
-        write(self.v, poisoned(v, lengths))
+        write(self.k, nan_past(k, lengths))
+        write(self.v, nan_past(v, lengths))
         step = np.zeros(4, np.uint32)
         step[STEP_POS] = pos
         write(self.step, step)
@@ -126,9 +118,9 @@ def check(plan: Backward, pos, lengths, seed=0) -> float:
     # one key (O = v), a cancellation float32 meets only to its rounding when the two dots are
     # summed in different orders (the GEMM path). Their scale is then that of the terms.
     terms = head_dim ** -0.5 * float(d_out.abs().max() * v.abs().max() * max(q.abs().max(), k.abs().max()))
-    errors = [assert_close(d_q, ref_q, f"d_q {tag}", RTOL, terms),
-              assert_close(d_k[:, :, written], ref_k[:, :, written], f"d_k {tag}", RTOL, terms),
-              assert_close(d_v[:, :, written], ref_v[:, :, written], f"d_v {tag}", RTOL)]
+    errors = [assert_close(d_q, ref_q, RTOL, f"d_q {tag}", terms),
+              assert_close(d_k[:, :, written], ref_k[:, :, written], RTOL, f"d_k {tag}", terms),
+              assert_close(d_v[:, :, written], ref_v[:, :, written], RTOL, f"d_v {tag}")]
     for b, n in enumerate(lengths):  # padded keys: exactly zero
         assert (d_k[b, :, max(n, pos): pos + tokens] == 0).all(), f"d_k of padded keys {tag}"
         assert (d_v[b, :, max(n, pos): pos + tokens] == 0).all(), f"d_v of padded keys {tag}"
@@ -213,24 +205,26 @@ def test_a_scores_buffer_is_refused_where_it_would_not_be_used(monkeypatch):
     args = Backward(2, 8, 4, 2, 8, 8, from_start=True)
     shape = dict(batch=2, tokens=8, heads=4, kv_heads=2, head_dim=8, max_len=8)
     common = (args.q, args.k, args.v, args.out, args.step, args.lengths)
+    ws = kernel_workspace()
     with pytest.raises(ValueError, match="scores has 32767 elements, needs 32768"):  # 2 · 4 heads of 64 × 64
-        attention_launches(*common, scale=1.0, from_start=True, scores=Buffer((32767,)), **shape)
+        attention_launches(*common, scale=1.0, from_start=True, scores=Buffer((32767,)), workspace=ws, **shape)
     with pytest.raises(ValueError, match="only used by a training pass"):
-        attention_launches(*common, scale=1.0, scores=Buffer((32768,)), **shape)  # not from the start
+        attention_launches(*common, scale=1.0, scores=Buffer((32768,)), workspace=ws, **shape)  # not from the start
     with pytest.raises(ValueError, match="only used by a training pass"):
         attention_backward_launches(args.q, args.k, args.v, args.out, args.lse, args.d_out, args.d_q, args.d_k,
-                                    args.d_v, args.step, args.lengths, scale=1.0, scores=Buffer((32768,)), **shape)
-    monkeypatch.setattr(attention, "SCORES_SCRATCH_BYTES", 4 * 32768 - 4)  # S would not be kept whole
+                                    args.d_v, args.step, args.lengths, scale=1.0, scores=Buffer((32768,)), workspace=ws,
+                                    **shape)
+    monkeypatch.setattr(policy, "SCORES_SCRATCH_BYTES", 4 * 32768 - 4)  # S would not be kept whole
     with pytest.raises(ValueError, match="only used by a training pass"):
-        attention_launches(*common, scale=1.0, from_start=True, scores=Buffer((32768,)), **shape)
+        attention_launches(*common, scale=1.0, from_start=True, scores=Buffer((32768,)), workspace=ws, **shape)
 
 
 def test_a_training_step_keeps_p_while_every_layers_fit_the_budget(monkeypatch):
-    assert attention.keeps_probabilities(30, 1, 20, 640) and not attention.keeps_probabilities(30, 1, 20, 704)
-    assert not attention.keeps_probabilities(30, 2, 20, 512)  # two sequences: 1.26 GB
-    size = attention.kept_scores_bytes(1, 20, 512)
-    monkeypatch.setattr(attention, "SCORES_SCRATCH_BYTES", size - 1)  # one layer's P past the scratch
-    assert not attention.keeps_probabilities(1, 1, 20, 512)
+    assert keeps_probabilities(30, 1, 20, 640) and not keeps_probabilities(30, 1, 20, 704)
+    assert not keeps_probabilities(30, 2, 20, 512)  # two sequences: 1.26 GB
+    size = kept_scores_bytes(1, 20, 512)
+    monkeypatch.setattr(policy, "SCORES_SCRATCH_BYTES", size - 1)  # one layer's P past the scratch
+    assert not keeps_probabilities(1, 1, 20, 512)
 
 
 def test_scores_kept_whole_give_nan_after_a_prefix_and_give_way_past_their_scratch(monkeypatch):
@@ -239,7 +233,7 @@ def test_scores_kept_whole_give_nan_after_a_prefix_and_give_way_past_their_scrat
     q, k, v, d_out = random_case(2, 30, 4, 1, 20, 43, seed=1)
     d_q, d_k, d_v = plan.run(q, k, v, d_out, 13, [43, 25])
     assert np.isnan(d_q).all() and np.isnan(d_k).all() and np.isnan(d_v).all()
-    monkeypatch.setattr(attention, "SCORES_SCRATCH_BYTES", 4 * 2 * 8 * 64 * 64 - 4)  # one float short of P
+    monkeypatch.setattr(policy, "SCORES_SCRATCH_BYTES", 4 * 2 * 8 * 64 * 64 - 4)  # one float short of P
     plan = Backward(2, 40, 8, 2, 16, 40, from_start=True)
     assert "attention_backward.wgsl:dq" in plan.kernels and "attention_apply.wgsl:gemm_tiled" not in plan.kernels
     check(plan, 0, [40, 9])
@@ -258,13 +252,13 @@ def test_sum_splits_fill_a_gpu_and_leave_a_cpu_alone():
 def test_every_tile_that_fits_the_adapter():
     # the tiles smaller devices get (WebGPU's default 16 KiB) must be right too, and odd lane counts
     limit = get_device().limits["max-compute-workgroup-storage-size"]
-    for tile in _BACKWARD_TILES + (BackwardTile(12, 8, 3), BackwardTile(4, 12, 1)):
+    for tile in BACKWARD_TILES + (BackwardTile(12, 8, 3), BackwardTile(4, 12, 1)):
         for head_dim, heads, kv_heads in ((64, 8, 2), (20, 3, 3)):
             if tile.workgroup_bytes(head_dim) <= limit:
                 check_once(2, 45, heads, kv_heads, head_dim, 0, [45, 7], tile=tile, seed=tile.fixed)
     assert backward_tile(128).workgroup_bytes(128) <= limit
-    assert _BACKWARD_TILES[0].workgroup_bytes(128) <= 48 * 1024  # NVIDIA's limit: the big tile for BitNet
-    assert any(t.workgroup_bytes(128) <= 16 * 1024 for t in _BACKWARD_TILES)  # WebGPU's default limit
+    assert BACKWARD_TILES[0].workgroup_bytes(128) <= 48 * 1024  # NVIDIA's limit: the big tile for BitNet
+    assert any(t.workgroup_bytes(128) <= 16 * 1024 for t in BACKWARD_TILES)  # WebGPU's default limit
 
 
 def test_plan_reused_with_new_lengths():
@@ -279,8 +273,11 @@ def test_bad_shapes_are_refused():
     bufs = [rows, cache, cache, rows, Buffer((4, 4)), rows, rows, cache, cache, Buffer((4,), "u32"),
             Buffer((1,), "u32")]
     with pytest.raises(ValueError, match="multiple of 4"):
-        attention_backward_launches(*bufs, batch=1, tokens=4, heads=4, kv_heads=2, head_dim=10, max_len=4, scale=1.0)
+        attention_backward_launches(*bufs, batch=1, tokens=4, heads=4, kv_heads=2, head_dim=10, max_len=4, scale=1.0,
+                                    workspace=kernel_workspace())
     with pytest.raises(ValueError, match="multiple of kv_heads"):
-        attention_backward_launches(*bufs, batch=1, tokens=4, heads=3, kv_heads=2, head_dim=8, max_len=4, scale=1.0)
+        attention_backward_launches(*bufs, batch=1, tokens=4, heads=3, kv_heads=2, head_dim=8, max_len=4, scale=1.0,
+                                    workspace=kernel_workspace())
     with pytest.raises(ValueError, match="d_k has|k_cache has"):
-        attention_backward_launches(*bufs, batch=1, tokens=4, heads=4, kv_heads=2, head_dim=8, max_len=8, scale=1.0)
+        attention_backward_launches(*bufs, batch=1, tokens=4, heads=4, kv_heads=2, head_dim=8, max_len=8, scale=1.0,
+                                    workspace=kernel_workspace())

@@ -26,17 +26,17 @@ from torch_wgpu_lora.engine.kernels.matmul import matmul_t_launch
 from torch_wgpu_lora.engine.kernels.norm import rmsnorm_launch, rmsnorm_reference
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary
 from torch_wgpu_lora.integrations.bitnet import lora_modules, lora_parameters
-from torch_wgpu_lora.engine.model import causal_lm_loss
 from torch_wgpu_lora.integrations.gradcheck import (check_parity, engine_dropout_masks, randomize_lora_B,
                                                     replayed_dropout)
 from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE
 from torch_wgpu_lora.integrations.tiny import FLAVOURS
+from torch_wgpu_lora.loss import causal_lm_loss, labelled_tokens
 from torch_wgpu_lora.runtime import upload
 
-from .test_backward_kernels import RTOL, padded
-from .test_kernels import close, poisoned, run
-from .test_model import assert_logits_close, tiny_model, torch_logits
-from .test_train import LOSS_RTOL, _assert_twins_agree, _micro_batches, _twins, labelled_batch
+from .helpers import (LOGIT_RTOL, LOSS_RTOL, assert_close, assert_twins_agree, kernel_workspace, labelled_batch,
+                      micro_batches, padded, poisoned, run, tiny_model, torch_logits, twins)
+
+RTOL = 1e-5  # float32 kernels against float64 sums: test_backward_kernels' tolerance
 
 SIGMAS = 6
 
@@ -97,11 +97,11 @@ def test_rmsnorm_h_drops_each_adapters_input_with_its_own_mask(tokens, k, ranks,
                             dropout=site(ranks, 0.3, seed=9))
     got_xn, got_h = run([launch], xn, h)
     y = rmsnorm_reference(x.double(), weight.double(), 1e-5)
-    close(got_xn[:, :k], y, 1e-6, "normalised (no dropout)")
+    assert_close(got_xn[:, :k], y, 1e-6, "normalised (no dropout)")
     first = 0
     for r, m in zip(ranks, masks(ranks, 0.3, 9, tokens, k)):
         assert 0 < int((m == 0).sum()) < m.numel()
-        close(got_h[:, first:first + r], (y * m.double()) @ A[first:first + r].double().T, 1e-5, f"h {first}..")
+        assert_close(got_h[:, first:first + r], (y * m.double()) @ A[first:first + r].double().T, 1e-5, f"h {first}..")
         first += r
 
 
@@ -142,22 +142,24 @@ def test_adapter_backward_with_dropout_matches_autograd(kind, splits):
         values = torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8)
         scales = torch.rand(rows, generator=g) + 0.5
         proj = Projection(upload(pack_ternary(values)), upload(scales.numpy()), rows, k, True)
-        launches += bitlinear_t_launch(upload(dy.numpy()), proj, out, tokens=tokens, k=k, **lora)
+        launches += bitlinear_t_launch(upload(dy.numpy()), proj, out, tokens=tokens, k=k, workspace=kernel_workspace(),
+                                       **lora)
         dx_base = bitlinear_t_reference(dy, values, scales, True)
     else:
         weight = torch.randn(rows, k, generator=g)
         proj = Projection(upload(float_rows(weight, False)), None, rows, k)
-        launches += matmul_t_launch(upload(dy.numpy()), proj, out, tokens=tokens, k=k, **lora)
+        launches += matmul_t_launch(upload(dy.numpy()), proj, out, tokens=tokens, k=k, workspace=kernel_workspace(),
+                                    **lora)
         dx_base = dy.double() @ weight.double()
     got_grads, got_dx = run(launches, grads, out)
     dx_ref = dx_base.clone()
     for ((begin, end, _), r), off, A, B, m, first in zip(adapters, b_offsets, As, Bs, ms, (0, 3)):
         dA_ref, dB_ref, dx_lora = lora_grad_reference(x, dy[:, begin:end], A, B, scale, m)
-        close(got_grads[off:off + B.numel()].reshape(B.shape), dB_ref, RTOL, f"dB rows {begin}..")
+        assert_close(got_grads[off:off + B.numel()].reshape(B.shape), dB_ref, RTOL, f"dB rows {begin}..")
         at = a_offset + first * pad(k, 64)
-        close(got_grads[at:at + r * pad(k, 64)].reshape(r, -1)[:, :k], dA_ref, RTOL, f"dA rows {begin}..")
+        assert_close(got_grads[at:at + r * pad(k, 64)].reshape(r, -1)[:, :k], dA_ref, RTOL, f"dA rows {begin}..")
         dx_ref += dx_lora
-    close(got_dx[:, :k], dx_ref, RTOL, "dx")
+    assert_close(got_dx[:, :k], dx_ref, RTOL, "dx")
 
 
 # -- the engine -----------------------------------------------------------------------------------
@@ -210,7 +212,7 @@ def test_training_mode_logits_and_loss_drop_with_seeds_from_torchs_generator():
     modules = lora_modules(model)
     with replayed_dropout(modules, engine_dropout_masks(engine, modules, seed, *ids.shape)):
         reference = torch_logits(model.eval(), ids, mask)
-    assert_logits_close(first.logits, reference)
+    assert_close(first.logits, reference, LOGIT_RTOL, "logits")
     with torch.no_grad():
         assert not torch.equal(engine(ids, attention_mask=mask).logits, reference)  # eval: no dropout
         model.train()
@@ -240,28 +242,28 @@ def test_engine_steps_with_dropout_match_torch_steps_with_the_same_masks():
     """Five one-submit optimizer steps of two micro-batches (padded to one shape on the engine)
     with dropout 0.2, against the torch path fed each micro-batch's masks (the engine draws one
     seed a micro-batch, in order, from torch's generator). Tolerance: the twenty-step test's."""
-    model, twin, engine, ours, theirs = _twins(8)
+    model, twin, engine, ours, theirs = twins(8)
     with_dropout(model, 0.2).train()
     modules = lora_modules(twin)
     for step in range(5):
-        micro = _micro_batches(model, seed=100 + step)
+        micro = micro_batches(model, seed=100 + step)
         shape = (max(b["input_ids"].shape[0] for b in micro), max(b["input_ids"].shape[1] for b in micro))
         torch.manual_seed(step)
         done = engine.train_step(micro, ours, max_grad_norm=1.0)
         torch.manual_seed(step)
         seeds = [int(torch.randint(0, 2**32, (), dtype=torch.int64)) for _ in micro]
-        tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+        tokens = sum(labelled_tokens(b["labels"]) for b in micro)
         loss = 0.0
         for b, seed in zip(micro, seeds):
             rows, length = b["input_ids"].shape
             masks = {name: m[:rows, :length] for name, m in engine_dropout_masks(engine, modules, seed, *shape).items()}
             with replayed_dropout(modules, masks):
                 out = twin(**b)
-            n = int((b["labels"][:, 1:] != -100).sum())
+            n = labelled_tokens(b["labels"])
             (out.loss * n / tokens).backward()
             loss += out.loss.item() * n / tokens
         assert abs(done["loss"] - loss) <= LOSS_RTOL * loss
         torch.nn.utils.clip_grad_norm_(lora_parameters(twin), 1.0)
         theirs.step()
         theirs.zero_grad()
-    _assert_twins_agree(engine, model, twin)
+    assert_twins_agree(engine, model, twin)

@@ -16,42 +16,21 @@ import pytest
 import torch
 
 from torch_wgpu_lora.engine.config import pad
-from torch_wgpu_lora.engine.kernels.bitlinear import bitlinear_launch, bitlinear_reference, gate_up_reference, lora_table
-from torch_wgpu_lora.engine.kernels.embedding import embedding_launches, embedding_reference, gather_rows_launch
+from torch_wgpu_lora.engine.kernels.bitlinear import bitlinear_launch, bitlinear_reference
+from torch_wgpu_lora.engine.kernels.embedding import (embedding_launches, embedding_reference, gather_rows_launch,
+                                                      gather_rows_reference)
+from torch_wgpu_lora.engine.kernels.ffn import gate_up_reference
 from torch_wgpu_lora.engine.kernels.matmul import matmul_launch, matmul_reference
 from torch_wgpu_lora.engine.kernels.norm import quantise_reference, rmsnorm_launch, rmsnorm_reference
+from torch_wgpu_lora.engine.kernels.projection import lora_table
 from torch_wgpu_lora.engine.kernels.rope import RopeTarget, rope_launch, rope_reference
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary, unpack_hf, unpack_ternary
-from torch_wgpu_lora.runtime import Buffer, Recorder, upload, write
+from torch_wgpu_lora.runtime import upload
+
+from .helpers import assert_close, kernel_workspace, nan_fill, poisoned, run
 
 FLOAT_RTOL = 1e-5  # see module docstring
 INT_RTOL = 2e-6
-
-
-def close(got: torch.Tensor, ref: torch.Tensor, rtol: float, what: str) -> None:
-    assert got.shape == ref.shape, (what, got.shape, ref.shape)
-    scale = ref.abs().max().item()
-    err = (got.double() - ref.double()).abs().max().item()
-    assert err <= rtol * max(scale, 1e-30), f"{what}: max error {err:.3g} vs scale {scale:.3g}"
-
-
-def run(launches, *reads):
-    rec = Recorder()
-    for launch in launches:
-        rec.launch(launch)
-    outs = []
-    for buf in reads:
-        out = np.empty(buf.shape, {"f32": np.float32, "u32": np.uint32}[buf.dtype])
-        rec.read(buf, out)
-        outs.append(out)
-    rec.submit()
-    return [torch.from_numpy(o) for o in outs]
-
-
-def poisoned(shape, dtype="f32") -> Buffer:
-    buf = Buffer(shape, dtype)
-    write(buf, np.full(shape, np.nan if dtype == "f32" else 0xDEADBEEF, np.float32 if dtype == "f32" else np.uint32))
-    return buf
 
 
 # -- packing ------------------------------------------------------------------------------------
@@ -112,7 +91,7 @@ def test_bitlinear_store_matches_the_exact_integer_reference(path, divide, token
                               out_stride=rows + 3, out_offset=2, **PATHS[path])
     (got,) = run([launch], out)
     ref = bitlinear_reference(codes, scales, values, row_scales, divide)
-    close(got[:, 2:rows + 2], ref, INT_RTOL, "bitlinear")
+    assert_close(got[:, 2:rows + 2], ref, INT_RTOL, "bitlinear")
     assert torch.isnan(got[:, :2]).all() and torch.isnan(got[:, rows + 2:]).all()  # only its columns written
 
 
@@ -128,7 +107,7 @@ def test_bitlinear_adds_into_a_residual_stream(path):
     launch = bitlinear_launch(xq, xm, _projection(values, row_scales, True), out, tokens=tokens, out_stride=rows,
                               mode="add", **PATHS[path])
     (got,) = run([launch, launch], out)  # twice: it adds, never overwrites
-    close(got, residual.double() + 2 * bitlinear_reference(codes, scales, values, row_scales, True), INT_RTOL,
+    assert_close(got, residual.double() + 2 * bitlinear_reference(codes, scales, values, row_scales, True), INT_RTOL,
           "residual")
 
 
@@ -152,8 +131,8 @@ def test_bitlinear_gate_up_pairs_with_lora_and_saved_pairs(path):
     raw = bitlinear_reference(codes, scales, values, row_scales, False)
     raw[:, 0::2] += 0.5 * h[:, :rank].double() @ B_gate.double().T
     raw[:, 1::2] += 2.0 * h[:, rank:].double() @ B_up.double().T
-    close(saved, raw, 1e-5, "saved gate/up")
-    close(got, gate_up_reference(raw), 1e-5, "relu² gate · up")
+    assert_close(saved, raw, 1e-5, "saved gate/up")
+    assert_close(got, gate_up_reference(raw), 1e-5, "relu² gate · up")
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -176,7 +155,7 @@ def test_bitlinear_lora_segments_on_a_fused_qkv(path):
     ref = bitlinear_reference(codes, scales, values, row_scales, True)
     ref[:, :8] += 1.5 * h[:, :4].double() @ Bq.double().T
     ref[:, 12:] += 0.25 * h[:, 4:].double() @ Bv.double().T
-    close(got, ref, 1e-5, "qkv with LoRA")
+    assert_close(got, ref, 1e-5, "qkv with LoRA")
 
 
 # -- decoding's fused GEMV: its own RMSNorm and quantisation, the RoPE epilogue ------------------
@@ -223,13 +202,13 @@ def test_gemv_normalises_and_quantises_its_own_input(tokens, k, rows, mode, redu
     ours = torch.from_numpy(got_codes.numpy().view(np.int8).reshape(tokens, -1).astype(np.int64))
     assert not ours[:, k:].any()  # the padding's codes are zero
     ours, scale = ours[:, :k], got_meta[:tokens]
-    close(scale, quantise_reference(y)[1], 1e-6, "scales")  # 127 / max|y|: the few ulps above
+    assert_close(scale, quantise_reference(y)[1], 1e-6, "scales")  # 127 / max|y|: the few ulps above
     _assert_codes_round(ours, y, scale)
     assert np.array_equal(got_meta[tokens:].numpy().view(np.int32), ours.sum(1).numpy())
     ref = bitlinear_reference(ours, scale, values, row_scales, True)
     if mode == "add":
         ref += residual.double()
-    close(got, ref, INT_RTOL, "projection of its own codes")
+    assert_close(got, ref, INT_RTOL, "projection of its own codes")
 
 
 @pytest.mark.parametrize("normalise", [False, True], ids=["codes", "norm"])
@@ -282,9 +261,9 @@ def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
     v = raw[:, q_size + kv_size:].reshape(batch, T, kv_heads, d).transpose(1, 2)
     positions = slice(pos, pos + T)
     q_ref, k_ref = apply_rotary_pos_emb(q, k_, cos[:, positions].double(), sin[:, positions].double())
-    close(got_q.reshape(batch, T, heads, d).transpose(1, 2), q_ref, 1e-5, "q")
-    close(got_k[:, :, positions], k_ref, 1e-5, "k")
-    close(got_v[:, :, positions], v, 1e-5, "v")
+    assert_close(got_q.reshape(batch, T, heads, d).transpose(1, 2), q_ref, 1e-5, "q")
+    assert_close(got_k[:, :, positions], k_ref, 1e-5, "k")
+    assert_close(got_v[:, :, positions], v, 1e-5, "v")
     assert not got_k[:, :, :pos].any() and not got_k[:, :, pos + T:].any()  # nothing outside its positions
     assert not got_v[:, :, :pos].any() and not got_v[:, :, pos + T:].any()
 
@@ -301,12 +280,13 @@ def test_gemv_normalises_attention_partials_merged_as_it_reads_them(length):
     caches = [torch.randn(batch, kv_heads, max_len, d, generator=g) for _ in range(2)]
     step = upload(np.array([length - 1, 0, 0, 0], np.uint32))
     lengths = upload(np.array([length, max(1, length - 3)], np.uint32))
-    partials = decode_partials(batch, 1, heads, kv_heads, d, max_len, splits=4)
+    workspace = kernel_workspace()
+    partials = decode_partials(batch, 1, heads, kv_heads, d, max_len, workspace, splits=4)
     for buf in (partials.o, partials.ml):
-        write(buf, np.full(buf.shape, np.nan, np.float32))
+        nan_fill(buf)
     attend = attention_launches(upload(q.numpy()), *(upload(c.numpy()) for c in caches), poisoned((batch, heads * d)),
                                 step, lengths, batch=batch, tokens=1, heads=heads, kv_heads=kv_heads, head_dim=d,
-                                max_len=max_len, scale=d ** -0.5, decode=True, partials=partials)
+                                max_len=max_len, scale=d ** -0.5, decode=True, partials=partials, workspace=workspace)
     assert len(attend) == 1  # the partials' reader merges them: no combine launch
     norm = _norm_module(heads * d, g)
     values = torch.randint(-1, 2, (rows, heads * d), generator=g, dtype=torch.int8)
@@ -323,13 +303,13 @@ def test_gemv_normalises_attention_partials_merged_as_it_reads_them(length):
         y = norm(attended.float())  # transformers' module on the merged output (float32)
     ours = torch.from_numpy(got_codes.numpy().view(np.int8).reshape(batch, -1).astype(np.int64))
     scale = got_meta[:batch]
-    close(scale, quantise_reference(y)[1], 1e-5, "scales")  # the merge's rounding moves max|y| by ~1e-6
+    assert_close(scale, quantise_reference(y)[1], 1e-5, "scales")  # the merge's rounding moves max|y| by ~1e-6
     v = y.double() * scale.double()[:, None]
     flips = ours != v.round().clamp(-128, 127)
     # attention's float32 output differs from float64 torch by ~1e-6 relative: y·s by < 2e-3 code units
     assert not (flips & ((v - v.floor() - 0.5).abs() >= 2e-3)).any()
     assert flips.sum() <= 2 and (ours - v.round()).abs().max() <= 1
-    close(got, bitlinear_reference(ours, scale, values, row_scales, True), INT_RTOL, "projection of the merged codes")
+    assert_close(got, bitlinear_reference(ours, scale, values, row_scales, True), INT_RTOL, "projection of the merged codes")
     with pytest.raises(ValueError, match="attention partials"):
         bitlinear_launch(codes, meta, _projection(values, row_scales, True), out, tokens=batch, out_stride=rows,
                          gemv=True, attention=partials)
@@ -369,7 +349,7 @@ def test_matmul_matches_float64(gemv, bf16, tokens, k, rows):
     out = poisoned((tokens, rows))
     (got,) = run([matmul_launch(upload(x.numpy()), proj, out, tokens=tokens, out_stride=rows, bf16=bf16,
                                 gemv=gemv)], out)
-    close(got, matmul_reference(x[:, :k], weight.float()), FLOAT_RTOL, "matmul")
+    assert_close(got, matmul_reference(x[:, :k], weight.float()), FLOAT_RTOL, "matmul")
 
 
 def test_matmul_gate_up_and_add():
@@ -380,11 +360,11 @@ def test_matmul_gate_up_and_add():
     proj = Projection(upload(float_rows(weight, False)), None, 2 * f, k)
     out = poisoned((tokens, f))
     (got,) = run([matmul_launch(upload(x.numpy()), proj, out, tokens=tokens, out_stride=f, mode="gate_up")], out)
-    close(got, gate_up_reference(matmul_reference(x, weight)), FLOAT_RTOL, "gate_up")
+    assert_close(got, gate_up_reference(matmul_reference(x, weight)), FLOAT_RTOL, "gate_up")
     residual = torch.randn(tokens, 2 * f, generator=g)
     res = upload(residual.numpy())
     (got,) = run([matmul_launch(upload(x.numpy()), proj, res, tokens=tokens, out_stride=2 * f, mode="add")], res)
-    close(got, residual.double() + matmul_reference(x, weight), FLOAT_RTOL, "add")
+    assert_close(got, residual.double() + matmul_reference(x, weight), FLOAT_RTOL, "add")
 
 
 # -- RMSNorm, quantisation, LoRA down -------------------------------------------------------------
@@ -413,15 +393,15 @@ def test_rmsnorm_quantise_and_lora_down(tokens, k, rank, per_row, reductions):
     got_xn, got_codes, got_meta, got_h, got_rstd = run([launch], xn, codes, meta, h, rstd)
     with torch.no_grad():
         y = norm(x)  # transformers' own module
-    close(got_xn[:, :k], y, 1e-6, "normalised")
+    assert_close(got_xn[:, :k], y, 1e-6, "normalised")
     assert torch.equal(got_xn[:, k:], torch.zeros(tokens, stride - k))
-    close(got_h, y.double() @ A.double().T, FLOAT_RTOL, "h = y·Aᵀ")
-    close(got_rstd, torch.rsqrt(x.double().pow(2).mean(-1) + 1e-5), 1e-6, "1/rms")
+    assert_close(got_h, y.double() @ A.double().T, FLOAT_RTOL, "h = y·Aᵀ")
+    assert_close(got_rstd, torch.rsqrt(x.double().pow(2).mean(-1) + 1e-5), 1e-6, "1/rms")
     # Codes from our y must be exactly torch's rounding of our y (the GPU's division 127/m may
     # differ from torch's by an ulp: compare with the kernel's own scale and allow only ties).
     ours = torch.from_numpy(got_codes.numpy().view(np.int8).reshape(tokens, -1)[:, :k].astype(np.int64))
     scale = got_meta[:tokens]
-    close(scale, quantise_reference(got_xn[:, :k])[1], 2e-7, "scales")
+    assert_close(scale, quantise_reference(got_xn[:, :k])[1], 2e-7, "scales")
     exact = (got_xn[:, :k] * scale[:, None]).round().clamp(-128, 127)
     flips = ours != exact
     assert flips.sum() <= 2, f"{int(flips.sum())} codes differ from rounding the kernel's own y·s"
@@ -443,7 +423,7 @@ def test_rmsnorm_without_quantisation_reads_a_strided_input():
     weight = torch.rand(k, generator=g) + 0.5
     out = poisoned((tokens, 64))
     (got,) = run([rmsnorm_launch(upload(x.numpy()), upload(weight.numpy()), out, tokens=tokens, k=k, eps=1e-6)], out)
-    close(got[:, :k], rmsnorm_reference(x[:, :k], weight, 1e-6), 1e-6, "final norm")
+    assert_close(got[:, :k], rmsnorm_reference(x[:, :k], weight, 1e-6), 1e-6, "final norm")
 
 
 # -- embedding, RoPE ------------------------------------------------------------------------------
@@ -472,9 +452,9 @@ def test_gather_rows_by_index_leaves_or_zeroes_rows_past_the_table(zero_missing)
     out = upload(before.numpy().copy())
     (got,) = run([gather_rows_launch(upload(index.numpy().astype(np.uint32)), upload(table.numpy()), out, tokens=6,
                                      k=60, zero_missing=zero_missing)], out)
-    present = torch.tensor([True, True, False, True, False, True])
-    assert torch.equal(got[present, :60], table[index[present], :60])
-    assert torch.equal(got[~present, :60], torch.zeros(2, 60) if zero_missing else before[~present, :60])
+    # a copy of float32 values: equal bit for bit to the reference's copy
+    ref = gather_rows_reference(index, table[:, :60], before[:, :60], zero_missing)
+    assert torch.equal(got[:, :60], ref)
     assert torch.equal(got[:, 60:], before[:, 60:])  # features past k untouched
 
 
@@ -501,8 +481,8 @@ def test_rope_matches_transformers_and_fills_the_caches():
     v = qkv[:, q_size + kv_size:q_size + 2 * kv_size].reshape(batch, T, kv_heads, d).transpose(1, 2)
     positions = slice(pos, pos + T)
     q_ref, k_ref = apply_rotary_pos_emb(q, k, cos[:, positions], sin[:, positions])
-    close(got_q.reshape(batch, T, heads, d).transpose(1, 2), q_ref, 1e-6, "q")
-    close(got_k[:, :, positions], k_ref, 1e-6, "k")
+    assert_close(got_q.reshape(batch, T, heads, d).transpose(1, 2), q_ref, 1e-6, "q")
+    assert_close(got_k[:, :, positions], k_ref, 1e-6, "k")
     assert torch.equal(got_v[:, :, positions], v)
     assert not got_k[:, :, :pos].any() and not got_k[:, :, pos + T:].any()  # nothing outside its positions
-    close(rope_reference(q, cos[0, positions], sin[0, positions]), q_ref, 1e-7, "reference")
+    assert_close(rope_reference(q, cos[0, positions], sin[0, positions]), q_ref, 1e-7, "reference")

@@ -1,10 +1,9 @@
 """BitNetEngine's forward against transformers' own BitNetForCausalLM, on tiny models of all
 four checkpoint flavours built offline, with and without adapters (B ≠ 0).
 
-Dense flavour: logits within 1e-4 of the largest |logit| (float32 on both sides, sums in other
-orders: errors ~1e-6 of the scale, so 100× margin; an indexing bug gives O(1)). Quantised
-flavours: the same tolerance once torch is fed the engine's int8 codes, with every code flip
-checked to be a near-tie and flips bounded (``integrations.quantisation`` says why).
+Dense flavour: logits within ``helpers.LOGIT_RTOL`` of the largest |logit|. Quantised flavours:
+the same tolerance once torch is fed the engine's int8 codes, with every code flip checked to be a
+near-tie and flips bounded (``integrations.quantisation`` says why).
 """
 
 from __future__ import annotations
@@ -16,54 +15,11 @@ import torch
 
 from torch_wgpu_lora import BitNetEngine
 from torch_wgpu_lora.engine.kernels import bitlinear
-from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet
-from torch_wgpu_lora.integrations.tiny import FLAVOURS, build_tiny_bitnet
-
 from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE, FeedStats, feeding_codes
+from torch_wgpu_lora.integrations.tiny import FLAVOURS
 
 from ..concurrency import in_forked_child, in_threads
-from .helpers import forward_with_codes
-
-LOGIT_RTOL = 1e-4
-
-CONFIGS = {
-    "gqa-tied": {},
-    "untied-mha-3-layers": dict(tie_word_embeddings=False, num_key_value_heads=4, num_hidden_layers=3),
-    "odd-sizes": dict(hidden_size=48, intermediate_size=40, num_attention_heads=4, num_key_value_heads=1,
-                      vocab_size=67, num_hidden_layers=1),
-}
-
-
-def tiny_model(flavour: str, adapters: bool, seed: int = 0, **config) -> torch.nn.Module:
-    model = load_bitnet(build_tiny_bitnet(tempfile.mkdtemp(), flavour=flavour, seed=seed, **config))
-    if adapters:
-        apply_lora(model, r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    return model.eval()
-
-
-def batch(vocab: int, lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    tokens = max(lengths)
-    ids = torch.randint(0, vocab, (len(lengths), tokens), generator=g)
-    mask = (torch.arange(tokens)[None, :] < torch.tensor(lengths)[:, None]).long()
-    return ids, mask
-
-
-def torch_logits(model, ids, mask):
-    with torch.compiler.set_stance("force_eager"), torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask).logits
-
-
-def assert_logits_close(got, ref):
-    scale = ref.abs().max().item()
-    err = (got - ref).abs().max().item()
-    assert err <= LOGIT_RTOL * scale, f"max |logit error| {err:.3g} vs largest |logit| {scale:.3g}"
-
+from .helpers import CONFIGS, LOGIT_RTOL, LOSS_RTOL, assert_close, batch, forward_with_codes, tiny_model, torch_logits
 
 @pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora"])
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -72,7 +28,7 @@ def test_dense_logits_match_transformers(config, adapters):
     ids, mask = batch(model.config.vocab_size, [9, 6, 1])
     out = BitNetEngine(model)(ids, attention_mask=mask)
     assert out.logits.shape == (3, 9, model.config.vocab_size) and out.logits.dtype == torch.float32
-    assert_logits_close(out.logits, torch_logits(model, ids, mask))
+    assert_close(out.logits, torch_logits(model, ids, mask), LOGIT_RTOL, "logits")
 
 
 @pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora"])
@@ -92,7 +48,7 @@ def test_quantised_logits_match_transformers_fed_the_engines_codes(flavour, conf
     assert stats.calls == 7 * layers  # every projection quantised through the hook (q, k, v, o, gate, up, down)
     assert stats.nonzero > stats.codes // 2  # real codes, not a degenerate all-zero input
     assert stats.flips <= FLIP_SHARE * stats.codes, f"{stats.flips} flips in {stats.codes} codes"
-    assert_logits_close(logits, ref)
+    assert_close(logits, ref, LOGIT_RTOL, "logits")
     # and the public forward gives the same logits as this instrumented pass
     assert torch.equal(engine(ids, attention_mask=mask).logits, logits)
 
@@ -111,7 +67,7 @@ def test_quantised_logits_with_the_gpus_gemm_tile_match_transformers(monkeypatch
     with feeding_codes(model, codes, stats):
         ref = torch_logits(model, ids, mask)
     assert stats.flips <= FLIP_SHARE * stats.codes, f"{stats.flips} flips in {stats.codes} codes"
-    assert_logits_close(logits, ref)
+    assert_close(logits, ref, LOGIT_RTOL, "logits")
 
 
 def test_loss_is_transformers_shifted_mean_over_labelled_tokens():
@@ -123,7 +79,7 @@ def test_loss_is_transformers_shifted_mean_over_labelled_tokens():
     out = BitNetEngine(model)(ids, attention_mask=mask, labels=labels)
     with torch.compiler.set_stance("force_eager"), torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    assert abs(out.loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    assert_close(out.loss, ref, LOSS_RTOL, "loss")
 
 
 def test_adapter_changes_reach_the_engine_without_a_new_engine():
@@ -141,9 +97,9 @@ def test_adapter_changes_reach_the_engine_without_a_new_engine():
     opt.step()
     stepped = engine(ids).logits
     assert not torch.equal(stepped, before)
-    assert_logits_close(stepped, torch_logits(model, ids, mask))
+    assert_close(stepped, torch_logits(model, ids, mask), LOGIT_RTOL, "logits after a step")
     load_adapter(model, folder)  # load_adapter brings the saved values back
-    assert_logits_close(engine(ids).logits, before)
+    assert_close(engine(ids).logits, before, LOGIT_RTOL, "logits after load_adapter")
 
 
 def test_bad_inputs_are_named():
@@ -195,10 +151,6 @@ def test_models_the_engine_cannot_run_are_refused_by_name():
 SAME_RTOL = 1e-6
 
 
-def _same(got: torch.Tensor, ref: torch.Tensor) -> bool:
-    return bool((got - ref).abs().max() <= SAME_RTOL * ref.abs().max())
-
-
 def test_threads_sharing_an_engine_each_get_their_own_logits_loss_gradients_and_tokens():
     from torch_wgpu_lora.engine.generate import engine_generate
 
@@ -220,9 +172,10 @@ def test_threads_sharing_an_engine_each_get_their_own_logits_loss_gradients_and_
         for _ in range(4):
             logits, loss, grads, tokens = run(*inputs[i])
             ref_logits, ref_loss, ref_grads, ref_tokens = expected[i]
-            assert _same(logits, ref_logits), "logits"
-            assert _same(loss, ref_loss), "loss"
-            assert all(_same(g, r) for g, r in zip(grads, ref_grads)), "gradients"
+            assert_close(logits, ref_logits, SAME_RTOL, "logits")
+            assert_close(loss, ref_loss, SAME_RTOL, "loss")
+            for g, r in zip(grads, ref_grads):
+                assert_close(g, r, SAME_RTOL, "gradients")
             assert tokens == ref_tokens, "generated tokens"
 
     in_threads(check, 4)

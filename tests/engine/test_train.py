@@ -25,21 +25,15 @@ from torch_wgpu_lora.integrations.bitnet import lora_modules, lora_parameters
 from torch_wgpu_lora.integrations.gradcheck import check_parity, randomize_lora_B
 from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE
 from torch_wgpu_lora.integrations.tiny import FLAVOURS
-from torch_wgpu_lora.ops.adamw import adamw_reference
+from torch_wgpu_lora.engine.kernels.attention import policy
+from torch_wgpu_lora.engine.kernels import projection
+from torch_wgpu_lora.loss import labelled_tokens
+from torch_wgpu_lora.ops.optimizer import adamw_reference
 from torch_wgpu_lora.runtime import Recorder, get_device
 
 from ..concurrency import in_forked_child
-from .test_model import CONFIGS, batch, tiny_model
-
-LOSS_RTOL = 1e-5
-
-
-def labelled_batch(model, lengths, seed=0):
-    ids, mask = batch(model.config.vocab_size, lengths, seed)
-    labels = ids.clone()
-    labels[:, :2] = -100  # a prompt part without loss, as in instruction tuning
-    labels[mask == 0] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+from .helpers import (CONFIGS, LOGIT_RTOL, LOSS_RTOL, TWIN_RTOL, assert_close, assert_twins_agree, batch,
+                      labelled_batch, micro_batches, tiny_model, torch_step, twins)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -60,51 +54,42 @@ def test_every_adapter_gradient_matches_autograd(flavour, config):
     assert parity.passed
 
 
-def checked_train_plans(flavour: str) -> tuple:
+def checked_train_plan(flavour: str) -> tuple:
     """A tiny model's adapter gradients from the engine checked against autograd; returns the model
-    and the engine's training plans, whose launches the caller then inspects."""
-    from torch_wgpu_lora.engine.train_plan import TrainPlan
-
+    and the engine's training plan of that batch, whose launches the caller then inspects."""
     model = tiny_model(flavour, adapters=True, seed=1)
     randomize_lora_B(model, seed=2)
     engine = BitNetEngine(model)
     parity = check_parity(model, labelled_batch(model, [11, 6, 9]), engine=engine)
     assert parity.report.rms_rel_error <= parity.tolerance, str(parity)
     assert parity.passed
-    plans = [plan for plan in engine._plans.values() if isinstance(plan, TrainPlan)]
-    assert plans
-    return model, plans
+    return model, engine.train_plan(3, 11)  # the plan the check ran (cached)
 
 
 def launched(plan) -> list[str]:
     """The kernel names of a training plan's first slot, in order (indirect launches included)."""
-    return [getattr(step, "launch", step).kernel.name for step in plan.slots[0].launches]
+    return [launch.kernel.name for launch in plan.slots[0].program.launches]
 
 
 @pytest.mark.parametrize("flavour", ["packed", "dense"])
 def test_adapter_gradients_with_the_input_gradients_split_over_their_rows(flavour, monkeypatch):
     # split-K, the GPUs' default at 2B shapes (CPU adapters keep one range): forced to three ranges
     # of every input-gradient GEMM, the LM head's included
-    from torch_wgpu_lora.engine.kernels import bitlinear
-
-    monkeypatch.setattr(bitlinear, "input_grad_splits", lambda workgroups, rows, device: 3)
-    _, plans = checked_train_plans(flavour)
-    assert all(any(kernel.endswith(":split_sum") for kernel in launched(plan)) for plan in plans)
+    monkeypatch.setattr(projection, "input_grad_splits", lambda workgroups, rows, device: 3)
+    _, plan = checked_train_plan(flavour)
+    assert any(kernel.endswith(":split_sum") for kernel in launched(plan))
 
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_adapter_gradients_with_p_kept_from_the_forward_or_computed_again(keep, monkeypatch):
     # each layer's attention probabilities kept for its backward (the default where they fit), or
     # past the budget the backward computing S again from q and k
-    from torch_wgpu_lora.engine.kernels import attention
-
     if not keep:
-        monkeypatch.setattr(attention, "KEPT_PROBABILITIES_BYTES", 0)
-    model, plans = checked_train_plans("packed")
-    for plan in plans:
-        scores = launched(plan).count("attention_scores.wgsl:gemm_tiled")
-        assert scores == (2 if keep else 3) * model.config.num_hidden_layers
-        assert all((saved["p"] is not None) == keep for saved in plan.saved)
+        monkeypatch.setattr(policy, "KEPT_PROBABILITIES_BYTES", 0)
+    model, plan = checked_train_plan("packed")
+    scores = launched(plan).count("attention_scores.wgsl:gemm_tiled")
+    assert scores == (2 if keep else 3) * model.config.num_hidden_layers
+    assert all((layer.scores is not None) == keep for layer in plan.layers)
 
 
 @pytest.mark.parametrize("labelled", [5, 70])
@@ -173,12 +158,8 @@ def test_logits_come_with_the_loss_when_asked():
     out = engine(**data, return_logits=True)
     with torch.no_grad():
         ref = model(**data)
-    assert (out.logits - ref.logits).abs().max() <= 1e-4 * ref.logits.abs().max()
-    assert abs(out.loss.item() - ref.loss.item()) <= LOSS_RTOL * ref.loss.item()
-
-
-def _micro_batches(model, seed):
-    return [labelled_batch(model, lengths, seed=seed + i) for i, lengths in enumerate(([9, 5], [7, 7, 3]))]
+    assert_close(out.logits, ref.logits, LOGIT_RTOL, "logits")
+    assert_close(out.loss, ref.loss, LOSS_RTOL, "loss")
 
 
 def test_one_optimizer_step_is_one_submit_and_matches_the_torch_path():
@@ -191,17 +172,17 @@ def test_one_optimizer_step_is_one_submit_and_matches_the_torch_path():
     # rather than its sign, so the check sees the gradient's size too
     opt = WgpuAdamW(lora_parameters(model), lr=1e-2, eps=1e-3)
     device = get_device()
-    micro = _micro_batches(model, seed=7)
+    micro = micro_batches(model, seed=7)
     before = device.submits
     done = engine.train_step(micro, opt, max_grad_norm=0.05)
     assert device.submits - before == 1
     # the torch path, step by step, on the twin
     params = lora_parameters(twin)
-    tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+    tokens = sum(labelled_tokens(b["labels"]) for b in micro)
     loss_sum = 0.0
     for b in micro:
         out = twin(**b)
-        n = int((b["labels"][:, 1:] != -100).sum())
+        n = labelled_tokens(b["labels"])
         (out.loss * n / tokens).backward()
         loss_sum += out.loss.item() * n
     norm = torch.nn.utils.clip_grad_norm_(params, 0.05)
@@ -215,56 +196,19 @@ def test_one_optimizer_step_is_one_submit_and_matches_the_torch_path():
         assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
 
 
-def _torch_step(twin, micro, optimizer, max_norm=1.0):
-    """The torch path's step over ``micro``: the loss weighted per labelled token, clipping, AdamW."""
-    tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
-    for b in micro:
-        n = int((b["labels"][:, 1:] != -100).sum())
-        (twin(**b).loss * n / tokens).backward()
-    torch.nn.utils.clip_grad_norm_(lora_parameters(twin), max_norm)
-    optimizer.step()
-    optimizer.zero_grad()
-
-
-def _twins(seed):
-    """A model with adapters, its deep copy, the engine on the first and the two optimizers
-    (WgpuAdamW on the engine's, torch.optim.AdamW on the copy's) with the same settings."""
-    model = tiny_model("dense", adapters=True, seed=seed)
-    randomize_lora_B(model, seed=seed + 1)
-    twin = copy.deepcopy(model)
-    ours = WgpuAdamW(lora_parameters(model), lr=5e-3, eps=1e-3)  # eps: see the one-step test
-    theirs = torch.optim.AdamW(lora_parameters(twin), lr=5e-3, eps=1e-3, weight_decay=0.01, foreach=False)
-    return model, twin, BitNetEngine(model), ours, theirs
-
-
-def _assert_twins_agree(engine, model, twin):
-    """Every adapter tensor of the engine's model (pulled from the GPU) within 1e-4 of its
-    scale of the torch twin's: the twenty-step test says why."""
-    engine.adapters.pull()
-    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
-        if "lora_" in name:
-            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), name
-
-
 def test_twenty_engine_steps_match_twenty_torch_steps():
-    """The engine with WgpuAdamW against the torch path with torch.optim.AdamW, from one start.
-    Tolerance 1e-4 of each adapter tensor's scale after 20 steps: each step's gradients agree
-    to ~1e-6 (float32 orders), and Adam's normalised updates carry such differences forward
-    without growing them much over 20 steps; a wrong gradient or update is off by O(1)."""
-    model, twin, engine, ours, theirs = _twins(8)
+    """The engine with WgpuAdamW against the torch path with torch.optim.AdamW, from one start,
+    within ``helpers.TWIN_RTOL``; the optimizer's state reads back like torch's."""
+    model, twin, engine, ours, theirs = twins(8)
     for step in range(20):
-        micro = _micro_batches(model, seed=100 + step)
+        micro = micro_batches(model, seed=100 + step)
         engine.train_step(micro, ours, max_grad_norm=1.0)
-        _torch_step(twin, micro, theirs)
-    engine.adapters.pull()
-    for a, b in zip(lora_parameters(model), lora_parameters(twin)):
-        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
-    # the optimizer's state reads back like torch's
+        torch_step(twin, micro, theirs)
+    assert_twins_agree(engine, model, twin)
     state = ours.state_dict()["state"]
     for i, p in enumerate(lora_parameters(twin)):
         assert state[i]["step"].item() == 20
-        ref = theirs.state[p]["exp_avg"]
-        assert (state[i]["exp_avg"] - ref).abs().max() <= 1e-4 * ref.abs().max()
+        assert_close(state[i]["exp_avg"], theirs.state[p]["exp_avg"], TWIN_RTOL, f"exp_avg {i}")
 
 
 def test_steps_in_a_row_keep_the_gpu_values_and_an_edit_in_torch_between_them_wins():
@@ -272,21 +216,21 @@ def test_steps_in_a_row_keep_the_gpu_values_and_an_edit_in_torch_between_them_wi
     between two steps (after a pull brought the Parameters up to date, as the model's forward
     and state_dict hooks do) is uploaded for the next step while the others keep the GPU's
     values: against the torch path with the same edit. Tolerance as in the twenty-step test."""
-    model, twin, engine, ours, theirs = _twins(12)
+    model, twin, engine, ours, theirs = twins(12)
     edited = "model.layers.1.self_attn.v_proj"
     device = get_device()
     for step in range(3):  # the last starts with the GPU's values newer than the Parameters
-        micro = _micro_batches(model, seed=200 + step)
+        micro = micro_batches(model, seed=200 + step)
         before = device.submits
         engine.train_step(micro, ours, max_grad_norm=1.0)
         assert device.submits - before == 1
-        _torch_step(twin, micro, theirs)
+        torch_step(twin, micro, theirs)
         if step == 0:
             engine.adapters.pull()
             with torch.no_grad():
                 for m in (model, twin):
                     lora_modules(m)[edited].lora_A.mul_(-0.5)
-    _assert_twins_agree(engine, model, twin)
+    assert_twins_agree(engine, model, twin)
 
 
 def test_the_step_encoded_ahead_runs_with_its_own_inputs_learning_rate_and_shape():
@@ -295,24 +239,21 @@ def test_the_step_encoded_ahead_runs_with_its_own_inputs_learning_rate_and_shape
     every step; a change of shape, then of max_grad_norm, each of which discards the step
     encoded ahead (so a step is encoded twice), while a repeat uses it (once). One submit a
     step. Tolerance as in the twenty-step test."""
-    model, twin, engine, ours, theirs = _twins(14)
+    model, twin, engine, ours, theirs = twins(14)
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (ours, theirs)]
-    recorded = []
-    record = engine._record_step
-    engine._record_step = lambda *a: (recorded.append(1), record(*a))[1]
     device = get_device()
     # (micro-batches, max_grad_norm, command buffers encoded in the step)
-    steps = [(_micro_batches(model, 300), 1.0, 2), (_micro_batches(model, 301), 1.0, 1),
+    steps = [(micro_batches(model, 300), 1.0, 2), (micro_batches(model, 301), 1.0, 1),
              ([labelled_batch(model, [11], seed=302)], 1.0, 2), ([labelled_batch(model, [11], seed=303)], 1.0, 1),
              ([labelled_batch(model, [11], seed=304)], 0.05, 2)]
     for micro, max_norm, encoded in steps:
-        before, recorded[:] = device.submits, []
+        before, encoded_before = device.submits, engine.optimizer_step.encoded
         engine.train_step(micro, ours, max_grad_norm=max_norm)
-        assert device.submits - before == 1 and len(recorded) == encoded
-        _torch_step(twin, micro, theirs, max_norm)
+        assert device.submits - before == 1 and engine.optimizer_step.encoded - encoded_before == encoded
+        torch_step(twin, micro, theirs, max_norm)
         for schedule in schedules:
             schedule.step()
-    _assert_twins_agree(engine, model, twin)
+    assert_twins_agree(engine, model, twin)
 
 
 def _steps_the_engine(engine, micro, optimizer) -> str:
@@ -321,28 +262,28 @@ def _steps_the_engine(engine, micro, optimizer) -> str:
 
 
 def test_a_step_encoded_ahead_gives_a_forked_child_the_fork_error_and_still_serves_the_parent():
-    model, twin, engine, ours, theirs = _twins(18)
-    micro = _micro_batches(model, seed=500)
+    model, twin, engine, ours, theirs = twins(18)
+    micro = micro_batches(model, seed=500)
     engine.train_step(micro, ours, max_grad_norm=1.0)  # leaves the next step encoded
-    _torch_step(twin, micro, theirs)
+    torch_step(twin, micro, theirs)
     message = in_forked_child(_steps_the_engine, engine, micro, ours)
     assert "forked after its parent created the WebGPU device" in message
     engine.train_step(micro, ours, max_grad_norm=1.0)  # the parent submits the step encoded ahead
-    _torch_step(twin, micro, theirs)
-    _assert_twins_agree(engine, model, twin)
+    torch_step(twin, micro, theirs)
+    assert_twins_agree(engine, model, twin)
 
 
 def test_a_micro_batch_without_labels_adds_nothing():
     """Its head GEMMs get empty grids (zero token tiles) and its positions zero gradients: the step
     equals the torch path's over the other micro-batch alone (the loss per labelled token of the
     step). Tolerance as in the twenty-step test."""
-    model, twin, engine, ours, theirs = _twins(16)
-    micro = _micro_batches(model, seed=400)
+    model, twin, engine, ours, theirs = twins(16)
+    micro = micro_batches(model, seed=400)
     empty = {**micro[1], "labels": torch.full_like(micro[1]["labels"], -100)}
     done = engine.train_step([micro[0], empty], ours, max_grad_norm=1.0)
-    _torch_step(twin, [micro[0]], theirs)
-    assert done["tokens"] == int((micro[0]["labels"][:, 1:] != -100).sum())
-    _assert_twins_agree(engine, model, twin)
+    torch_step(twin, [micro[0]], theirs)
+    assert done["tokens"] == labelled_tokens(micro[0]["labels"])
+    assert_twins_agree(engine, model, twin)
 
 
 def test_a_non_finite_step_is_skipped_on_the_gpu():
@@ -352,7 +293,7 @@ def test_a_non_finite_step_is_skipped_on_the_gpu():
     with torch.no_grad():
         lora_modules(model)["model.layers.0.self_attn.q_proj"].lora_B[0, 0] = float("nan")
     before = [p.detach().clone() for p in lora_parameters(model)]
-    done = engine.train_step(_micro_batches(model, seed=11), opt, max_grad_norm=1.0)
+    done = engine.train_step(micro_batches(model, seed=11), opt, max_grad_norm=1.0)
     assert done["skipped"] and done["loss"] is None
     engine.adapters.pull()
     for p, b in zip(lora_parameters(model), before):

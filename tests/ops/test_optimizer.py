@@ -1,11 +1,13 @@
-"""adamw.wgsl against its torch reference, and the reference against torch.optim.AdamW."""
+"""clip.wgsl and adamw.wgsl against their torch references, and the AdamW reference against
+torch.optim.AdamW."""
 
 import numpy as np
 import pytest
 import torch
 
-from torch_wgpu_lora.ops.adamw import adamw_reference, adamw_step
-from torch_wgpu_lora.runtime import Recorder, get_device, upload
+from torch_wgpu_lora.ops.optimizer import (CLIP_PARTIALS, adamw_launch, adamw_reference, adamw_scalars, adamw_step,
+                                           clip_launches, clip_reference)
+from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, upload, write
 
 
 def _kernel_step(param, grad, exp_avg, exp_avg_sq, **hyper):
@@ -74,3 +76,64 @@ def test_kernel_rejects_mismatched_buffers_and_step_zero():
         adamw_step(Recorder(), p, g, m, v, step=1, **hyper)
     with pytest.raises(ValueError, match="step counts from 1, got 0"):
         adamw_step(Recorder(), p, upload(np.zeros(8, np.float32)), m, v, step=0, **hyper)
+
+
+def _run(launches, *reads):
+    rec = Recorder()
+    for launch in launches:
+        rec.launch(launch)
+    outs = [np.empty(buf.shape, np.float32) for buf in reads]
+    for buf, out in zip(reads, outs):
+        rec.read(buf, out)
+    rec.submit()
+    return [torch.from_numpy(o) for o in outs]
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 0.5, 1e6])
+def test_clip_then_adamw_match_their_references(max_norm, reductions):
+    g = torch.Generator().manual_seed(6)
+    n = 3000  # not a multiple of a workgroup's share
+    p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1
+    m, v = torch.randn(n, generator=g) * 0.01, torch.rand(n, generator=g) * 1e-3
+    losses = torch.rand(10, generator=g)
+    P, G, M, V = (upload(t.numpy().copy()) for t in (p, grad, m, v))
+    stats, partials = Buffer((4,)), Buffer((CLIP_PARTIALS,))
+    write(stats, np.full(4, np.nan, np.float32))
+    options = dict(step=3, lr=1e-2, betas=(0.9, 0.999), eps=1e-7, weight_decay=0.01)
+    launches = clip_launches(G, upload(losses.numpy()), stats, partials, n=n, rows=10, max_norm=max_norm)
+    launches.append(adamw_launch(P, G, M, V, adamw_scalars(**options), stats=stats, n=n))
+    got_p, got_m, got_v, got_stats = _run(launches, P, M, V, stats)
+    norm, coef, flag, loss = clip_reference(grad, losses, max_norm).tolist()
+    # the norm and the loss sum: float32 sums of 3,000 and 10 terms in another order against float64;
+    # the coefficient follows the norm's rounding
+    assert abs(got_stats[0].item() - norm) <= 1e-5 * norm and abs(got_stats[1].item() - coef) <= 1e-5
+    assert got_stats[2].item() == flag == 0.0 and abs(got_stats[3].item() - loss) <= 1e-5
+    p_ref, m_ref, v_ref = p.clone(), m.clone(), v.clone()
+    adamw_reference(p_ref, grad * got_stats[1], m_ref, v_ref, **options)
+    for got, ref, name in ((got_p, p_ref, "param"), (got_m, m_ref, "exp_avg"), (got_v, v_ref, "exp_avg_sq")):
+        # same operations and FMAs on the same clipped gradient: a few float32 ulps (torch's CPU sqrt)
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("bad", ["loss", "grad"])
+def test_a_non_finite_loss_or_gradient_skips_the_update(bad):
+    n = 100
+    p, grad, losses = torch.ones(n), torch.full((n,), 0.1), torch.ones(3)
+    if bad == "loss":
+        losses[1] = float("nan")
+    else:
+        grad[7] = float("inf")
+    assert clip_reference(grad, losses, 1.0)[2] == 1.0
+    P, G = upload(p.numpy().copy()), upload(grad.numpy())
+    M, V = upload(np.zeros(n, np.float32)), upload(np.zeros(n, np.float32))
+    stats = Buffer((4,))
+    launches = clip_launches(G, upload(losses.numpy()), stats, Buffer((CLIP_PARTIALS,)), n=n, rows=3, max_norm=1.0)
+    launches.append(adamw_launch(P, G, M, V, adamw_scalars(1, 0.1, (0.9, 0.999), 1e-8, 0.0), stats=stats, n=n))
+    got_p, got_stats = _run(launches, P, stats)
+    assert got_stats[2].item() == 1.0 and torch.equal(got_p, p)
+
+
+def test_clip_refuses_buffers_too_small():
+    with pytest.raises(ValueError, match=f"partials need {CLIP_PARTIALS} floats"):
+        clip_launches(Buffer((8,)), Buffer((2,)), Buffer((4,)), Buffer((CLIP_PARTIALS - 1,)), n=8, rows=2,
+                      max_norm=1.0)

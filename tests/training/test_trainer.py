@@ -20,7 +20,7 @@ from torch_wgpu_lora.prompts import format_prompt
 from torch_wgpu_lora.training import checkpoint as checkpoint_module
 from torch_wgpu_lora.training.data import collate, encode_records, read_records
 from torch_wgpu_lora.training.metrics import MetricsLog, plot_loss
-from torch_wgpu_lora.training.optim import WgpuAdamW
+from torch_wgpu_lora.optim import WgpuAdamW
 from torch_wgpu_lora.training.schedule import make_scheduler
 from torch_wgpu_lora.training.trainer import TrainingStopped, accumulate_gradients
 

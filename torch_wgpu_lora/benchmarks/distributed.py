@@ -33,7 +33,7 @@ def measure(layers: int, seq: int, steps: int, small: bool = False) -> dict[str,
     from ..integrations.bitnet import lora_parameters
     from ..runtime import device_info
     from ..training.distributed import DataParallel, init_from_env
-    from ..training.optim import WgpuAdamW
+    from ..optim import WgpuAdamW
 
     init_from_env()
     dp = DataParallel.current()

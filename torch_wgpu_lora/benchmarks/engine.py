@@ -185,17 +185,16 @@ def kernel_rates(kernels_us: dict[str, float], work: dict[str, tuple[float, str]
 def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: int, repeats: int,
                    tokens_per_submit: int, log: Log) -> dict[str, Any]:
     """Prefill and decode figures of ``engine`` (see the module docstring)."""
-    from ..engine.generate import engine_generate, session
+    from ..engine.generate import engine_generate
 
     device = engine.device
     vocab = engine.engine_config.vocab
     out: dict[str, Any] = {}
 
     # prefill: a prompt of prefill_tokens, last position's logits, as generation runs it
-    s = session(engine, prefill_tokens, 1)
+    s = engine.decode_session(prefill_tokens, 1)
     g = torch.Generator().manual_seed(1)
-    write(s.prefill.ids, torch.randint(0, vocab, (prefill_tokens,), generator=g).numpy().astype(np.uint32))
-    s.cache.set_position(0, [prefill_tokens])
+    s.start(torch.randint(0, vocab, (prefill_tokens,), generator=g).tolist())
     start = time.perf_counter()
     while time.perf_counter() - start < WARM_UP_S:
         rec = Recorder(device)
@@ -217,6 +216,7 @@ def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: in
     out["prefill"]["kernels_us"] = _families(rec.kernel_times)
     log(f"prefill {prefill_tokens}: {out['prefill']}")
     del s
+    engine.release_plans()
     gc.collect()
 
     # decode: new_tokens greedy tokens after a prompt of `prompt` tokens
@@ -228,23 +228,19 @@ def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: in
         tokens, _ = engine_generate(engine, prompt_ids, new_tokens, set(), tokens_per_submit=tokens_per_submit)
         walls.append(time.perf_counter() - t0)
     wall = statistics.median(walls)
-    s = session(engine, prompt, new_tokens)
-    write(s.prefill.ids, np.asarray(prompt_ids, np.uint32))
+    s = engine.decode_session(prompt, new_tokens)
+    s.start(prompt_ids)
     s.cache.set_position(prompt + 1, [prompt + 2])
     write(s.next_token, np.array([tokens[0]], np.uint32))
     step_gpu, encode = [], []
     for i in range(6):  # one decode step on its own: GPU time, and host time to record it
         rec = Recorder(device, timestamps=True)
         t0 = time.perf_counter()
-        s.decode.record(rec)
-        for launch in s.decode_sampling:
-            rec.launch(launch)
+        s.record(rec, 1, prefill=False)
         encode.append(time.perf_counter() - t0)
         step_gpu.append(rec.submit())
     rec = Recorder(device, per_dispatch=True)
-    s.decode.record(rec)
-    for launch in s.decode_sampling:
-        rec.launch(launch)
+    s.record(rec, 1, prefill=False)
     rec.submit()
     per_token_gpu = statistics.median(step_gpu[2:]) if step_gpu[0] else None
     layers = engine.engine_config.layers
@@ -317,7 +313,7 @@ def measure_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...],
     HF + PEFT, taking turns with the engine's step by step (so a drift in the host's speed, which
     moved HF's figure by up to 1.6× between runs, weighs on both alike). Returns (engine's, HF's)."""
     from ..integrations.bitnet import lora_parameters
-    from ..training.optim import WgpuAdamW
+    from ..optim import WgpuAdamW
 
     from ..runtime.buffers import pool_for
 
@@ -325,7 +321,7 @@ def measure_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...],
     g = torch.Generator().manual_seed(2)
     out: dict[str, Any] = {}
     theirs: dict[str, Any] | None = {} if hf is not None else None
-    engine._plans.clear()  # the generation plans' buffers: not part of training's memory
+    engine.release_plans()  # the generation plans' buffers: not part of training's memory
     gc.collect()
     pool_for(engine.device).release()
     engine.device.peak_allocated = engine.device.allocated
@@ -387,8 +383,7 @@ def measure_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...],
                 wall, _ = timed(key, seq, micro, DROPOUT)
             kernels, _ = profile(engine.train_plan(1, seq, 1, dropout=True))  # its masks as the last step's
             out[key] = {"step_s": wall, "tok_per_s": seq / wall, "kernels_us": kernels}
-            engine._discard_ahead()  # the dropout plan's buffers go before the next length's plan is made
-            engine._plans.pop(("train", 1, seq, 1, True))
+            engine.release_plans()  # the dropout plan's buffers go before the next length's plan is made
             gc.collect()
             pool_for(engine.device).release()
             engine.device.peak_allocated = peak
@@ -619,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for checks in args.checks.split(","):  # kernels and plans are keyed on the mode: each gets its own
         set_shader_checks(checks)
-        engine._plans.clear()
+        engine.release_plans()
         suffix = "" if checks == DEFAULT_SHADER_CHECKS else f"_{checks}"
         result["engine" + suffix] = measure_engine(engine, args.prompt, args.new_tokens, args.prefill, args.repeats,
                                                    args.tokens_per_submit, log)

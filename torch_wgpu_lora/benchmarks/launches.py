@@ -39,11 +39,12 @@ import numpy as np
 from ..engine.kernels import STEP_POS
 from ..engine.kernels.attention import (attention_backward_launches, attention_launches, backward_tile,
                                        backward_tiles, decode_splits, sum_splits, prefill_tile, prefill_tiles)
-from ..engine.kernels.bitlinear import (bitlinear_launch, bitlinear_t_launch, gemm_tile_tokens, gemv_normalises,
-                                       input_grad_splits)
+from ..engine.kernels.bitlinear import bitlinear_launch, bitlinear_t_launch, gemm_tile_tokens, gemv_normalises
 from ..engine.kernels.norm import rmsnorm_launch
+from ..engine.kernels.projection import input_grad_splits
 from ..engine.kernels.rope import RopeTarget, rope_launch
 from ..engine.weights import Projection
+from ..engine.workspace import Workspace
 from ..runtime import Buffer, Launch, Recorder, get_device, kernel, set_shader_checks, set_subgroups, upload, write
 from ..runtime.kernels import DEFAULT_SHADER_CHECKS
 from .report import write_json
@@ -76,6 +77,7 @@ def per_launch_us(launches: list[Launch], repeats: int = 100) -> float:
 def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
     hidden, ffn, heads, kv_heads, head_dim, rank, lengths = SHAPES[shape]
     device, rng = get_device(), np.random.default_rng(seed)
+    workspace = Workspace(device)
 
     def floats(*dims: int) -> Buffer:
         return upload(rng.standard_normal(dims).astype(np.float32))
@@ -145,7 +147,7 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
         for splits in sorted({1, 2, 4, chosen}):
             launches = attention_launches(q, kc, vc, attn_out, step, valid, batch=1, tokens=1, heads=heads,
                                           kv_heads=kv_heads, head_dim=head_dim, max_len=n, scale=head_dim ** -0.5,
-                                          decode=True, splits=splits)
+                                          decode=True, splits=splits, workspace=workspace)
             out[f"attention_{n}_splits{splits}" + ("_chosen" if splits == chosen else "")] = timed(launches)
     # the attention backward of a training step at seq 512 (the heads of a layer), per dkdv split count
     seq = 512 if shape == "bitnet-2b" else 64
@@ -160,7 +162,7 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
         return attention_backward_launches(rows, keys, values, attn_out, lse, d_out, Buffer((seq, heads * head_dim)),
                                            Buffer(cache), Buffer(cache), step, valid, batch=1, tokens=seq, heads=heads,
                                            kv_heads=kv_heads, head_dim=head_dim, max_len=seq, scale=head_dim ** -0.5,
-                                           **choice)
+                                           workspace=workspace, **choice)
 
     tile = backward_tile(head_dim, device)
     chosen = sum_splits(-(-seq // tile.fixed) * kv_heads, device)
@@ -177,7 +179,7 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
     for t in prefill_tiles(head_dim, device):
         launches = attention_launches(rows, keys, values, Buffer((seq, heads * head_dim)), step, valid, batch=1,
                                       tokens=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_len=seq,
-                                      scale=head_dim ** -0.5, lse=Buffer((seq, heads)), tile=t)
+                                      scale=head_dim ** -0.5, lse=Buffer((seq, heads)), tile=t, workspace=workspace)
         name = f"attention_prefill_{seq}_tile{t.row_quads}x{t.key_tile}x{t.key_lanes}"
         out[name + ("_chosen" if t == tile else "")] = timed(launches)
     chosen_tile = gemm_tile_tokens(device)
@@ -193,7 +195,7 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
         dy, dx = floats(seq, rows), Buffer((seq, k), device=device)
         chosen_splits = input_grad_splits((k // 64) * -(-seq // 64), rows, device)
         for splits in sorted({1, 2, 4, 8, chosen_splits}):
-            launches = bitlinear_t_launch(dy, proj, dx, tokens=seq, k=k, splits=splits)
+            launches = bitlinear_t_launch(dy, proj, dx, tokens=seq, k=k, splits=splits, workspace=workspace)
             out[f"input_grad_{name}_{seq}_splits{splits}" + ("_chosen" if splits == chosen_splits else "")] = timed(
                 launches, max(1, repeats // 10))
     return out

@@ -21,7 +21,7 @@ def training_step(steps: int = 10, batch_size: int = 8, rank: int = 8) -> dict[s
     from ..demo import build_demo_checkpoint, demo_records
     from ..integrations.bitnet import apply_lora, load_model_and_tokenizer, lora_parameters, set_backend
     from ..training.data import collate, encode_records
-    from ..training.optim import WgpuAdamW
+    from ..optim import WgpuAdamW
     from ..training.trainer import accumulate_gradients
 
     with torch.compiler.set_stance("force_eager"):  # as the CLI and the demo run (see cli.py)

@@ -1,12 +1,15 @@
 """The engine: a whole BitNet model's forward, backward and generation on WebGPU.
 
 ``BitNetEngine(model)`` uploads a transformers ``BitNetForCausalLM``'s weights once and runs
-it as an ``nn.Module``. Layers: ``config`` (what the engine reads of the model), ``weights``
+it as an ``nn.Module``. Modules: ``config`` (what the engine reads of the model), ``weights``
 (frozen weights on the GPU, packed ternary), ``adapters`` (the LoRA Parameters, synced),
-``kernels/`` (one module per WGSL family, each with its torch reference), ``plan`` (buffers and
-launches of a forward pass, built once per shape), ``train_plan`` (forward, loss and backward
-of a training pass), ``generate`` (decoding with the KV cache and sampling on the GPU),
-``model`` (the nn.Module, its autograd loss and the one-submit optimizer step).
+``kernels/`` (one module per kernel family or algorithm, each with its torch reference),
+``workspace`` (where every plan's memory goes, by role), ``program`` (the one emitter of a
+layer's forward and of the LM head), ``plan`` (a forward pass, built once per shape),
+``train_plan`` (forward, loss and backward of a training pass), ``step`` (the optimizer step:
+clip and AdamW on the GPU, the gradient exchange), ``generate`` (decoding with the KV cache and
+sampling on the GPU), ``model`` (the nn.Module, its autograd loss, the plan cache, the memory
+report).
 """
 
 from .model import ENGINES, BitNetEngine, choose_engine

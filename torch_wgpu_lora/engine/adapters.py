@@ -11,7 +11,7 @@ Every adapter value lives in one flat float32 buffer, ``params``: per site, the 
 of its adapters stacked ([ranks, K64]: the norm kernel computes every h = A·x of the site
 at once), then each adapter's B ([out, r], torch's own layout). Each region starts on a
 256-byte boundary so kernels can bind it as a view. A site's projection gets a small
-header table (``bitlinear.lora_table``): a segment per adapter naming its output rows, its
+header table (``kernels.projection.lora_table``): a segment per adapter naming its output rows, its
 columns of h, its scale and where its B lies in ``params``. Gradients, when training, use
 the same layout in ``grads``, so one AdamW launch updates every adapter.
 
@@ -39,7 +39,7 @@ from ..integrations.bitnet import projection
 from ..modules import LoRALinear
 from ..runtime import Buffer, Device, Recorder, upload, write
 from .config import EngineConfig, pad
-from .kernels.bitlinear import lora_table
+from .kernels.projection import lora_table
 from .kernels.dropout import NO_SPLIT, SiteDropout, dropout_mask_reference, site_key
 
 SITES = {"attn": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "mlp": ("gate_proj", "up_proj"),
@@ -133,6 +133,15 @@ class EngineAdapters:
     @property
     def adapters(self) -> list[Adapter]:
         return [a for sites in self.sites for s in sites.values() for a in s.adapters]
+
+    def roles(self) -> dict[str, int]:
+        """Bytes of GPU memory the adapters hold: their values, their gradients (once made) and the
+        projections' segment tables."""
+        tables = sum(s.table.gpu.size for sites in self.sites for s in sites.values() if s.table is not None)
+        out = {"values": self.params.gpu.size, "segment tables": tables}
+        if self._grads is not None:
+            out["gradients"] = self._grads.gpu.size
+        return out
 
     def grads(self) -> Buffer:
         """The gradient buffer, laid out like ``params`` (made on first use)."""
@@ -268,27 +277,3 @@ class EngineAdapters:
             out[m.lora_A] = ("rows4", *(b.slice(a_at, (m.r, width)) for b in buffers))
             out[m.lora_B] = ("flat", *(b.slice(b_at, (m.lora_B.numel(),)) for b in buffers))
         return out
-
-    def load_moments(self, optimizer, flat: tuple[Buffer, Buffer]) -> None:
-        """Copy ``optimizer``'s per-Parameter moments (a WgpuAdamW's, e.g. after ``load_state_dict``)
-        into the flat buffers; Parameters without moments start from zero."""
-        from ..runtime.tensors import into
-
-        rec = Recorder(self.device)
-        values = []
-        for param, (layout, m, v) in list(optimizer._moments.items()):
-            pair = (torch.empty_like(param), torch.empty_like(param))
-            rec.read(m, into(pair[0], layout))
-            rec.read(v, into(pair[1], layout))
-            values.append((param, pair))
-        rec.submit()
-        views = self.views(flat)
-        for param, pair in values:
-            layout = views[param][0]
-            for t, target in zip(pair, views[param][1:]):
-                if layout == "rows4":
-                    rows = np.zeros(target.shape, np.float32)
-                    rows[:, : t.shape[1]] = t.numpy()
-                else:
-                    rows = np.ascontiguousarray(t.numpy().reshape(-1))
-                write(target, rows)

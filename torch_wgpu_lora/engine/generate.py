@@ -13,82 +13,87 @@ readback is waited on, so encoding overlaps the GPU's work. Tokens after an EOS 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ..runtime import Buffer, Pending, Recorder, write
+from ..runtime import Pending, Recorder, write
+from .adapters import EngineAdapters
 from .kernels import STEP_POS
 from .kernels.sampling import sampling_launches
 from .plan import ForwardPlan, KVCache
+from .weights import EngineWeights
+from .workspace import Workspace
 
 
-@dataclass
 class DecodeSession:
-    """What one generation keeps on the GPU: the cache, both plans, the sampler's buffers."""
+    """What one generation shape keeps on the GPU: the cache of ``prompt_length + max_new_tokens``
+    positions, the prefill and decode plans, the sampler's buffers and launches (``sampling``:
+    ``sampling_launches``' strategy, temperature, top_k, top_p, repetition_penalty). Built once
+    per shape, then reused: building one takes tens of ms. ``scratch``: the engine's workspace of
+    scratch shared between plans."""
 
-    cache: KVCache
-    prefill: ForwardPlan
-    decode: ForwardPlan
-    seen: Buffer
-    history: Buffer
-    next_token: Buffer
-    prefill_sampling: list
-    decode_sampling: list
+    def __init__(self, weights: EngineWeights, adapters: EngineAdapters, prompt_length: int, max_new_tokens: int, *,
+                 scratch: Workspace | None = None, strategy: str = "greedy", temperature: float = 1.0,
+                 top_k: int = 40, top_p: float = 0.9, repetition_penalty: float = 1.0) -> None:
+        config = weights.config
+        length = prompt_length + max_new_tokens
+        if length > config.max_positions:
+            raise ValueError(f"a {prompt_length}-token prompt and max_new_tokens={max_new_tokens} need {length} "
+                             f"positions; the model's context is {config.max_positions} (max_position_embeddings)")
+        self.adapters, self.config = adapters, config
+        self.workspace = ws = Workspace(adapters.device, shared=scratch)
+        self.cache = KVCache(config, 1, length, ws)
+        self.prefill = ForwardPlan(weights, adapters, self.cache, prompt_length, logits="last", from_start=True,
+                                   workspace=ws)
+        self.next_token = ws.alloc("inputs", (1,), "u32")
+        self.decode = ForwardPlan(weights, adapters, self.cache, 1, logits="last", decode=True, ids=self.next_token,
+                                  workspace=ws)
+        self.seen = ws.alloc("sampling", (config.vocab,), "u32")
+        self.history = ws.alloc("sampling", (max(max_new_tokens, 1),), "u32")
+        self.max_new_tokens = max_new_tokens
+        options = dict(vocab=config.vocab, strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p,
+                       repetition_penalty=repetition_penalty, workspace=ws)
 
+        def sampler(plan: ForwardPlan) -> list:
+            return sampling_launches(plan.logits[0][1], self.seen, self.cache.step, self.cache.lengths, self.history,
+                                     self.next_token, **options)
 
-def session(engine, prompt_length: int, max_new_tokens: int, *, strategy: str = "greedy", temperature: float = 1.0,
-            top_k: int = 40, top_p: float = 0.9, repetition_penalty: float = 1.0) -> DecodeSession:
-    """Build the buffers and launches for a prompt of ``prompt_length`` and ``max_new_tokens``."""
-    config, device = engine.engine_config, engine.device
-    length = prompt_length + max_new_tokens
-    if length > config.max_positions:
-        raise ValueError(f"a {prompt_length}-token prompt and max_new_tokens={max_new_tokens} need {length} positions; "
-                         f"the model's context is {config.max_positions} (max_position_embeddings)")
-    cache = KVCache(config, 1, length, device)
-    prefill = ForwardPlan(engine.weights, engine.adapters, cache, prompt_length, logits="last", from_start=True)
-    next_token = Buffer((1,), "u32", device)
-    decode = ForwardPlan(engine.weights, engine.adapters, cache, 1, logits="last", decode=True, ids=next_token)
-    seen = Buffer((config.vocab,), "u32", device)
-    history = Buffer((max(max_new_tokens, 1),), "u32", device)
-    options = dict(vocab=config.vocab, strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p,
-                   repetition_penalty=repetition_penalty, device=device)
+        self.prefill_sampling, self.decode_sampling = sampler(self.prefill), sampler(self.decode)
 
-    def sampler(plan: ForwardPlan) -> list:
-        return sampling_launches(plan.logits[0][1], seen, cache.step, cache.lengths, history, next_token, **options)
-
-    return DecodeSession(cache, prefill, decode, seen, history, next_token, sampler(prefill), sampler(decode))
-
-
-def engine_generate(engine, prompt_ids: list[int], max_new_tokens: int, eos: set[int], *, strategy: str = "greedy",
-                    temperature: float = 1.0, top_k: int = 40, top_p: float = 0.9, repetition_penalty: float = 1.0,
-                    seed: int = 0, tokens_per_submit: int = 8) -> tuple[list[int], bool]:
-    """Generate up to ``max_new_tokens`` after ``prompt_ids``; returns (new ids, whether EOS ended them)."""
-    if max_new_tokens == 0:
-        return [], False
-    with engine.lock:  # one GPU pass at a time (see BitNetEngine)
-        engine.adapters.sync()
-        s = engine.decode_session(len(prompt_ids), max_new_tokens, strategy=strategy, temperature=temperature,
-                                  top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
+    def start(self, prompt_ids: list[int], seed: int = 0) -> None:
+        """Write a generation's inputs: the prompt, the tokens the repetition penalty sees, where the
+        prefill starts (position 0) and the sampling seed."""
         prompt = np.asarray(prompt_ids, np.uint32)
-        write(s.prefill.ids, prompt)
-        seen = np.zeros(engine.engine_config.vocab, np.uint32)
+        write(self.prefill.ids, prompt)
+        seen = np.zeros(self.config.vocab, np.uint32)
         seen[prompt] = 1
-        write(s.seen, seen)
-        s.cache.set_position(0, [len(prompt_ids)], seed=seed, generated=0)
-        history = np.zeros(s.history.shape, np.uint32)
+        write(self.seen, seen)
+        self.cache.set_position(0, [len(prompt_ids)], seed=seed, generated=0)
+
+    def record(self, rec: Recorder, steps: int, prefill: bool) -> None:
+        """Into ``rec``: the prefill and its sampler (``prefill``), then ``steps`` decode steps."""
+        if prefill:
+            self.prefill.record(rec)
+            for launch in self.prefill_sampling:
+                rec.launch(launch)
+        for _ in range(steps):
+            self.decode.record(rec)
+            for launch in self.decode_sampling:
+                rec.launch(launch)
+
+    def generate(self, prompt_ids: list[int], eos: set[int], seed: int = 0,
+                 tokens_per_submit: int = 8) -> tuple[list[int], bool]:
+        """Up to ``max_new_tokens`` after ``prompt_ids`` (whose length is the session's prompt length);
+        returns (new ids, whether EOS ended them)."""
+        self.adapters.sync()
+        self.start(prompt_ids, seed)
+        history = np.zeros(self.history.shape, np.uint32)
 
         def submit(steps: int, prefill: bool) -> Pending:
-            rec = Recorder(engine.device)
-            if prefill:
-                s.prefill.record(rec)
-                for launch in s.prefill_sampling:
-                    rec.launch(launch)
-            for _ in range(steps):
-                s.decode.record(rec)
-                for launch in s.decode_sampling:
-                    rec.launch(launch)
-            rec.read(s.history, history)
+            rec = Recorder(self.adapters.device)
+            self.record(rec, steps, prefill)
+            rec.read(self.history, history)
             return rec.submit_async()
 
         def finished(count: int) -> bool:
@@ -97,10 +102,10 @@ def engine_generate(engine, prompt_ids: list[int], max_new_tokens: int, eos: set
         # The prefill's sampler advanced the position by one from 0; the first decode step runs at
         # the prompt's length (a queue write lands before the next submit).
         queue = [(submit(0, prefill=True), 1)]  # (submitted work, tokens chosen once it is done), oldest first
-        write(s.cache.step, np.array([len(prompt_ids)], np.uint32), offset=4 * STEP_POS)
+        write(self.cache.step, np.array([len(prompt_ids)], np.uint32), offset=4 * STEP_POS)
         done = 1
-        while done < max_new_tokens:
-            steps = min(tokens_per_submit, max_new_tokens - done)
+        while done < self.max_new_tokens:
+            steps = min(tokens_per_submit, self.max_new_tokens - done)
             done += steps
             queue.append((submit(steps, prefill=False), done))
             if len(queue) > 1:  # one batch stays in flight while the next one is encoded
@@ -110,8 +115,24 @@ def engine_generate(engine, prompt_ids: list[int], max_new_tokens: int, eos: set
                     break
         for pending, _ in queue:  # in submission order: the last wait leaves the newest history
             pending.wait()
-        tokens = [int(t) for t in history[:max_new_tokens]]
+        tokens = [int(t) for t in history[: self.max_new_tokens]]
         for i, token in enumerate(tokens):
             if token in eos:
                 return tokens[: i + 1], True
         return tokens, False
+
+    def roles(self) -> dict[str, int]:
+        """Bytes the session's workspace holds, by role."""
+        return self.workspace.roles()
+
+
+def engine_generate(engine: Any, prompt_ids: list[int], max_new_tokens: int, eos: set[int], *,
+                    seed: int = 0, tokens_per_submit: int = 8, **sampling: Any) -> tuple[list[int], bool]:
+    """Generate up to ``max_new_tokens`` after ``prompt_ids`` on a ``BitNetEngine``; returns (new
+    ids, whether EOS ended them). ``sampling``: ``DecodeSession``'s strategy, temperature, top_k,
+    top_p and repetition_penalty."""
+    if max_new_tokens == 0:
+        return [], False
+    with engine.lock:  # one GPU pass at a time (see BitNetEngine)
+        session = engine.decode_session(len(prompt_ids), max_new_tokens, **sampling)
+        return session.generate(prompt_ids, eos, seed=seed, tokens_per_submit=tokens_per_submit)

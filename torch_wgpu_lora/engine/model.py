@@ -28,33 +28,23 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..ops.adamw import adamw_launch, adamw_scalars, adamw_uniform
-from ..runtime import Buffer, Device, Recorder, Recording, get_device, upload, write
+from ..loss import IGNORE_INDEX, causal_lm_loss
+from ..runtime import Device, get_device
+from ..runtime.buffers import pool_for, staging_for
 from .adapters import EngineAdapters
 from .config import EngineConfig
-from .generate import DecodeSession, session
-from .kernels.optimizer import clip_launches
-from .plan import ForwardPlan, KVCache, read_codes
+from .generate import DecodeSession
+from .plan import ForwardPlan, KVCache
+from .step import OptimizerStep
 from .train_plan import TrainPlan
 from .weights import EngineWeights, upload_weights
+from .workspace import MemoryReport, MemoryRow, Workspace
 
-IGNORE_INDEX = -100
 _PLANS_KEPT = 4  # plans (shapes) kept ready; each holds its activations and caches
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over labels != -100, each position predicting the next (transformers' shift).
-
-    >>> causal_lm_loss(torch.zeros(1, 3, 4), torch.tensor([[-100, 1, 2]])).item() == np.log(4)
-    True
-    """
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
-                           ignore_index=IGNORE_INDEX)
 
 
 class BitNetEngine(nn.Module):
@@ -76,14 +66,9 @@ class BitNetEngine(nn.Module):
         self.model = model
         self.weights: EngineWeights = upload_weights(model, self.engine_config, self.device)
         self.adapters = EngineAdapters(model, self.engine_config, self.device)
-        self._plans: OrderedDict[tuple, ForwardPlan | TrainPlan] = OrderedDict()
-        self._optimizer_state: tuple[Buffer, Buffer] | None = None  # flat AdamW moments of train_step
-        self._stats = Buffer((4,), device=self.device)
-        self._partials = Buffer((256,), device=self.device)
-        self._adamw = adamw_uniform(self.device)  # train_step's AdamW values, written at each step
-        # (key, recording, its stats array): the next train_step's command buffer, encoded while
-        # the GPU ran the last one; used when the next step has the same plan, else discarded
-        self._ahead: tuple[tuple, Recording, np.ndarray] | None = None
+        self.scratch = Workspace(self.device)  # scratch shared by the plans, which run one at a time
+        self._plans: OrderedDict[tuple, ForwardPlan | TrainPlan | DecodeSession] = OrderedDict()
+        self.optimizer_step = OptimizerStep(self.adapters, Workspace(self.device))
         self.lock = threading.RLock()  # one GPU pass at a time: plans own their buffers
         # Torch code reading the Parameters after the engine's optimizer steps gets current values.
         # (Weak references: the model must not keep its engine, and its GPU memory, alive.)
@@ -110,14 +95,19 @@ class BitNetEngine(nn.Module):
 
     def plan(self, batch: int, tokens: int, logits: str = "all", dropout: bool = False) -> ForwardPlan:
         """The forward plan for ``batch`` sequences of ``tokens`` positions (built once, then reused)."""
-        return self._cached(("forward", batch, tokens, logits, dropout), lambda: ForwardPlan(
-            self.weights, self.adapters, KVCache(self.engine_config, batch, tokens, self.device), tokens,
-            logits=logits, dropout=dropout, from_start=True))  # its passes start at position 0
+        def make() -> ForwardPlan:
+            workspace = Workspace(self.device, shared=self.scratch)
+            return ForwardPlan(self.weights, self.adapters, KVCache(self.engine_config, batch, tokens, workspace),
+                               tokens, logits=logits, dropout=dropout, from_start=True,  # passes start at 0
+                               workspace=workspace)
+
+        return self._cached(("forward", batch, tokens, logits, dropout), make)
 
     def train_plan(self, batch: int, tokens: int, slots: int = 1, dropout: bool = False) -> TrainPlan:
         """The forward + loss + backward plan for ``slots`` micro-batches of one shape."""
         return self._cached(("train", batch, tokens, slots, dropout),
-                            lambda: TrainPlan(self.weights, self.adapters, batch, tokens, slots, dropout))
+                            lambda: TrainPlan(self.weights, self.adapters, batch, tokens, slots, dropout,
+                                              scratch=self.scratch))
 
     def decode_session(self, prompt_length: int, max_new_tokens: int, **sampling: Any) -> DecodeSession:
         """The KV cache, plans and sampling launches of a generation of this shape and sampling
@@ -127,7 +117,18 @@ class BitNetEngine(nn.Module):
             raise ValueError("BitNetEngine generates without LoRA dropout, and the adapters are in training mode "
                              "with lora_dropout > 0: call model.eval() first (torch_wgpu_lora.generate does)")
         return self._cached(("session", prompt_length, max_new_tokens, tuple(sorted(sampling.items()))),
-                            lambda: session(self, prompt_length, max_new_tokens, **sampling))
+                            lambda: DecodeSession(self.weights, self.adapters, prompt_length, max_new_tokens,
+                                                  scratch=self.scratch, **sampling))
+
+    def release_plans(self) -> None:
+        """Drop every plan kept ready, and the optimizer step encoded ahead of its submit: their
+        buffers go back to the runtime's pool. The next call builds what it needs again.
+
+        >>> # engine.release_plans(); torch_wgpu_lora.runtime.buffers.pool_for(engine.device).release()
+        """
+        with self.lock:
+            self.optimizer_step.discard_ahead()
+            self._plans.clear()
 
     def _cached(self, key: tuple, make: Any) -> Any:
         plan = self._plans.get(key)
@@ -191,8 +192,6 @@ class BitNetEngine(nn.Module):
         then computes the adapters' gradients in the same submit as the loss, and the logits
         (a [batch, tokens, vocab] readback) are returned only when ``return_logits=True``.
         """
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         if unused.get("use_cache") or unused.get("past_key_values") is not None or unused.get("cache") is not None:
             raise ValueError("BitNetEngine keeps its KV cache on the GPU; use torch_wgpu_lora.generate for decoding")
         ids, lengths = self.check_inputs(input_ids, attention_mask, labels)
@@ -209,50 +208,24 @@ class BitNetEngine(nn.Module):
     def _logits(self, ids: torch.Tensor, lengths: list[int], seed: int | None) -> torch.Tensor:
         """The logits of a pass; with ``seed`` (dropout active), the adapters dropping with its masks."""
         batch, tokens = ids.shape
-        logits = torch.empty(batch * tokens, self.engine_config.vocab, dtype=torch.float32)
         with self.lock:
-            self.adapters.sync()
             plan = self.plan(batch, tokens, dropout=seed is not None)
-            if seed is not None:
-                plan.set_dropout(seed, self.adapters.dropout())
-            write(plan.ids, ids.numpy().astype(np.uint32).reshape(-1))
-            plan.cache.set_position(0, lengths)
-            rec = Recorder(self.device)
-            plan.record(rec)
-            plan.read_logits(rec, logits.numpy())
-            rec.submit()
-        return logits.reshape(batch, tokens, -1)
+            return plan.logits_of(ids, lengths, dropout=None if seed is None else (seed, self.adapters.dropout()))
 
     def loss_and_grads(self, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int],
                        codes: dict | None = None, dropout_seed: int | None = None,
                        ) -> tuple[torch.Tensor, dict[torch.Tensor, torch.Tensor]]:
         """The mean loss over labelled tokens and every adapter Parameter's gradient of it, in one
         submit (what ``loss.backward()`` hands to autograd). ``codes``, a dict, receives the
-        pass's int8 activation codes (``plan.read_codes``' format) for comparisons. With LoRA
+        pass's int8 activation codes (``program.read_codes``' format) for comparisons. With LoRA
         dropout active (``adapters.dropout()``), ``dropout_seed`` seeds the masks (default: one
         drawn from torch's generator); ``adapters.dropout_masks`` gives them."""
         with self.lock:
-            self.adapters.sync()
             batch, tokens = ids.shape
             p = self.adapters.dropout()
             plan = self.train_plan(batch, tokens, dropout=p > 0)
-            if p:
-                plan.set_dropout(0, _dropout_seed() if dropout_seed is None else dropout_seed, p)
-            count = plan.write_inputs(0, ids, labels, lengths)
-            if count == 0:
-                raise ValueError("the labels hold no labelled token (all -100 after the shift): no loss to compute")
-            plan.set_scale(1.0 / count)
-            losses = np.empty(plan.rows, np.float32)
-            rec = Recorder(self.device)
-            rec.clear(plan.grads)
-            capture = {} if codes is not None else None
-            plan.record(rec, 0, capture=capture)
-            rec.read(plan.slots[0].losses, losses)
-            grads = self.adapters.read(plan.grads, rec)
-            rec.submit()
-            if codes is not None:
-                codes.update(read_codes(capture, batch, tokens, self.engine_config))
-            return torch.tensor(float(losses.astype(np.float64).sum()) / count, dtype=torch.float32), grads
+            dropout = (_dropout_seed() if dropout_seed is None else dropout_seed, p) if p else None
+            return plan.loss_and_grads(ids, labels, lengths, dropout=dropout, codes=codes)
 
     # -- the fast path: a whole optimizer step in one submit -------------------------------------
 
@@ -291,7 +264,7 @@ class BitNetEngine(nn.Module):
         ("loss" and "tokens" over every process when ``all_reduce`` is given).
         """
         with self.lock:
-            group = self._check_optimizer(optimizer)
+            self.optimizer_step.check_optimizer(optimizer)
             p = self.adapters.dropout()
             self.adapters.sync(pull=False)  # the GPU's values are the newest: no readback before a step
             tokens = max(int(b["input_ids"].shape[1]) for b in micro_batches)
@@ -311,115 +284,36 @@ class BitNetEngine(nn.Module):
                 labelled = labelled_total
             if labelled == 0:
                 raise ValueError("the micro-batches hold no labelled token: nothing to compute a loss on")
-            plan.set_scale(1.0 / labelled)
-            self._moments(optimizer)
-            step = int(optimizer.state[optimizer.param_groups[0]["params"][0]]["step"].item()) + 1
-            self._adamw.write((self.adapters.size, *adamw_scalars(step, group["lr"], group["betas"], group["eps"],
-                                                                  group["weight_decay"])))
-            slots = len(micro_batches)
-            if all_reduce is not None:
-                self._discard_ahead()
-                # submit 1: the gradients go round the processes
-                self._all_reduce_grads(self._record_passes(plan, slots), plan, all_reduce)
-                recording, stats = self._record_update(Recorder(self.device), plan, max_grad_norm)
-                recording.submit_async().wait()
-            else:
-                key = (plan, slots, float(max_grad_norm))
-                ahead, self._ahead = self._ahead, None
-                if ahead is not None and ahead[0] != key:
-                    ahead[1].discard()
-                    ahead = None
-                recording, stats = ahead[1:] if ahead is not None else self._record_step(plan, slots, max_grad_norm)
-                pending = recording.submit_async()
-                try:  # the next step's command buffer, encoded while the GPU runs this one
-                    self._ahead = (key, *self._record_step(plan, slots, max_grad_norm))
-                finally:
-                    pending.wait()
-            norm, _, skipped, loss_sum = (float(v) for v in stats)
-            if not skipped:
-                for p in optimizer.param_groups[0]["params"]:
-                    optimizer.state[p]["step"] += 1
-                self.adapters.gpu_is_newer = True
-                optimizer._opt_called = True  # what optimizer.step() marks: LR schedulers check it
-            return {"loss": None if skipped else loss_sum / labelled, "tokens": labelled, "grad_norm": norm,
-                    "skipped": bool(skipped)}
+            return self.optimizer_step.run(plan, len(micro_batches), labelled, optimizer, max_grad_norm, all_reduce=all_reduce)
 
-    def _record_passes(self, plan: TrainPlan, slots: int) -> Recorder:
-        """A recorder holding every micro-batch's forward, loss and backward of a step."""
-        rec = Recorder(self.device)
-        rec.clear(plan.grads)
-        for slot in range(slots):
-            plan.record(rec, slot)
-        return rec
+    # -- memory -----------------------------------------------------------------------------------
 
-    def _record_step(self, plan: TrainPlan, slots: int, max_grad_norm: float) -> tuple[Recording, np.ndarray]:
-        """A whole optimizer step's command buffer (what ``train_step`` submits), and the array
-        its stats readback fills. It depends on no value of the step: inputs, loss scale and
-        AdamW's values are written into their buffers before it is submitted."""
-        return self._record_update(self._record_passes(plan, slots), plan, max_grad_norm)
+    def memory_report(self) -> MemoryReport:
+        """The GPU memory this engine and the runtime hold, by owner and role, beside the runtime's
+        count of what is allocated and its peak. ``print(engine.memory_report())`` shows the table.
 
-    def _record_update(self, rec: Recorder, plan: TrainPlan, max_grad_norm: float) -> tuple[Recording, np.ndarray]:
-        """Into ``rec``: the global-norm clip, AdamW (its values from ``self._adamw``) and the
-        stats readback; returns the finished recording and the stats' array."""
-        exp_avg, exp_avg_sq = self._optimizer_state
-        for launch in clip_launches(plan.grads, plan.losses, self._stats, self._partials, n=self.adapters.size,
-                                    rows=plan.losses.numel, max_norm=max_grad_norm, device=self.device):
-            rec.launch(launch)
-        rec.launch(adamw_launch(self.adapters.params, plan.grads, exp_avg, exp_avg_sq, self._adamw, stats=self._stats,
-                                n=self.adapters.size, device=self.device))
-        stats = np.empty(4, np.float32)
-        rec.read(self._stats, stats)
-        return rec.finish(), stats
+        Rows: the frozen weights; the adapters (values, gradients, segment tables); the optimizer
+        step's buffers; the scratch the plans share; each plan kept (activations, what a training
+        pass saves for its backward, gradients, KV caches, logits, inputs); and the runtime's own:
+        freed buffers its pool keeps for reuse and readback staging buffers. What the runtime counts
+        that no row names (other users of the device, e.g. the LoRA op's resident weights) is the
+        last row, "unattributed".
 
-    def _discard_ahead(self) -> None:
-        if self._ahead is not None:
-            self._ahead[1].discard()
-            self._ahead = None
-
-    def _all_reduce_grads(self, rec: Recorder, plan: TrainPlan, all_reduce: Callable[[torch.Tensor], Any]) -> None:
-        """Submit ``rec`` (the step's forward and backward), read the gradients and the loss sum
-        back, sum them over the processes with ``all_reduce``, and write the sums back: the
-        gradient buffer takes the summed gradients, the losses buffer the summed loss in its
-        first row and zeros elsewhere (the clip kernel's loss sum and non-finite check then see
-        the global loss, identically on every process)."""
-        flat = np.empty(self.adapters.size + 1, np.float32)
-        losses = np.empty(plan.losses.numel, np.float32)
-        rec.read(plan.grads, flat[:-1])
-        rec.read(plan.losses, losses)
-        rec.submit()
-        flat[-1] = losses.astype(np.float64).sum()  # rows between slots hold zeros
-        all_reduce(torch.from_numpy(flat))
-        write(plan.grads, flat[:-1])
-        summed = np.zeros(plan.losses.numel, np.float32)
-        summed[0] = flat[-1]
-        write(plan.losses, summed)
-
-    def _check_optimizer(self, optimizer: Any) -> dict[str, Any]:
-        from ..training.optim import WgpuAdamW
-
-        if not isinstance(optimizer, WgpuAdamW) or len(optimizer.param_groups) != 1:
-            raise ValueError("BitNetEngine.train_step runs WgpuAdamW with one parameter group")
-        ours = {id(p) for m in self.adapters.modules for p in (m.lora_A, m.lora_B)}
-        theirs = {id(p) for p in optimizer.param_groups[0]["params"]}
-        if ours != theirs:
-            raise ValueError("the optimizer must hold exactly this model's adapter Parameters")
-        for p in optimizer.param_groups[0]["params"]:
-            optimizer.state[p].setdefault("step", torch.tensor(0.0))
-        return optimizer.param_groups[0]
-
-    def _moments(self, optimizer: Any) -> tuple[Buffer, Buffer]:
-        """The flat AdamW moments, taken over from ``optimizer`` (whose per-Parameter moments
-        become views of them, so its ``state_dict`` keeps working)."""
-        if self._optimizer_state is None:
-            zeros = np.zeros(self.adapters.size, np.float32)
-            self._optimizer_state = (upload(zeros, self.device), upload(zeros, self.device))
-            self._views = self.adapters.views(self._optimizer_state)
-        flat, views = self._optimizer_state, self._views
-        if any(optimizer._moments.get(p, (None, None))[1] is not views[p][1] for p in views):
-            if optimizer._moments:  # e.g. loaded from a checkpoint: their values move into the flat buffers
-                self.adapters.load_moments(optimizer, flat)
-            optimizer._moments = dict(views)
-        return flat
+        >>> # print(engine.memory_report())
+        """
+        rows = [MemoryRow("weights", "frozen weights", self.weights.arena.nbytes)]
+        rows += [MemoryRow("adapters", role, n) for role, n in self.adapters.roles().items()]
+        rows += [MemoryRow("optimizer step", role, n) for role, n in self.optimizer_step.workspace.roles().items()]
+        rows += [MemoryRow("plans' shared scratch", role, n) for role, n in self.scratch.roles().items()]
+        for key, plan in self._plans.items():
+            name = " ".join(str(k) for k in key[:3])
+            rows += [MemoryRow(name, role, n) for role, n in plan.roles().items()]
+        rows.append(MemoryRow("runtime", "freed buffers kept for reuse", pool_for(self.device).free_bytes))
+        rows.append(MemoryRow("runtime", "readback staging", staging_for(self.device).kept_bytes))
+        allocated = self.device.allocated
+        rest = allocated - sum(r.nbytes for r in rows)
+        rows.append(MemoryRow("runtime", "unattributed", rest))
+        return MemoryReport(tuple(r for r in rows if r.nbytes), allocated, self.device.peak_allocated)
 
 
 class _EngineLoss(torch.autograd.Function):

@@ -1,4 +1,13 @@
-"""One AdamW step on WebGPU (``adamw.wgsl``), with its torch reference beside it.
+"""The optimizer's kernels on WebGPU, each with its torch reference beside it: the global-norm
+clip (``clip.wgsl``) and AdamW (``adamw.wgsl``).
+
+**The clip** (``clip_launches``, ``clip_reference``) reads a flat gradient and a step's per-token
+losses and writes a 4-float stats buffer: [‖G‖, clip coefficient, non-finite flag, Σ losses], the
+rule of ``torch.nn.utils.clip_grad_norm_`` (coef = min(1, max_norm / (‖G‖ + 1e-6)); max_norm 0:
+off), the flag set when the norm or the loss is not finite. AdamW then reads the coefficient and
+the flag from it: a whole optimizer step stays on the GPU and only the stats come back.
+
+**AdamW**:
 
 The math is torch.optim.AdamW's (decoupled weight decay), step t counted from 1::
 
@@ -11,10 +20,9 @@ The math is torch.optim.AdamW's (decoupled weight decay), step t counted from 1:
 gradient and moments are ``Buffer``s; parameter and moments are updated in place on
 the GPU. Its step's values are kept in the launch, or read from an ``adamw_uniform`` that is
 written before each submit (for a launch recorded ahead of its step). It reads the gradient's
-factor and a skip flag from a small stats buffer on the GPU, which the engine's clip kernels fill (``engine.kernels.optimizer``); without one the
-gradient is used as is. ``adamw_step`` records it into a ``Recorder``.
-``adamw_reference`` is the same step in torch ops, in place on CPU tensors.
-``training.optim.WgpuAdamW`` is the ``torch.optim.Optimizer`` built on ``adamw_step``.
+factor and a skip flag from the clip's stats buffer; without one the gradient is used as is.
+``adamw_step`` records it into a ``Recorder``. ``adamw_reference`` is the same step in torch ops,
+in place on CPU tensors. ``optim.WgpuAdamW`` is the ``torch.optim.Optimizer`` built on them.
 
 >>> import numpy as np
 >>> from torch_wgpu_lora.runtime import Buffer, Recorder, upload
@@ -36,10 +44,43 @@ import numpy as np
 
 from ..runtime import Buffer, Device, Kernel, Launch, Recorder, Uniform, get_device, kernel, upload
 
-__all__ = ["adamw_launch", "adamw_reference", "adamw_scalars", "adamw_step", "adamw_uniform"]
+__all__ = ["CLIP_PARTIALS", "adamw_launch", "adamw_reference", "adamw_scalars", "adamw_step", "adamw_uniform",
+           "clip_launches", "clip_reference"]
 
 _WG = 256  # threads per workgroup of adamw.wgsl
 _UNIT_STATS = np.array([0.0, 1.0, 0.0, 0.0], np.float32)  # [norm, gradient factor, skip flag, loss]
+CLIP_PARTIALS = 256  # workgroups of the clip's sum of squares: floats of its ``partials`` buffer
+
+
+def clip_launches(grads: Buffer, losses: Buffer, stats: Buffer, partials: Buffer, *, n: int, rows: int,
+                  max_norm: float, device: Device | None = None) -> list[Launch]:
+    """stats ← [‖grads[:n]‖, clip coefficient, non-finite flag, Σ losses[:rows]]; ``partials``
+    (f32, at least ``CLIP_PARTIALS``) holds the workgroups' sums of squares in between.
+
+    >>> # launches = clip_launches(grads, losses, stats, partials, n=size, rows=r, max_norm=1.0)
+    """
+    device = device or get_device()
+    if partials.numel < CLIP_PARTIALS or stats.numel < 4:
+        raise ValueError(f"clip: partials need {CLIP_PARTIALS} floats and stats 4, got {partials.shape} and "
+                         f"{stats.shape}")
+    params = (n, rows, float(max_norm))
+    return [Launch.build(kernel("clip.wgsl", "sumsq", device, PARTIALS=CLIP_PARTIALS), (CLIP_PARTIALS, 1, 1),
+                         {1: grads, 2: partials}, params),
+            Launch.build(kernel("clip.wgsl", "stats", device, PARTIALS=CLIP_PARTIALS), (1, 1, 1),
+                         {3: partials, 4: losses, 5: stats}, params)]
+
+
+def clip_reference(grads: torch.Tensor, losses: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What ``clip_launches`` writes, in float64: [‖grads‖, coefficient, non-finite flag, Σ losses].
+
+    >>> clip_reference(torch.tensor([3.0, 4.0]), torch.tensor([1.0, 2.0]), 1.0).tolist()
+    [5.0, 0.199999960000008, 0.0, 3.0]
+    """
+    norm = torch.linalg.vector_norm(grads.double())
+    loss = losses.double().sum()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else torch.ones((), dtype=torch.float64)
+    finite = bool(torch.isfinite(norm)) and bool(torch.isfinite(loss))
+    return torch.stack((norm, coef, torch.tensor(0.0 if finite else 1.0, dtype=torch.float64), loss))
 
 
 def adamw_scalars(step: int, lr: float, betas: tuple[float, float], eps: float,

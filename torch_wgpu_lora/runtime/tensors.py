@@ -7,7 +7,8 @@ Layouts a 2-D float tensor can have on the GPU:
 * ``"flat"``: any tensor's elements in order.
 
 ``to_gpu`` uploads (no host copy when the tensor is already float32, contiguous and a
-multiple of 4 wide); ``into`` makes the readback sink that undoes the padding.
+multiple of 4 wide); ``write_into`` overwrites a buffer that has the layout (rows padded to
+its width); ``into`` makes the readback sink that undoes the padding.
 
 Resident weights (``resident``): a weight's GPU copy is made once and reused while the
 tensor's values stay the same, checked against a shadow copy (so changes made through
@@ -24,7 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .buffers import Buffer, upload
+from .buffers import Buffer, upload, write
 from .device import Device, get_device
 
 LAYOUTS = ("rows4", "cols4", "flat")
@@ -62,6 +63,28 @@ def to_gpu(t: torch.Tensor, layout: str = "rows4", device: Device | None = None)
     padded = np.zeros((rows, width4(cols)), np.float32)
     padded[:, :cols] = _as_float32_numpy(t)
     return upload(padded, device)
+
+
+def write_into(buf: Buffer, t: torch.Tensor, layout: str = "rows4") -> None:
+    """Overwrite ``buf`` with ``t`` (a CPU float tensor) in ``layout``: a 2-D ``buf`` takes the rows
+    (of ``t``, or of ``t.T`` for ``"cols4"``) zero-padded to its width, a flat one the elements.
+
+    >>> buf = Buffer((2, 64)); write_into(buf, torch.ones(2, 5))
+    """
+    values = _as_float32_numpy(t.T if layout == "cols4" else t)
+    if layout == "flat" or len(buf.shape) == 1:
+        if values.size != buf.numel:
+            raise ValueError(f"write_into: {values.size} elements into a buffer of {buf.numel}")
+        write(buf, np.ascontiguousarray(values.reshape(-1)))
+        return
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    rows, cols = values.shape
+    if rows != buf.shape[0] or cols > buf.shape[1]:
+        raise ValueError(f"write_into: a [{rows}, {cols}] tensor into a buffer of {buf.shape} ({layout})")
+    padded = np.zeros(buf.shape, np.float32)
+    padded[:, :cols] = values
+    write(buf, padded)
 
 
 def into(dst: torch.Tensor, layout: str = "rows4") -> Callable[[np.ndarray], None]:

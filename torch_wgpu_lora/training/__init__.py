@@ -1,4 +1,5 @@
-"""Training: the WebGPU AdamW optimiser, LR schedules, Alpaca-style data and the Trainer.
+"""Training: LR schedules, Alpaca-style data, checkpoints, data parallelism and the Trainer
+(its optimizer, ``WgpuAdamW``, is ``torch_wgpu_lora.optim``'s).
 
 >>> # from torch_wgpu_lora import Trainer, train, WgpuAdamW
 """

@@ -59,17 +59,18 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from ..engine import choose_engine
 from ..integrations.adapters import save_adapter
 from ..integrations.bitnet import lora_parameters
+from ..loss import causal_lm_loss, labelled_tokens
+from ..optim import WgpuAdamW, clip_grad_norm
 from .checkpoint import (DamagedCheckpoint, checkpoint_name, checkpoint_step, latest_checkpoint, list_checkpoints,
                          load_checkpoint, read_checkpoint, read_rank_rngs, remove_unfinished, rng_state,
                          save_checkpoint, set_rng_state)
-from .data import IGNORE_INDEX, Example, collate, encode_records, epoch_order, read_records, shard
+from .data import Example, collate, encode_records, epoch_order, read_records, shard
 from .distributed import DataParallel, RankLost
 from .metrics import MetricsLog, plot_loss
-from .optim import WgpuAdamW, clip_grad_norm
 from .schedule import make_scheduler
 
 __all__ = ["TrainResult", "Trainer", "TrainingStopped", "accumulate_gradients", "earlier_run", "evaluate", "train"]
@@ -99,12 +100,11 @@ class TrainResult:
 def _summed_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Cross-entropy summed over the batch's labelled positions (token t predicts t+1)."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return causal_lm_loss(logits, batch["labels"], reduction="sum")
 
 
 def _loss_tokens(batch: dict[str, torch.Tensor]) -> int:
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    return labelled_tokens(batch["labels"])
 
 
 def accumulate_gradients(model: torch.nn.Module, micro_batches: Sequence[dict[str, torch.Tensor]],
@@ -257,8 +257,6 @@ class Trainer:
         if not isinstance(overwrite, bool):
             raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
         self.overwrite = overwrite
-        from ..engine import choose_engine
-
         self.engine = choose_engine(model, engine)
         self.optimizer = WgpuAdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.scheduler = make_scheduler(self.optimizer, schedule, self.total_steps, warmup_ratio)

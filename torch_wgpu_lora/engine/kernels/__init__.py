@@ -1,5 +1,6 @@
-"""The engine's kernel families: one module per WGSL file, each with its launch builders and
-the torch reference of the same math beside them.
+"""The engine's kernels: one module per kernel family or algorithm (``attention/`` a package of
+three), each with its launch builders and the torch reference of the same math beside them;
+``projection`` holds what the two projection families share.
 
 Conventions shared by every family:
 
@@ -7,6 +8,8 @@ Conventions shared by every family:
   ordered batch-major (``b * T + t``).
 * A family's builder returns ``runtime.Launch`` objects (bind groups built once). A plan
   builds them once per shape and records them on every step; nothing is allocated then.
+  Builders that need buffers of their own take them from a ``workspace.Workspace`` (scratch
+  shared by launches that run one after another, or buffers counted under a role).
 * Values that change from step to step (positions, lengths, token ids) are never baked
   into uniforms: kernels read them from small storage buffers the plan writes once per
   step, or that other kernels update on the GPU (decoding several tokens per submit).

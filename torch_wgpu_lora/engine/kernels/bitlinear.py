@@ -4,38 +4,40 @@
 >>> # rec.launch(launch)
 
 ``gemv`` serves few tokens (decoding), ``gemm`` many (prefill, training); both give the same
-exact integer dots. The epilogue modes: ``"store"``, ``"add"`` (into a residual stream),
-``"gate_up"`` (interleaved gate/up rows → relu(gate)²·up, optionally saving the raw pair), and
-for ``gemv`` ``"rope"`` (the fused q/k/v rows rotated into the query buffer and the KV caches).
+exact integer dots. The epilogue modes (``projection.MODES``): ``"store"``, ``"add"`` (into a
+residual stream), ``"gate_up"`` (interleaved gate/up rows → relu(gate)²·up, optionally saving the
+raw pair), and for ``gemv`` ``"rope"`` (the fused q/k/v rows rotated into the query buffer and the
+KV caches). The input gradient through the weights is ``bitlinear_t`` (straight-through).
+
+The launch shapes' rules (``gemv_max_tokens``, ``gemm_tile_tokens``, ``gemv_lanes``,
+``gemv_normalises``) were chosen by measurement: ``benchmarks/results/h200/kernel_tuning.md``.
 """
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from ...runtime import Buffer, Device, Launch, get_device, kernel
 from ..weights import Projection
+from ..workspace import Workspace
 from . import dummy
-from .attention import DecodePartials
-from .dropout import SiteDropout, dropout_params
+from .attention.decode import DecodePartials
+from .dropout import SiteDropout
+from .projection import MODES, check_vec4_rows, input_grad_launches
 from .rope import RopeTarget
 
-MODES = {"store": 0, "add": 1, "gate_up": 2, "rope": 3}
 _ROW_LOADS_MAX = 16  # gemv: vec4 words of a weight row one thread holds (ROW_LOADS_MAX in bitlinear.wgsl)
 GEMV_MAX_FEATURES = 16384  # gemv's longest row: its codes staged in workgroup memory (16 KiB)
-GEMV_THREADS = 65536  # gemv: threads a launch aims at (measured on the H200 over LANES 4..32)
+GEMV_THREADS = 65536  # gemv: threads a launch aims at
 
 
 def gemv_max_tokens(device: Device) -> int:
     """Up to this many tokens a projection runs as ``gemv`` (a weight pass per token: the first from
     memory, the others mostly from L2) rather than ``gemm``, whose few workgroups at so few tokens
-    each walk a whole row of weights in a long dependent loop. On the H200, µs a launch gemv / gemm
-    at 16 tokens: q/k/v 19.9 / 37.0, o 21.6 / 38.0, gate/up 40.1 / 46.2, down 36.8 / 93.1; at 24
-    gate/up's gemv is the slower (58.0 / 46.4). On a CPU adapter it stays 4 tokens, the GEMV path's
-    share of the tests (lavapipe's gemm is faster there already: o_proj 402 against 1,111 µs at 4)."""
+    each walk a whole row of weights in a long dependent loop: 16 on GPUs; 4 on a CPU adapter, the
+    GEMV path's share of the tests (the GEMM is faster there already)."""
     return 4 if device.is_cpu else 16
 
 
@@ -122,12 +124,8 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
 
 
 def gemm_tile_tokens(device: Device) -> int:
-    """Tokens a ``gemm`` workgroup holds: 32 on GPUs, 64 on CPU adapters. On the H200, at
-    BitNet-2B's four projections over 512 tokens, 32-token tiles took 157 / 108 / 490 / 275 µs
-    (q/k/v, o, gate/up, down) against 165 / 132 / 515 / 341 for 64-token tiles: twice the
-    workgroups hide more of each one's waits; 16-token tiles were no better at 512 tokens. On
-    lavapipe (2 cores; ``benchmarks.launches --small``, 64 tokens) 64-token tiles were as fast or
-    faster (gate/up 2.13 against 2.26 ms).
+    """Tokens a ``gemm`` workgroup holds: 32 on GPUs (twice the workgroups of 64-token tiles hide
+    more of each one's waits), 64 on CPU adapters.
 
     >>> from types import SimpleNamespace
     >>> gemm_tile_tokens(SimpleNamespace(is_cpu=False)), gemm_tile_tokens(SimpleNamespace(is_cpu=True))
@@ -142,16 +140,15 @@ _NORM_FEATURES = 4 * 8 * 128  # gemv's NORM: NORM_WORDS words of 4 features for 
 def gemv_normalises(k: int) -> bool:
     """Whether ``gemv`` normalises a row of ``k`` features itself: its invocations hold the row in
     registers, and every workgroup re-reads it, so long rows (BitNet-2B's FFN, 6912) keep their own
-    norm launch (on the H200 a fused down_proj took longer than the norm launch and the GEMV apart)."""
+    norm launch."""
     return k <= _NORM_FEATURES
 
 
 def gemv_lanes(rows: int, normalises: bool = False) -> int:
     """Threads a weight row gets in ``gemv`` (workgroups of 128): enough that the launch has about
     GEMV_THREADS, so a projection of few long rows (down_proj) reads each with many threads and
-    one of many short rows (gate/up) with few. On the H200, over BitNet-2B's four projections,
-    21.3 µs a layer against 24.5 for the best single shape (8 lanes everywhere). A GEMV that
-    normalises its input aims at half as many threads: half as many workgroups re-reading the row.
+    one of many short rows (gate/up) with few. A GEMV that normalises its input aims at half as
+    many threads: half as many workgroups re-reading the row.
 
     >>> gemv_lanes(2560), gemv_lanes(13824), gemv_lanes(2560, normalises=True)
     (32, 4, 16)
@@ -175,88 +172,16 @@ def bitlinear_reference(codes: torch.Tensor, scales: torch.Tensor, values: torch
     return dot / scales.double()[:, None] * row_scales.double()[None, :]
 
 
-def gate_up_reference(y: torch.Tensor) -> torch.Tensor:
-    """Interleaved gate/up columns [N, 2F] → relu(gate)²·up [N, F] (BitNet's relu2 MLP)."""
-    gate, up = y[:, 0::2], y[:, 1::2]
-    return torch.relu(gate).square() * up
-
-
-def lora_table(segments: list[tuple[int, int, int, int, float, int, int]]) -> np.ndarray:
-    """The LORA headers of ``bitlinear.wgsl``/``matmul.wgsl``: for each segment (row_begin,
-    row_end, row_step, h_col, scale, b_offset, rank) 8 u32 words; its B [rows, rank] lies at
-    ``b_offset`` (floats) in the LB buffer.
-
-    >>> lora_table([(0, 4, 1, 0, 2.0, 64, 2)]).shape
-    (8,)
-    """
-    header = np.zeros((max(len(segments), 1), 8), np.uint32)
-    for i, (begin, end, step, h_col, scale, b_offset, rank) in enumerate(segments):
-        header[i] = (begin, end, step, h_col, b_offset, rank, np.float32(scale).view(np.uint32), 0)
-    return header.reshape(-1)
-
-
-INPUT_GRAD_WORKGROUPS = 1024  # input-gradient GEMMs: workgroups a launch aims at (split-K below that)
-
-
-def input_grad_splits(workgroups: int, rows: int, device: Device) -> int:
-    """Ranges an input-gradient GEMM of ``workgroups`` tiles splits its ``rows`` (the sum over j)
-    into: doubling while the launch has fewer than INPUT_GRAD_WORKGROUPS workgroups, at most 8,
-    each range at least 512 rows; 1 on CPU adapters. (A seq-512 step's GEMMs into 2560 features
-    are 320 tiles of 64 × 64: two or three a streaming multiprocessor of an H200.) Measured on the
-    H200 against counts 1-6, 8, 12 and 16 (the split sum included; ``benchmarks.launches``'
-    ``input_grad_*`` times 1, 2, 4, 8): the chosen count was the fastest or within 4% of it for
-    each projection at 256 and 512 tokens (o_proj's 512-token sweep aside: the GPU clocked down
-    in it), except down_proj at 256 tokens (290 µs at 4 against 273 at 3)."""
-    if device.is_cpu:
-        return 1
-    splits = 1
-    while workgroups * splits < INPUT_GRAD_WORKGROUPS and splits < 8 and rows // (2 * splits) >= 512:
-        splits *= 2
-    return splits
-
-
-def input_grad_launches(file: str, constants: dict, inputs: dict[int, Buffer], sums: dict[int, Buffer], part: int,
-                        params: tuple, tokens: int, k: int, k64: int, rows: int, splits: int | None,
-                        dropout: SiteDropout | None, device: Device) -> list[Launch]:
-    """The launches of an input-gradient GEMM: ``file``'s gemm_tiled over 64 × 64 tiles of tokens ×
-    features (``inputs``: its bindings of A and the weights; ``sums``: OUT, DH, LA; ``part``: the
-    PART binding, DROP the next). One launch, or with ``splits`` > 1 ranges of rows one that stores
-    each range's sums into device-owned scratch and a split_sum launch that adds them up into OUT."""
-    if dropout is not None:
-        constants = dict(constants, DROPOUT=True)
-    sums = {**sums, part + 1: dropout.state if dropout is not None else dummy(device)}
-    params = (*params, *dropout_params(dropout))
-    tiles = (k64 // 64, -(-tokens // 64))
-    splits = splits or input_grad_splits(tiles[0] * tiles[1], rows, device)
-    if splits == 1:
-        return [Launch.build(kernel(file, "gemm_tiled", device, **constants), (*tiles, 1),
-                             {**inputs, **sums, part: dummy(device, "part")}, params)]
-    size = splits * tokens * -(-k // 4) * 4  # rows of whole vec4s
-    scratch = device.owned(f"input_grad_partials_{size}", lambda: Buffer((size,), device=device))
-    gemm = kernel(file, "gemm_tiled", device, SPLITS=splits, **constants)
-    total = kernel(file, "split_sum", device, SPLITS=splits, **constants)
-    return [Launch.build(gemm, (*tiles, splits), {**inputs, **sums, part: scratch}, params),
-            Launch.build(total, (-(-k // 1024), tokens, 1), {**sums, part: scratch}, params)]
-
-
-def check_vec4_rows(out: Buffer, lora_a: Buffer | None) -> None:
-    """Raises unless the input gradient's output and the adapters' stacked A have rows of whole
-    vec4s, as the input-gradient kernels read and write them."""
-    for name, buf in (("out", out), ("lora_a", lora_a)):
-        if buf is not None and buf.shape[-1] % 4:
-            raise ValueError(f"{name}'s rows must be padded to a multiple of 4 floats, got {buf.shape[-1]}")
-
-
 def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k: int, accumulate: bool = False,
                        dh: Buffer | None = None, lora_a: Buffer | None = None, lora_rank: int = 0,
                        splits: int | None = None, dropout: SiteDropout | None = None,
-                       device: Device | None = None) -> list[Launch]:
+                       workspace: Workspace) -> list[Launch]:
     """The straight-through input gradient of ``proj`` (``bitlinear_t.wgsl``): ``out (+)= (dy ∘ c)·T``
     for ``tokens`` rows of ``dy`` (f32 [tokens, ≥ rows]), plus ``dh·A`` for the adapters (``dh``
     [tokens, ≥ lora_rank] already scaled, ``lora_a`` their stacked A [lora_rank, K64]; with
     ``dropout``, each adapter's term masked by its dropout). ``splits``: ranges of the rows summed
-    apart (default ``input_grad_splits``)."""
-    device = device or get_device()
+    apart (default ``projection.input_grad_splits``; their partial sums in ``workspace``'s scratch)."""
+    device = workspace.device
     check_vec4_rows(out, lora_a)
     k_words = proj.weight.shape[1]
     unused = dummy(device)
@@ -265,7 +190,7 @@ def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int
                                (tokens, proj.rows, k_words, dy.shape[-1], out.shape[-1], k, lora_rank,
                                 dh.shape[-1] if dh is not None else 0, lora_a.shape[-1] if lora_a is not None else 0,
                                 int(accumulate)),
-                               tokens, k, 16 * k_words, proj.rows, splits, dropout, device)
+                               tokens, k, 16 * k_words, proj.rows, splits, dropout, workspace)
 
 
 def bitlinear_t_reference(dy: torch.Tensor, values: torch.Tensor, row_scales: torch.Tensor,

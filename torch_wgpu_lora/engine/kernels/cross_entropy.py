@@ -1,8 +1,8 @@
 """Cross-entropy of the LM head's logit rows and its gradient in place (``cross_entropy.wgsl``),
 and the torch reference.
 
-The loss of a batch is transformers' (mean over labels != -100, token t predicting label
-t + 1): the host shifts the labels into per-row targets; the kernel writes each row's loss
+The loss of a batch is transformers' (``torch_wgpu_lora.loss``: mean over labels != -100, token t
+predicting label t + 1): the host shifts the labels into per-row targets; the kernel writes each row's loss
 and overwrites the row with ``(softmax − onehot) · scale``, ready for the head's backward.
 Rows without a label (target < 0) get loss 0 and are otherwise left alone.
 
@@ -22,13 +22,6 @@ def cross_entropy_launch(logits: Buffer, targets: Buffer, scale: Buffer, losses:
     device = device or get_device()
     kern = kernel("cross_entropy.wgsl", "rows", device)
     return Launch.build(kern, (rows, 1, 1), (logits, targets, scale, losses), (vocab,))
-
-
-def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Per-position targets: position t's label is labels[t + 1] (-100 at the last position)."""
-    targets = torch.full_like(labels, -100)
-    targets[:, :-1] = labels[:, 1:]
-    return targets
 
 
 def cross_entropy_reference(logits: torch.Tensor, targets: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:

@@ -38,4 +38,22 @@ def gather_rows_launch(index: Buffer, table: Buffer, out: Buffer, *, tokens: int
 
 
 def embedding_reference(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The embedding rows of ``ids``, in float32."""
     return weight[ids].float()
+
+
+def gather_rows_reference(index: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
+                          zero_missing: bool) -> torch.Tensor:
+    """What ``gather_rows_launch`` leaves in ``out`` (a copy is returned): row n becomes
+    ``table[index[n]]`` where the index is a row of ``table``; other rows are zeroed
+    (``zero_missing``) or left as they were.
+
+    >>> gather_rows_reference(torch.tensor([1, 9]), torch.eye(2), torch.full((2, 2), 7.0), True).tolist()
+    [[0.0, 1.0], [0.0, 0.0]]
+    """
+    result = out.clone()
+    found = index < table.shape[0]
+    result[found] = table[index[found]].to(result.dtype)
+    if zero_missing:
+        result[~found] = 0
+    return result

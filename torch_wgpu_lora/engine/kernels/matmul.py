@@ -1,5 +1,6 @@
 """Float projections (``matmul.wgsl``): the dense flavour's projections and the LM head, with
-the epilogues of ``bitlinear`` (store, add, gate/up, LoRA segments); and the torch reference.
+the epilogues of ``bitlinear`` (store, add, gate/up, LoRA segments); their input gradient
+(``matmul_t.wgsl``); and the torch reference of each.
 
 >>> # rec.launch(matmul_launch(x, projection, out, tokens=n, out_stride=vocab))
 """
@@ -10,9 +11,10 @@ import torch
 
 from ...runtime import Buffer, Device, Launch, get_device, kernel
 from ..weights import Projection
+from ..workspace import Workspace
 from . import dummy
-from .bitlinear import MODES, check_vec4_rows, input_grad_launches
 from .dropout import SiteDropout
+from .projection import MODES, check_vec4_rows, input_grad_launches
 
 GEMV_MAX_TOKENS = 4  # up to this many tokens, a gemv per token reads the weights no faster than gemm
 
@@ -48,11 +50,12 @@ def matmul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def matmul_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k: int, bf16: bool = False,
                     accumulate: bool = False, dy_col: int = 0, dh: Buffer | None = None, lora_a: Buffer | None = None,
                     lora_rank: int = 0, splits: int | None = None, dropout: SiteDropout | None = None,
-                    device: Device | None = None) -> list[Launch]:
+                    workspace: Workspace) -> list[Launch]:
     """The input gradient of a float projection (``matmul_t.wgsl``): ``out (+)= dy·W`` (+ ``dh·A``,
-    with ``dropout`` each adapter's term masked by its dropout), reading ``dy``'s columns from ``dy_col`` (a vocabulary chunk of the logits' gradient). ``splits``:
-    ranges of the rows summed apart (default ``input_grad_splits``)."""
-    device = device or get_device()
+    with ``dropout`` each adapter's term masked by its dropout), reading ``dy``'s columns from
+    ``dy_col`` (a vocabulary chunk of the logits' gradient). ``splits``: ranges of the rows summed
+    apart (default ``projection.input_grad_splits``; their partial sums in ``workspace``'s scratch)."""
+    device = workspace.device
     check_vec4_rows(out, lora_a)
     w_words = proj.weight.shape[1]
     unused = dummy(device)
@@ -61,4 +64,9 @@ def matmul_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k
                                (tokens, proj.rows, w_words, dy.shape[-1], dy_col, out.shape[-1], k, lora_rank,
                                 dh.shape[-1] if dh is not None else 0, lora_a.shape[-1] if lora_a is not None else 0,
                                 int(accumulate)),
-                               tokens, k, w_words * (2 if bf16 else 1), proj.rows, splits, dropout, device)
+                               tokens, k, w_words * (2 if bf16 else 1), proj.rows, splits, dropout, workspace)
+
+
+def matmul_t_reference(dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dx = dy [N, rows] · weight [rows, K] in float64: the input gradient of ``matmul_reference``."""
+    return dy.double() @ weight.double()

@@ -64,6 +64,15 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
     return weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def rmsnorm_backward_reference(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The input gradient of RMSNorm at ``x`` for output gradient ``dy``: float64 autograd through
+    ``w · x / sqrt(mean(x²) + eps)`` (the kernel computes it from the forward's saved 1/rms)."""
+    x64 = x.double().requires_grad_()
+    y = weight.double() * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps))
+    (dx,) = torch.autograd.grad(y, x64, dy.double())
+    return dx
+
+
 def quantise_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """BitLinear's per-token absmax int8 quantisation, op for op: (codes, scales)."""
     scale = 127 / y.abs().max(dim=-1, keepdim=True).values.clamp(min=1e-5)

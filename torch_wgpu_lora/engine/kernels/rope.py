@@ -57,6 +57,29 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos + rotated * sin
 
 
+def rope_backward_reference(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, pos: int, tokens_per_seq: int, heads: int, kv_heads: int) -> torch.Tensor:
+    """The gradient of the fused q/k/v rows [N, (heads + 2·kv_heads)·D] that ``rope_launch`` rotated
+    at positions ``pos``.. of each sequence, from dQ (token-major [N, heads·D]) and the caches'
+    dK, dV ([batch, kv_heads, S, D]); ``cos``/``sin`` [S, D] (both halves). Float64 autograd
+    through ``rope_reference``."""
+    batch, _, _, d = dk.shape
+    t = tokens_per_seq
+    positions = slice(pos, pos + t)
+    c, s = cos[positions].double(), sin[positions].double()
+    q = torch.zeros(batch, t, heads, d, dtype=torch.float64, requires_grad=True)
+    k = torch.zeros(batch, kv_heads, t, d, dtype=torch.float64, requires_grad=True)
+    rq, rk = rope_reference(q.transpose(1, 2), c, s), rope_reference(k, c, s)
+    dq_in, dk_in = torch.autograd.grad((rq, rk), (q, k), (dq.double().reshape(batch, t, heads, d).transpose(1, 2),
+                                                          dk[:, :, positions].double()))
+    dv_in = dv[:, :, positions].double()  # values are stored as they are: their gradient passes through
+
+    def per_token(x: torch.Tensor) -> torch.Tensor:  # [B, KVH, T, D] -> [B*T, KVH*D]
+        return x.transpose(1, 2).reshape(batch * t, -1)
+
+    return torch.cat((dq_in.reshape(batch * t, -1), per_token(dk_in), per_token(dv_in)), dim=1)
+
+
 def rope_backward_launch(dq: Buffer, dk: Buffer, dv: Buffer, cos: Buffer, sin: Buffer, step: Buffer, dqkv: Buffer, *,
                          tokens: int, tokens_per_seq: int, heads: int, kv_heads: int, head_dim: int, cache_len: int,
                          device: Device | None = None) -> Launch:

@@ -7,7 +7,7 @@ plan and record the same ones for every generated token::
 
     launches = sampling_launches(logits_row, seen, step, lengths, history, next_token,
                                  vocab=V, strategy="top_p", temperature=0.8, top_p=0.9,
-                                 repetition_penalty=1.1)
+                                 repetition_penalty=1.1, workspace=ws)
     for launch in launches:          # after the model's launches, every token
         rec.launch(launch)
 
@@ -35,8 +35,7 @@ written earlier in the same step, so nothing carries over between tokens):
   stores the processed logits). The last launch, one workgroup, folds the last pass, draws
   by inverse CDF over the kept tokens (blocks, then one block's tokens) and advances.
 
-Measured on an NVIDIA H200 at V=128256 (Vulkan, GPU timestamps, many tokens per submit):
-greedy about 7 us per token (10 us with a repetition penalty), top-k/top-p about 80 us.
+What these launches cost on an H200: ``benchmarks/results/h200/kernel_tuning.md``.
 
 Sampling draws ``u = uniform(seed, count)`` from a counter-based generator (a PCG hash of
 the seed and the token count, 24 random bits) and picks the first kept token, in id
@@ -58,7 +57,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ...logits import check_processing, process_logits
-from ...runtime import Buffer, Device, Launch, get_device, kernel, write
+from ...runtime import Buffer, Device, Launch, kernel, write
+from ..workspace import Workspace
 from . import STEP_FIELDS, STEP_POS, STEP_SEED, STEP_TOKEN_COUNT
 
 if TYPE_CHECKING:
@@ -174,12 +174,11 @@ def plan_shape(vocab: int, device: Device) -> tuple[int, int]:
 def sampling_launches(logits: Buffer, seen: Buffer, step: Buffer, lengths: Buffer, history: Buffer,
                       next_token: Buffer, *, vocab: int, strategy: str, temperature: float = 1.0, top_k: int = 40,
                       top_p: float = 0.9, repetition_penalty: float = 1.0,
-                      device: Device | None = None) -> list[Launch]:
+                      workspace: Workspace) -> list[Launch]:
     """The launches that choose the next token from ``logits`` and advance the decode state
     (see the module docstring): 2 for ``greedy``, 9 for ``top_k`` and ``top_p``. Record
     them in order, once per token; each records the same work every time (per-step values
-    live in ``step``, ``lengths`` and ``seen``). Scratch buffers are made here and kept
-    alive by the launches.
+    live in ``step``, ``lengths`` and ``seen``). Their scratch buffers are ``workspace``'s.
 
     ``temperature``, ``top_k`` and ``top_p`` are used by the sampling strategies only;
     ``repetition_penalty`` 1.0 skips the penalty. Raises ValueError or TypeError naming
@@ -196,7 +195,7 @@ def sampling_launches(logits: Buffer, seen: Buffer, step: Buffer, lengths: Buffe
     _check_buffer("lengths", lengths, "u32")
     _check_buffer("history", history, "u32")
     _check_buffer("next_token", next_token, "u32")
-    device = device or get_device()
+    device = workspace.device
     for name, buf in (("logits", logits), ("seen", seen), ("step", step), ("lengths", lengths),
                       ("history", history), ("next_token", next_token)):
         if buf.device is not device:
@@ -210,7 +209,7 @@ def sampling_launches(logits: Buffer, seen: Buffer, step: Buffer, lengths: Buffe
               "penalty": float(repetition_penalty), "temperature": float(temperature) if sampled else 1.0}
     processing = {"PENALIZE": int(repetition_penalty != 1.0), "SCALE": int(sampled and float(temperature) != 1.0)}
     steps = {"STEP_POS": STEP_POS, "STEP_SEED": STEP_SEED, "STEP_TOKEN_COUNT": STEP_TOKEN_COUNT}
-    scratch = Buffer((21 * groups + 2, 4), "u32", device)
+    scratch = workspace.alloc("sampling", (21 * groups + 2, 4), "u32")
     write(scratch, np.zeros(scratch.shape, np.uint32))  # pooled memory: start from known values
     state = (scratch, seen, step, lengths, history, next_token)
 
@@ -222,7 +221,7 @@ def sampling_launches(logits: Buffer, seen: Buffer, step: Buffer, lengths: Buffe
         return [build("greedy_partial", groups, (scratch, logits, seen), **processing),
                 build("greedy_final", 1, state, **steps)]
 
-    z = Buffer((v4, 4), "f32", device)
+    z = workspace.alloc("sampling", (v4, 4), "f32")
     search = {"PASSES": SEARCH_PASSES, "MODE": int(strategy == "top_p")}
     launches = [build("search_first", groups, (scratch, logits, seen, z), 1, **search, **processing)]
     launches += [build("search", groups, (scratch, z), i, **search) for i in range(2, SEARCH_PASSES + 1)]

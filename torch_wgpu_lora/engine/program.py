@@ -1,0 +1,312 @@
+"""The engine's program, written once: the launches of a decoder layer's forward, of the final norm
+and of the LM head, which every plan emits (``plan.ForwardPlan``: logits, prefill, decode;
+``train_plan.TrainPlan``: the forward of a training pass). The plans differ only in the buffers
+they hand over (``LayerIO``: what a training pass keeps for its backward gets buffers of its own;
+a forward plan reuses one set) and in what their ``PassShape`` allows (decoding's fusions, kept
+attention scores, dropout).
+
+Per layer (LoRA, when the model has adapters there, rides along inside the launches: the norms
+compute every h = A·x of their site, the projections add s·B·h in their epilogue)::
+
+    norm        input_layernorm (+ int8 codes, + h for q/k/v adapters)
+    qkv         q, k, v projections in one launch
+    rope        rotate q and k; k and v into the cache at their positions
+    attention   causal GQA over the cache
+    norm        attn_sub_norm (+ codes, + h for o)
+    o           o_proj, added into the residual stream
+    norm        post_attention_layernorm (+ codes, + h for gate/up)
+    gate_up     gate and up in one launch; relu(gate)²·up
+    norm        ffn_sub_norm (+ codes, + h for down)
+    down        down_proj, added into the residual stream
+
+Decoding a ternary model (``PassShape.fused``: a few tokens, the GEMV path) fuses launches,
+since a token is a chain of a few hundred dependent launches of a few µs each: the q/k/v GEMV
+rotates its output and writes the caches itself (no rope launch); a GEMV whose site has no adapter
+normalises and quantises its own input (no norm launch; a site with adapters keeps its norm, which
+computes h, and so does a row too long for the GEMV to hold: ``gemv_normalises``); and o_proj's
+GEMV that does so merges attention's key-span partials as it reads them (no combine launch).
+BitNet-2B with Q/V adapters: 7 launches a layer rather than 11.
+
+A ``Program`` is the launches in order, with the points where activations are quantised marked,
+so that ``record(capture=...)`` can copy the int8 codes a pass chose (tests feed them to the
+torch model).
+
+>>> # program = Program(); emit_embedding(program, shape, ids)
+>>> # for i in range(config.layers): emit_layer(program, shape, i, io[i])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..runtime import Buffer, Launch, Recorder, copy_launch
+from .adapters import EngineAdapters, Site
+from .config import EngineConfig
+from .kernels.attention import DecodePartials, attention_launches, decode_partials
+from .kernels.bitlinear import bitlinear_launch, gemv_max_tokens, gemv_normalises
+from .kernels.embedding import embedding_launches
+from .kernels.matmul import matmul_launch
+from .kernels.norm import rmsnorm_launch
+from .kernels.rope import RopeTarget, rope_launch
+from .weights import EngineWeights, Projection
+from .workspace import Workspace
+
+__all__ = ["Indirect", "LayerIO", "PassShape", "Program", "SiteIO", "emit_embedding", "emit_final_norm",
+           "emit_head", "emit_layer", "read_codes"]
+
+
+@dataclass(frozen=True)
+class Indirect:
+    """A launch whose grid a buffer sets before each submit (three u32 of ``grids`` at word
+    ``at``): the training head's GEMMs, whose token tiles cover the labelled rows only."""
+
+    launch: Launch
+    grids: Buffer
+    at: int
+
+
+class Program:
+    """Launches (or ``Indirect`` launches) in the order they run, and where activations are quantised."""
+
+    def __init__(self) -> None:
+        self.steps: list[Launch | Indirect] = []
+        self._quantised: dict[int, tuple[tuple[int, str], Buffer, Buffer]] = {}  # step index -> (key, codes, meta)
+
+    def add(self, *steps: Launch | Indirect) -> None:
+        self.steps.extend(steps)
+
+    def quantises(self, key: tuple[int, str], codes: Buffer, meta: Buffer) -> None:
+        """The next step added quantises the activations of ``key`` = (layer, site) into ``codes`` and
+        ``meta`` (scales, then code sums)."""
+        self._quantised[len(self.steps)] = (key, codes, meta)
+
+    @property
+    def launches(self) -> list[Launch]:
+        """Every step's launch (indirect ones unwrapped)."""
+        return [s.launch if isinstance(s, Indirect) else s for s in self.steps]
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def record(self, rec: Recorder, capture: dict | None = None) -> None:
+        """Record every step into ``rec``. ``capture``, a dict, receives a copy of each activation
+        quantisation: ``capture[(layer, site)] = (codes, meta)`` buffers (``read_codes`` reads them)."""
+        for index, step in enumerate(self.steps):
+            if isinstance(step, Indirect):
+                rec.launch_indirect(step.launch, step.grids, 4 * step.at)
+            else:
+                rec.launch(step)
+            if capture is not None and index in self._quantised:
+                key, codes, meta = self._quantised[index]
+                copies = (Buffer(codes.shape, "u32", codes.device), Buffer(meta.shape, "f32", meta.device))
+                rec.copy(codes, copies[0])
+                rec.copy(meta, copies[1])
+                capture[key] = copies
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """What every launch of a pass shares: the model, ``batch`` sequences of ``tokens`` positions,
+    the buffers all layers reuse, where the pass stands (``step``: its first position; ``lengths``:
+    each sequence's valid keys), the caches' ``cache_length``, and what the pass may do:
+
+    * ``decode``: few queries against a long cache (flash decoding); ``fuse``: decoding's fusions
+      (the module's docstring; on GPUs: a CPU adapter runs each workgroup's re-reading of a row
+      serially, which costs it more than the launches saved);
+    * ``gemv``: the projections' GEMV path (None: chosen by the token count; False: always GEMMs);
+    * ``from_start``: every pass starts at position 0, so attention may keep its scores whole;
+    * ``dropout``: the pass's LoRA dropout state (``kernels.dropout``), None for none.
+    """
+
+    weights: EngineWeights
+    adapters: EngineAdapters
+    batch: int
+    tokens: int
+    residual: Buffer  # f32 [rows, hidden64]: the residual stream
+    qkv: Buffer  # f32 [rows, q + 2 kv]: the fused q/k/v projection's output
+    codes: Buffer | None  # u32 [rows, hidden64 / 4]: int8 codes of a norm's output (quantised flavours)
+    ffn_codes: Buffer | None  # u32 [rows, ffn64 / 4]: those of ffn_sub_norm's
+    meta: Buffer | None  # f32 [2 rows]: the codes' scales, then their sums
+    step: Buffer
+    lengths: Buffer
+    cache_length: int
+    workspace: Workspace
+    decode: bool = False
+    fuse: bool = False
+    gemv: bool | None = None
+    from_start: bool = False
+    dropout: Buffer | None = None
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.weights.config
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.tokens
+
+    @property
+    def fused(self) -> bool:
+        """Whether decoding's fusions apply: a ternary model, a few tokens (the GEMV path)."""
+        return (self.fuse and self.decode and self.config.quantised
+                and self.rows <= gemv_max_tokens(self.workspace.device))
+
+
+@dataclass(frozen=True)
+class SiteIO:
+    """A norm site's outputs: the normalised rows (the adapters' input; with codes, only read by
+    the adapters and the float flavour), h = A·x of its adapters, and 1/rms (kept for a backward)."""
+
+    xn: Buffer
+    h: Buffer | None = None
+    rstd: Buffer | None = None
+
+
+@dataclass(frozen=True)
+class LayerIO:
+    """What one layer's forward writes besides the residual stream: its four norm sites, the rotated
+    queries, its K/V cache ([batch, kv_heads, cache_length, head_dim]), attention's output, the MLP's
+    activation; and what a training pass keeps: attention's lse and P (``scores``), the raw gate/up
+    pairs, and copies of the residual stream before attention and before the MLP."""
+
+    attn: SiteIO
+    o: SiteIO
+    mlp: SiteIO
+    down: SiteIO
+    queries: Buffer
+    keys: Buffer
+    values: Buffer
+    attention: Buffer
+    ffn: Buffer
+    lse: Buffer | None = None
+    scores: Buffer | None = None
+    pairs: Buffer | None = None
+    residual_in: Buffer | None = None
+    residual_mid: Buffer | None = None
+
+
+def emit_embedding(program: Program, shape: PassShape, ids: Buffer) -> None:
+    """The token ids' embedding rows into the residual stream."""
+    w, c = shape.weights, shape.config
+    program.add(*embedding_launches(ids, w.embedding, w.embedding_rows, shape.residual, tokens=shape.rows,
+                                    k=c.hidden, bf16=w.bf16, device=shape.workspace.device))
+
+
+def _norm(shape: PassShape, x: Buffer, weight: Buffer, site: Site | None, io: SiteIO, codes: Buffer | None, k: int,
+          layer: int, name: str) -> Launch:
+    lora = site is not None and site.rank > 0
+    dropout = (shape.adapters.site_dropout(layer, name, shape.dropout) if lora and shape.dropout is not None
+               else None)
+    return rmsnorm_launch(x, weight, io.xn, tokens=shape.rows, k=k, eps=shape.config.rms_eps, codes=codes,
+                          meta=shape.meta if codes is not None else None, lora_a=site.a if lora else None,
+                          h=io.h if lora else None, rank=site.rank if lora else 0, rstd=io.rstd, dropout=dropout,
+                          device=shape.workspace.device)
+
+
+def _project(shape: PassShape, proj: Projection, io: SiteIO, codes: Buffer | None, out: Buffer, mode: str, site: Site,
+             aux: Buffer | None = None, norm: tuple[Buffer, Buffer, float] | None = None,
+             rope: RopeTarget | None = None, attention: DecodePartials | None = None) -> Launch:
+    lora = (dict(h=io.h, lora_rank=io.h.shape[1], lora=site.table, lora_b=shape.adapters.params,
+                 segments=site.segments) if site.rank else {})
+    device = shape.workspace.device
+    if shape.config.quantised:
+        return bitlinear_launch(codes, shape.meta, proj, out, tokens=shape.rows, out_stride=out.shape[-1], mode=mode,
+                                aux=aux, gemv=shape.gemv, norm=norm, rope=rope, attention=attention, device=device,
+                                **lora)
+    return matmul_launch(io.xn, proj, out, tokens=shape.rows, out_stride=out.shape[-1], mode=mode,
+                         bf16=shape.weights.bf16, aux=aux, gemv=shape.gemv, device=device, **lora)
+
+
+def emit_layer(program: Program, shape: PassShape, index: int, io: LayerIO) -> None:
+    """Decoder layer ``index``'s forward (the module's docstring), reading and updating the residual
+    stream and writing ``io``."""
+    c, w = shape.config, shape.weights
+    layer, sites = w.layers[index], shape.adapters.sites[index]
+    fused = shape.fused
+
+    def normalises(name: str, k: int) -> bool:
+        return fused and not sites[name].rank and gemv_normalises(k)
+
+    def site(x: Buffer, weight: Buffer, name: str, k: int, proj: Projection, out: Buffer, mode: str,
+             codes: Buffer | None, rope: RopeTarget | None = None, attention: DecodePartials | None = None,
+             aux: Buffer | None = None) -> None:
+        """A projection and the norm of its input: one launch where the GEMV normalises (x, or
+        ``attention``'s partials merged), else two."""
+        norm = normalises(name, k)
+        if codes is not None:  # the next launch quantises: the norm, or the GEMV that normalises
+            program.quantises((index, name), codes, shape.meta)
+        if not norm:
+            program.add(_norm(shape, x, weight, sites[name], getattr(io, name), codes, k, index, name))
+        program.add(_project(shape, proj, getattr(io, name), codes, out, mode, sites[name], aux=aux,
+                             norm=(x, weight, c.rms_eps) if norm else None, rope=rope,
+                             attention=attention if norm else None))
+
+    target = RopeTarget(w.rope_cos, w.rope_sin, shape.step, io.keys, io.values, c.heads, c.kv_heads, c.head_dim,
+                        shape.tokens)
+    if io.residual_in is not None:  # copied by a kernel: a Recorder.copy would end the compute pass
+        program.add(copy_launch(shape.residual, io.residual_in))
+    site(shape.residual, layer.input_norm, "attn", c.hidden, layer.qkv, io.queries if fused else shape.qkv,
+         "rope" if fused else "store", shape.codes, rope=target if fused else None)
+    if not fused:
+        program.add(rope_launch(shape.qkv, io.queries, target, tokens=shape.rows, device=shape.workspace.device))
+    # o_proj's GEMV that normalises its input merges attention's partials itself (no combine launch)
+    partials = (decode_partials(shape.batch, shape.tokens, c.heads, c.kv_heads, c.head_dim, shape.cache_length,
+                                shape.workspace) if normalises("o", c.q_size) else None)
+    program.add(*attention_launches(io.queries, io.keys, io.values, io.attention, shape.step, shape.lengths,
+                                    batch=shape.batch, tokens=shape.tokens, heads=c.heads, kv_heads=c.kv_heads,
+                                    head_dim=c.head_dim, max_len=shape.cache_length, scale=c.head_dim ** -0.5,
+                                    workspace=shape.workspace, lse=io.lse, decode=shape.decode, partials=partials,
+                                    from_start=shape.from_start, scores=io.scores))
+    site(io.attention, layer.attn_sub_norm, "o", c.q_size, layer.o, shape.residual, "add", shape.codes,
+         attention=partials)
+    if io.residual_mid is not None:
+        program.add(copy_launch(shape.residual, io.residual_mid))
+    site(shape.residual, layer.post_norm, "mlp", c.hidden, layer.gate_up, io.ffn, "gate_up", shape.codes,
+         aux=io.pairs)
+    site(io.ffn, layer.ffn_sub_norm, "down", c.intermediate, layer.down, shape.residual, "add", shape.ffn_codes)
+
+
+def emit_final_norm(program: Program, shape: PassShape, x: Buffer, out: Buffer, rows: int,
+                    rstd: Buffer | None = None) -> None:
+    """The final RMSNorm over ``rows`` rows of ``x`` into ``out`` (keeping 1/rms in ``rstd``)."""
+    c = shape.config
+    program.add(rmsnorm_launch(x, shape.weights.final_norm, out, tokens=rows, k=c.hidden, eps=c.rms_eps, rstd=rstd,
+                               device=shape.workspace.device))
+
+
+def emit_head(shape: PassShape, x: Buffer, logits: Buffer, rows: int) -> list[Launch]:
+    """The LM head over ``rows`` rows of ``x`` (the final norm's output) into ``logits`` [rows, vocab],
+    a launch per vocabulary chunk of the weights; returned for the caller to add (the training head
+    makes them indirect)."""
+    w, c = shape.weights, shape.config
+    launches, begin = [], 0
+    for chunk, chunk_rows in zip(w.head, w.head_rows):
+        launches.append(matmul_launch(x, Projection(chunk, None, chunk_rows, c.hidden), logits, tokens=rows,
+                                      out_stride=c.vocab, out_offset=begin, bf16=w.bf16, gemv=shape.gemv,
+                                      device=shape.workspace.device))
+        begin += chunk_rows
+    return launches
+
+
+def read_codes(capture: dict, batch: int, tokens: int, config: EngineConfig) -> dict:
+    """A pass's captured activation quantisations (``Program.record(capture=...)``, after the submit)
+    as {(layer, site): (codes [batch, tokens, K] as floats, scales [batch·tokens])}: what
+    ``integrations.quantisation.feeding_codes`` takes."""
+    widths = {"attn": config.hidden, "o": config.q_size, "mlp": config.hidden, "down": config.intermediate}
+    if not capture:
+        return {}
+    rec = Recorder(next(iter(capture.values()))[0].device)
+    raw = {}
+    for key, (codes, meta) in capture.items():
+        raw[key] = (np.empty(codes.shape, np.uint32), np.empty(meta.shape, np.float32))
+        rec.read(codes, raw[key][0])
+        rec.read(meta, raw[key][1])
+    rec.submit()
+    out = {}
+    for (layer, site), (c, m) in raw.items():
+        q = c.view(np.int8).reshape(batch * tokens, -1)[:, : widths[site]].astype(np.float32)
+        out[(layer, site)] = (torch.from_numpy(q).reshape(batch, tokens, -1), torch.from_numpy(m[: batch * tokens].copy()))
+    return out
