@@ -21,10 +21,17 @@ fn lora(n: u32, j: u32) -> f32 {
   return v;
 }
 
-// Store (MODE 0) or add (MODE 1) one output.
+// Store (MODE 0) or add (MODE 1) one output; an add with SAVE also keeps the sum in AUX (a
+// training pass's copy of the residual stream for its backward, without a copy launch).
 fn put(n: u32, j: u32, v: f32) {
   let o = n * p.out_stride + p.out_offset + j;
-  if (MODE == 1u) { OUT[o] += v; } else { OUT[o] = v; }
+  if (MODE == 1u) {
+    let sum = OUT[o] + v;
+    OUT[o] = sum;
+    if (SAVE) { AUX[n * p.aux_stride + j] = sum; }
+  } else {
+    OUT[o] = v;
+  }
 }
 
 // A gate/up pair (rows 2i, 2i + 1) for token n: relu(gate)² · up.

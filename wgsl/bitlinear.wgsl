@@ -6,7 +6,8 @@
 //   v         = dot / (WS[j] · s[n])   (DIVIDE)   or   dot / s[n] · WS[j]
 //   v        += scale_s · Σ_r B_s[j'][r] · h[n][c_s + r]   for a LoRA segment s holding row j (j' its row in B_s)
 // then the epilogue (MODE): 0 store, 1 add into OUT (a residual stream), 2 gate/up pairs
-// (rows 2i, 2i+1): OUT[n][i] = relu(gate)² · up, and with SAVE the raw pair into AUX; 3 (gemv)
+// (rows 2i, 2i+1): OUT[n][i] = relu(gate)² · up, and with SAVE the raw pair into AUX (MODE 1:
+// the sums); 3 (gemv)
 // rope: the fused q/k/v rows rotated and written where attention reads them (below).
 //
 // Two entry points. gemv (a decoded token: a stream of the weights at memory bandwidth): one

@@ -1,6 +1,7 @@
 // Float projections y = x·Wᵀ (the dense flavour's projections and the LM head), with the
 // epilogues of bitlinear.wgsl: v += LoRA segments; MODE 0 store, 1 add into OUT (a residual
-// stream), 2 gate/up pairs (rows 2i, 2i + 1) → relu(gate)² · up (SAVE: raw pair into AUX).
+// stream; SAVE: the sums into AUX too), 2 gate/up pairs (rows 2i, 2i + 1) → relu(gate)² · up (SAVE: raw
+// pair into AUX).
 //
 // X: f32 [tokens, K] as vec4, rows padded to a multiple of 64 with zeros. W: the weight rows,
 // K padded likewise, as vec4<u32> words: float32 bits, or with BF16 the raw bfloat16 bits

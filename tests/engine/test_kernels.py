@@ -108,7 +108,15 @@ def test_bitlinear_adds_into_a_residual_stream(path):
                               mode="add", **PATHS[path])
     (got,) = run([launch, launch], out)  # twice: it adds, never overwrites
     assert_close(got, residual.double() + 2 * bitlinear_reference(codes, scales, values, row_scales, True), INT_RTOL,
-          "residual")
+                 "residual")
+    # with aux (rows padded past the output's width), the sums are kept there too: the same values
+    out, aux = upload(residual.numpy()), poisoned((tokens, rows + 24))
+    keep = bitlinear_launch(xq, xm, _projection(values, row_scales, True), out, tokens=tokens, out_stride=rows,
+                            mode="add", aux=aux, **PATHS[path])
+    got, kept = run([keep], out, aux)
+    assert_close(got, residual.double() + bitlinear_reference(codes, scales, values, row_scales, True), INT_RTOL,
+                 "residual")
+    assert torch.equal(kept[:, :rows], got) and kept[:, rows:].isnan().all()
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -365,6 +373,11 @@ def test_matmul_gate_up_and_add():
     res = upload(residual.numpy())
     (got,) = run([matmul_launch(upload(x.numpy()), proj, res, tokens=tokens, out_stride=2 * f, mode="add")], res)
     assert_close(got, residual.double() + matmul_reference(x, weight), FLOAT_RTOL, "add")
+    res, aux = upload(residual.numpy()), poisoned((tokens, 2 * f + 8))
+    got, kept = run([matmul_launch(upload(x.numpy()), proj, res, tokens=tokens, out_stride=2 * f, mode="add",
+                                   aux=aux)], res, aux)
+    assert_close(got, residual.double() + matmul_reference(x, weight), FLOAT_RTOL, "add keeping the sums")
+    assert torch.equal(kept[:, : 2 * f], got) and kept[:, 2 * f:].isnan().all()  # the sums, in rows of aux's width
 
 
 # -- RMSNorm, quantisation, LoRA down -------------------------------------------------------------

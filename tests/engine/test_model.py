@@ -8,7 +8,11 @@ near-tie and flips bounded (``integrations.quantisation`` says why).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,3 +240,41 @@ def test_double_backward_through_the_engine_loss_is_refused_clearly():
         torch.autograd.grad(loss, params, create_graph=True)
     (grad,) = torch.autograd.grad(engine(ids, mask, labels=ids).loss, params[:1])  # a plain backward still works
     assert torch.isfinite(grad).all()
+
+
+# -- memory ------------------------------------------------------------------------------------------
+
+_MEMORY_SCRIPT = """
+import json, torch
+from tests.engine.helpers import labelled_batch, tiny_model
+from torch_wgpu_lora import BitNetEngine, WgpuAdamW
+from torch_wgpu_lora.integrations.bitnet import lora_parameters
+
+model = tiny_model("packed", adapters=True, seed=7, num_hidden_layers=3)
+engine = BitNetEngine(model)
+micro = [labelled_batch(model, [40, 23])]
+engine.train_step(micro, WgpuAdamW(lora_parameters(model), lr=1e-3), max_grad_norm=1.0)
+engine(micro[0]["input_ids"], attention_mask=micro[0]["attention_mask"])
+report = engine.memory_report()
+print(json.dumps({"rows": [[r.owner, r.role, r.nbytes] for r in report.rows], "allocated": report.allocated,
+                  "peak": report.peak, "table": str(report), "weights": engine.weights.arena.nbytes}))
+"""
+
+
+def test_the_memory_report_accounts_for_the_measured_peak():
+    """In a fresh process (no other test's buffers), after a training step and a forward: the
+    report's rows other than "unattributed" add up to the runtime's measured peak within 5% (the
+    peak also saw what a step frees again: its uploads' and readbacks' transient buffers), and name
+    what holds the memory."""
+    done = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = {(owner, role): n for owner, role, n in report["rows"]}
+    attributed = sum(rows.values()) - rows.get(("runtime", "unattributed"), 0)
+    assert sum(rows.values()) == report["allocated"]  # the rows, unattributed included, are what is allocated
+    assert abs(attributed - report["peak"]) <= 0.05 * report["peak"], report["table"]
+    assert rows[("weights", "frozen weights")] == report["weights"]
+    assert rows[("train 2×40", "saved for the backward")] > rows[("train 2×40", "gradients")] > 0
+    assert rows[("forward 2×40", "KV cache")] > 0 and rows[("optimizer step", "optimizer")] > 0
+    assert "saved for the backward" in report["table"]

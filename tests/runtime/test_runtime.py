@@ -285,6 +285,17 @@ def test_rows_and_slice_are_views_of_their_range_and_refuse_what_does_not_fit():
         x.slice(21, (3,))
 
 
+def test_arena_chunks_grow_from_a_mebibyte_to_their_bound():
+    arena = Arena(chunk_bytes=4 << 20)
+    for _ in range(20):
+        arena.alloc((100_000,))  # 400 kB each: 2 fit 1 MiB, 5 fit 2 MiB, 10 fit 4 MiB
+    assert [c.size for c in arena.chunks] == [1 << 20, 2 << 20, 4 << 20, 4 << 20]
+    big = Arena(chunk_bytes=4 << 20)
+    big.alloc((600_000,))  # 2.4 MB: a first chunk of its size
+    assert [c.size for c in big.chunks] == [2_400_000]
+    assert arena.nbytes == sum(c.size for c in arena.chunks)
+
+
 def test_copy_and_clear():
     src = upload(np.arange(8, dtype=np.float32))
     dst = Buffer((8,))

@@ -306,8 +306,7 @@ class BitNetEngine(nn.Module):
         rows += [MemoryRow("optimizer step", role, n) for role, n in self.optimizer_step.workspace.roles().items()]
         rows += [MemoryRow("plans' shared scratch", role, n) for role, n in self.scratch.roles().items()]
         for key, plan in self._plans.items():
-            name = " ".join(str(k) for k in key[:3])
-            rows += [MemoryRow(name, role, n) for role, n in plan.roles().items()]
+            rows += [MemoryRow(_plan_name(key), role, n) for role, n in plan.roles().items()]
         rows.append(MemoryRow("runtime", "freed buffers kept for reuse", pool_for(self.device).free_bytes))
         rows.append(MemoryRow("runtime", "readback staging", staging_for(self.device).kept_bytes))
         allocated = self.device.allocated
@@ -338,6 +337,16 @@ class _EngineLoss(torch.autograd.Function):
                                "run the model on the torch path (engine='torch') for that")
         ctx.saved_tensors  # noqa: B018 - the version check
         return (None, None, None, None, None, *(g * grad for g in ctx.grads))
+
+
+def _plan_name(key: tuple) -> str:
+    """A cached plan's name in the memory report, from its cache key."""
+    kind, *shape = key
+    if kind == "session":
+        return f"generation {shape[0]}+{shape[1]} tokens"
+    batch, tokens, extra, dropout = shape
+    name = f"{kind} {batch}×{tokens}" + (f", {extra} micro-batches" if kind == "train" and extra > 1 else "")
+    return name + (", dropout" if dropout else "")
 
 
 def _dropout_seed() -> int:

@@ -39,6 +39,7 @@ DTYPES = {"f32": np.float32, "u32": np.uint32, "i32": np.int32, "f16": np.float1
 _NUMPY_TO_DTYPE = {np.dtype(v): k for k, v in DTYPES.items()}
 _ALIGN = 16  # vec4 arrays are bound whole: keep every size a multiple of 16 bytes
 SERIALS = itertools.count(1)  # identities for wgpu buffers (bind-group cache keys)
+_FIRST_CHUNK = 1 << 20  # an arena's first chunk; each next one doubles (see Arena)
 
 
 def _padded(nbytes: int) -> int:
@@ -216,7 +217,9 @@ class Buffer:
 class Arena:
     """Buffers planned together as views of a few large wgpu buffers. Each view starts at a
     multiple of the adapter's offset alignment; a chunk is at most ``max-buffer-size`` bytes
-    and no view spans two chunks.
+    and no view spans two chunks. Chunks grow: each new one is twice the last (from 1 MiB, at
+    most ``chunk_bytes``, at least the view that asks for it), so a small model's arena holds a
+    few MB, not a whole ``chunk_bytes``.
 
     For data kernels only read (a model's frozen weights): WebGPU checks a launch's buffer
     usages per wgpu buffer, not per range, so a launch that writes one view cannot bind any
@@ -243,7 +246,8 @@ class Arena:
         align = self.device.offset_alignment
         start = -(-self._used // align) * align
         if not self.chunks or start + nbytes > self.chunks[-1].size:
-            size = max(self.chunk_bytes, nbytes)
+            grown = min(self.chunk_bytes, 2 * self.chunks[-1].size if self.chunks else _FIRST_CHUNK)
+            size = max(grown, _padded(nbytes))
             _check_size(self.device, size)
             self.chunks.append(self.device.wgpu.create_buffer(size=size, usage=_storage_usage()))
             self.device.track(size)

@@ -226,6 +226,11 @@ class Device:
             self.allocated += nbytes
             self.peak_allocated = max(self.peak_allocated, self.allocated)
 
+    def reset_peak(self) -> None:
+        """Start ``peak_allocated`` again from what is allocated now (as torch.cuda.reset_peak_memory_stats)."""
+        with self.lock:
+            self.peak_allocated = self.allocated
+
     def submit(self, command_buffers: list[Any]) -> int:
         """``queue.submit``, counted (tests check how many submits a step makes); returns the
         submission's index, for ``wait_for``."""

@@ -52,8 +52,9 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
 
     ``codes``: u32 [tokens, k_words · 4] (``norm.rmsnorm_launch`` writes them), ``meta``: f32 [2 · tokens]
     (scales, then code sums). LoRA (``segments`` > 0): ``h`` [tokens, lora_rank] and the
-    segment table ``lora`` (``lora_table``) whose B offsets index ``lora_b`` (f32). ``aux`` [tokens, rows]:
-    the raw gate/up pairs. ``lanes``: threads a weight row in ``gemv`` (default ``gemv_lanes``);
+    segment table ``lora`` (``lora_table``) whose B offsets index ``lora_b`` (f32). ``aux``: what the
+    epilogue also keeps, f32 [tokens, ≥ rows]: the raw gate/up pairs (``"gate_up"``), or the sums of
+    an ``"add"`` (the residual stream after it). ``lanes``: threads a weight row in ``gemv`` (default ``gemv_lanes``);
     ``tile_tokens``: tokens a ``gemm`` workgroup holds, 32 or 64 (default ``gemm_tile_tokens``).
 
     Decoding's fusions (``gemv`` only): ``norm`` = (x, weight, eps) normalises x's rows (f32 [tokens, ≥ k])
@@ -120,7 +121,8 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
         cache_len, tokens_per_seq = rope.cache_len, rope.tokens_per_seq
     kern = kernel("bitlinear.wgsl", "gemv" if gemv else "gemm", device, **constants)
     return Launch.build(kern, grid, buffers, (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank,
-                                              segments, proj.rows, x_stride, cache_len, tokens_per_seq))
+                                              segments, aux.shape[-1] if aux is not None else 0, x_stride, cache_len,
+                                              tokens_per_seq))
 
 
 def gemm_tile_tokens(device: Device) -> int:

@@ -24,7 +24,8 @@ def matmul_launch(x: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_
                   lora: Buffer | None = None, lora_b: Buffer | None = None, segments: int = 0,
                   aux: Buffer | None = None,
                   gemv: bool | None = None, device: Device | None = None) -> Launch:
-    """One launch computing ``out (+)= x·Wᵀ`` for ``tokens`` rows of ``x`` (f32 [tokens, K64])."""
+    """One launch computing ``out (+)= x·Wᵀ`` for ``tokens`` rows of ``x`` (f32 [tokens, K64]); ``aux``
+    as ``bitlinear_launch``'s (the raw gate/up pairs, or the sums of an ``"add"``)."""
     device = device or get_device()
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
@@ -39,7 +40,7 @@ def matmul_launch(x: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_
     pad = dummy(device)
     return Launch.build(kern, grid, (x, proj.weight, out, h or pad, lora or pad, lora_b or pad, aux or dummy(device, "aux")),
                         (tokens, 4 * x_words, proj.rows, w_words, x_words, x.shape[-1], out_stride, out_offset,
-                         lora_rank, segments, proj.rows))
+                         lora_rank, segments, aux.shape[-1] if aux is not None else 0))
 
 
 def matmul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
