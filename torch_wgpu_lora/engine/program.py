@@ -170,7 +170,8 @@ class LayerIO:
     """What one layer's forward writes besides the residual stream: its four norm sites, the rotated
     queries, its K/V cache ([batch, kv_heads, cache_length, head_dim]), attention's output, the MLP's
     activation; and what a training pass keeps: attention's lse and P (``scores``), the raw gate/up
-    pairs, and copies of the residual stream before attention and before the MLP."""
+    pairs, and the residual stream before attention (copied) and before the MLP (kept by o_proj's
+    add epilogue)."""
 
     attn: SiteIO
     o: SiteIO
@@ -261,9 +262,7 @@ def emit_layer(program: Program, shape: PassShape, index: int, io: LayerIO) -> N
                                     workspace=shape.workspace, lse=io.lse, decode=shape.decode, partials=partials,
                                     from_start=shape.from_start, scores=io.scores))
     site(io.attention, layer.attn_sub_norm, "o", c.q_size, layer.o, shape.residual, "add", shape.codes,
-         attention=partials)
-    if io.residual_mid is not None:
-        program.add(copy_launch(shape.residual, io.residual_mid))
+         attention=partials, aux=io.residual_mid)  # o_proj's add keeps the residual for the backward
     site(shape.residual, layer.post_norm, "mlp", c.hidden, layer.gate_up, io.ffn, "gate_up", shape.codes,
          aux=io.pairs)
     site(io.ffn, layer.ffn_sub_norm, "down", c.intermediate, layer.down, shape.residual, "add", shape.ffn_codes)
