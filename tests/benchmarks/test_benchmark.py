@@ -161,24 +161,24 @@ def test_packed_model_initialises_every_weight_from_its_seed():
 def test_base_alone_bypasses_the_adapters_and_restores_them():
     import copy
 
-    from torch_wgpu_lora.benchmarks.engine import _base_alone, _with_adapters, packed_model, small_config
+    from torch_wgpu_lora.benchmarks.engine import _base_alone, packed_model, small_config, with_adapters
     from torch_wgpu_lora.integrations.bitnet import lora_modules, lora_parameters, set_backend
 
-    model = set_backend(_with_adapters(packed_model(small_config(1), dtype=torch.float32), 4, seed=0), "torch")
+    model = set_backend(with_adapters(packed_model(small_config(1), dtype=torch.float32), 4, seed=0), "torch")
     without = copy.deepcopy(model)  # the reference: the same model with every B zero adds nothing
     for m in lora_modules(without).values():
         torch.nn.init.zeros_(m.lora_B)
     ids = torch.arange(1, 9)[None]
     with torch.no_grad():
-        with_adapters, base = model(ids).logits, without(ids).logits
-    assert not torch.allclose(with_adapters, base)  # the adapters change the output
+        adapted, base = model(ids).logits, without(ids).logits
+    assert not torch.allclose(adapted, base)  # the adapters change the output
     with _base_alone(model):
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()  # runs: the embeddings' output requires grad
     torch.testing.assert_close(out.logits.detach(), base, rtol=0, atol=0)
     assert all(p.grad is None for p in lora_parameters(model))
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, with_adapters, rtol=0, atol=0)
+        torch.testing.assert_close(model(ids).logits, adapted, rtol=0, atol=0)
 
 
 def test_engine_benchmark_trains_on_real_steps(tmp_path):

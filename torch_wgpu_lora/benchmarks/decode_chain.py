@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from ..engine import BitNetEngine
 from ..runtime import Buffer, Launch, Recorder, get_device, kernel, upload, write
-from .engine import _with_adapters, bitnet_2b_config, packed_model, small_config
+from .engine import bitnet_2b_config, packed_model, small_config, with_adapters
 from .report import write_json
 from .timing import gpu_times
 
@@ -56,10 +57,8 @@ def chain_us(launches: list[Launch], tokens: int, repeats: int) -> float:
 def measure(small: bool, layers: int, tokens: int = 8, repeats: int = 5, cache: int = 144) -> dict[str, Any]:
     """A decode step of a packed BitNet (BitNet-2B's shapes, or the small ones) with r=8 Q/V adapters,
     at position ``cache - 64`` of a ``cache``-position KV cache."""
-    from ..engine import BitNetEngine
-
     config = small_config(layers) if small else bitnet_2b_config(layers)
-    engine = BitNetEngine(_with_adapters(packed_model(config), 8, seed=0))
+    engine = BitNetEngine(with_adapters(packed_model(config), 8, seed=0))
     s = engine.decode_session(16, cache - 16)
     s.cache.set_position(cache - 64, [cache - 63])
     write(s.next_token, np.array([5], np.uint32))

@@ -23,23 +23,22 @@ from typing import Any
 
 import torch
 
+from ..engine import BitNetEngine
 from ..files import write_atomic
-from .engine import _with_adapters, bitnet_2b_config, packed_model, small_config
+from ..integrations.bitnet import lora_parameters
+from ..optim import WgpuAdamW
+from ..runtime import device_info
+from ..training.distributed import DataParallel, init_from_env
+from .engine import bitnet_2b_config, packed_model, small_config, with_adapters
 
 
 def measure(layers: int, seq: int, steps: int, small: bool = False) -> dict[str, Any]:
     """Median training step of this process (in a group when torchrun started several)."""
-    from ..engine import BitNetEngine
-    from ..integrations.bitnet import lora_parameters
-    from ..runtime import device_info
-    from ..training.distributed import DataParallel, init_from_env
-    from ..optim import WgpuAdamW
-
     init_from_env()
     dp = DataParallel.current()
     rank, world = (dp.rank, dp.world_size) if dp else (0, 1)
     config = small_config(layers) if small else bitnet_2b_config(layers)
-    model = _with_adapters(packed_model(config), 8, seed=0)
+    model = with_adapters(packed_model(config), 8, seed=0)
     engine = BitNetEngine(model)
     optimizer = WgpuAdamW(lora_parameters(model), lr=1e-4)
     g = torch.Generator().manual_seed(100 + rank)

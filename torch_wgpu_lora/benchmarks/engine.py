@@ -28,11 +28,18 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from ..engine import BitNetEngine
+from ..engine.generate import engine_generate
 from ..engine.kernels.attention import keeps_probabilities, scores_kept_whole
-from ..runtime import Recorder, get_device, write
+from ..integrations.bitnet import (PROJECTIONS, apply_lora, lora_modules, lora_parameters, projection, set_backend,
+                                   swapped_dropout)
+from ..ops import lora as lora_ops
+from ..optim import WgpuAdamW
+from ..runtime import Recorder, get_device, recorder, set_shader_checks, write
+from ..runtime.buffers import pool_for
 from ..runtime.kernels import DEFAULT_SHADER_CHECKS
 from .report import write_json
-from .timing import arithmetic_rate
+from .timing import arithmetic_rate, median_interval
 
 Log = Callable[[str], None]
 # Seconds of prefill passes before the first timed one: on a machine just started, the first
@@ -66,8 +73,6 @@ def packed_model(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0
     from transformers.integrations.bitnet import BitLinear
     from transformers.models.bitnet.modeling_bitnet import BitNetRotaryEmbedding
 
-    from ..integrations.bitnet import PROJECTIONS, projection
-
     g = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         model = BitNetForCausalLM(config)
@@ -96,8 +101,7 @@ def packed_model(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0
     return model.eval()
 
 
-def _with_adapters(model: torch.nn.Module, rank: int, seed: int) -> torch.nn.Module:
-    from ..integrations.bitnet import apply_lora
+def with_adapters(model: torch.nn.Module, rank: int, seed: int) -> torch.nn.Module:
 
     apply_lora(model, r=rank, lora_alpha=2 * rank, target_modules=("q_proj", "v_proj"), seed=seed)
     g = torch.Generator().manual_seed(seed)
@@ -111,8 +115,6 @@ def _with_adapters(model: torch.nn.Module, rank: int, seed: int) -> torch.nn.Mod
 @contextmanager
 def _lora_dropout(model: torch.nn.Module, p: float) -> Iterator[None]:
     """The model's adapters with dropout ``p``, in training mode, for the duration."""
-    from ..integrations.bitnet import lora_modules, swapped_dropout
-
     modules = lora_modules(model)
     with swapped_dropout(modules, {name: torch.nn.Dropout(p) for name in modules}):
         for m in modules.values():
@@ -185,8 +187,6 @@ def kernel_rates(kernels_us: dict[str, float], work: dict[str, tuple[float, str]
 def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: int, repeats: int,
                    tokens_per_submit: int, log: Log) -> dict[str, Any]:
     """Prefill and decode figures of ``engine`` (see the module docstring)."""
-    from ..engine.generate import engine_generate
-
     device = engine.device
     vocab = engine.engine_config.vocab
     out: dict[str, Any] = {}
@@ -272,7 +272,6 @@ class HFPeftTraining:
     AdamW on the adapters, clipping at 1): ``set_dropout(p)`` sets the adapters' dropout,
     ``step(ids, labels)`` is one optimizer step, synchronised; ``peak_memory_bytes`` torch's peak
     since this was built."""
-
     def __init__(self, config: Any) -> None:
         from peft import LoraConfig, get_peft_model
         from transformers import BitNetForCausalLM
@@ -312,10 +311,6 @@ def measure_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...],
     dispatch in program order, and the runtime's peak GPU memory; with ``hf``, the same steps of
     HF + PEFT, taking turns with the engine's step by step (so a drift in the host's speed, which
     moved HF's figure by up to 1.6× between runs, weighs on both alike). Returns (engine's, HF's)."""
-    from ..integrations.bitnet import lora_parameters
-    from ..optim import WgpuAdamW
-
-    from ..runtime.buffers import pool_for
 
     optimizer = WgpuAdamW(lora_parameters(model), lr=1e-4)
     g = torch.Generator().manual_seed(2)
@@ -408,8 +403,6 @@ def _base_alone(model: torch.nn.Module) -> Iterator[None]:
     """``model`` with its adapters bypassed (each ``LoRALinear`` calls its base layer alone) and its
     embeddings' output requiring grad, so that a backward still runs through every layer: what
     the adapters add to a training step is that step's time less this one's."""
-    from ..integrations.bitnet import lora_modules
-
     modules = list(lora_modules(model).values())
     for m in modules:
         m.forward = m.base_layer.__call__  # a bound method, kept in the instance's __dict__: found first
@@ -439,12 +432,8 @@ def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, An
     (x and dY) and waiting for results (the GPU time the base layer's CPU work did not hide, and
     the copies out of the readbacks), and ``adapter_s``, all the time spent in the adapters'
     autograd nodes (those two, recording and submitting)."""
-    from ..integrations.bitnet import lora_parameters, set_backend
-    from ..ops import lora as lora_ops
-    from ..runtime import recorder
-    from .timing import median_interval
 
-    model = _with_adapters(packed_model(config, dtype=torch.float32), 8, seed=0)
+    model = with_adapters(packed_model(config, dtype=torch.float32), 8, seed=0)
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(3))
     optimizer = torch.optim.AdamW(lora_parameters(model), lr=1e-4)
     variants = ("wgpu", "torch", "base")
@@ -589,13 +578,10 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"adapter": device.name, "layers": config.num_hidden_layers,
                               "hidden": config.hidden_size, "vocab": config.vocab_size}
     t0 = time.perf_counter()
-    model = _with_adapters(packed_model(config), 8, seed=0)
+    model = with_adapters(packed_model(config), 8, seed=0)
     log(f"packed model built in {time.perf_counter() - t0:.1f} s")
     def save() -> None:  # after every part: a run stopped by a time limit keeps what it measured
         write_json(args.out, "engine.json", result)
-
-    from ..engine import BitNetEngine
-    from ..runtime import set_shader_checks
 
     seqs = tuple(int(x) for x in args.train.split(",") if x)
     start = time.perf_counter()

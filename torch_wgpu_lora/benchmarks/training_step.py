@@ -6,6 +6,11 @@ from typing import Any
 
 import torch
 
+from ..demo import build_demo_checkpoint, demo_records
+from ..integrations.bitnet import apply_lora, load_model_and_tokenizer, lora_parameters, set_backend
+from ..optim import WgpuAdamW
+from ..training.data import collate, encode_records
+from ..training.trainer import accumulate_gradients
 from .timing import median_wall
 
 
@@ -18,11 +23,6 @@ def training_step(steps: int = 10, batch_size: int = 8, rank: int = 8) -> dict[s
     forward, loss, backward, optimiser step, zeroing the gradients; median over ``steps``
     after two warm-up steps.
     """
-    from ..demo import build_demo_checkpoint, demo_records
-    from ..integrations.bitnet import apply_lora, load_model_and_tokenizer, lora_parameters, set_backend
-    from ..training.data import collate, encode_records
-    from ..optim import WgpuAdamW
-    from ..training.trainer import accumulate_gradients
 
     with torch.compiler.set_stance("force_eager"):  # as the CLI and the demo run (see cli.py)
         model, tokenizer = load_model_and_tokenizer(build_demo_checkpoint())
