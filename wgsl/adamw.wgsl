@@ -8,7 +8,7 @@
 // The host works the scalars out in float64 from the step count (step_size = lr / (1 - beta1^t),
 // bc2_sqrt = sqrt(1 - beta2^t)), exactly as torch does, and passes them rounded to float32.
 // The gradient used is STATS[1] · G, and nothing changes when STATS[2] is not 0: the engine's
-// stats kernel (optimizer.wgsl) puts its clip coefficient and non-finite flag there, so clipping
+// stats kernel (clip.wgsl) puts its clip coefficient and non-finite flag there, so clipping
 // and skipping need no readback; WgpuAdamW passes [0, 1, 0, 0] (× 1 is exact).
 // P, M and V are updated in place; G and STATS are read only.
 
