@@ -1,15 +1,19 @@
 """The results tables of RESULTS.md and the README: rendered from a results JSON, every figure
-of it in its row."""
+of it in its row, and the repository's pages up to date with their results files."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from torch_wgpu_lora.benchmarks import tables
 from torch_wgpu_lora.benchmarks.tables import PageError, main, render_page, stamp
+
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def engine_result(**shapes: int) -> dict:
     """An engine benchmark's JSON at BitNet-2B shapes (unless ``shapes`` say otherwise), with
@@ -210,3 +214,16 @@ def test_stamp_then_render_updates_the_pages_and_check_sees_stale_ones(tmp_path,
     assert main(["--check", str(page)]) == 1
     assert f"out of date: {page}" in capsys.readouterr().err
     assert main([str(page)]) == 0 and "commit `def5678`, 2026-12-06" in page.read_text()
+
+
+def _blocks(page: Path) -> dict[tuple[str, str], str]:
+    """(kind, results file relative to the repository) -> the table's text, of each table on ``page``."""
+    text, blocks = page.read_text(), {}
+    for m in re.finditer(r"<!-- table (\S+) (\S+) -->\n(.*?)<!-- end table -->", text, re.S):
+        blocks[(m[1], str((page.parent / m[2]).resolve().relative_to(ROOT)))] = m[3]
+    return blocks
+
+
+def test_the_repository_pages_are_up_to_date_with_their_results(capsys):
+    assert main(["--check", str(ROOT / "README.md"), str(ROOT / "benchmarks" / "RESULTS.md")]) == 0, \
+        capsys.readouterr().err
