@@ -227,3 +227,14 @@ def _blocks(page: Path) -> dict[tuple[str, str], str]:
 def test_the_repository_pages_are_up_to_date_with_their_results(capsys):
     assert main(["--check", str(ROOT / "README.md"), str(ROOT / "benchmarks" / "RESULTS.md")]) == 0, \
         capsys.readouterr().err
+
+
+def test_every_figure_of_the_readme_table_is_in_results_from_the_same_run():
+    readme, results = _blocks(ROOT / "README.md"), _blocks(ROOT / "benchmarks" / "RESULTS.md")
+    (kind, source), summary = next(iter(readme.items()))
+    assert kind == "engine-summary" and ("engine", source) in results
+    full = results[("engine", source)]
+    figures = re.findall(r"\d[\d,.]*(?: tok/s| GB|×)", summary.split("\n", 2)[2])
+    assert len(figures) >= 20
+    for figure in figures:
+        assert figure in full, figure
