@@ -143,16 +143,22 @@ def test_the_training_bound_says_when_the_target_needs_more_than_the_ceiling(tmp
 
 
 def test_the_decode_chain_table_lists_each_kind_of_launch(tmp_path):
-    data = {"adapter": "Test GPU (1.0)", "dispatches": 95, "token_us": 1234.5, "copy_chain_us": 180.2,
+    data = {"adapter": "Test GPU (1.0)", "layers": 2, "dispatches": 95, "token_us": 1234.5, "copy_chain_us": 180.2,
             "kinds": {"norm.wgsl:rmsnorm": {"launches": 61, "marginal_us": 300.25, "only_us": 200.0},
                       "my.wgsl:new_kind": {"launches": 34, "marginal_us": 700.0, "only_us": 650.5}}}
     rows = rows_of(page_of(tmp_path, "decode-chain", data, "decode_chain.json"))
     assert rows["**the whole step**"] == ["95", "**1,234.5**", ""]
     assert rows["my.wgsl:new_kind (`my.wgsl:new_kind`)"] == ["34", "700.0", "650.5"]
     assert rows[next(k for k in rows if k.startswith("RMSNorm"))] == ["61", "300.2", "200.0"]
-    assert rows["95 one-workgroup copies (the floor of a dependent launch)"] == ["95", "", "180.2"]
+    assert rows["95 one-workgroup copies (dependent launches doing almost nothing)"] == ["95", "", "180.2"]
     assert list(rows).index("my.wgsl:new_kind (`my.wgsl:new_kind`)") < list(rows).index(
         next(k for k in rows if k.startswith("RMSNorm")))  # the costlier kind alone first
+    # 180.2 µs / 95 copies = 1.897 µs a dependent launch; 5 launches a layer x 2 layers: 19 µs; the
+    # kinds other than the norms alone: 650.5 µs, 1,537 tok/s
+    bound = page_of(tmp_path, "decode-bound", data, "decode_chain.json")
+    for phrase in ["costs 1.9 µs in a chain (95 copies: 180.2 µs)", "would cost 19 µs",
+                   "take 650.5 µs a token without the norm launches", "at most 1,537 tok/s"]:
+        assert phrase in bound, phrase
 
 
 def test_the_drop_in_table_reads_the_figures_alone_or_inside_an_engine_run(tmp_path):

@@ -320,9 +320,25 @@ def render_decode_chain(run: Run) -> str:
     for name, kind in sorted(data["kinds"].items(), key=lambda kv: -kv[1]["only_us"]):
         rows.append([f"{DECODE_KINDS.get(name, name)} (`{name}`)", str(kind["launches"]),
                      f"{kind['marginal_us']:,.1f}", f"{kind['only_us']:,.1f}"])
-    rows.append([f"{data['dispatches']} one-workgroup copies (the floor of a dependent launch)",
+    rows.append([f"{data['dispatches']} one-workgroup copies (dependent launches doing almost nothing)",
                  f"{data['dispatches']:,}", "", f"{data['copy_chain_us']:,.1f}"])
     return _table(["launches of a decoded token", "count", "marginal µs", "that kind alone, µs"], rows)
+
+
+def render_decode_bound(run: Run) -> str:
+    """What the chain of launches puts on the decode rate: the stack's floor, and today's kernels'."""
+    data = run.data
+    floor = data["copy_chain_us"] / data["dispatches"]
+    chain = 5 * data["layers"] * floor  # q/k/v, attention, o_proj, gate/up, down: each reads all of the one before
+    kernels = sum(kind["only_us"] for name, kind in data["kinds"].items() if not name.startswith("norm.wgsl:"))
+    return (f"A dependent launch that does almost nothing, a one-workgroup copy, costs {floor:.1f} µs in a chain "
+            f"({data['dispatches']} copies: {data['copy_chain_us']:,.1f} µs). Even as five dependent launches a layer "
+            f"at that cost, one for each step that reads the whole output of the one before, a token's launches "
+            f"would cost {chain:,.0f} µs: the launch cost alone does not exclude {DECODE_TOK_S:,} tok/s. Today's "
+            f"kernels, each kind alone in a chain, take "
+            f"{kernels:,.1f} µs a token without the norm launches (the layers' five kinds, the head, the embedding "
+            f"and sampling): at most {1e6 / kernels:,.0f} tok/s with these kernels, even if the norm launches cost "
+            f"nothing.")
 
 
 def render_drop_in(run: Run) -> str:
@@ -348,7 +364,8 @@ def render_drop_in(run: Run) -> str:
 
 RENDERERS: dict[str, Callable[[Run], str]] = {
     "engine": render_engine, "engine-summary": render_engine_summary, "kernel-rates": render_kernel_rates,
-    "training-bound": render_training_bound, "decode-chain": render_decode_chain, "drop-in": render_drop_in,
+    "training-bound": render_training_bound, "decode-chain": render_decode_chain,
+    "decode-bound": render_decode_bound, "drop-in": render_drop_in,
 }
 
 
