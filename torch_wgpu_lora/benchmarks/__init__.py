@@ -9,6 +9,7 @@
 * ``decode_chain``: each kind of launch's marginal cost inside a decoded token's chain.
 * ``distributed``: data-parallel training over processes.
 * ``report``: the outputs (JSON written atomically, markdown table, PNG chart).
+* ``tables``: the tables of ``benchmarks/RESULTS.md`` and the README, rendered from the results' JSON.
 * ``cli``: the command line (``torch-wgpu-lora bench``, ``python -m benchmarks.lora_op``).
 
 >>> # from torch_wgpu_lora.benchmarks.lora_op import Case, measure

@@ -1,0 +1,246 @@
+"""The results tables of RESULTS.md and the README: rendered from a results JSON, every figure
+of it in its row, and the repository's pages up to date with their results files."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from torch_wgpu_lora.benchmarks import tables
+from torch_wgpu_lora.benchmarks.tables import PageError, main, render_page, stamp
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def engine_result(**shapes: int) -> dict:
+    """An engine benchmark's JSON at BitNet-2B shapes (unless ``shapes`` say otherwise), with
+    figures chosen so that each target's status and each ratio is known by hand."""
+    return {
+        "adapter": "Test GPU (1.0)", "layers": 30, "hidden": 2560, "vocab": 128256, **shapes,
+        "ceilings_tera_ops_per_s": {"fma": 10.0, "dp4a": 20.0},
+        "engine": {
+            "prefill": {"tokens": 512, "tok_per_s": 12345.6, "gpu_ms": 40.3, "dispatches": 393},
+            "decode": {"prompt": 16, "new_tokens": 128, "tok_per_s": 999.4, "gpu_ms_per_token": 0.9,
+                       "encode_ms_per_token": 0.5, "dispatches_per_token": 215,
+                       "host_ms_not_hidden_per_token": 0.4, "host_share_of_token_wall": 0.31},
+        },
+        "engine_training": {
+            "512": {"step_s": 0.1024, "tok_per_s": 5000.0, "dispatches": 1267, "gpu_ms_profiled": 120.0,
+                    "lora_grad_kernels_share": 0.0512,
+                    "kernels_us": {"bitlinear_t.wgsl:gemm_tiled": 60000.0, "bitlinear.wgsl:gemm": 40000.0,
+                                   "norm.wgsl:rmsnorm": 15000.0, "lora_grad.wgsl:db": 5000.0},
+                    "rates": {"bitlinear_t.wgsl:gemm_tiled": {"tera_ops_per_s": 5.0, "share_of_ceiling": 0.5},
+                              "bitlinear.wgsl:gemm": {"tera_ops_per_s": 10.0, "share_of_ceiling": 0.5}}},
+            "512_response_only": {"step_s": 0.09, "tok_per_s": 5688.9},
+            "512_dropout": {"step_s": 0.11, "tok_per_s": 4654.4},
+            "256": {"step_s": 0.06, "tok_per_s": 4266.7, "gpu_ms_profiled": 59.0},
+            "peak_gpu_bytes": 6_064_835_024,
+        },
+        "hf_peft": {"prefill": {"tok_per_s": 6172.8}, "decode": {"tok_per_s": 13.7}},
+        "hf_peft_training": {"512": {"tok_per_s": 5100.0}, "512_response_only": {"tok_per_s": 2844.45},
+                             "512_dropout": {"tok_per_s": 4654.4}, "256": {"tok_per_s": 1000.0},
+                             "peak_memory_bytes": 12_129_670_048},
+    }
+
+
+def page_of(tmp_path: Path, kind: str, data: dict, name: str = "engine.json",
+            commit: str = "abc1234", date: str = "2026-12-05") -> str:
+    """``kind``'s table of ``data``, as a page in ``tmp_path`` renders it."""
+    (tmp_path / "results").mkdir(exist_ok=True)
+    (tmp_path / "results" / name).write_text(json.dumps(data))
+    stamp(tmp_path / "results" / name, commit, date)
+    return render_page(f"# Page\n<!-- table {kind} results/{name} -->\nstale\n<!-- end table -->\nafter\n", tmp_path)
+
+
+def rows_of(page: str) -> dict[str, list[str]]:
+    """The page's table rows: first cell -> the other cells (the header row included)."""
+    rows = {}
+    for line in page.splitlines():
+        if line.startswith("| "):
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_the_engine_table_shows_each_figure_of_the_run_with_its_target(tmp_path):
+    page = page_of(tmp_path, "engine", engine_result())
+    assert "*Test GPU (1.0); commit `abc1234`, 2026-12-05; [`results/engine.json`](results/engine.json).*" in page
+    assert "stale" not in page and page.startswith("# Page\n") and page.endswith("<!-- end table -->\nafter\n")
+    rows = rows_of(page)
+    assert rows["figure"] == ["engine", "HF + PEFT", "engine / HF", "target"]
+    assert rows["prefill, a 512-token prompt"] == ["12,346 tok/s", "6,173 tok/s", "2.00×", "≥ 10,000 tok/s: met"]
+    assert rows["decode, 128 greedy tokens after a 16-token prompt"] == [
+        "999 tok/s", "13.7 tok/s", "72.9×", "≥ 1,000 tok/s: **missed**"]  # 999.4 / 13.7 = 72.95
+    assert rows["training, seq 512"] == ["5,000 tok/s", "5,100 tok/s", "0.98×",
+                                         "≥ 5,000 tok/s: met; ≥ HF + PEFT: **missed**"]
+    assert rows["training, seq 512, loss on the second half only (the first a prompt)"] == [
+        "5,689 tok/s", "2,844 tok/s", "2.00×", ""]
+    assert rows["training, seq 512, LoRA dropout 0.05"] == ["4,654 tok/s", "4,654 tok/s", "1.00×", ""]
+    assert rows["training, seq 256"] == ["4,267 tok/s", "1,000 tok/s", "4.27×", ""]
+    assert rows["peak GPU memory, training (seq 512)"] == ["6.06 GB", "12.13 GB", "0.50×", "≤ HF + PEFT: met"]
+    assert rows["training step, seq 512: GPU time (per-dispatch profile), launches"][0] == "120.0 ms, 1,267 launches"
+    assert rows["the adapters' gradient kernels' share of that step's GPU time"] == [
+        "5.12%", "", "", "≤ 5%: **missed**"]
+    assert rows["prefill: GPU time of the pass, launches"][0] == "40.3 ms, 393 launches"
+    assert rows["decode: GPU time a token, launches a token; host time recording a token"][0] == (
+        "0.900 ms, 215 launches; 0.500 ms")
+    assert rows["decode: host time a token not hidden behind the GPU's, share of the token's wall time"] == [
+        "0.400 ms, 31.0%", "", "", "≤ 30%: **missed**"]
+
+
+def test_targets_apply_at_bitnet_2b_shapes_only(tmp_path):
+    small = engine_result(hidden=256, vocab=4096)
+    del small["hf_peft"], small["hf_peft_training"]
+    rows = rows_of(page_of(tmp_path, "engine", small))
+    assert rows["figure"] == ["engine"]  # no HF column, no target column
+    assert rows["prefill, a 512-token prompt"] == ["12,346 tok/s"]
+
+
+def test_the_summary_shows_the_throughputs_and_memory_of_the_same_run(tmp_path):
+    rows = rows_of(page_of(tmp_path, "engine-summary", engine_result()))
+    assert rows[""] == ["engine", "HF + PEFT", "engine / HF"]
+    assert list(rows)[1:] == ["prefill, a 512-token prompt", "decode, 128 greedy tokens after a 16-token prompt",
+                              "training, seq 512",
+                              "training, seq 512, loss on the second half only (the first a prompt)",
+                              "training, seq 512, LoRA dropout 0.05", "training, seq 256",
+                              "peak GPU memory, training (seq 512)"]
+    assert rows["training, seq 256"] == ["4,267 tok/s", "1,000 tok/s", "4.27×"]
+
+
+def test_kernel_rates_and_the_training_bound_come_from_the_longest_step(tmp_path):
+    # seq 512 at 5,000 tok/s: 102.4 ms. The float32 GEMM: 60 ms at 50% of 10 TFLOP/s (3e11 flops,
+    # 30 ms at the ceiling); the int8 GEMM 40 ms at 50% of 20 T/s (20 ms); the rest 20 ms. At the
+    # ceilings: 30 + 20 + 20 = 70 ms, 7,314 tok/s. The int8 GEMM and the rest as they are: 60 ms,
+    # leaving 42.4 ms for 3e11 flops: 7.08 TFLOP/s, 70.8% of the ceiling.
+    page = page_of(tmp_path, "kernel-rates", engine_result())
+    rows = rows_of(page)
+    assert "*Ceilings measured in the same run: 10.0 TFLOP/s float32 (fma), 20.0 T int8 ops/s (dot4I8Packed).*" in page
+    assert rows["input gradients through the ternary weights (float32) (`bitlinear_t.wgsl:gemm_tiled`)"] == [
+        "60,000", "5.0 TFLOP/s", "50.0%"]
+    assert rows["ternary projections, forward (int8 codes × ternary weights) (`bitlinear.wgsl:gemm`)"] == [
+        "40,000", "10.0 T int8 ops/s", "50.0%"]
+    assert rows[next(k for k in rows if k.startswith("every other kernel"))] == ["20,000", "", ""]
+    assert rows["**the step** (1,267 launches)"] == ["120,000", "", ""]
+    bound = page_of(tmp_path, "training-bound", engine_result())
+    for phrase in ["a step of 512 tokens has 102.4 ms", "this run's took 102.4 ms (120.0 ms of profiled GPU time)",
+                   "50.0 ms at 100% of their ceilings", "(20.0 ms) a step would take 70.0 ms, 7,314 tok/s",
+                   "as they are (60.0 ms)",
+                   "(30.0 ms of work at the fma ceiling, 60.0 ms in this run)", "7.1 TFLOP/s, 70.8% of the"]:
+        assert phrase in bound, phrase
+
+
+def test_the_training_bound_says_when_the_target_needs_more_than_the_ceiling(tmp_path):
+    slow = engine_result()
+    slow["engine_training"]["512"]["kernels_us"]["norm.wgsl:rmsnorm"] = 75000.0  # the rest: 80 ms
+    slow["engine_training"]["512"]["gpu_ms_profiled"] = 180.0
+    bound = page_of(tmp_path, "training-bound", slow)
+    # the int8 GEMM and the rest: 120 ms, over the 102.4 ms a step has
+    assert "as they are (120.0 ms) leave 0.0 ms for float32 GEMM work that takes 30.0 ms" in bound
+    assert "the target needs more than the ceiling" in bound
+
+
+def test_the_decode_chain_table_lists_each_kind_of_launch(tmp_path):
+    data = {"adapter": "Test GPU (1.0)", "layers": 2, "dispatches": 95, "token_us": 1234.5, "copy_chain_us": 180.2,
+            "kinds": {"norm.wgsl:rmsnorm": {"launches": 61, "marginal_us": 300.25, "only_us": 200.0},
+                      "my.wgsl:new_kind": {"launches": 34, "marginal_us": 700.0, "only_us": 650.5}}}
+    rows = rows_of(page_of(tmp_path, "decode-chain", data, "decode_chain.json"))
+    assert rows["**the whole step**"] == ["95", "**1,234.5**", ""]
+    assert rows["my.wgsl:new_kind (`my.wgsl:new_kind`)"] == ["34", "700.0", "650.5"]
+    assert rows[next(k for k in rows if k.startswith("RMSNorm"))] == ["61", "300.2", "200.0"]
+    assert rows["95 one-workgroup copies (dependent launches doing almost nothing)"] == ["95", "", "180.2"]
+    assert list(rows).index("my.wgsl:new_kind (`my.wgsl:new_kind`)") < list(rows).index(
+        next(k for k in rows if k.startswith("RMSNorm")))  # the costlier kind alone first
+    # 180.2 µs / 95 copies = 1.897 µs a dependent launch; 5 launches a layer x 2 layers: 19 µs; the
+    # kinds other than the norms alone: 650.5 µs, 1,537 tok/s
+    bound = page_of(tmp_path, "decode-bound", data, "decode_chain.json")
+    for phrase in ["costs 1.9 µs in a chain (95 copies: 180.2 µs)", "would cost 19 µs",
+                   "take 650.5 µs a token without the norm launches", "at most 1,537 tok/s"]:
+        assert phrase in bound, phrase
+
+
+def test_the_drop_in_table_reads_the_figures_alone_or_inside_an_engine_run(tmp_path):
+    drop_in = {"seq": 256, "wgpu_over_torch": 1.0161, "paired_ratio": 1.0297,
+               "paired_interval": [0.9863, 1.0717, 0.9773],
+               "wgpu": {"step_s": 4.4635, "steps_s": [4.4635, 3.94, 5.12], "adapters_s": 0.2372,
+                        "page_faults": 128300.0, "adapter_s": 0.2004, "upload_s": 0.0322, "wait_s": 0.0346},
+               "torch": {"step_s": 4.3926, "steps_s": [4.3926, 3.72, 4.78], "adapters_s": 0.0880,
+                         "page_faults": 128375.0},
+               "base": {"step_s": 4.3029, "steps_s": [4.3029, 3.65, 4.66], "page_faults": 128261.0}}
+    for data in (drop_in, {"adapter": "Test GPU (1.0)", "drop_in": drop_in}):
+        page = page_of(tmp_path, "drop-in", data, "drop_in.json")
+        rows = rows_of(page)
+        assert rows["training step, seq 256 (median of 3 turns)"] == ["4.46 s", "4.39 s", "4.30 s"]
+        assert rows["fastest to slowest turn"] == ["3.94 to 5.12 s", "3.72 to 4.78 s", "3.65 to 4.66 s"]
+        assert rows[next(k for k in rows if k.startswith("what the adapters add"))] == ["0.237 s", "0.088 s", ""]
+        assert rows["minor page faults a step"] == ["128,300", "128,375", "128,261"]
+        for phrase in ["1.016 (the medians' ratio)", "1.030 (the median of the turns' ratios), 0.986 to 1.072 "
+                       "with 98% confidence", "0.200 s a step", "uploads 0.032 s", "waits for results 0.035 s"]:
+            assert phrase in page, phrase
+
+
+def test_a_page_names_what_it_cannot_render(tmp_path):
+    (tmp_path / "engine.json").write_text(json.dumps(engine_result()))
+    with pytest.raises(PageError, match="runs.json records no commit and date for engine.json"):
+        render_page("<!-- table engine engine.json -->\n<!-- end table -->", tmp_path)
+    stamp(tmp_path / "engine.json", "abc1234", "2026-12-05")
+    with pytest.raises(PageError, match=r"page.md, line 2: unknown table kind 'engines'"):
+        render_page("x\n<!-- table engines engine.json -->\n<!-- end table -->", tmp_path, "page.md")
+    with pytest.raises(PageError, match=r"line 1: the table has no '<!-- end table -->' line"):
+        render_page("<!-- table engine engine.json -->\n<!-- table engine engine.json -->\n<!-- end table -->",
+                    tmp_path)
+    with pytest.raises(PageError, match="missing.json: no such results file"):
+        render_page("<!-- table engine missing.json -->\n<!-- end table -->", tmp_path)
+    with pytest.raises(PageError, match=r"lacks what a 'decode-chain' table shows"):
+        render_page("<!-- table decode-chain engine.json -->\n<!-- end table -->", tmp_path)
+    for commit, date, wrong in [("ABC1234", "2026-12-05", "commit"), ("abc", "2026-12-05", "commit"),
+                                ("abc1234", "5.12.2026", "date")]:
+        with pytest.raises(PageError, match=wrong):
+            stamp(tmp_path / "engine.json", commit, date)
+
+
+def test_stamp_then_render_updates_the_pages_and_check_sees_stale_ones(tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "engine.json").write_text(json.dumps(engine_result()))
+    page = tmp_path / "PAGE.md"
+    page.write_text("intro\n<!-- table engine-summary results/engine.json -->\n<!-- end table -->\nend\n")
+    assert main(["--check", str(page)]) == 2  # no commit recorded yet
+    assert "records no commit and date" in capsys.readouterr().err
+    assert main(["--stamp", str(results / "engine.json"), "abc1234", "2026-12-05", str(page)]) == 0
+    assert json.loads((results / "runs.json").read_text()) == {
+        "engine.json": {"commit": "abc1234", "date": "2026-12-05"}}
+    assert "| training, seq 256 | 4,267 tok/s | 1,000 tok/s | 4.27× |" in page.read_text()
+    assert main(["--check", str(page)]) == 0
+    with pytest.raises(SystemExit):  # --check writes nothing, so it refuses to stamp
+        main(["--stamp", str(results / "engine.json"), "def5678", "2026-12-06", "--check", str(page)])
+    stamp(results / "engine.json", "def5678", "2026-12-06")
+    assert main(["--check", str(page)]) == 1
+    assert f"out of date: {page}" in capsys.readouterr().err
+    assert main([str(page)]) == 0 and "commit `def5678`, 2026-12-06" in page.read_text()
+
+
+def _blocks(page: Path) -> dict[tuple[str, str], str]:
+    """(kind, results file relative to the repository) -> the table's text, of each table on ``page``."""
+    text, blocks = page.read_text(), {}
+    for m in re.finditer(r"<!-- table (\S+) (\S+) -->\n(.*?)<!-- end table -->", text, re.S):
+        blocks[(m[1], str((page.parent / m[2]).resolve().relative_to(ROOT)))] = m[3]
+    return blocks
+
+
+def test_the_repository_pages_are_up_to_date_with_their_results(capsys):
+    assert main(["--check", str(ROOT / "README.md"), str(ROOT / "benchmarks" / "RESULTS.md")]) == 0, \
+        capsys.readouterr().err
+
+
+def test_every_figure_of_the_readme_table_is_in_results_from_the_same_run():
+    readme, results = _blocks(ROOT / "README.md"), _blocks(ROOT / "benchmarks" / "RESULTS.md")
+    (kind, source), summary = next(iter(readme.items()))
+    assert kind == "engine-summary" and ("engine", source) in results
+    full = results[("engine", source)]
+    figures = re.findall(r"\d[\d,.]*(?: tok/s| GB|×)", summary.split("\n", 2)[2])
+    assert len(figures) >= 20
+    for figure in figures:
+        assert figure in full, figure
