@@ -30,11 +30,17 @@ setup(
         "tokenizers>=0.19",
         "tqdm>=4.60",
     ],
+    # gguf (integrations.gguf, reading and writing GGUF files): 0.11 decodes TQ1_0 / TQ2_0 (gguf.quants); below
+    # 0.20 because the tensor table is read through GGUFReader._build_tensors, not a public API. transformers 5.18:
+    # PreTrainedTokenizerFast(gguf_file=...) builds the tokenizer of a GGUF of any architecture (5.17 and earlier
+    # only of architectures transformers itself loads, which BitNet's are not).
     extras_require={
         "plot": ["matplotlib>=3.7"],
         "peft": ["peft>=0.19"],
+        "gguf": ["gguf>=0.11,<0.20", "transformers>=5.18"],
         "notebooks": ["jupyter", "ipykernel", "matplotlib>=3.7", "pandas>=2"],
-        "test": ["pytest>=8", "nbmake>=1.5", "ipykernel", "peft>=0.19", "matplotlib>=3.7", "pandas>=2"],
+        "test": ["pytest>=8", "nbmake>=1.5", "ipykernel", "peft>=0.19", "matplotlib>=3.7", "pandas>=2",
+                 "gguf>=0.11,<0.20", "transformers>=5.18"],
     },
     entry_points={"console_scripts": ["torch-wgpu-lora=torch_wgpu_lora.cli:main"]},
 )

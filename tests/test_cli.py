@@ -457,6 +457,30 @@ def test_info_text_and_json(capsys):
     assert {"adapter", "backend", "limits", "features", "versions"} <= set(info)
 
 
+def test_train_and_generate_take_a_gguf_model(capsys, tiny, tmp_path):
+    from torch_wgpu_lora.generation import generate
+    from torch_wgpu_lora.integrations.gguf import load_gguf_tokenizer
+
+    from .integrations.helpers import gguf_source, llama3_tokenizer, write_model_gguf
+
+    texts = [format_prompt(r["instruction"], r["input"]) + r["output"] for r in RECORDS] * 4
+    path = write_model_gguf(tmp_path / "model.gguf", gguf_source(tmp_path / "source"), "i2_s", "F16", "bitnet-b1.58",
+                            llama3_tokenizer(texts))
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(path), "--data", str(tiny["data"]), "--output", str(run), "--max-steps", "2",
+                 "--lr", "1e-2", "--no-progress"]) == EXIT_OK
+    capsys.readouterr()
+    prompt = RECORDS[0]["instruction"]
+    assert main(["generate", "--model", str(path), "--adapter", str(run / "adapter"), "--prompt", prompt,
+                 "--max-new-tokens", "6", "--engine", "torch"]) == EXIT_OK
+    model = load_adapter(load_bitnet(path), run / "adapter")
+    assert all(m.lora_B.abs().max() > 0 for m in lora_modules(model).values())  # trained
+    expected = generate(model, load_gguf_tokenizer(path), prompt, use_template=True, max_new_tokens=6)
+    assert capsys.readouterr().out == expected + "\n"
+    fails_with(capsys, ["generate", "--model", str(tmp_path / "none.gguf"), "--prompt", "Hi"],
+               f"GGUF file {str(tmp_path / 'none.gguf')!r} does not exist")
+
+
 # -- real processes -------------------------------------------------------------------------------
 
 def run_module(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

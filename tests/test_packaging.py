@@ -45,6 +45,9 @@ API_FLOORS = [
      r"\bAutoBitLinear\b", (5, 13)),
     ("accelerate", "transformers loading quantised BitNet checkpoints (its ACCELERATE_MIN_VERSION)",
      r"\bAutoBitLinear\b", (1, 1)),
+    ("transformers", "PreTrainedTokenizerFast(gguf_file=...) for GGUF files of any architecture", r"\bgguf_file=",
+     (5, 18)),
+    ("gguf", "TQ1_0 and TQ2_0 in gguf.quants", r"\bquants\.dequantize\(", (0, 11)),
 ]
 
 

@@ -145,9 +145,10 @@ def _load(model: str, dtype: str, with_tokenizer: bool) -> tuple[Any, Any]:
 
 
 def _add_model(parser: argparse.ArgumentParser, required: bool = True, default_help: str = "") -> None:
-    parser.add_argument("--model", required=required, metavar="DIR",
+    parser.add_argument("--model", required=required, metavar="PATH",
                         help="BitNet checkpoint folder (config.json, *.safetensors, tokenizer files), e.g. "
-                             "microsoft/bitnet-b1.58-2B-4T-bf16 downloaded with `hf download`" + default_help)
+                             "microsoft/bitnet-b1.58-2B-4T-bf16 downloaded with `hf download`, or a GGUF file "
+                             "(bitnet.cpp's i2_s, llama.cpp's TQ1_0/TQ2_0; needs the gguf extra)" + default_help)
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="dtype of the base model's weights (default: %(default)s)")
 

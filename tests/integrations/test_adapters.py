@@ -594,7 +594,7 @@ def test_save_errors(pristine, tmp_path):
     with pytest.raises(ValueError, match=r"the model has no LoRA adapters to save \(call apply_lora first\)"):
         save_adapter(copy.deepcopy(pristine), tmp_path / "a")
     model = with_adapter(copy.deepcopy(pristine))
-    with pytest.raises(ValueError, match="format must be one of \\('peft', 'hesper'\\), got 'bin'"):
+    with pytest.raises(ValueError, match="format must be one of \\('peft', 'hesper', 'gguf'\\), got 'bin'"):
         save_adapter(model, tmp_path / "a", format="bin")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file; format='peft' writes a folder"):

@@ -1,9 +1,10 @@
-"""Adapter files: PEFT's folder layout and Hesper's binary format, written and read.
+"""Adapter files: PEFT's folder layout and Hesper's binary format, written and read; GGUF, written.
 
 >>> # save_adapter(model, "out/adapter")                      # PEFT folder
 >>> # PeftModel.from_pretrained(base, "out/adapter")          # real peft loads it
 >>> # load_adapter(BitNetForCausalLM.from_pretrained(p), "out/adapter")   # ours, or one trained by peft
 >>> # save_adapter(model, "out/adapter.lora", format="hesper")           # Hesper's binary file
+>>> # save_adapter(model, "out/adapter.gguf", format="gguf")             # llama.cpp's LoRA GGUF (written only)
 
 **PEFT** (``format="peft"``): a folder holding ``adapter_model.safetensors``, with keys
 ``base_model.model.<module>.lora_A.weight`` [r, in] and ``...lora_B.weight`` [out, r]
@@ -23,6 +24,9 @@ then for each decoder layer, as row-major float32:
 ``V_A`` = v_proj lora_A [r, dim], ``V_B`` = v_proj lora_B [kvDim, r],
 where dim is q_proj's in_features (the hidden size) and kvDim is v_proj's out_features.
 It holds exactly Q and V adapters in every layer with one rank; dropout is not stored.
+
+**GGUF** (``format="gguf"``, written only): a LoRA adapter GGUF that llama.cpp loads with
+``--lora``, with one alpha for all modules; ``integrations.gguf`` describes it.
 
 **Integrity.** Files we write carry a checksum, so that a damaged file (a flipped bit on
 disk, a bad copy) is refused rather than loaded into different generations: PEFT weights
@@ -71,8 +75,10 @@ from ..config import LoraConfig
 from ..files import sync_dir, write_atomic, write_temp
 from ..modules import LoRALinear
 from .bitnet import apply_lora, is_linear_like, layer_index, lora_modules
+from .gguf import save_gguf_adapter
 
 FORMATS = ("peft", "hesper")
+SAVE_FORMATS = (*FORMATS, "gguf")  # GGUF LoRA adapters are written for llama.cpp (integrations.gguf)
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -141,20 +147,25 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, format: str = "peft"
     ``format="peft"``: ``path`` is a folder (created if needed) that ``PeftModel.from_pretrained``
     loads. ``base_model_name_or_path`` defaults to ``model.config._name_or_path``.
     ``format="hesper"``: ``path`` is Hesper's binary file (Q and V adapters of every layer).
+    ``format="gguf"``: ``path`` is a LoRA adapter GGUF for llama.cpp (``integrations.gguf``).
 
     >>> # apply_lora(model, r=8, lora_alpha=16); ...train...
     >>> # save_adapter(model, "out/adapter")
     """
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if format not in SAVE_FORMATS:
+        raise ValueError(f"format must be one of {SAVE_FORMATS}, got {format!r}")
     path = Path(path)
     modules = lora_modules(model)
     if not modules:
         raise ValueError("the model has no LoRA adapters to save (call apply_lora first)")
     if format == "peft":
         _save_peft(model, modules, path, base_model_name_or_path)
-    else:
+    elif format == "hesper":
         _save_hesper(model, modules, path)
+    else:
+        _check_scaling(modules)
+        save_gguf_adapter(model, modules, path, _uniform(modules, "lora_alpha", lambda m: m.lora_alpha,
+                                                         "a GGUF adapter has one alpha (adapter.lora.alpha)"))
     return path
 
 

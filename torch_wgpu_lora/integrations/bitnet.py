@@ -41,6 +41,7 @@ from torch import nn
 
 from ..config import LoraConfig
 from ..modules import LoRALinear
+from .gguf import is_gguf_path, load_gguf_bitnet, load_gguf_tokenizer
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _TRANSFORMERS_BITNET = "transformers.integrations.bitnet"
@@ -297,10 +298,12 @@ def swapped_dropout(modules: dict[str, nn.Module], dropouts: dict[str, nn.Module
 
 
 def load_bitnet(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Load a ``BitNetForCausalLM`` checkpoint folder from local disk (never the Hub).
+    """Load a ``BitNetForCausalLM`` checkpoint folder, or a GGUF file, from local disk (never the Hub).
 
-    All three checkpoint flavours load; transformers picks the layer class from
-    ``config.json``'s ``quantization_config``:
+    A path ending in ``.gguf`` is read by ``integrations.gguf.load_gguf_bitnet`` (llama.cpp's
+    TQ1_0 / TQ2_0 and bitnet.cpp's i2_s files, as the packed flavour below). In a folder, all three
+    checkpoint flavours load; transformers picks the layer class from ``config.json``'s
+    ``quantization_config``:
 
     * none: dense ``nn.Linear`` projections;
     * ``linear_class "autobitlinear"``, ``quantization_mode "online"``: ``AutoBitLinear``
@@ -325,6 +328,8 @@ def load_bitnet(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> 
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.float32), got {dtype!r}")
+    if is_gguf_path(path):
+        return load_gguf_bitnet(path, dtype)
     folder = Path(path)
     if not folder.exists():
         raise FileNotFoundError(f"checkpoint folder {str(folder)!r} does not exist")
@@ -412,12 +417,16 @@ def _check_loading_info(folder: Path, info: dict[str, list], unlike: list[tuple[
 
 
 def load_model_and_tokenizer(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
-    """``load_bitnet(path, dtype)`` and the tokenizer stored beside it (local files only).
+    """``load_bitnet(path, dtype)`` and the tokenizer stored beside it (local files only), or, for a
+    ``.gguf`` file, the tokenizer the file describes.
 
     >>> # model, tokenizer = load_model_and_tokenizer("bitnet-bf16")
     """
     from transformers import AutoTokenizer
 
+    if is_gguf_path(path):
+        tokenizer = load_gguf_tokenizer(path)  # first: a file without one fails before the model loads
+        return load_bitnet(path, dtype=dtype), tokenizer
     model = load_bitnet(path, dtype=dtype)  # checks the folder and that it holds a BitNet model
     folder = Path(path)
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
