@@ -1,9 +1,11 @@
 """The Trainer on a tiny BitNet: loss and accumulation, outputs, resume, the non-finite guard,
 atomic checkpoints, output folders (umask, earlier runs, leftovers) and damaged files."""
 
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import stat
 import sys
@@ -458,6 +460,34 @@ def test_a_killed_runs_temporary_checkpoints_are_removed_on_the_next_start(base,
     assert sorted(p.name for p in root.iterdir()) == ["step-000001", "step-000002"]
 
 
+def relist_checksums(folder):
+    """Rewrite a checkpoint's checksums.sha256 (sha256sum's format) for its files as they are now."""
+    listing = folder / "checksums.sha256"
+    names = [line.split("  ", 1)[1] for line in listing.read_text().splitlines()]
+    listing.write_text("".join(f"{hashlib.sha256((folder / n).read_bytes()).hexdigest()}  {n}\n" for n in names))
+
+
+@pytest.mark.parametrize("name", ["optimizer.safetensors", "rng.safetensors", "state.json",
+                                  "adapter/adapter_config.json", "adapter/adapter_model.safetensors"])
+def test_a_flipped_bit_in_any_file_of_a_checkpoint_is_refused_naming_the_previous_good_one(base, tmp_path, name):
+    train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=2, save_every=1))
+    damaged = tmp_path / "checkpoints" / "step-000002"
+    path = damaged / name
+    data = bytearray(path.read_bytes())
+    # The lowest bit of the last tensor byte, or of the last digit in JSON: the file stays well-formed.
+    at = len(data) - 1 if name.endswith(".safetensors") else max(data.rfind(bytes([d])) for d in b"0123456789")
+    data[at] ^= 1
+    path.write_bytes(bytes(data))
+    model = fresh_model(base)
+    untouched = adapter_tensors(model)
+    good = tmp_path / "checkpoints" / "step-000001"
+    with pytest.raises(checkpoint_module.DamagedCheckpoint, match=re.escape(
+            f"checkpoint {damaged} is damaged: {path} differs from when it was written (SHA-256 mismatch with "
+            f"checksums.sha256); the previous good checkpoint is {good}: resume from it (resume_from / --resume {good})")):
+        train(model, base[1], RECORDS, resume_from=True, **options(tmp_path, max_steps=3, save_every=1))
+    assert_same_adapter(adapter_tensors(model), untouched)  # nothing was restored
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda c: (c / "optimizer.safetensors").write_bytes((c / "optimizer.safetensors").read_bytes()[:100]),
      "optimizer.safetensors is truncated or corrupt"),
@@ -472,6 +502,7 @@ def test_a_damaged_checkpoint_is_named_with_the_previous_good_one(base, tmp_path
     state = json.loads((root / "step-000002" / "state.json").read_text())
     del state["trainer"]["bad_streak"]  # step 2 is damaged too: the previous good one is step 1
     (root / "step-000002" / "state.json").write_text(json.dumps(state))
+    relist_checksums(root / "step-000002")  # its files read back as listed: the missing entry is what is named
     damage(root / "step-000003")
     model = fresh_model(base)
     untouched = adapter_tensors(model)
