@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from torch_wgpu_lora import Trainer, train
+from torch_wgpu_lora.engine import BitNetEngine
 from torch_wgpu_lora.integrations.adapters import load_adapter
 from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet, lora_parameters, lora_state_dict
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
@@ -24,7 +25,7 @@ from torch_wgpu_lora.training.data import collate, encode_records, read_records
 from torch_wgpu_lora.training.metrics import MetricsLog, plot_loss
 from torch_wgpu_lora.training.optim import WgpuAdamW
 from torch_wgpu_lora.training.schedule import make_scheduler
-from torch_wgpu_lora.training.trainer import TrainingStopped, accumulate_gradients
+from torch_wgpu_lora.training.trainer import TrainingStopped, accumulate_gradients, evaluate
 
 RECORDS = [
     {"instruction": "Name a primary colour.", "output": "Red."},
@@ -516,3 +517,35 @@ def test_a_damaged_checkpoint_is_named_with_the_previous_good_one(base, tmp_path
     with pytest.raises(checkpoint_module.DamagedCheckpoint, match=r"has no trainer.bad_streak entry; the previous "
                                                                   r"good checkpoint is .*step-000001"):
         train(model, base[1], RECORDS, resume_from=root / "step-000002", **options(tmp_path, max_steps=3))
+
+
+def test_examples_longer_than_the_context_are_refused_or_cut_as_the_engine_refuses_them(base, tmp_path):
+    model, tokenizer = fresh_model(base), base[1]
+    long = {"instruction": "Repeat the word.", "input": "cat", "output": " ".join(["cat"] * 400)}
+    records = RECORDS[:3] + [long]
+    tokens = len(tokenizer(format_prompt(long["instruction"], long["input"]))["input_ids"]) + \
+        len(tokenizer(long["output"], add_special_tokens=False)["input_ids"]) + 1  # and EOS
+    assert tokens > 512 and model.config.max_position_embeddings == 256
+    with pytest.raises(ValueError) as by_engine:
+        BitNetEngine(model)(torch.zeros(1, 512, dtype=torch.long))
+    # The default max_length (512) cuts the record to 512 tokens, still twice the context.
+    with pytest.raises(ValueError) as refused:
+        Trainer(model, tokenizer, records, **options(tmp_path, max_length=512, engine="torch"))
+    assert str(refused.value) == (f"record 3: {by_engine.value}; long_examples='truncate' (--long-examples truncate) "
+                                  "cuts such records to the context")
+    with pytest.raises(ValueError, match=r"^eval_data: record 0: 512 tokens exceed the model's context"):
+        Trainer(model, tokenizer, RECORDS, eval_data=[long], **options(tmp_path, max_length=512))
+
+    with pytest.warns(UserWarning, match=r"^1 of 4 records were cut to the model's context of 256 positions"):
+        trainer = Trainer(model, tokenizer, records, **options(tmp_path, max_length=512, engine="torch",
+                                                                 long_examples="truncate", max_steps=1))
+    assert [len(e.input_ids) for e in trainer.examples][3] == 256
+    assert trainer.train().steps == 1
+
+    # The torch path's own loss functions check a batch as the engine does.
+    batch = {"input_ids": torch.zeros(1, 512, dtype=torch.long), "attention_mask": torch.ones(1, 512, dtype=torch.long),
+             "labels": torch.zeros(1, 512, dtype=torch.long)}
+    for run in (lambda: evaluate(model, [batch]), lambda: accumulate_gradients(model, [batch])):
+        with pytest.raises(ValueError) as by_torch:
+            run()
+        assert str(by_torch.value) == str(by_engine.value)

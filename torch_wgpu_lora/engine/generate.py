@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..limits import check_context
 from ..runtime import Buffer, Pending, Recorder, write
 from .kernels import STEP_POS
 from .kernels.sampling import sampling_launches
@@ -41,10 +42,8 @@ def session(engine, prompt_length: int, max_new_tokens: int, *, strategy: str = 
             top_k: int = 40, top_p: float = 0.9, repetition_penalty: float = 1.0) -> DecodeSession:
     """Build the buffers and launches for a prompt of ``prompt_length`` and ``max_new_tokens``."""
     config, device = engine.engine_config, engine.device
+    check_context(config.max_positions, prompt_length, max_new_tokens)
     length = prompt_length + max_new_tokens
-    if length > config.max_positions:
-        raise ValueError(f"a {prompt_length}-token prompt and max_new_tokens={max_new_tokens} need {length} positions; "
-                         f"the model's context is {config.max_positions} (max_position_embeddings)")
     cache = KVCache(config, 1, length, device)
     prefill = ForwardPlan(engine.weights, engine.adapters, cache, prompt_length, logits="last", from_start=True)
     next_token = Buffer((1,), "u32", device)
