@@ -391,7 +391,7 @@ def test_outputs_are_readable_as_the_umask_allows(base, tmp_path):
     files = [run / "metrics.jsonl", run / "loss.png", *(run / "adapter").iterdir(),
              *(p for p in (run / "checkpoints").rglob("*") if p.is_file())]
     folders = [run / "adapter", *(p for p in (run / "checkpoints").rglob("*") if p.is_dir())]
-    assert len(files) == 2 + 2 + 2 * 5 and file_mode == 0o644
+    assert len(files) == 2 + 2 + 2 * 6 and file_mode == 0o644  # a checkpoint: adapter (2), optimizer, rng, state, checksums
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: file_mode for p in files}
     assert {str(p): stat.S_IMODE(p.stat().st_mode) for p in folders} == {str(p): dir_mode for p in folders}
 
