@@ -296,6 +296,12 @@ def test_hesper_from_a_model_of_other_dimensions_is_refused(tmp_path, small, bas
         load_adapter(base, path)
 
 
+def test_a_hesper_save_creates_missing_parent_folders(base, pristine, tmp_path):
+    path = save_adapter(with_adapter(base), tmp_path / "new" / "deeper" / "adapter.lora", format="hesper")
+    again = load_adapter(copy.deepcopy(pristine), path)
+    assert all(torch.equal(m.lora_B, lora_modules(base)[n].lora_B) for n, m in lora_modules(again).items())
+
+
 def test_hesper_rank_mismatch_with_existing_adapters_changes_nothing(tmp_path, pristine, base):
     path = hesper_file(tmp_path, pristine, r=R)
     with_adapter(base, r=2)
@@ -379,6 +385,14 @@ def test_unknown_peft_options_are_refused_unless_off(peft_folder, base):
     (dict(lora_alpha=0), "lora_alpha must be a finite number > 0, got 0"),
     (dict(lora_dropout=1.0), "lora_dropout must be a number in [0, 1), got 1.0"),
     (dict(r=8), "has lora_A [4, 64] and lora_B [64, 4], which is not rank r=8 from adapter_config.json"),
+    (dict(target_modules=["q_proj"]), "adapter_config.json: target_modules ['q_proj'] disagree with the tensors in "
+     "adapter_model.safetensors, which adapt ['q_proj', 'v_proj']: they hold adapters for "
+     "['model.layers.0.self_attn.v_proj', 'model.layers.1.self_attn.v_proj'], which target_modules does not name"),
+    (dict(target_modules=["q_proj", "v_proj", "k_proj"]), "target_modules ['q_proj', 'v_proj', 'k_proj'] disagree "
+     "with the tensors in adapter_model.safetensors, which adapt ['q_proj', 'v_proj']: target_modules names "
+     "['k_proj'], which they hold no adapter for"),
+    (dict(target_modules=r".*\.q_proj"), "target_modules '.*\\\\.q_proj' disagree with the tensors"),
+    (dict(target_modules=7), "target_modules must be a list of module names or a regex, got 7"),
 ])
 def test_bad_peft_config_values(peft_folder, base, changes, message):
     edit_config(peft_folder, **changes)

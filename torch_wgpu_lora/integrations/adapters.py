@@ -13,8 +13,9 @@ lora_dropout, target_modules, ...), as ``PeftModel.save_pretrained`` writes them
 Loading also takes adapters that peft trained, as long as they describe plain LoRA:
 options that change the model in other ways (DoRA, rsLoRA, biases, rank or alpha
 patterns, modules_to_save, ...) are refused by name, and so is any option this module
-does not know whose value is not off. ``adapter_model.bin`` is a pickle and is refused:
-loading never unpickles.
+does not know whose value is not off, and so are ``target_modules`` that disagree with the
+modules the tensors adapt. ``adapter_model.bin`` is a pickle and is refused: loading never
+unpickles.
 
 **Hesper** (``format="hesper"``): one little-endian file, a 24-byte header
 ``u32 magic 0x4C4F5241, u32 version 1, u32 rank, f32 alpha, u32 numLayers, u32 reserved``,
@@ -502,6 +503,34 @@ def _peft_config(config_path: Path, config: dict) -> LoraConfig:
                         lora_dropout=config.get("lora_dropout", 0.0))
 
 
+def _peft_targets(module: str, targets: str | list[str]) -> bool:
+    """Whether peft puts an adapter on ``module`` for ``target_modules=targets``: a regex the whole
+    name matches, or a list of names each matching the module's name or its last components."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    return any(module == t or module.endswith("." + t) for t in targets)
+
+
+def _check_peft_targets(config_path: Path, targets: Any, modules: list[str]) -> None:
+    """Refuse a config whose target_modules disagree with the modules the tensors adapt: peft would
+    load such a pair into another model than ours (ignoring tensors, or adding adapters)."""
+    if targets is None or targets == "all-linear":  # peft infers them from the model: nothing to compare
+        return
+    if not isinstance(targets, str) and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise ValueError(f"{config_path}: target_modules must be a list of module names or a regex, got {targets!r}")
+    try:
+        unnamed = [m for m in modules if not _peft_targets(m, targets)]
+    except re.error as err:
+        raise ValueError(f"{config_path}: target_modules {targets!r} is not a valid regex ({err})") from None
+    unused = [] if isinstance(targets, str) else [t for t in targets if not any(_peft_targets(m, [t]) for m in modules)]
+    if unnamed or unused:
+        found = sorted({m.rsplit(".", 1)[-1] for m in modules})
+        raise ValueError(f"{config_path}: target_modules {targets!r} disagree with the tensors in {WEIGHTS_NAME}, "
+                         f"which adapt {found}: " +
+                         (f"they hold adapters for {unnamed[:4]}, which target_modules does not name" if unnamed
+                          else f"target_modules names {unused}, which they hold no adapter for"))
+
+
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
@@ -539,6 +568,7 @@ def _read_peft(model: nn.Module, folder: Path):
         if len(pair["A"]) != 2 or len(pair["B"]) != 2 or pair["A"][0] != r or pair["B"][1] != r:
             raise ValueError(f"{weights_path}: {module} has lora_A {list(pair['A'])} and lora_B "
                              f"{list(pair['B'])}, which is not rank r={r} from {CONFIG_NAME}")
+    _check_peft_targets(folder / CONFIG_NAME, config_json.get("target_modules"), sorted(shapes))
     targets = tuple(sorted({module.rsplit(".", 1)[-1] for module in shapes}))
     adapter = _Adapter(config.updated(target_modules=targets),
                        {module: (pair["A"], pair["B"]) for module, pair in shapes.items()})
@@ -610,6 +640,7 @@ def _save_hesper(model: nn.Module, modules: dict[str, LoRALinear], path: Path) -
     checked = _HESPER_HEADER.pack(HESPER_MAGIC, HESPER_VERSION, config.r, config.lora_alpha, len(pairs), 0)
     checksum = zlib.crc32(data, zlib.crc32(checked[:_HESPER_CHECKED]))
     header = _HESPER_HEADER.pack(HESPER_MAGIC, HESPER_VERSION, config.r, config.lora_alpha, len(pairs), checksum)
+    path.parent.mkdir(parents=True, exist_ok=True)  # as a PEFT save creates its folder's parents
     write_atomic(path, header + data)
 
 
