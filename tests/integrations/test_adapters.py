@@ -685,6 +685,27 @@ def test_a_failed_peft_save_leaves_the_previous_adapter_intact(pristine, tmp_pat
     assert all(torch.equal(m.lora_B, lora_modules(first)[n].lora_B) for n, m in lora_modules(loaded).items())
 
 
+def test_two_saves_creating_one_new_folder_at_once_leave_one_whole_save(pristine, tmp_path, monkeypatch):
+    # The second save finds the folder made by the first when it renames its own into place.
+    first, second = (with_adapter(copy.deepcopy(pristine), lora_alpha=alpha, seed=seed)
+                     for alpha, seed in ((8.0, 1), (16.0, 2)))
+    path = tmp_path / "adapter"
+    rename = os.rename
+
+    def first_save_wins(src, dst):
+        monkeypatch.setattr(os, "rename", rename)
+        save_adapter(first, path)
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", first_save_wins)
+    save_adapter(second, path)
+    assert sorted(os.listdir(tmp_path)) == ["adapter"] and sorted(os.listdir(path)) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    loaded = load_adapter(copy.deepcopy(pristine), path)
+    assert all(m.lora_alpha == 16.0 and torch.equal(m.lora_B, lora_modules(second)[n].lora_B)
+               for n, m in lora_modules(loaded).items())
+
+
 def test_a_crash_inside_the_commit_leaves_an_unloadable_folder_not_a_mix(pristine, tmp_path, monkeypatch):
     path = save_adapter(with_adapter(copy.deepcopy(pristine), seed=1), tmp_path / "adapter")
     new = with_adapter(copy.deepcopy(pristine), r=2, seed=2)

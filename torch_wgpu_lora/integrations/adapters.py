@@ -455,10 +455,8 @@ def _read_peft_pair(folder: Path) -> tuple[dict, bytes, dict, str | None]:
     config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
     with locked_dir(folder, shared=True):
         try:
-            if not weights_path.is_file():
-                raise FileNotFoundError
             data = weights_path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):
             raise _no_weights(folder) from None
         try:
             text = config_path.read_bytes()
