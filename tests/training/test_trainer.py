@@ -391,7 +391,8 @@ def test_outputs_are_readable_as_the_umask_allows(base, tmp_path):
     files = [run / "metrics.jsonl", run / "loss.png", *(run / "adapter").iterdir(),
              *(p for p in (run / "checkpoints").rglob("*") if p.is_file())]
     folders = [run / "adapter", *(p for p in (run / "checkpoints").rglob("*") if p.is_dir())]
-    assert len(files) == 2 + 2 + 2 * 6 and file_mode == 0o644  # a checkpoint: adapter (2), optimizer, rng, state, checksums
+    # a checkpoint: adapter (2 files), optimizer, rng, state, checksums
+    assert len(files) == 2 + 2 + 2 * 6 and file_mode == 0o644
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: file_mode for p in files}
     assert {str(p): stat.S_IMODE(p.stat().st_mode) for p in folders} == {str(p): dir_mode for p in folders}
 
@@ -484,7 +485,8 @@ def test_a_flipped_bit_in_any_file_of_a_checkpoint_is_refused_naming_the_previou
     good = tmp_path / "checkpoints" / "step-000001"
     with pytest.raises(checkpoint_module.DamagedCheckpoint, match=re.escape(
             f"checkpoint {damaged} is damaged: {path} differs from when it was written (SHA-256 mismatch with "
-            f"checksums.sha256); the previous good checkpoint is {good}: resume from it (resume_from / --resume {good})")):
+            f"checksums.sha256); the previous good checkpoint is {good}: resume from it "
+            f"(resume_from / --resume {good})")):
         train(model, base[1], RECORDS, resume_from=True, **options(tmp_path, max_steps=3, save_every=1))
     assert_same_adapter(adapter_tensors(model), untouched)  # nothing was restored
 

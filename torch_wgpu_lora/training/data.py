@@ -16,8 +16,9 @@ covers only the response and EOS. Sequences longer than ``max_length`` are cut a
 the end; one whose prompt alone fills ``max_length`` has nothing to learn and is
 dropped with a warning. A sequence still longer than the model's context
 (``max_position_embeddings``) is refused, naming the record, unless
-``long_examples="truncate"``, which cuts it to the context and warns with the count. Batches hold whole sequences, right-padded, with an
-attention mask; the order of examples is a seeded permutation per epoch.
+``long_examples="truncate"``, which cuts it to the context and warns with the count.
+Batches hold whole sequences, right-padded, with an attention mask; the order of
+examples is a seeded permutation per epoch.
 
 Data-parallel training (several processes): every process computes the same epoch order and
 takes its ``shard`` of it, dealt out as torch's ``DistributedSampler`` deals indices.
