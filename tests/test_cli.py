@@ -259,12 +259,40 @@ def test_a_temperature_too_small_for_float32(capsys, tiny, engine, message):
                         "--temperature", "1e-45", "--seed", "0", "--engine", engine], message)
 
 
-@pytest.mark.parametrize("command", ["train", "generate", "gradcheck", "demo"])
+@pytest.mark.parametrize("command", ["train", "gradcheck", "demo"])
 @pytest.mark.parametrize("seed", ["-1", str(2 ** 32), "x"])
 def test_seed_out_of_range(capsys, tiny, command, seed):
-    usage_error(capsys, [command, "--model", str(tiny["dense"]), "--data", "x", "--prompt", "Hi", "--seed", seed]
+    usage_error(capsys, [command, "--model", str(tiny["dense"]), "--data", "x", "--seed", seed]
                 if command != "demo" else [command, "--seed", seed],
                 f"argument --seed: must be an integer in [0, 2**32), got '{seed}'")
+
+
+@pytest.mark.parametrize("seed, given", [("-1", -1), (str(2 ** 32), 2 ** 32), ("x", "x")])
+def test_generate_refuses_the_seeds_the_api_refuses_with_its_message(capsys, tiny, seed, given):
+    from torch_wgpu_lora.generation import generate
+
+    with pytest.raises(ValueError) as refused:
+        generate(None, None, "Hi", seed=given)
+    usage_error(capsys, ["generate", "--model", str(tiny["dense"]), "--prompt", "Hi", "--seed", seed],
+                f"argument --seed: {refused.value}")
+
+
+def test_train_refuses_an_example_longer_than_the_context_unless_told_to_cut_it(capsys, tiny, tmp_path):
+    data = tmp_path / "long.jsonl"
+    data.write_text(tiny["data"].read_text() + json.dumps({"instruction": "Repeat.", "output": "cat " * 400}) + "\n")
+    train = ["train", "--model", str(tiny["dense"]), "--data", str(data), "--output", str(tmp_path / "run"),
+             "--max-steps", "1", "--no-progress", "--engine", "torch"]
+    line = fails_with(capsys, train, f"record {len(RECORDS)}: 512 tokens exceed the model's context of 256 positions "
+                                     "(max_position_embeddings); long_examples='truncate' (--long-examples truncate)")
+    with pytest.warns(UserWarning, match=f"1 of {len(RECORDS) + 1} records were cut to the model's context of 256"):
+        assert main(train + ["--long-examples", "truncate"]) == EXIT_OK, line
+
+
+@pytest.mark.parametrize("engine", ["torch", "auto"])
+def test_generate_past_the_context_is_refused(capsys, tiny, engine):
+    line = fails_with(capsys, ["generate", "--model", str(tiny["dense"]), "--prompt", "Hi", "--max-new-tokens",
+                               "300", "--engine", engine], "-token prompt and max_new_tokens=300 need 3")
+    assert line.endswith("positions; the model's context is 256 (max_position_embeddings)")
 
 
 def test_epochs_and_max_steps_together_are_refused(capsys, tiny):

@@ -16,6 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 import torch_wgpu_lora
+from torch_wgpu_lora.engine import BitNetEngine
 from torch_wgpu_lora.generation import Generation, _eos_ids, generate
 from torch_wgpu_lora.logits import apply_repetition_penalty, process_logits, top_k_filter, top_p_filter
 from torch_wgpu_lora.integrations.bitnet import apply_lora, lora_modules
@@ -200,11 +201,12 @@ def test_top_k_of_one_samples_the_greedy_tokens(model, tokenizer):
 
 
 def test_generation_stops_at_eos(model, tokenizer):
-    full = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, eos_token_id=-1, return_ids=True)
+    full = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, eos_token_id=[], return_ids=True)
     assert len(full.token_ids) == NEW_TOKENS and not full.finished_by_eos
     third = full.token_ids[2]
     stop = full.token_ids.index(third) + 1
-    stopped = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, eos_token_id=[-1, third],
+    unused = next(i for i in range(model.config.vocab_size) if i not in full.token_ids)
+    stopped = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, eos_token_id=[unused, third],
                        return_ids=True)
     assert stopped.token_ids == full.token_ids[:stop] and stopped.finished_by_eos
     assert stopped.text == tokenizer.decode(stopped.token_ids, skip_special_tokens=True)
@@ -262,9 +264,12 @@ def test_training_flag_is_restored(model, tokenizer):
     (dict(strategy="top_k", temperature=0.0), ValueError, "temperature must be > 0 for sampling"),
     (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be an integer >= 0, got -1"),
     (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be > 0"),
-    (dict(seed="1"), ValueError, r"seed must be an integer in \[0, 2\*\*64\) \(torch.Generator's range\) or None"),
-    (dict(seed=-1), ValueError, r"seed must be an integer in \[0, 2\*\*64\)"),
-    (dict(seed=2 ** 64), ValueError, r"seed must be an integer in \[0, 2\*\*64\)"),
+    (dict(seed="1"), ValueError, r"seed must be an integer in \[0, 2\*\*32\) \(the engine's sampler uses 32 bits\) or "
+                                 r"None, got '1'"),
+    (dict(seed=-1), ValueError, r"seed must be an integer in \[0, 2\*\*32\) .* got -1"),
+    (dict(seed=2 ** 32), ValueError, r"seed must be an integer in \[0, 2\*\*32\) .* got 4294967296"),
+    (dict(eos_token_id=-7), ValueError, r"eos_token_id -7 is outside the vocabulary \[0, 320\)"),
+    (dict(eos_token_id=[3, 320]), ValueError, r"eos_token_id 320 is outside the vocabulary \[0, 320\)"),
     (dict(prompt="caf\udce9"), ValueError, r"the prompt is not valid Unicode: it holds a lone surrogate '\\udce9' "
                                            r"at character 3"),
     (dict(prompt={"instruction": "Add.", "input": "\ud800"}), ValueError,
@@ -287,3 +292,20 @@ def test_greedy_ignores_temperature(model, tokenizer):
     # HF ignores the sampling settings for greedy decoding too; temperature=0 is not an error there.
     assert generate(model, tokenizer, PROMPT, max_new_tokens=2, temperature=0.0) == \
         generate(model, tokenizer, PROMPT, max_new_tokens=2)
+
+
+def test_both_paths_refuse_a_generation_past_the_context_with_one_message(model, tokenizer):
+    # The tiny model has 256 positions; the torch path would otherwise run past them (RoPE goes on).
+    prompt = len(prompt_ids(tokenizer, PROMPT)[0])
+    expected = (f"a {prompt}-token prompt and max_new_tokens=300 need {prompt + 300} positions; the model's context "
+                "is 256 (max_position_embeddings)")
+    engine = BitNetEngine(model)
+    for runner in (model, engine):
+        with pytest.raises(ValueError) as refused:
+            generate(runner, tokenizer, PROMPT, max_new_tokens=300)
+        assert str(refused.value) == expected
+    assert len(generate(model, tokenizer, PROMPT, max_new_tokens=256 - prompt, eos_token_id=[],
+                        return_ids=True).token_ids) == 256 - prompt  # exactly the context: allowed
+    with pytest.raises(ValueError) as refused:
+        engine(torch.zeros(1, 257, dtype=torch.long))
+    assert str(refused.value) == "257 tokens exceed the model's context of 256 positions (max_position_embeddings)"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_wgpu_lora import LoRALinear
+from torch_wgpu_lora import LoRALinear, lora
 from torch_wgpu_lora.init import hesper_uniform
 
 TOL = 1e-5  # float32 output of magnitude ~1 from sums of 64 terms; kernel vs torch order
@@ -149,11 +149,80 @@ def test_gradient_checkpointing_recomputes_the_adapter_to_the_same_gradients(ree
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-def test_vmap_over_lora_linear_gives_what_a_loop_gives():
+def _vmap_layer():
     torch.manual_seed(18)
     layer = LoRALinear(nn.Linear(16, 12), r=4, lora_alpha=8)
     nn.init.normal_(layer.lora_B)
-    x = torch.randn(5, 3, 16)
-    batched = torch.func.vmap(layer)(x)
-    looped = torch.stack([layer(row) for row in x])
-    assert torch.equal(batched, looped)
+    return layer, torch.randn(5, 3, 16)
+
+
+def _float32_bound(layer, x):
+    """How far one float32 computation of ``layer(x)`` may be from the exact value, per output.
+
+    Every output is a chain of dot products: the base's over ``in`` terms plus its bias, and the
+    adapter's over ``in`` then ``r`` terms, then their sum. Whatever the order of the additions
+    (a GEMM's blocking, the WebGPU kernels' row splits, FMA or not), each element is within
+    γ_n·M of the exact value (Higham, Accuracy and Stability, §3.1), where u = 2⁻²⁴, n = in + r + 2
+    (here 22: γ₂₂ ≈ 1.3e-6) and M is the same sums over absolute values: a few times 1e-5 for
+    these sizes. A wrong row, scaling or weight is off by O(1)."""
+    n = layer.in_features + layer.r + 2
+    gamma = n * 2.0 ** -24 / (1 - n * 2.0 ** -24)
+    xd = x.double().abs()
+    W, b = layer.base_layer.weight.double().abs(), layer.base_layer.bias.double().abs()
+    A, B = layer.lora_A.detach().double().abs(), layer.lora_B.detach().double().abs()
+    return gamma * (xd @ W.T + b + abs(layer.scaling) * (xd @ A.T) @ B.T)
+
+
+def _float64_layer(layer, x):
+    W, b = layer.base_layer.weight.double(), layer.base_layer.bias.double()
+    A, B = layer.lora_A.detach().double(), layer.lora_B.detach().double()
+    return x.double() @ W.T + b + layer.scaling * (x.double() @ A.T) @ B.T
+
+
+def test_vmap_over_lora_linear_gives_what_a_loop_gives():
+    layer, x = _vmap_layer()
+    # The WebGPU part: vmap folds the batch into the op's rows, so it runs the very same kernels
+    # on the very same 15 rows as one call on x flattened: bit for bit (the kernels are deterministic).
+    folded = torch.func.vmap(lambda row: lora(row, layer.lora_A, layer.lora_B, layer.scaling))(x)
+    assert torch.equal(folded, lora(x.reshape(15, 16), layer.lora_A, layer.lora_B, layer.scaling).view(5, 3, 12))
+    # The whole layer: torch's batched GEMM and the per-row one may round differently (they do on
+    # some AMD CPUs), and the kernels split rows by N; each is within float32's bound of the exact
+    # value, so the two are within twice that of each other.
+    batched = torch.func.vmap(layer)(x).detach()
+    looped = torch.stack([layer(row) for row in x]).detach()
+    bound = _float32_bound(layer, x)
+    exact = _float64_layer(layer, x)
+    assert ((batched.double() - exact).abs() <= bound).all() and ((looped.double() - exact).abs() <= bound).all()
+    assert ((batched.double() - looped.double()).abs() <= 2 * bound).all()
+
+
+def test_vmap_over_lora_linear_takes_the_ops_batching_rule(capfd):
+    # torch's per-slice fallback prints "There is a performance drop because we have not yet
+    # implemented the batching rule" to stderr; with the fallback turned off it would raise.
+    layer, x = _vmap_layer()
+    x = x.requires_grad_(True)
+    ensemble_A, ensemble_B = torch.randn(5, 4, 16), torch.randn(5, 12, 4)
+    fallback = torch._C._functorch._is_vmap_fallback_enabled()
+    torch._C._functorch._set_vmap_fallback_enabled(False)
+    try:
+        out = torch.func.vmap(layer, in_dims=1, out_dims=1)(x.transpose(0, 1))
+        out.square().sum().backward()
+        ensemble = torch.func.vmap(lambda a, b, row: lora(row, a, b, 0.5))(ensemble_A, ensemble_B, x.detach())
+    finally:
+        torch._C._functorch._set_vmap_fallback_enabled(fallback)
+    assert "performance drop" not in capfd.readouterr().err
+    # against float64 autograd: the output within float32's bound, the gradients within 1e-5 of
+    # their largest value (sums over the 15 rows of products of the outputs' size: float32 rounding
+    # is ~1e-6 of that; a gradient of the wrong row or scale is off by O(1))
+    bound = _float32_bound(layer, x.detach())
+    assert ((out.transpose(0, 1).detach().double() - _float64_layer(layer, x.detach())).abs() <= bound).all()
+    params = [layer.lora_A, layer.lora_B]
+    ref = [p.detach().double().requires_grad_(True) for p in (x, *params)]
+    W, b = layer.base_layer.weight.double(), layer.base_layer.bias.double()
+    (ref[0] @ W.T + b + layer.scaling * (ref[0] @ ref[1].T) @ ref[2].T).square().sum().backward()
+    for got, want in zip((x.grad, *(p.grad for p in params)), ref):
+        scale = want.grad.abs().max().item()
+        assert (got.double() - want.grad).abs().max().item() <= 1e-5 * scale
+    each = torch.stack([0.5 * (x[i].detach().double() @ ensemble_A[i].double().T) @ ensemble_B[i].double().T
+                        for i in range(5)])
+    assert (ensemble.double() - each).abs().max().item() <= 1e-5 * each.abs().max().item()

@@ -42,6 +42,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .limits import check_seed
+
 PROG = "torch-wgpu-lora"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DTYPES = ("float32", "bfloat16")
@@ -126,6 +128,19 @@ def _seed(text: str) -> int:
     return value
 
 
+def _generation_seed(text: str) -> int:
+    """generate's --seed, checked as the API checks ``generate(seed=...)``, with its message."""
+    try:
+        value: Any = int(text)
+    except ValueError:
+        value = text
+    try:
+        check_seed(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return value
+
+
 def _require_webgpu() -> dict[str, Any]:
     """The device's description, or a UsageError saying what to install when there is no adapter."""
     from .runtime import device_info
@@ -205,7 +220,7 @@ def _train(args: argparse.Namespace) -> int:
                       gradient_accumulation_steps=args.grad_accum, lr=args.lr, max_grad_norm=args.max_grad_norm,
                       schedule=args.schedule, warmup_ratio=args.warmup_ratio, max_length=args.max_length,
                       seed=args.seed, save_every=args.save_every, eval_every=args.eval_every,
-                      progress=not args.no_progress, overwrite=args.overwrite)
+                      progress=not args.no_progress, overwrite=args.overwrite, long_examples=args.long_examples)
     result = trainer.train(resume_from=args.resume)
     if parallel is not None and not parallel.is_main:
         return EXIT_OK  # rank 0 reports
@@ -335,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .generation import generate
     from .logits import STRATEGIES
     from .engine import ENGINES
+    from .training.data import LONG_EXAMPLES
     from .training.schedule import SCHEDULES
     from .training.trainer import Trainer
 
@@ -377,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clip the gradient norm to this; 0 = no clipping (default: %(default)s)")
     p.add_argument("--max-length", type=int, default=trainer["max_length"], help="tokens per example, longer "
                    "ones are cut (default: %(default)s)")
+    p.add_argument("--long-examples", choices=LONG_EXAMPLES, default=trainer["long_examples"],
+                   help="an example longer than the model's context (max_position_embeddings) is refused, naming "
+                   "it, or cut to the context, counting them (default: %(default)s)")
     p.add_argument("--seed", type=_seed, default=trainer["seed"], help="seeds the adapters' init, the data order "
                    "and dropout (default: %(default)s)")
     p.add_argument("--save-every", type=int, default=trainer["save_every"], help="checkpoint every N steps; 0 = "
@@ -422,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CTRL's penalty on seen tokens; 1.0 = off (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=sampling["max_new_tokens"],
                    help="most tokens to generate (default: %(default)s)")
-    p.add_argument("--seed", type=_seed, help="seed for sampling (default: a fresh random seed)")
+    p.add_argument("--seed", type=_generation_seed, help="seed for sampling, in [0, 2**32) (default: a fresh "
+                   "random seed)")
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="wgpu: the whole model on WebGPU (BitNetEngine); torch: transformers' modules with the "
                    "adapters on --backend; auto: the engine when it can run the model (default: %(default)s)")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .limits import check_context, check_seed, model_context
 from .logits import check_processing, process_logits
 from .prompts import check_unicode, format_prompt
 
@@ -45,8 +46,7 @@ def _check_arguments(max_new_tokens: int, strategy: str, temperature: float, top
     check_processing(strategy, temperature, top_k, top_p, repetition_penalty)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64):
-        raise ValueError(f"seed must be an integer in [0, 2**64) (torch.Generator's range) or None, got {seed!r}")
+    check_seed(seed)
 
 
 def _prompt_text(prompt: str | Mapping[str, str], use_template: bool) -> str:
@@ -78,6 +78,11 @@ def _eos_ids(eos_token_id: int | Iterable[int] | None, tokenizer: Any, model: nn
     ids = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    outside = sorted(i for i in ids if vocab is not None and not 0 <= i < vocab)
+    if outside:
+        raise ValueError(f"eos_token_id {outside[0]} is outside the vocabulary [0, {vocab}): no token could end "
+                         "the generation")
     return ids
 
 
@@ -137,12 +142,14 @@ def generate(model: nn.Module, tokenizer: Any, prompt: str | Mapping[str, str], 
     unused), ``"top_k"`` or ``"top_p"`` (sampling from the ``top_k`` most likely tokens, or
     from the nucleus of probability ``top_p``, after dividing the logits by ``temperature``).
     ``repetition_penalty`` applies CTRL's rule to every prompt and generated token (1.0: off).
-    ``seed`` makes sampling reproducible (``None``: a fresh random seed each call). Greedy
+    ``seed`` (in [0, 2**32)) makes sampling reproducible (``None``: a fresh random seed each call). Greedy
     results are the same on both paths; sampled ones are reproducible per seed on each path
     but differ between them (the engine draws on the GPU with its own counter-based generator,
     ``engine.kernels.sampling``).
     Generation stops after an EOS token (``eos_token_id``, by default the tokenizer's, else
-    the model's generation config's; an int or several) or ``max_new_tokens``.
+    the model's generation config's; an int or several, each in the vocabulary; ``[]``: none) or
+    ``max_new_tokens``. The prompt and ``max_new_tokens`` must fit the model's context
+    (``max_position_embeddings``) on both paths: more is refused before anything runs.
 
     ``return_ids=True`` returns a ``Generation`` (text, new token ids, prompt ids, whether
     EOS ended it) instead of the text. The model runs in eval mode without gradients; its
@@ -158,6 +165,7 @@ def generate(model: nn.Module, tokenizer: Any, prompt: str | Mapping[str, str], 
     prompt_ids = torch.as_tensor(tokenizer(text)["input_ids"], dtype=torch.long, device=device).reshape(1, -1)
     if prompt_ids.shape[1] == 0:
         raise ValueError(f"prompt {text!r} encodes to no tokens")
+    check_context(model_context(model), prompt_ids.shape[1], max_new_tokens)
     generator = None
     if strategy != "greedy":
         generator = torch.Generator(device=device)

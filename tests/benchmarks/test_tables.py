@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from torch_wgpu_lora.benchmarks import tables
 from torch_wgpu_lora.benchmarks.tables import PageError, main, render_page, stamp
 
 ROOT = Path(__file__).resolve().parents[2]

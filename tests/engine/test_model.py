@@ -130,6 +130,11 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match=f"{too_long} tokens exceed the model's context of "
                                          f"{too_long - 1} positions"):
         engine(torch.zeros(1, too_long, dtype=torch.long))
+    meta = torch.zeros(1, 3, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="^input_ids is on the meta device: it has a shape but no values"):
+        engine(meta)
+    with pytest.raises(ValueError, match="^labels is on the meta device"):
+        engine(torch.tensor([[1, 2, 3]]), labels=meta)
 
 
 def test_models_the_engine_cannot_run_are_refused_by_name():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import multiprocessing
 import os
 import pickle
 import re
@@ -38,6 +39,8 @@ from torch_wgpu_lora import load_adapter, save_adapter
 from torch_wgpu_lora.integrations.bitnet import apply_lora, lora_modules, set_backend
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet
 from torch_wgpu_lora.modules import LoRALinear
+
+from .helpers import SAVES, adapter_of, load_in_turns, save_in_turns
 
 TOL = {"torch": 1e-6, "wgpu": 1e-4}  # relative to max |logit|; see module docstring
 IDS = torch.tensor([[0, 5, 17, 42, 99, 200, 7, 3]])  # one shape everywhere: AutoBitLinear compiles once per shape
@@ -293,6 +296,12 @@ def test_hesper_from_a_model_of_other_dimensions_is_refused(tmp_path, small, bas
         load_adapter(base, path)
 
 
+def test_a_hesper_save_creates_missing_parent_folders(base, pristine, tmp_path):
+    path = save_adapter(with_adapter(base), tmp_path / "new" / "deeper" / "adapter.lora", format="hesper")
+    again = load_adapter(copy.deepcopy(pristine), path)
+    assert all(torch.equal(m.lora_B, lora_modules(base)[n].lora_B) for n, m in lora_modules(again).items())
+
+
 def test_hesper_rank_mismatch_with_existing_adapters_changes_nothing(tmp_path, pristine, base):
     path = hesper_file(tmp_path, pristine, r=R)
     with_adapter(base, r=2)
@@ -376,6 +385,14 @@ def test_unknown_peft_options_are_refused_unless_off(peft_folder, base):
     (dict(lora_alpha=0), "lora_alpha must be a finite number > 0, got 0"),
     (dict(lora_dropout=1.0), "lora_dropout must be a number in [0, 1), got 1.0"),
     (dict(r=8), "has lora_A [4, 64] and lora_B [64, 4], which is not rank r=8 from adapter_config.json"),
+    (dict(target_modules=["q_proj"]), "adapter_config.json: target_modules ['q_proj'] disagree with the tensors in "
+     "adapter_model.safetensors, which adapt ['q_proj', 'v_proj']: they hold adapters for "
+     "['model.layers.0.self_attn.v_proj', 'model.layers.1.self_attn.v_proj'], which target_modules does not name"),
+    (dict(target_modules=["q_proj", "v_proj", "k_proj"]), "target_modules ['q_proj', 'v_proj', 'k_proj'] disagree "
+     "with the tensors in adapter_model.safetensors, which adapt ['q_proj', 'v_proj']: target_modules names "
+     "['k_proj'], which they hold no adapter for"),
+    (dict(target_modules=r".*\.q_proj"), "target_modules '.*\\\\.q_proj' disagree with the tensors"),
+    (dict(target_modules=7), "target_modules must be a list of module names or a regex, got 7"),
 ])
 def test_bad_peft_config_values(peft_folder, base, changes, message):
     edit_config(peft_folder, **changes)
@@ -668,6 +685,27 @@ def test_a_failed_peft_save_leaves_the_previous_adapter_intact(pristine, tmp_pat
     assert all(torch.equal(m.lora_B, lora_modules(first)[n].lora_B) for n, m in lora_modules(loaded).items())
 
 
+def test_two_saves_creating_one_new_folder_at_once_leave_one_whole_save(pristine, tmp_path, monkeypatch):
+    # The second save finds the folder made by the first when it renames its own into place.
+    first, second = (with_adapter(copy.deepcopy(pristine), lora_alpha=alpha, seed=seed)
+                     for alpha, seed in ((8.0, 1), (16.0, 2)))
+    path = tmp_path / "adapter"
+    rename = os.rename
+
+    def first_save_wins(src, dst):
+        monkeypatch.setattr(os, "rename", rename)
+        save_adapter(first, path)
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", first_save_wins)
+    save_adapter(second, path)
+    assert sorted(os.listdir(tmp_path)) == ["adapter"] and sorted(os.listdir(path)) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    loaded = load_adapter(copy.deepcopy(pristine), path)
+    assert all(m.lora_alpha == 16.0 and torch.equal(m.lora_B, lora_modules(second)[n].lora_B)
+               for n, m in lora_modules(loaded).items())
+
+
 def test_a_crash_inside_the_commit_leaves_an_unloadable_folder_not_a_mix(pristine, tmp_path, monkeypatch):
     path = save_adapter(with_adapter(copy.deepcopy(pristine), seed=1), tmp_path / "adapter")
     new = with_adapter(copy.deepcopy(pristine), r=2, seed=2)
@@ -678,7 +716,7 @@ def test_a_crash_inside_the_commit_leaves_an_unloadable_folder_not_a_mix(pristin
     monkeypatch.undo()
     assert sorted(os.listdir(path)) == ["adapter_model.safetensors"]
     with pytest.raises(ValueError, match="has no adapter_config.json: not a PEFT adapter folder \\(or a save into "
-                                         "it was interrupted\\)"):
+                                         "it was interrupted, or was being written while it was read\\)"):
         load_adapter(copy.deepcopy(pristine), path)
     save_adapter(new, path)  # saving again repairs it
     assert lora_modules(load_adapter(copy.deepcopy(pristine), path))["model.layers.0.self_attn.q_proj"].r == 2
@@ -695,3 +733,51 @@ def test_a_failed_hesper_save_leaves_the_previous_file_intact(pristine, tmp_path
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["adapter.lora"] and path.read_bytes() == before
     assert lora_modules(load_adapter(copy.deepcopy(pristine), path))["model.layers.0.self_attn.q_proj"].r == R
+
+
+def test_a_config_from_another_save_is_refused_naming_both(pristine, tmp_path):
+    # What a read between a save's two renames meets where folders cannot be locked.
+    path = save_adapter(with_adapter(copy.deepcopy(pristine), lora_alpha=8.0), tmp_path / "adapter")
+    other = save_adapter(with_adapter(copy.deepcopy(pristine), lora_alpha=16.0), tmp_path / "other")
+    (path / "adapter_config.json").write_bytes((other / "adapter_config.json").read_bytes())
+    with pytest.raises(ValueError, match=re.escape(
+            "adapter_config.json is not the config adapter_model.safetensors was saved with (lora_alpha=16 in the "
+            "config, 8 with the weights): the folder was being written while it was read (load it again), or it "
+            "was edited since (save the adapter again)")):
+        load_adapter(copy.deepcopy(pristine), path)
+
+
+RACE_SECONDS = 4.0  # of saving and loading at once, after the processes have started
+
+
+@pytest.mark.parametrize("locks", [True, False])
+def test_a_folder_read_while_two_processes_save_into_it_gives_one_whole_save_or_says_so(dense, tmp_path, locks):
+    # Two writers alternate saves of lora_alpha 4 (weights 1.0) and 16 (weights 2.0) into one folder
+    # while a third process loads it over and over: each load must be one save whole, or the error
+    # saying the folder was being written; never a mix, a false "damaged", or a FileNotFoundError.
+    # Without locks (as where folders cannot be locked) the weights' record of their config is what
+    # catches a read between a save's two renames.
+    folder = save_adapter(adapter_of(dense, *SAVES[0]), tmp_path / "adapter")
+    ctx = multiprocessing.get_context("spawn")
+    results, go = ctx.Queue(), ctx.Event()
+    processes, ready = [], []
+    for target in (save_in_turns, save_in_turns, load_in_turns):
+        ready.append(ctx.Event())
+        processes.append(ctx.Process(target=target, args=(str(dense), str(folder), RACE_SECONDS, locks, ready[-1],
+                                                          go, results)))
+        processes[-1].start()
+    try:
+        assert all(event.wait(timeout=300) for event in ready), "a process did not start"
+        go.set()
+        reports = [results.get(timeout=RACE_SECONDS + 120) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    saves = sum(report[1] for report in reports if report[0] == "saves")
+    (_, outcomes, others), = [report for report in reports if report[0] == "loads"]
+    assert not others, f"{len(others)} bad loads of {sum(outcomes.values()) + len(others)}, e.g. {others[:3]}"
+    assert saves >= 20 and outcomes["whole"] >= 20, (saves, outcomes)  # the two really ran at once
+    if locks:  # a read under the lock meets no save half done
+        assert outcomes["being written"] == 0, outcomes

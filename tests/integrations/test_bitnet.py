@@ -163,6 +163,38 @@ def test_tensors_unlike_the_config_are_refused_when_transformers_reports_none(ch
         load_bitnet(checkpoints[flavour])
 
 
+@pytest.mark.parametrize("flavour", ["dense", "packed"])
+def test_models_loaded_by_several_threads_at_once_are_whole(checkpoints, flavour):
+    # transformers' from_pretrained, run in two threads at once, can leave lm_head untied (and every
+    # later load in the process too); load_bitnet's loads take turns.
+    expected = load_bitnet(checkpoints[flavour]).state_dict()
+
+    def check(_: int) -> None:
+        for _ in range(3):
+            model = load_bitnet(checkpoints[flavour])
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+            loaded = model.state_dict()  # the stored values, copied: equal bit for bit
+            assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in loaded)
+
+    in_threads(check, 4)
+
+
+def test_an_untied_lm_head_is_refused_naming_transformers_leftover_no_op(checkpoints, monkeypatch):
+    # What a from_pretrained racing in another thread (outside load_bitnet) leaves behind.
+    from transformers import PreTrainedModel
+
+    def empty_func(*args, **kwargs):
+        pass
+
+    empty_func.__qualname__ = "no_tie_weights.<locals>.empty_func"  # transformers' stand-in
+    monkeypatch.setattr(PreTrainedModel, "tie_weights", empty_func)
+    with pytest.raises(ValueError, match=re.escape(
+            "lm_head is not tied to the embeddings, as config.json's tie_word_embeddings asks (transformers' "
+            "tie_weights is 'no_tie_weights.<locals>.empty_func', the no-op its from_pretrained puts in place while it "
+            "builds a model: a from_pretrained that ran at the same time in another thread, outside load_bitnet")):
+        load_bitnet(checkpoints["dense"])
+
+
 def test_a_folder_with_pickled_weights_only_is_refused(checkpoints, tmp_path):
     folder = copy_checkpoint(checkpoints["dense"], tmp_path / "model")
     torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import sys
-from pathlib import Path
 
 import gguf
 import numpy as np

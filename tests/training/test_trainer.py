@@ -1,9 +1,11 @@
 """The Trainer on a tiny BitNet: loss and accumulation, outputs, resume, the non-finite guard,
 atomic checkpoints, output folders (umask, earlier runs, leftovers) and damaged files."""
 
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import stat
 import sys
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from torch_wgpu_lora import Trainer, train
+from torch_wgpu_lora.engine import BitNetEngine
 from torch_wgpu_lora.integrations.adapters import load_adapter
 from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet, lora_parameters, lora_state_dict
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
@@ -22,7 +25,7 @@ from torch_wgpu_lora.training.data import collate, encode_records, read_records
 from torch_wgpu_lora.training.metrics import MetricsLog, plot_loss
 from torch_wgpu_lora.optim import WgpuAdamW
 from torch_wgpu_lora.training.schedule import make_scheduler
-from torch_wgpu_lora.training.trainer import TrainingStopped, accumulate_gradients
+from torch_wgpu_lora.training.trainer import TrainingStopped, accumulate_gradients, evaluate
 
 RECORDS = [
     {"instruction": "Name a primary colour.", "output": "Red."},
@@ -388,7 +391,8 @@ def test_outputs_are_readable_as_the_umask_allows(base, tmp_path):
     files = [run / "metrics.jsonl", run / "loss.png", *(run / "adapter").iterdir(),
              *(p for p in (run / "checkpoints").rglob("*") if p.is_file())]
     folders = [run / "adapter", *(p for p in (run / "checkpoints").rglob("*") if p.is_dir())]
-    assert len(files) == 2 + 2 + 2 * 5 and file_mode == 0o644
+    # a checkpoint: adapter (2 files), optimizer, rng, state, checksums
+    assert len(files) == 2 + 2 + 2 * 6 and file_mode == 0o644
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: file_mode for p in files}
     assert {str(p): stat.S_IMODE(p.stat().st_mode) for p in folders} == {str(p): dir_mode for p in folders}
 
@@ -458,6 +462,35 @@ def test_a_killed_runs_temporary_checkpoints_are_removed_on_the_next_start(base,
     assert sorted(p.name for p in root.iterdir()) == ["step-000001", "step-000002"]
 
 
+def relist_checksums(folder):
+    """Rewrite a checkpoint's checksums.sha256 (sha256sum's format) for its files as they are now."""
+    listing = folder / "checksums.sha256"
+    names = [line.split("  ", 1)[1] for line in listing.read_text().splitlines()]
+    listing.write_text("".join(f"{hashlib.sha256((folder / n).read_bytes()).hexdigest()}  {n}\n" for n in names))
+
+
+@pytest.mark.parametrize("name", ["optimizer.safetensors", "rng.safetensors", "state.json",
+                                  "adapter/adapter_config.json", "adapter/adapter_model.safetensors"])
+def test_a_flipped_bit_in_any_file_of_a_checkpoint_is_refused_naming_the_previous_good_one(base, tmp_path, name):
+    train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=2, save_every=1))
+    damaged = tmp_path / "checkpoints" / "step-000002"
+    path = damaged / name
+    data = bytearray(path.read_bytes())
+    # The lowest bit of the last tensor byte, or of the last digit in JSON: the file stays well-formed.
+    at = len(data) - 1 if name.endswith(".safetensors") else max(data.rfind(bytes([d])) for d in b"0123456789")
+    data[at] ^= 1
+    path.write_bytes(bytes(data))
+    model = fresh_model(base)
+    untouched = adapter_tensors(model)
+    good = tmp_path / "checkpoints" / "step-000001"
+    with pytest.raises(checkpoint_module.DamagedCheckpoint, match=re.escape(
+            f"checkpoint {damaged} is damaged: {path} differs from when it was written (SHA-256 mismatch with "
+            f"checksums.sha256); the previous good checkpoint is {good}: resume from it "
+            f"(resume_from / --resume {good})")):
+        train(model, base[1], RECORDS, resume_from=True, **options(tmp_path, max_steps=3, save_every=1))
+    assert_same_adapter(adapter_tensors(model), untouched)  # nothing was restored
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda c: (c / "optimizer.safetensors").write_bytes((c / "optimizer.safetensors").read_bytes()[:100]),
      "optimizer.safetensors is truncated or corrupt"),
@@ -472,6 +505,7 @@ def test_a_damaged_checkpoint_is_named_with_the_previous_good_one(base, tmp_path
     state = json.loads((root / "step-000002" / "state.json").read_text())
     del state["trainer"]["bad_streak"]  # step 2 is damaged too: the previous good one is step 1
     (root / "step-000002" / "state.json").write_text(json.dumps(state))
+    relist_checksums(root / "step-000002")  # its files read back as listed: the missing entry is what is named
     damage(root / "step-000003")
     model = fresh_model(base)
     untouched = adapter_tensors(model)
@@ -485,3 +519,35 @@ def test_a_damaged_checkpoint_is_named_with_the_previous_good_one(base, tmp_path
     with pytest.raises(checkpoint_module.DamagedCheckpoint, match=r"has no trainer.bad_streak entry; the previous "
                                                                   r"good checkpoint is .*step-000001"):
         train(model, base[1], RECORDS, resume_from=root / "step-000002", **options(tmp_path, max_steps=3))
+
+
+def test_examples_longer_than_the_context_are_refused_or_cut_as_the_engine_refuses_them(base, tmp_path):
+    model, tokenizer = fresh_model(base), base[1]
+    long = {"instruction": "Repeat the word.", "input": "cat", "output": " ".join(["cat"] * 400)}
+    records = RECORDS[:3] + [long]
+    tokens = len(tokenizer(format_prompt(long["instruction"], long["input"]))["input_ids"]) + \
+        len(tokenizer(long["output"], add_special_tokens=False)["input_ids"]) + 1  # and EOS
+    assert tokens > 512 and model.config.max_position_embeddings == 256
+    with pytest.raises(ValueError) as by_engine:
+        BitNetEngine(model)(torch.zeros(1, 512, dtype=torch.long))
+    # The default max_length (512) cuts the record to 512 tokens, still twice the context.
+    with pytest.raises(ValueError) as refused:
+        Trainer(model, tokenizer, records, **options(tmp_path, max_length=512, engine="torch"))
+    assert str(refused.value) == (f"record 3: {by_engine.value}; long_examples='truncate' (--long-examples truncate) "
+                                  "cuts such records to the context")
+    with pytest.raises(ValueError, match=r"^eval_data: record 0: 512 tokens exceed the model's context"):
+        Trainer(model, tokenizer, RECORDS, eval_data=[long], **options(tmp_path, max_length=512))
+
+    with pytest.warns(UserWarning, match=r"^1 of 4 records were cut to the model's context of 256 positions"):
+        trainer = Trainer(model, tokenizer, records, **options(tmp_path, max_length=512, engine="torch",
+                                                                 long_examples="truncate", max_steps=1))
+    assert [len(e.input_ids) for e in trainer.examples][3] == 256
+    assert trainer.train().steps == 1
+
+    # The torch path's own loss functions check a batch as the engine does.
+    batch = {"input_ids": torch.zeros(1, 512, dtype=torch.long), "attention_mask": torch.ones(1, 512, dtype=torch.long),
+             "labels": torch.zeros(1, 512, dtype=torch.long)}
+    for run in (lambda: evaluate(model, [batch]), lambda: accumulate_gradients(model, [batch])):
+        with pytest.raises(ValueError) as by_torch:
+            run()
+        assert str(by_torch.value) == str(by_engine.value)

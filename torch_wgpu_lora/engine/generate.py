@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..limits import check_context
 from ..runtime import Pending, Recorder, write
 from .adapters import EngineAdapters
 from .kernels import STEP_POS
@@ -37,10 +38,8 @@ class DecodeSession:
                  scratch: Workspace | None = None, strategy: str = "greedy", temperature: float = 1.0,
                  top_k: int = 40, top_p: float = 0.9, repetition_penalty: float = 1.0) -> None:
         config = weights.config
+        check_context(config.max_positions, prompt_length, max_new_tokens)
         length = prompt_length + max_new_tokens
-        if length > config.max_positions:
-            raise ValueError(f"a {prompt_length}-token prompt and max_new_tokens={max_new_tokens} need {length} "
-                             f"positions; the model's context is {config.max_positions} (max_position_embeddings)")
         self.adapters, self.config = adapters, config
         self.workspace = ws = Workspace(adapters.device, shared=scratch)
         self.cache = KVCache(config, 1, length, ws)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..limits import check_context
 from ..loss import IGNORE_INDEX, causal_lm_loss
 from ..runtime import Device, get_device
 from ..runtime.buffers import pool_for, staging_for
@@ -148,12 +149,14 @@ class BitNetEngine(nn.Module):
             raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
             raise ValueError(f"input_ids must be [batch, tokens] with both at least 1, got {tuple(input_ids.shape)}")
+        for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask), ("labels", labels)):
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                raise ValueError(f"{name} is on the meta device: it has a shape but no values; pass a tensor that "
+                                 "holds them (on the CPU)")
         ids = input_ids.detach().cpu().long()
         batch, tokens = ids.shape
         c = self.engine_config
-        if tokens > c.max_positions:
-            raise ValueError(f"{tokens} tokens exceed the model's context of {c.max_positions} positions "
-                             "(max_position_embeddings)")
+        check_context(c.max_positions, tokens)
         bad = (ids < 0) | (ids >= c.vocab)
         if bad.any():
             where = tuple(int(i) for i in bad.nonzero()[0])

@@ -14,8 +14,9 @@ lora_dropout, target_modules, ...), as ``PeftModel.save_pretrained`` writes them
 Loading also takes adapters that peft trained, as long as they describe plain LoRA:
 options that change the model in other ways (DoRA, rsLoRA, biases, rank or alpha
 patterns, modules_to_save, ...) are refused by name, and so is any option this module
-does not know whose value is not off. ``adapter_model.bin`` is a pickle and is refused:
-loading never unpickles.
+does not know whose value is not off, and so are ``target_modules`` that disagree with the
+modules the tensors adapt. ``adapter_model.bin`` is a pickle and is refused: loading never
+unpickles.
 
 **Hesper** (``format="hesper"``): one little-endian file, a 24-byte header
 ``u32 magic 0x4C4F5241, u32 version 1, u32 rank, f32 alpha, u32 numLayers, u32 reserved``,
@@ -43,15 +44,23 @@ rank must match them; their lora_A, lora_B and lora_alpha (hence scaling) are re
 Every check runs before any parameter changes.
 
 Writes are atomic. A Hesper file is written to a temporary file in the same folder,
-synced, and renamed over the target. A PEFT folder gets both files serialised in
-memory, then written to temporary files and synced; only then is the old
-``adapter_config.json`` removed, ``adapter_model.safetensors`` replaced, and the new
-``adapter_config.json`` renamed into place (syncing the folder after each step). So a
-failure before the commit (an exception, a full disk, a crash) leaves the previous
-adapter untouched, and a crash inside the commit leaves a folder without
-``adapter_config.json``, which peft and ``load_adapter`` both refuse: the pair on disk is
-never a mix of old and new. (A reader that runs concurrently with a save may still read
-one old and one new file; don't load from a folder while saving into it.)
+synced, and renamed over the target. A new PEFT folder is filled under a temporary name
+and renamed into place whole. Into an existing one, both files are serialised in memory,
+then written to temporary files and synced; only then is the old ``adapter_config.json``
+removed, ``adapter_model.safetensors`` replaced, and the new ``adapter_config.json``
+renamed into place (syncing the folder after each step). So a failure before the commit
+(an exception, a full disk, a crash) leaves the previous adapter untouched, and a crash
+inside the commit leaves a folder without ``adapter_config.json``, which peft and
+``load_adapter`` both refuse: the pair on disk is never a mix of old and new.
+
+Reading while saves run: a save's commit holds an exclusive lock on the folder (``flock``),
+and ``load_adapter`` reads both files once, whole, under a shared one, so it gets one whole
+save, and two saves at once commit one after the other. Our weights also record the config
+fields they were saved with (r, lora_alpha, lora_dropout, target_modules; ``PAIRING_KEY`` in
+the safetensors metadata): where folders cannot be locked (outside POSIX, some network
+filesystems), a read that meets a save half done is refused, saying the folder was being
+written. (peft's own loader takes no lock and has no such check: don't point it at a folder
+that is being saved into.)
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ import json
 import math
 import os
 import re
+import shutil
 import struct
 import zlib
 from dataclasses import dataclass
@@ -72,7 +82,7 @@ import torch
 from torch import nn
 
 from ..config import LoraConfig
-from ..files import sync_dir, write_atomic, write_temp
+from ..files import locked_dir, make_temp_dir, sync_dir, write_atomic, write_temp
 from ..modules import LoRALinear
 from .bitnet import apply_lora, is_linear_like, layer_index, lora_modules
 from .gguf import save_gguf_adapter
@@ -85,6 +95,8 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_WEIGHTS_NAME = "adapter_model.bin"
 PEFT_PREFIX = "base_model.model."
 CHECKSUM_KEY = "torch_wgpu_lora_sha256"  # safetensors metadata: our PEFT weights' checksum
+PAIRING_KEY = "torch_wgpu_lora_config"  # safetensors metadata: the config fields the weights were saved with
+_PAIRED_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules")
 _PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 
 HESPER_MAGIC = 0x4C4F5241
@@ -340,6 +352,25 @@ def _sha256(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def _pairing(config: dict) -> dict:
+    """What a PEFT config and its weights must agree on: the fields ``load_adapter`` reads."""
+    return {key: config.get(key) for key in _PAIRED_FIELDS}
+
+
+def _commit_peft(folder: Path, weights_tmp: Path, config_tmp: Path) -> None:
+    """Rename the new weights and config into ``folder``, holding its lock (other saves commit
+    before or after, readers read before or after). The config goes first and comes back last,
+    so a crash in between leaves no config (an unloadable folder, for peft too), never the old
+    config beside the new weights."""
+    with locked_dir(folder):
+        (folder / CONFIG_NAME).unlink(missing_ok=True)
+        sync_dir(folder)
+        os.replace(weights_tmp, folder / WEIGHTS_NAME)
+        sync_dir(folder)
+        os.replace(config_tmp, folder / CONFIG_NAME)
+        sync_dir(folder)
+
+
 def _save_peft(model: nn.Module, modules: dict[str, LoRALinear], folder: Path, base_model_name_or_path: str | None) -> None:
     from safetensors.torch import save as safetensors_bytes
 
@@ -353,53 +384,120 @@ def _save_peft(model: nn.Module, modules: dict[str, LoRALinear], folder: Path, b
     for name, m in modules.items():
         tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.detach().float().contiguous()
         tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.detach().float().contiguous()
-    weights = safetensors_bytes(tensors, metadata={"format": "pt", CHECKSUM_KEY: _sha256(tensors)})
+    weights = safetensors_bytes(tensors, metadata={"format": "pt", CHECKSUM_KEY: _sha256(tensors),
+                                                   PAIRING_KEY: json.dumps(_pairing(config), sort_keys=True)})
     config_text = json.dumps(config, indent=2, sort_keys=True).encode()
 
+    # A new folder is filled under a temporary name and renamed into place whole.
     created = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
+    if created:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    target = make_temp_dir(folder) if created else folder
     temps: list[Path] = []
     try:
-        temps.append(write_temp(folder, WEIGHTS_NAME, weights))
-        temps.append(write_temp(folder, CONFIG_NAME, config_text))
-        # Commit. The config goes first and comes back last, so a crash in between leaves no
-        # config (an unloadable folder), never the old config beside the new weights.
-        (folder / CONFIG_NAME).unlink(missing_ok=True)
-        sync_dir(folder)
-        os.replace(temps[0], folder / WEIGHTS_NAME)
-        sync_dir(folder)
-        os.replace(temps[1], folder / CONFIG_NAME)
-        sync_dir(folder)
+        temps.append(write_temp(target, WEIGHTS_NAME, weights))
+        temps.append(write_temp(target, CONFIG_NAME, config_text))
+        if created:
+            _commit_peft(target, *temps)
+            try:
+                os.rename(target, folder)
+            except OSError:
+                if not folder.is_dir():
+                    raise
+                # another save made the folder meanwhile: commit into it as into any existing one
+                temps = [target / WEIGHTS_NAME, target / CONFIG_NAME]
+                _commit_peft(folder, *temps)
+                target.rmdir()
+            sync_dir(folder.parent)
+        else:
+            _commit_peft(folder, *temps)
     except BaseException:
         for tmp in temps:
             tmp.unlink(missing_ok=True)
-        if created:
-            folder.rmdir()
+        if created and target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
         raise
 
 
-def _read_peft_config(folder: Path) -> LoraConfig:
-    """adapter_config.json's r, lora_alpha and lora_dropout, with every option checked (targets are
-    the default ones: the tensors' names say which modules the adapter covers)."""
-    config_path = folder / CONFIG_NAME
-    if not (folder / WEIGHTS_NAME).is_file():
-        if (folder / "adapter" / CONFIG_NAME).is_file():
-            raise ValueError(f"{folder} is not an adapter folder but holds one (a training checkpoint or output "
-                             f"folder?): pass {folder / 'adapter'}")
-        if (folder / PICKLE_WEIGHTS_NAME).is_file():
-            raise ValueError(f"{folder} holds {PICKLE_WEIGHTS_NAME}, a pickle, and no {WEIGHTS_NAME}. Unpickling "
-                             "can run arbitrary code, so torch_wgpu_lora never does; convert it where you trust "
-                             "the file: PeftModel.from_pretrained(base, folder).save_pretrained(out) writes safetensors")
-        raise ValueError(f"{folder} has no {WEIGHTS_NAME}: not a PEFT adapter folder")
-    if not config_path.is_file():
-        raise ValueError(f"{folder} has no {CONFIG_NAME}: not a PEFT adapter folder (or a save into it "
-                         "was interrupted)")
+def _no_weights(folder: Path) -> ValueError:
+    if (folder / "adapter" / CONFIG_NAME).is_file():
+        return ValueError(f"{folder} is not an adapter folder but holds one (a training checkpoint or output "
+                          f"folder?): pass {folder / 'adapter'}")
+    if (folder / PICKLE_WEIGHTS_NAME).is_file():
+        return ValueError(f"{folder} holds {PICKLE_WEIGHTS_NAME}, a pickle, and no {WEIGHTS_NAME}. Unpickling "
+                          "can run arbitrary code, so torch_wgpu_lora never does; convert it where you trust "
+                          "the file: PeftModel.from_pretrained(base, folder).save_pretrained(out) writes safetensors")
+    return ValueError(f"{folder} has no {WEIGHTS_NAME}: not a PEFT adapter folder")
+
+
+def _safetensors_header(path: Path, data: bytes) -> dict:
+    """The JSON header of safetensors bytes: {name: {"dtype", "shape", ...}, "__metadata__": {...}}."""
+    size = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        if not 0 < size <= len(data) - 8:
+            raise ValueError(f"a header of {size} bytes in a file of {len(data)}")
+        header = json.loads(data[8:8 + size])
+        if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+            raise ValueError("the header is not a JSON object of objects")
+    except ValueError as err:
+        raise ValueError(f"{path} is not a valid safetensors file: {err}") from None
+    return header
+
+
+def _config_json(config_path: Path, text: bytes) -> dict:
+    try:
+        config = json.loads(text.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{config_path} is not valid JSON: {err}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{config_path} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def _read_peft_pair(folder: Path) -> tuple[dict, bytes, dict, str | None]:
+    """(adapter_config.json, adapter_model.safetensors' bytes, its header, a disagreement) from one save.
+
+    A save replaces the two files one after the other, holding the folder's exclusive lock;
+    they are read under its shared lock, so both come from one save. Where folders cannot be
+    locked a read can still meet a save half done: no config, or a config that is not the one
+    the weights were saved with (our weights record its fields, ``PAIRING_KEY``). Such a
+    disagreement is returned, to be refused after the checks that name a more specific fault
+    (an edited value out of range, a rank the tensors do not have)."""
+    config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    with locked_dir(folder, shared=True):
+        try:
+            data = weights_path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            raise _no_weights(folder) from None
+        try:
+            text = config_path.read_bytes()
+        except FileNotFoundError:
+            raise ValueError(f"{folder} has no {CONFIG_NAME}: not a PEFT adapter folder (or a save into it was "
+                             "interrupted, or was being written while it was read)") from None
+    header = _safetensors_header(weights_path, data)
+    config = _config_json(config_path, text)
+    saved = (header.get("__metadata__") or {}).get(PAIRING_KEY)
+    if saved is None:  # not written by us (peft's own save): nothing to pair
+        return config, data, header, None
+    try:
+        saved = json.loads(saved)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{weights_path}: its {PAIRING_KEY} metadata is not valid JSON ({err}): the file "
+                         "is damaged; use another copy") from None
+    differ = [key for key in _PAIRED_FIELDS if not isinstance(saved, dict) or config.get(key) != saved.get(key)]
+    if not differ:
+        return config, data, header, None
+    return config, data, header, (
+        f"{config_path} is not the config {WEIGHTS_NAME} was saved with (" +
+        ", ".join(f"{key}={config.get(key)!r} in the config, "
+                  f"{saved.get(key) if isinstance(saved, dict) else None!r} with the weights" for key in differ) +
+        "): the folder was being written while it was read (load it again), or it was edited since "
+        "(save the adapter again)")
+
+
+def _peft_config(config_path: Path, config: dict) -> LoraConfig:
+    """adapter_config.json's r, lora_alpha and lora_dropout, with every option checked (targets are
+    the default ones: the tensors' names say which modules the adapter covers)."""
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{config_path}: peft_type is {config.get('peft_type')!r}; only LoRA adapters "
                          "(peft_type 'LORA') can be loaded")
@@ -414,55 +512,89 @@ def _read_peft_config(folder: Path) -> LoraConfig:
                         lora_dropout=config.get("lora_dropout", 0.0))
 
 
+def _peft_targets(module: str, targets: str | list[str]) -> bool:
+    """Whether peft puts an adapter on ``module`` for ``target_modules=targets``: a regex the whole
+    name matches, or a list of names each matching the module's name or its last components."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    return any(module == t or module.endswith("." + t) for t in targets)
+
+
+def _check_peft_targets(config_path: Path, targets: Any, modules: list[str]) -> None:
+    """Refuse a config whose target_modules disagree with the modules the tensors adapt: peft would
+    load such a pair into another model than ours (ignoring tensors, or adding adapters)."""
+    if targets is None or targets == "all-linear":  # peft infers them from the model: nothing to compare
+        return
+    if not isinstance(targets, str) and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise ValueError(f"{config_path}: target_modules must be a list of module names or a regex, got {targets!r}")
+    try:
+        unnamed = [m for m in modules if not _peft_targets(m, targets)]
+    except re.error as err:
+        raise ValueError(f"{config_path}: target_modules {targets!r} is not a valid regex ({err})") from None
+    unused = [] if isinstance(targets, str) else [t for t in targets if not any(_peft_targets(m, [t]) for m in modules)]
+    if unnamed or unused:
+        found = sorted({m.rsplit(".", 1)[-1] for m in modules})
+        raise ValueError(f"{config_path}: target_modules {targets!r} disagree with the tensors in {WEIGHTS_NAME}, "
+                         f"which adapt {found}: " +
+                         (f"they hold adapters for {unnamed[:4]}, which target_modules does not name" if unnamed
+                          else f"target_modules names {unused}, which they hold no adapter for"))
+
+
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def _read_peft(model: nn.Module, folder: Path):
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
+    from safetensors.torch import load as safetensors_load
 
     if not folder.is_dir():
         raise ValueError(f"{folder} is not a folder; a PEFT adapter is a folder holding {CONFIG_NAME} and "
                          f"{WEIGHTS_NAME}")
-    config = _read_peft_config(folder)
-    r = config.r
     weights_path = folder / WEIGHTS_NAME
+    # Both files are read once, into memory: every check below and the tensors see the same bytes.
+    config_json, data, header, disagreement = _read_peft_pair(folder)
+    config = _peft_config(folder / CONFIG_NAME, config_json)
+    r = config.r
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        shape, dtype = tuple(entry.get("shape", ())), entry.get("dtype")
+        match = _PEFT_KEY.match(key)
+        if match is None:
+            raise ValueError(f"{weights_path}: tensor {key!r} is not a lora_A/lora_B weight; extra tensors "
+                             "(DoRA magnitudes, biases, embeddings, modules_to_save) change the model in ways "
+                             "torch_wgpu_lora cannot reproduce")
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{weights_path}: tensor {key!r} has dtype {dtype}; expected one of {_FLOAT_DTYPES}")
+        shapes.setdefault(match["module"], {})[match["which"]] = shape
+    if not shapes:
+        raise ValueError(f"{weights_path} holds no LoRA weights")
+    for module, pair in shapes.items():
+        if set(pair) != {"A", "B"}:
+            missing = "lora_B" if "A" in pair else "lora_A"
+            raise ValueError(f"{weights_path}: {module} has no {missing} weight")
+        if len(pair["A"]) != 2 or len(pair["B"]) != 2 or pair["A"][0] != r or pair["B"][1] != r:
+            raise ValueError(f"{weights_path}: {module} has lora_A {list(pair['A'])} and lora_B "
+                             f"{list(pair['B'])}, which is not rank r={r} from {CONFIG_NAME}")
+    _check_peft_targets(folder / CONFIG_NAME, config_json.get("target_modules"), sorted(shapes))
+    targets = tuple(sorted({module.rsplit(".", 1)[-1] for module in shapes}))
+    adapter = _Adapter(config.updated(target_modules=targets),
+                       {module: (pair["A"], pair["B"]) for module, pair in shapes.items()})
+    fit_targets = _fit(model, adapter, str(folder))
     try:
-        with safe_open(str(weights_path), framework="pt") as f:
-            shapes: dict[str, dict[str, tuple[int, ...]]] = {}
-            for key in f.keys():
-                header = f.get_slice(key)  # shape and dtype only; no data is read yet
-                shape, dtype = tuple(header.get_shape()), header.get_dtype()
-                match = _PEFT_KEY.match(key)
-                if match is None:
-                    raise ValueError(f"{weights_path}: tensor {key!r} is not a lora_A/lora_B weight; extra tensors "
-                                     "(DoRA magnitudes, biases, embeddings, modules_to_save) change the model in ways "
-                                     "torch_wgpu_lora cannot reproduce")
-                if dtype not in _FLOAT_DTYPES:
-                    raise ValueError(f"{weights_path}: tensor {key!r} has dtype {dtype}; expected one of {_FLOAT_DTYPES}")
-                shapes.setdefault(match["module"], {})[match["which"]] = shape
-            if not shapes:
-                raise ValueError(f"{weights_path} holds no LoRA weights")
-            for module, pair in shapes.items():
-                if set(pair) != {"A", "B"}:
-                    missing = "lora_B" if "A" in pair else "lora_A"
-                    raise ValueError(f"{weights_path}: {module} has no {missing} weight")
-                if len(pair["A"]) != 2 or len(pair["B"]) != 2 or pair["A"][0] != r or pair["B"][1] != r:
-                    raise ValueError(f"{weights_path}: {module} has lora_A {list(pair['A'])} and lora_B "
-                                     f"{list(pair['B'])}, which is not rank r={r} from {CONFIG_NAME}")
-            targets = tuple(sorted({module.rsplit(".", 1)[-1] for module in shapes}))
-            adapter = _Adapter(config.updated(target_modules=targets),
-                               {module: (pair["A"], pair["B"]) for module, pair in shapes.items()})
-            fit_targets = _fit(model, adapter, str(folder))
-            stored = {key: f.get_tensor(key) for key in f.keys()}
-            expected = (f.metadata() or {}).get(CHECKSUM_KEY)
+        stored = safetensors_load(data)
     except SafetensorError as err:
         raise ValueError(f"{weights_path} is not a valid safetensors file: {err}") from None
+    expected = (header.get("__metadata__") or {}).get(CHECKSUM_KEY)
     if expected is not None and _sha256(stored) != expected:
         raise ValueError(f"{weights_path}: the tensors differ from when the file was written (checksum mismatch): "
                          "the file is damaged; use another copy")
     tensors = {module: (stored[f"{PEFT_PREFIX}{module}.lora_A.weight"], stored[f"{PEFT_PREFIX}{module}.lora_B.weight"])
                for module in shapes}
     _check_finite(weights_path, tensors)
+    if disagreement is not None:
+        raise ValueError(disagreement)
     return adapter, fit_targets, tensors
 
 
@@ -517,6 +649,7 @@ def _save_hesper(model: nn.Module, modules: dict[str, LoRALinear], path: Path) -
     checked = _HESPER_HEADER.pack(HESPER_MAGIC, HESPER_VERSION, config.r, config.lora_alpha, len(pairs), 0)
     checksum = zlib.crc32(data, zlib.crc32(checked[:_HESPER_CHECKED]))
     header = _HESPER_HEADER.pack(HESPER_MAGIC, HESPER_VERSION, config.r, config.lora_alpha, len(pairs), checksum)
+    path.parent.mkdir(parents=True, exist_ok=True)  # as a PEFT save creates its folder's parents
     write_atomic(path, header + data)
 
 

@@ -44,6 +44,10 @@ from ..modules import LoRALinear
 from .gguf import is_gguf_path, load_gguf_bitnet, load_gguf_tokenizer
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# transformers' from_pretrained swaps process-wide state while it builds a model (torch's default
+# dtype; PreTrainedModel.tie_weights, replaced by a no-op and put back): two at once in two threads
+# can leave the no-op in place for good, and every model loaded after it untied. One at a time.
+_FROM_PRETRAINED = threading.Lock()
 _TRANSFORMERS_BITNET = "transformers.integrations.bitnet"
 
 
@@ -313,7 +317,8 @@ def load_bitnet(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> 
       into ``AutoBitLinear`` (multiplies by it) for ``"autobitlinear"``
       (microsoft/bitnet-b1.58-2B-4T).
 
-    Quantised checkpoints need ``accelerate`` installed. The real models, once
+    Threads may call it at once: the loads take turns (transformers' ``from_pretrained`` is not
+    thread-safe). Quantised checkpoints need ``accelerate`` installed. The real models, once
     downloaded by the user (e.g. ``hf download microsoft/bitnet-b1.58-2B-4T-bf16
     --local-dir bitnet-bf16``; the packed one likewise), load the same way::
 
@@ -349,10 +354,32 @@ def load_bitnet(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> 
     from transformers import BitNetForCausalLM
 
     # Mismatched sizes are reported below with the other disagreements rather than raised by transformers.
-    model, info = BitNetForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True, use_safetensors=True,
-                                                    output_loading_info=True, ignore_mismatched_sizes=True)
+    with _FROM_PRETRAINED:
+        model, info = BitNetForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True,
+                                                        use_safetensors=True, output_loading_info=True,
+                                                        ignore_mismatched_sizes=True)
+    _check_tied(folder, model)  # before the missing lm_head.weight it would otherwise be reported as
     _check_loading_info(folder, info, _shapes_unlike_config(model))
     return model
+
+
+def _check_tied(folder: Path, model: nn.Module) -> None:
+    """Refuse a model whose lm_head transformers left untied from the embeddings although config.json
+    ties them, naming the cause: a ``from_pretrained`` that ran at the same time in another thread,
+    outside ``load_bitnet``, left transformers' loader's no-op in place of ``tie_weights``."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or head.weight is embeddings.weight:
+        return
+    tie = type(model).tie_weights.__qualname__
+    cause = "transformers did not tie them" if tie == "PreTrainedModel.tie_weights" else (
+        f"transformers' tie_weights is {tie!r}, the no-op its from_pretrained puts in place while it builds a "
+        "model: a from_pretrained that ran at the same time in another thread, outside load_bitnet (which loads "
+        "one model at a time), left it there, and no model this process loads is tied any more. Load models "
+        "from one thread at a time, in a new process")
+    raise ValueError(f"{str(folder)!r}: lm_head is not tied to the embeddings, as config.json's tie_word_embeddings "
+                     f"asks ({cause})")
 
 
 def _shapes_unlike_config(model: nn.Module) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:

@@ -5,6 +5,7 @@ backward in the WGSL kernels of ``ops.lora_gpu``. It is registered the way PyTor
 custom kernels registered (``torch.library.custom_op`` with fake implementations and
 ``register_autograd``), so ``torch.compile`` (``fullgraph=True`` too) treats it as one
 opaque op, and it behaves like any torch op from several threads and after a fork.
+``torch.func.vmap`` has a batching rule: the vmapped batch folds into the rows (one call).
 
 * Forward keeps x and h on the GPU for backward (when a gradient will be needed); backward
   uploads only dY and computes only the gradients autograd asks for. A and B stay on the
@@ -220,6 +221,26 @@ def _(dy: torch.Tensor, token: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B
         return dy.new_empty(shape if need else (0,), dtype=torch.float32)
 
     return grad(need_x, (dy.shape[0], A.shape[1])), grad(need_A, tuple(A.shape)), grad(need_B, tuple(B.shape))
+
+
+@_lora_forward.register_vmap
+def _(info: Any, in_dims: tuple, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float,
+      save: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[Any, Any]]:
+    """``torch.func.vmap``'s rule. With one adapter for the whole batch (A and B not batched) the
+    batch folds into the rows: one call over batch·N rows. Adapters batched too (an ensemble
+    vmapped over its parameters) take one call per slice, each with its own A and B."""
+    x_dim, A_dim, B_dim = in_dims[:3]
+    if A_dim is None and B_dim is None:
+        xs = x.movedim(x_dim, 0)
+        y, token = _lora_forward(xs.reshape(-1, xs.shape[-1]), A, B, scaling, save)
+        return (y.view(info.batch_size, xs.shape[1], -1), token), (0, None)
+
+    def sliced(t: torch.Tensor, dim: int | None) -> list[torch.Tensor]:
+        return list(t.unbind(dim)) if dim is not None else [t] * info.batch_size
+
+    outputs = [_lora_forward(xi, Ai, Bi, scaling, save)
+               for xi, Ai, Bi in zip(sliced(x, x_dim), sliced(A, A_dim), sliced(B, B_dim))]
+    return (torch.stack([y for y, _ in outputs]), torch.stack([t for _, t in outputs])), (0, 0)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:

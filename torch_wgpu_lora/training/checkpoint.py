@@ -6,7 +6,9 @@ A checkpoint is a folder ``step-000123`` holding
 * ``optimizer.safetensors``: each parameter's ``exp_avg`` and ``exp_avg_sq`` (keys ``"3.exp_avg"``);
 * ``rng.safetensors``: torch's CPU generator state (``"torch"``, uint8);
 * ``state.json``: the optimiser's param groups and step counts, the scheduler's state,
-  Python's and numpy's RNG states and the trainer's own state (step, data position, ...).
+  Python's and numpy's RNG states and the trainer's own state (step, data position, ...);
+* ``checksums.sha256``: the SHA-256 of every other file, in ``sha256sum``'s format (so
+  ``sha256sum -c checksums.sha256`` in the folder checks it by hand too).
 
 A data-parallel run (several processes) is saved by rank 0 alone: the adapter and optimiser
 state are every rank's (they are identical), and the random states of ranks 1.. are kept
@@ -19,9 +21,9 @@ and renamed into place, so a checkpoint is complete or absent: a crash while sav
 leaves the previous ones as they were. ``latest_checkpoint`` sees only complete ones;
 ``remove_unfinished`` deletes what a killed run left behind.
 
-A checkpoint damaged after it was written (a truncated file, a state.json missing a key)
-raises ``DamagedCheckpoint`` naming the file and what is wrong, before anything is
-restored.
+A checkpoint damaged after it was written (a truncated file, a state.json missing a key,
+a flipped byte anywhere) raises ``DamagedCheckpoint`` naming the file and what is wrong,
+before anything is restored.
 
 >>> # save_checkpoint(root / "step-000010", model, optimizer, scheduler, {"step": 10})
 >>> # trainer_state = load_checkpoint(latest_checkpoint(root), model, optimizer, scheduler)
@@ -29,6 +31,7 @@ restored.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -47,7 +50,11 @@ __all__ = ["DamagedCheckpoint", "checkpoint_name", "checkpoint_step", "latest_ch
            "load_checkpoint", "read_checkpoint", "read_rank_rngs", "read_state", "remove_unfinished", "rng_state",
            "save_checkpoint", "set_rng_state"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: checksums.sha256
+CHECKSUMS_NAME = "checksums.sha256"
+_CHECKED_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "optimizer.safetensors",
+                  "rng.safetensors", "state.json")
+_CHECKSUM_LINE = re.compile(r"^([0-9a-f]{64})  (\S.*)$")  # sha256sum's: digest, two spaces, path
 _NAME = re.compile(r"^step-(\d+)$")
 _UNFINISHED = re.compile(r"^\.step-\d+\..+\.(tmp|old)$")  # make_temp_dir's names for a new or a replaced one
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -177,6 +184,8 @@ def save_checkpoint(folder: str | os.PathLike, model: torch.nn.Module, optimizer
         write_atomic(tmp / "optimizer.safetensors", save(moments))
         write_atomic(tmp / "rng.safetensors", save(rngs))
         write_atomic(tmp / "state.json", text.encode("utf-8"))
+        write_atomic(tmp / CHECKSUMS_NAME, "".join(f"{_sha256(tmp / name)}  {name}\n"
+                                                   for name in _CHECKED_FILES).encode())
         if folder.exists():  # move the old one aside first: a folder cannot be renamed over a full one
             old = make_temp_dir(folder, suffix=".old")
             os.replace(folder, old / folder.name)
@@ -189,6 +198,33 @@ def save_checkpoint(folder: str | os.PathLike, model: torch.nn.Module, optimizer
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _check_checksums(folder: Path) -> None:
+    """Every file of the checkpoint against ``checksums.sha256``; DamagedCheckpoint naming the first that differs."""
+    listing = folder / CHECKSUMS_NAME
+    if not listing.is_file():
+        raise DamagedCheckpoint(f"checkpoint {folder} is damaged: it has no {CHECKSUMS_NAME}")
+    digests = {}
+    for number, line in enumerate(listing.read_bytes().decode("utf-8", errors="replace").splitlines(), start=1):
+        match = _CHECKSUM_LINE.match(line)
+        if match is None or match.group(2) not in _CHECKED_FILES:
+            raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {listing}, line {number}, is not "
+                                    f"'<SHA-256>  <one of {', '.join(_CHECKED_FILES)}>'")
+        digests[match.group(2)] = match.group(1)
+    for name in _CHECKED_FILES:
+        if name not in digests:
+            raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {listing} does not list {name}")
+        path = folder / name
+        if not path.is_file():
+            raise DamagedCheckpoint(f"checkpoint {folder} is damaged: it has no {name}")
+        if _sha256(path) != digests[name]:
+            raise DamagedCheckpoint(f"checkpoint {folder} is damaged: {path} differs from when it was written "
+                                    f"(SHA-256 mismatch with {CHECKSUMS_NAME})")
 
 
 def read_state(folder: str | os.PathLike) -> dict[str, Any]:
@@ -239,8 +275,9 @@ def _read_tensors(folder: Path, name: str, keys: list[str]) -> dict[str, torch.T
 
 
 def read_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor], torch.Tensor]:
-    """``state.json``, the optimiser's moments and torch's RNG state of ``folder``, read and checked
-    (DamagedCheckpoint names what is wrong); the adapter is read by ``load_checkpoint``.
+    """``state.json``, the optimiser's moments and torch's RNG state of ``folder``, read and checked,
+    and every file of it (the adapter's too) against its checksum (DamagedCheckpoint names what is
+    wrong); the adapter is read by ``load_checkpoint``.
 
     >>> # state, moments, torch_rng = read_checkpoint(root / "step-000010")
     """
@@ -249,6 +286,7 @@ def read_checkpoint(folder: str | os.PathLike) -> tuple[dict[str, Any], dict[str
     steps = state["optimizer"]["steps"]
     moments = _read_tensors(folder, "optimizer.safetensors", [f"{i}.{name}" for i in steps for name in _MOMENTS])
     torch_rng = _read_tensors(folder, "rng.safetensors", ["torch"])["torch"]
+    _check_checksums(folder)  # last: a fault the checks above name more precisely is reported by them
     return state, moments, torch_rng
 
 

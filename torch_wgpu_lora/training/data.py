@@ -14,8 +14,11 @@ generation encodes it, with the tokenizer's default special tokens such as BOS),
 response (no special tokens) and EOS. Labels are -100 on the prompt, so the loss
 covers only the response and EOS. Sequences longer than ``max_length`` are cut at
 the end; one whose prompt alone fills ``max_length`` has nothing to learn and is
-dropped with a warning. Batches hold whole sequences, right-padded, with an
-attention mask; the order of examples is a seeded permutation per epoch.
+dropped with a warning. A sequence still longer than the model's context
+(``max_position_embeddings``) is refused, naming the record, unless
+``long_examples="truncate"``, which cuts it to the context and warns with the count.
+Batches hold whole sequences, right-padded, with an attention mask; the order of
+examples is a seeded permutation per epoch.
 
 Data-parallel training (several processes): every process computes the same epoch order and
 takes its ``shard`` of it, dealt out as torch's ``DistributedSampler`` deals indices.
@@ -34,11 +37,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..limits import check_context
 from ..loss import IGNORE_INDEX
 from ..prompts import check_unicode, format_prompt
 
-__all__ = ["Example", "collate", "encode_records", "epoch_order", "read_records", "shard"]
+__all__ = ["LONG_EXAMPLES", "Example", "collate", "encode_records", "epoch_order", "read_records", "shard"]
 
+LONG_EXAMPLES = ("refuse", "truncate")  # what encode_records does with a sequence longer than the context
 
 Records = list[dict[str, str]]
 
@@ -119,31 +124,52 @@ def read_records(source: str | os.PathLike | Sequence[Mapping[str, Any]]) -> Rec
     return records
 
 
-def encode_records(tokenizer: Any, records: Records, max_length: int = 512) -> list[Example]:
+def encode_records(tokenizer: Any, records: Records, max_length: int = 512, context: int | None = None,
+                   long_examples: str = "refuse") -> list[Example]:
     """Tokenise ``records`` into ``Example``s with loss masks, cut to ``max_length`` tokens.
 
-    Records left with no response token after truncation are dropped (with a warning).
+    ``context``: the model's (``limits.model_context``; None: no limit). A sequence longer than it
+    is refused (``long_examples="refuse"``, naming the record) or cut to it (``"truncate"``, with a
+    warning that counts them). Records left with no response token after truncation are dropped
+    (with a warning).
     """
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
         raise ValueError(f"max_length must be an integer >= 2, got {max_length!r}")
+    if long_examples not in LONG_EXAMPLES:
+        raise ValueError(f"long_examples must be one of {LONG_EXAMPLES}, got {long_examples!r}")
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no eos_token_id; training appends EOS to every response")
-    examples, dropped = [], 0
-    for record in records:
+    examples, dropped, cut = [], 0, 0
+    for index, record in enumerate(records):
         prompt = tokenizer(format_prompt(record["instruction"], record["input"]))["input_ids"]
         response = tokenizer(record["output"], add_special_tokens=False)["input_ids"] + [eos]
-        example = Example(input_ids=(prompt + response)[:max_length],
-                          labels=([IGNORE_INDEX] * len(prompt) + response)[:max_length])
+        length = min(len(prompt) + len(response), max_length)
+        if context is not None and length > context:
+            if long_examples == "refuse":
+                try:
+                    check_context(context, length)
+                except ValueError as err:
+                    raise ValueError(f"record {index}: {err}; long_examples='truncate' (--long-examples truncate) "
+                                     "cuts such records to the context") from None
+            length, cut = context, cut + 1
+        example = Example(input_ids=(prompt + response)[:length],
+                          labels=([IGNORE_INDEX] * len(prompt) + response)[:length])
         if example.loss_tokens == 0:
             dropped += 1
             continue
         examples.append(example)
+    kept = f"max_length={max_length}"
+    if context is not None and long_examples == "truncate" and context < max_length:
+        kept += f" (cut to the model's context of {context} positions)"
     if not examples:
-        raise ValueError(f"every record's prompt fills max_length={max_length} tokens: nothing to train on")
+        raise ValueError(f"every record's prompt fills {kept} tokens: nothing to train on")
+    if cut:
+        warnings.warn(f"{cut} of {len(records)} records were cut to the model's context of {context} positions "
+                      "(long_examples='truncate')", stacklevel=2)
     if dropped:
-        warnings.warn(f"{dropped} of {len(records)} records were dropped: their prompt fills max_length="
-                      f"{max_length} tokens, leaving no response to learn", stacklevel=2)
+        warnings.warn(f"{dropped} of {len(records)} records were dropped: their prompt fills {kept} tokens, "
+                      "leaving no response to learn", stacklevel=2)
     return examples
 
 

@@ -63,6 +63,7 @@ import torch
 from ..engine import choose_engine
 from ..integrations.adapters import save_adapter
 from ..integrations.bitnet import lora_parameters
+from ..limits import check_context, model_context
 from ..loss import causal_lm_loss, labelled_tokens
 from ..optim import WgpuAdamW, clip_grad_norm
 from .checkpoint import (DamagedCheckpoint, checkpoint_name, checkpoint_step, latest_checkpoint, list_checkpoints,
@@ -99,6 +100,7 @@ class TrainResult:
 
 def _summed_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Cross-entropy summed over the batch's labelled positions (token t predicts t+1)."""
+    check_context(model_context(model), batch["input_ids"].shape[1])  # the engine checks the same
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     return causal_lm_loss(logits, batch["labels"], reduction="sum")
 
@@ -190,6 +192,10 @@ class Trainer:
     (steps, 0 = only at the end) writes a checkpoint. ``progress=False`` hides the bar.
     ``overwrite=True`` lets a fresh run replace an earlier run's output in ``output_dir``
     (its checkpoints are deleted when training starts); without it that is refused.
+    ``max_length`` cuts each example to that many tokens. An example still longer than the
+    model's context (``max_position_embeddings``), in ``data`` or ``eval_data``, is refused
+    before training starts, naming the record (``long_examples="refuse"``, the default), or
+    cut to the context (``"truncate"``, warning how many were cut); on either path.
     ``callback``, when given, is called with each metrics record (a training step's or an
     evaluation's dict, as in ``metrics.jsonl``) right after it is written, e.g. to draw a
     live loss plot in a notebook.
@@ -221,7 +227,7 @@ class Trainer:
                  max_length: int = 512, seed: int = 42, save_every: int = 100, eval_every: int = 0,
                  save_total_limit: int = 2, max_bad_steps: int = 3, progress: bool = True, plot: bool = True,
                  overwrite: bool = False, callback: Callable[[dict[str, Any]], None] | None = None,
-                 engine: str = "auto", check_every: int = 50) -> None:
+                 engine: str = "auto", check_every: int = 50, long_examples: str = "refuse") -> None:
         self.params = lora_parameters(model)
         if not self.params:
             raise ValueError("the model has no LoRA adapters to train; call apply_lora(model, ...) first")
@@ -240,9 +246,13 @@ class Trainer:
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be a function taking one metrics record, got {type(callback).__name__}")
         self.model, self.tokenizer = model, tokenizer
-        self.examples = encode_records(tokenizer, read_records(data), max_length)
-        self.eval_examples = None if eval_data is None else encode_records(tokenizer, read_records(eval_data),
-                                                                           max_length)
+        context = model_context(model)
+        self.examples = encode_records(tokenizer, read_records(data), max_length, context, long_examples)
+        try:
+            self.eval_examples = None if eval_data is None else encode_records(
+                tokenizer, read_records(eval_data), max_length, context, long_examples)
+        except ValueError as err:
+            raise ValueError(f"eval_data: {err}") from None
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.dist = DataParallel.current()  # None when this process trains alone
         self.rank, self.world_size = (0, 1) if self.dist is None else (self.dist.rank, self.dist.world_size)
