@@ -10,11 +10,15 @@
 (for example ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), and
 ``adapter_config.json`` (peft_type "LORA", task_type "CAUSAL_LM", r, lora_alpha,
 lora_dropout, target_modules, ...), as ``PeftModel.save_pretrained`` writes them.
-Loading also takes adapters that peft trained, as long as they describe plain LoRA:
-options that change the model in other ways (DoRA, rsLoRA, biases, rank or alpha
-patterns, modules_to_save, ...) are refused by name, and so is any option this module
-does not know whose value is not off. ``adapter_model.bin`` is a pickle and is refused:
-loading never unpickles.
+Loading also takes adapters that peft trained, as long as they describe LoRA as this
+package runs it (per-module ranks and alphas, rsLoRA and adapters on some layers only
+included): options that change the model in other ways (DoRA, biases, modules_to_save, ...)
+are refused by name (``LoraConfig.from_peft_fields``), and so is any option this module does
+not know whose value is not off. An adapter whose initialisation changed the base weights
+(PiSSA, OLoRA, ...) is refused unless the model is that changed base (``residual_base=True``).
+``adapter_model.bin`` is a pickle and is refused: loading never unpickles. Saving writes
+rank_pattern / alpha_pattern where the adapters' ranks or alphas differ, and the exact
+module names as target_modules where the adapters cover only some modules of a name.
 
 **Hesper** (``format="hesper"``): one little-endian file, a 24-byte header
 ``u32 magic 0x4C4F5241, u32 version 1, u32 rank, f32 alpha, u32 numLayers, u32 reserved``,
@@ -33,9 +37,10 @@ Files without one (written by peft or Hesper, or a Hesper CRC that happens to be
 unchecked. Any file whose tensors hold NaN or Inf is refused.
 
 Both formats are written from, and read into, a ``LoraConfig`` (r, lora_alpha, targets,
-and for PEFT lora_dropout). Loading into a model without adapters applies them first
-(``apply_lora`` with that config). Into a model that has adapters, the file's modules and
-rank must match them; their lora_A, lora_B and lora_alpha (hence scaling) are replaced.
+and for PEFT lora_dropout, patterns and rsLoRA). Loading into a model without adapters
+applies them first, to exactly the modules the file holds weights for. Into a model that has
+adapters, the file's modules and ranks must match them; their lora_A, lora_B and lora_alpha
+(hence scaling) are replaced.
 Every check runs before any parameter changes.
 
 Writes are atomic. A Hesper file is written to a temporary file in the same folder,
@@ -70,7 +75,7 @@ from torch import nn
 from ..config import LoraConfig
 from ..files import sync_dir, write_atomic, write_temp
 from ..modules import LoRALinear
-from .bitnet import apply_lora, is_linear_like, layer_index, lora_modules
+from .bitnet import apply_lora, is_linear_like, layer_index, lora_modules, lora_targets
 
 FORMATS = ("peft", "hesper")
 
@@ -87,48 +92,11 @@ _HESPER_HEADER = struct.Struct("<IIIfII")  # magic, version, rank, alpha, numLay
 _HESPER_CHECKED = 20  # header bytes before the reserved field, which the CRC covers with the tensors
 HESPER_TARGETS = ("q_proj", "v_proj")
 
-# PEFT options that make the model something other than base + (alpha/r)·B·A on the
-# targeted linear layers; each is refused unless its value is off (None, False, "none", empty).
-_PEFT_UNSUPPORTED = {
-    "use_dora": "DoRA (use_dora)",
-    "use_rslora": "rank-stabilised scaling alpha/sqrt(r) (use_rslora)",
-    "bias": "trained biases (bias)",
-    "lora_bias": "a bias on lora_B (lora_bias)",
-    "fan_in_fan_out": "transposed (Conv1D) base weights (fan_in_fan_out)",
-    "rank_pattern": "per-module ranks (rank_pattern)",
-    "alpha_pattern": "per-module alphas (alpha_pattern)",
-    "modules_to_save": "fully trained extra modules (modules_to_save)",
-    "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
-    "target_parameters": "adapters on raw parameters (target_parameters)",
-    "layer_replication": "replicated layers (layer_replication)",
-    "megatron_config": "Megatron parallel layers (megatron_config)",
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
-    "use_qalora": "QA-LoRA input pooling (use_qalora)",
-    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
-    "velora_config": "VeLoRA (velora_config)",
-    "monteclora_config": "MonteCLoRA (monteclora_config)",
-    "arrow_config": "Arrow routing (arrow_config)",
-    "kasa_config": "KaSA (kasa_config)",
-}
-# Options that only matter before training (initialisation) or pick which modules carry
-# adapters (the tensor keys say that exactly): any value is fine.
-_PEFT_HARMLESS = {
-    "peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
-    "inference_mode", "r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules",
-    "layers_to_transform", "layers_pattern", "init_lora_weights", "loftq_config", "eva_config",
-    "corda_config", "lora_ga_config", "megatron_core", "qalora_group_size", "ensure_weight_tying",
-}
-
-
-def _is_off(value: Any) -> bool:
-    return value is None or value is False or value in ("none", "") or (isinstance(value, (dict, list)) and not value)
-
-
 @dataclass
 class _Adapter:
     """What a file describes, checked against the model before any tensor is read."""
 
-    config: LoraConfig  # target_modules: the last name components of the modules in ``shapes``
+    config: LoraConfig  # as the file describes it (ranks: the shapes')
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # module -> (lora_A shape, lora_B shape)
 
 
@@ -158,11 +126,14 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, format: str = "peft"
     return path
 
 
-def load_adapter(model: nn.Module, path: str | os.PathLike, format: str | None = None) -> nn.Module:
+def load_adapter(model: nn.Module, path: str | os.PathLike, format: str | None = None, *,
+                 residual_base: bool = False) -> nn.Module:
     """Load the adapter at ``path`` into ``model`` (changed in place, and returned).
 
     ``format=None`` detects it: a folder is PEFT, a file starting with Hesper's magic is Hesper.
     Anything but a regular file or a folder (a FIFO, a device) is refused before it is opened.
+    ``residual_base=True`` says that ``model``'s base weights are the ones peft changed when it
+    initialised this adapter (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), which such adapters need.
 
     >>> # model = load_adapter(BitNetForCausalLM.from_pretrained(base), "out/adapter")
     """
@@ -170,8 +141,10 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, format: str | None =
     format = _detect_format(path) if format is None else format
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS} or None, got {format!r}")
-    read = _read_peft if format == "peft" else _read_hesper
-    adapter, targets, tensors = read(model, path)
+    if format == "peft":
+        adapter, targets, tensors = _read_peft(model, path, residual_base)
+    else:
+        adapter, targets, tensors = _read_hesper(model, path)
     _install(model, adapter, targets, tensors)
     return model
 
@@ -211,9 +184,11 @@ def _dropout_p(m: LoRALinear) -> float:
 
 def _check_scaling(modules: dict[str, LoRALinear]) -> None:
     for name, m in modules.items():
-        if m.scaling != m.lora_alpha / m.r:
-            raise ValueError(f"{name}.scaling is {m.scaling}, not lora_alpha / r = {m.lora_alpha / m.r}: "
-                             "adapter files store r and lora_alpha only")
+        expected = LoraConfig(r=m.r, lora_alpha=m.lora_alpha, use_rslora=m.use_rslora).scaling
+        if m.scaling != expected:
+            rule = "lora_alpha / sqrt(r)" if m.use_rslora else "lora_alpha / r"
+            raise ValueError(f"{name}.scaling is {m.scaling}, not {rule} = {expected}: adapter files store r, "
+                             "lora_alpha and use_rslora only")
 
 
 def _file_config(source: Any, **fields: Any) -> LoraConfig:
@@ -234,14 +209,15 @@ def _check_finite(source: Any, tensors: dict[str, tuple[torch.Tensor, torch.Tens
 
 
 def _fit(model: nn.Module, adapter: _Adapter, source: str) -> tuple[str, ...] | None:
-    """Check ``adapter`` against ``model``; return the targets to apply, or None when the model has them."""
+    """Check ``adapter`` against ``model``; return the modules to put adapters on, or None when the
+    model has them."""
     named = dict(model.named_modules())
-    r = adapter.config.r
     for name, (a_shape, b_shape) in adapter.shapes.items():
         module = named.get(name)
         if module is None or not is_linear_like(module):
             raise ValueError(f"{source}: the adapter targets {name!r}, but this model has no linear module of "
                              "that name (was it made for another architecture?)")
+        r = a_shape[0]
         want_a, want_b = (r, module.in_features), (module.out_features, r)
         if (a_shape, b_shape) != (want_a, want_b):
             raise ValueError(f"{source}: {name} has lora_A {list(a_shape)} and lora_B {list(b_shape)}, but this "
@@ -254,68 +230,99 @@ def _fit(model: nn.Module, adapter: _Adapter, source: str) -> tuple[str, ...] | 
             raise ValueError(f"{source}: the model's adapters do not match the file's: only in the model "
                              f"{sorted(set(existing) - wanted)[:4]}, only in the file {sorted(wanted - set(existing))[:4]}")
         for name, m in existing.items():
+            r = adapter.shapes[name][0][0]
             if m.r != r:
                 raise ValueError(f"{source}: the model's adapter {name} has rank {m.r}, the file's has rank {r}")
             if m.merged:
                 raise ValueError(f"{source}: the model's adapter {name} is merged into its base weight; "
                                  "unmerge() it before loading new adapter weights")
         return None
-    targets = adapter.config.target_modules
-    would_wrap = {n for n, m in named.items() if n and n.rsplit(".", 1)[-1] in targets and is_linear_like(m)}
-    if would_wrap != wanted:
-        raise ValueError(f"{source}: the adapter has no weights for {sorted(would_wrap - wanted)[:4]}, but "
-                         f"adapters are applied to every module named {list(targets)}")
-    return targets
+    unselected = sorted(wanted - {name for name, _ in lora_targets(model, adapter.config)})
+    if unselected:  # peft would leave these weights unused: loading them would give another model
+        raise ValueError(f"{source}: the file holds weights for {unselected[:4]}, which its target_modules "
+                         f"{adapter.config.target_modules!r} (with its exclude_modules and layers_to_transform) do not "
+                         "select, so peft would not load them")
+    return tuple(adapter.shapes)
 
 
 @torch.no_grad()
 def _install(model: nn.Module, adapter: _Adapter, targets: tuple[str, ...] | None,
              tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    config = adapter.config
     if targets is not None:
-        # init="peft" is the fast one; every value is overwritten below.
-        apply_lora(model, adapter.config.updated(target_modules=targets, init="peft"))
+        # Exactly the file's modules, whatever its target fields say; init="peft" is the fast one
+        # (every value is overwritten below).
+        exact = "(?:" + "|".join(re.escape(name) for name in targets) + ")"
+        apply_lora(model, config.updated(target_modules=exact, exclude_modules=None, layers_to_transform=None,
+                                         layers_pattern=None, init="peft"))
+        model.lora_config = config
         for m in lora_modules(model).values():
             m.train(model.training)  # new modules start in training mode; follow the model's (dropout)
     elif getattr(model, "lora_config", None) is not None:
-        model.lora_config = model.lora_config.updated(lora_alpha=adapter.config.lora_alpha)
+        model.lora_config = model.lora_config.updated(lora_alpha=config.lora_alpha, alpha_pattern=config.alpha_pattern,
+                                                      use_rslora=config.use_rslora)
     modules = lora_modules(model)
     for name, (A, B) in tensors.items():
         m = modules[name]
         m.lora_A.copy_(A)
         m.lora_B.copy_(B)
-        m.lora_alpha = adapter.config.lora_alpha
-        m.scaling = adapter.config.scaling
+        m.lora_alpha = config.alpha_of(name)
+        m.use_rslora = config.use_rslora
+        m.scaling = config.scaling_of(name)
 
 
 # -- PEFT ----------------------------------------------------------------------------------------
 
+def _by_module(model: nn.Module, modules: dict[str, LoRALinear], value: Any, default: Any) -> dict[str, Any]:
+    """PEFT's pattern for the modules whose ``value`` is not ``default``: keyed by the module's last
+    name where every adapter of that name has the value, else by its escaped qualified name."""
+    out = {}
+    for name, m in modules.items():
+        if value(m) == default:
+            continue
+        short = name.rsplit(".", 1)[-1]
+        same_named = [other for n, other in modules.items() if n.rsplit(".", 1)[-1] == short]
+        out[short if all(value(o) == value(m) for o in same_named) else re.escape(name)] = value(m)
+    return out
+
+
+def _most_common(values: list[Any]) -> Any:
+    return max(sorted(set(values)), key=values.count)
+
+
 def _peft_lora_config(model: nn.Module, modules: dict[str, LoRALinear]) -> LoraConfig:
-    r = _uniform(modules, "rank", lambda m: m.r, "PEFT files need rank_pattern for that, which is not supported")
-    alpha = _uniform(modules, "lora_alpha", lambda m: m.lora_alpha,
-                     "PEFT files need alpha_pattern for that, which is not supported")
     dropout = _uniform(modules, "lora_dropout", _dropout_p, "a PEFT config has one lora_dropout")
+    use_rslora = _uniform(modules, "scaling rule (use_rslora)", lambda m: m.use_rslora,
+                          "a PEFT config has one use_rslora")
     _check_scaling(modules)
-    targets = tuple(sorted({name.rsplit(".", 1)[-1] for name in modules}))
-    same_named = {n for n, m in model.named_modules() if n and n.rsplit(".", 1)[-1] in targets and is_linear_like(m)}
-    if same_named != set(modules):
-        raise ValueError(f"PEFT's target_modules {list(targets)} would also put adapters on "
-                         f"{sorted(same_named - set(modules))[:4]}, which have none here; PEFT files cannot express "
-                         "adapters on only some modules of a name")
-    return LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=dropout)
+    r = _most_common([m.r for m in modules.values()])
+    alpha = _most_common([m.lora_alpha for m in modules.values()])
+    names = tuple(sorted({name.rsplit(".", 1)[-1] for name in modules}))
+    same_named = {n for n, m in model.named_modules() if n and n.rsplit(".", 1)[-1] in names and is_linear_like(m)}
+    # PEFT's target_modules names match every module of that name; where only some have adapters,
+    # the qualified names themselves (PEFT takes a module that a name equals, too).
+    targets = names if same_named == set(modules) else tuple(modules)
+    return LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=dropout, use_rslora=use_rslora,
+                      rank_pattern=_by_module(model, modules, lambda m: m.r, r),
+                      alpha_pattern=_by_module(model, modules, lambda m: m.lora_alpha, alpha))
+
+
+def _json_number(value: float) -> int | float:
+    return int(value) if float(value).is_integer() else value
 
 
 def _peft_config_json(config: LoraConfig, base_model_name_or_path: str | None) -> dict:
     """adapter_config.json for ``config``: the fields a peft LoraConfig saves (peft >= 0.19), at their
-    plain-LoRA values; peft fills the rest with defaults."""
-    alpha = config.lora_alpha
+    plain-LoRA values where this package has no such option; peft fills the rest with defaults."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "revision": None, "inference_mode": True, "r": config.r,
-        "lora_alpha": int(alpha) if alpha.is_integer() else alpha, "lora_dropout": config.lora_dropout,
+        "lora_alpha": _json_number(config.lora_alpha), "lora_dropout": config.lora_dropout,
         "target_modules": list(config.target_modules), "exclude_modules": None, "bias": "none", "lora_bias": False,
-        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "fan_in_fan_out": False, "use_rslora": config.use_rslora, "use_dora": False, "modules_to_save": None,
         "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
-        "rank_pattern": {}, "alpha_pattern": {},
+        "rank_pattern": dict(config.rank_pattern),
+        "alpha_pattern": {key: _json_number(value) for key, value in config.alpha_pattern.items()},
     }
 
 
@@ -367,9 +374,8 @@ def _save_peft(model: nn.Module, modules: dict[str, LoRALinear], folder: Path, b
         raise
 
 
-def _read_peft_config(folder: Path) -> LoraConfig:
-    """adapter_config.json's r, lora_alpha and lora_dropout, with every option checked (targets are
-    the default ones: the tensors' names say which modules the adapter covers)."""
+def _read_peft_config(folder: Path, residual_base: bool) -> LoraConfig:
+    """adapter_config.json as a LoraConfig, with every option checked (``LoraConfig.from_peft_fields``)."""
     config_path = folder / CONFIG_NAME
     if not (folder / WEIGHTS_NAME).is_file():
         if (folder / "adapter" / CONFIG_NAME).is_file():
@@ -389,31 +395,19 @@ def _read_peft_config(folder: Path) -> LoraConfig:
         raise ValueError(f"{config_path} is not valid JSON: {err}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{config_path} holds a JSON {type(config).__name__}, not an object")
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"{config_path}: peft_type is {config.get('peft_type')!r}; only LoRA adapters "
-                         "(peft_type 'LORA') can be loaded")
-    for key, value in config.items():
-        if key in _PEFT_UNSUPPORTED and not _is_off(value):
-            raise ValueError(f"{config_path}: {key}={value!r} asks for {_PEFT_UNSUPPORTED[key]}, which "
-                             "torch_wgpu_lora does not implement; loading it would give a different model")
-        if key not in _PEFT_UNSUPPORTED and key not in _PEFT_HARMLESS and not _is_off(value):
-            raise ValueError(f"{config_path}: unknown option {key}={value!r} (from a newer peft?); it may "
-                             "change the model in a way torch_wgpu_lora cannot reproduce, so it is refused")
-    return _file_config(config_path, r=config.get("r"), lora_alpha=config.get("lora_alpha"),
-                        lora_dropout=config.get("lora_dropout", 0.0))
+    return LoraConfig.from_peft_fields(config, str(config_path), loading=True, residual_base=residual_base)
 
 
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
-def _read_peft(model: nn.Module, folder: Path):
+def _read_peft(model: nn.Module, folder: Path, residual_base: bool):
     from safetensors import SafetensorError, safe_open
 
     if not folder.is_dir():
         raise ValueError(f"{folder} is not a folder; a PEFT adapter is a folder holding {CONFIG_NAME} and "
                          f"{WEIGHTS_NAME}")
-    config = _read_peft_config(folder)
-    r = config.r
+    config = _read_peft_config(folder, residual_base)
     weights_path = folder / WEIGHTS_NAME
     try:
         with safe_open(str(weights_path), framework="pt") as f:
@@ -435,12 +429,11 @@ def _read_peft(model: nn.Module, folder: Path):
                 if set(pair) != {"A", "B"}:
                     missing = "lora_B" if "A" in pair else "lora_A"
                     raise ValueError(f"{weights_path}: {module} has no {missing} weight")
+                r = config.rank_of(module)
                 if len(pair["A"]) != 2 or len(pair["B"]) != 2 or pair["A"][0] != r or pair["B"][1] != r:
                     raise ValueError(f"{weights_path}: {module} has lora_A {list(pair['A'])} and lora_B "
                                      f"{list(pair['B'])}, which is not rank r={r} from {CONFIG_NAME}")
-            targets = tuple(sorted({module.rsplit(".", 1)[-1] for module in shapes}))
-            adapter = _Adapter(config.updated(target_modules=targets),
-                               {module: (pair["A"], pair["B"]) for module, pair in shapes.items()})
+            adapter = _Adapter(config, {module: (pair["A"], pair["B"]) for module, pair in shapes.items()})
             fit_targets = _fit(model, adapter, str(folder))
             stored = {key: f.get_tensor(key) for key in f.keys()}
             expected = (f.metadata() or {}).get(CHECKSUM_KEY)
@@ -494,6 +487,8 @@ def _save_hesper(model: nn.Module, modules: dict[str, LoRALinear], path: Path) -
                                             "the Hesper format has one alpha"),
                         target_modules=HESPER_TARGETS)
     _check_scaling(modules)
+    if any(m.use_rslora for m in modules.values()):
+        raise ValueError("the Hesper format scales adapters by lora_alpha / r; these use rsLoRA's lora_alpha / sqrt(r)")
     if float(np.float32(config.lora_alpha)) != config.lora_alpha:
         raise ValueError(f"lora_alpha={config.lora_alpha!r} is not exactly a float32, which the Hesper header "
                          "stores; use a value float32 holds exactly (e.g. an integer)")
