@@ -30,11 +30,17 @@ setup(
         "tokenizers>=0.19",
         "tqdm>=4.60",
     ],
+    # Optional: Parquet/CSV data and datasets.Dataset inputs (datasets), YAML --config files (pyyaml),
+    # report_to="tensorboard" / "wandb"; TRL's SFTTrainer runs models holding our adapters (the tests use it).
     extras_require={
         "plot": ["matplotlib>=3.7"],
         "peft": ["peft>=0.19"],
+        "data": ["datasets>=2.14", "pyyaml>=6"],
+        "tensorboard": ["tensorboard>=2.12"],
+        "wandb": ["wandb>=0.15"],
         "notebooks": ["jupyter", "ipykernel", "matplotlib>=3.7", "pandas>=2"],
-        "test": ["pytest>=8", "nbmake>=1.5", "ipykernel", "peft>=0.19", "matplotlib>=3.7", "pandas>=2"],
+        "test": ["pytest>=8", "nbmake>=1.5", "ipykernel", "peft>=0.19", "matplotlib>=3.7", "pandas>=2",
+                 "trl>=1.0", "datasets>=2.14", "tensorboard>=2.12", "pyyaml>=6"],
     },
     entry_points={"console_scripts": ["torch-wgpu-lora=torch_wgpu_lora.cli:main"]},
 )
