@@ -34,13 +34,19 @@ setup(
     # 0.20 because the tensor table is read through GGUFReader._build_tensors, not a public API. transformers 5.18:
     # PreTrainedTokenizerFast(gguf_file=...) builds the tokenizer of a GGUF of any architecture (5.17 and earlier
     # only of architectures transformers itself loads, which BitNet's are not).
+    # Parquet/CSV data and datasets.Dataset inputs (datasets), YAML --config files (pyyaml),
+    # report_to="tensorboard" / "wandb"; TRL's SFTTrainer runs models holding our adapters (the tests use it).
     extras_require={
         "plot": ["matplotlib>=3.7"],
         "peft": ["peft>=0.19"],
         "gguf": ["gguf>=0.11,<0.20", "transformers>=5.18"],
+        "data": ["datasets>=2.14", "pyyaml>=6"],
+        "tensorboard": ["tensorboard>=2.12"],
+        "wandb": ["wandb>=0.15"],
         "notebooks": ["jupyter", "ipykernel", "matplotlib>=3.7", "pandas>=2"],
         "test": ["pytest>=8", "nbmake>=1.5", "ipykernel", "peft>=0.19", "matplotlib>=3.7", "pandas>=2",
-                 "gguf>=0.11,<0.20", "transformers>=5.18"],
+                 "gguf>=0.11,<0.20", "transformers>=5.18", "trl>=1.0", "datasets>=2.14", "tensorboard>=2.12",
+                 "pyyaml>=6"],
     },
     entry_points={"console_scripts": ["torch-wgpu-lora=torch_wgpu_lora.cli:main"]},
 )

@@ -527,3 +527,54 @@ def test_python_m_mistake_exits_2_with_one_line_and_no_traceback(tmp_path):
     assert done.returncode == EXIT_USAGE
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [f"torch-wgpu-lora: error: no data file at {tmp_path / 'missing.json'}"]
+
+
+# -- options from a file, and the training loop's options -------------------------------------------
+
+def test_train_reads_options_from_a_config_file_and_the_command_line_wins(capsys, tiny, tmp_path):
+    from transformers import get_scheduler
+
+    run = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {tiny['dense']}\ndata: {tiny['data']}\noutput: {run}\nepochs: 4\nbatch_size: 2\n"
+                      "lr: 1.0e-2\nrank: 4\ntargets: all-linear\nlr_scheduler: polynomial\nwarmup-steps: 1\n"
+                      "weight_decay: 0.5\nno_progress: true\n")
+    # --max-steps on the command line replaces the file's epochs (they exclude each other), --lr its lr.
+    assert main(["train", "--config", str(config), "--max-steps", "3", "--lr", "2e-2"]) == EXIT_OK
+    assert "trained 3 steps" in capsys.readouterr().out
+    lrs = [json.loads(line)["lr"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-2)
+    reference = get_scheduler("polynomial", optimizer, num_warmup_steps=1, num_training_steps=3)
+    expected = []
+    for _ in range(3):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        reference.step()
+    assert lrs == expected
+    state = json.loads((run / "checkpoints" / "step-000003" / "state.json").read_text())
+    assert state["optimizer"]["param_groups"][0]["weight_decay"] == 0.5
+    modules = lora_modules(load_adapter(load_bitnet(tiny["dense"]), run / "adapter"))
+    assert len(modules) == 14 and all(m.r == 4 for m in modules.values())  # all-linear: 7 projections × 2 layers
+
+    json_config = tmp_path / "run.json"
+    json_config.write_text(json.dumps({"model": str(tiny["dense"]), "data": str(tiny["data"]), "max_steps": 1,
+                                       "output": str(tmp_path / "run2"), "no_progress": True, "warmup": 3}))
+    fails_with(capsys, ["train", "--config", str(json_config)], f"--config {json_config}: unknown option 'warmup'")
+    fails_with(capsys, ["train", "--config", str(tmp_path / "missing.yaml")], "missing.yaml: no such file")
+
+
+def test_train_flags_of_the_training_loop(capsys, tiny, tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(tiny["dense"]), "--data", str(tiny["data"]), "--eval-data",
+                 str(tiny["data"]), "--output", str(run), "--max-steps", "4", "--batch-size", "2", "--rank", "4",
+                 "--eval-every", "1", "--early-stopping-patience", "1", "--early-stopping-threshold", "1e9",
+                 "--save-best", "--lr-scheduler", "constant_with_warmup", "--warmup-steps", "2", "--packing",
+                 "--group-by-length", "--no-progress"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "trained 2 steps" in out and "(early stopping: 1 evaluations without" in out
+    assert f"best adapter: {run / 'best-adapter'}" in out and (run / "best-adapter" / "adapter_config.json").is_file()
+    fails_with(capsys, ["train", "--model", str(tiny["dense"]), "--data", str(tiny["data"]), "--output",
+                        str(tmp_path / "r2"), "--lr-scheduler", "stepwise"],
+               "schedule must be one of transformers' schedulers")
+    usage_error(capsys, ["train", "--model", "m", "--data", "d", "--lr-scheduler-kwargs", "[1]"],
+                "must be a JSON object")

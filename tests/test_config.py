@@ -64,10 +64,21 @@ def test_numpy_and_python_numbers_are_the_same_alpha(alpha):
     (dict(lora_dropout="0.1"), "lora_dropout must be a number in [0, 1), got '0.1'"),
     (dict(target_modules=()), "target_modules must be one or more module names"),
     (dict(target_modules=("q_proj", "")), "target_modules must be one or more module names"),
-    (dict(target_modules=("self_attn.q_proj",)), "target_modules must be one or more module names (the last part"),
-    (dict(target_modules=5), "target_modules must be module names such as ('q_proj', 'v_proj'), got 5"),
+    (dict(target_modules=("self_attn.",)), "target_modules must be one or more module names (the last part"),
+    (dict(target_modules=("q proj",)), "target_modules must be one or more module names (the last part"),
+    (dict(target_modules=5), "target_modules must be module names such as ('q_proj', 'v_proj'), 'all-linear' or a "
+                             "regular expression, got 5"),
+    (dict(target_modules="(q_proj"), "target_modules='(q_proj' is not a valid regular expression"),
+    (dict(exclude_modules=[3]), "exclude_modules must be one or more module names"),
+    (dict(layers_to_transform=[-1]), "layers_to_transform must be layer indices (integers >= 0), got [-1]"),
+    (dict(layers_to_transform=[0], target_modules=".*q_proj"), "layers_to_transform takes module names as "
+                                                                 "target_modules"),
+    (dict(rank_pattern={"q_proj": 0}), "rank_pattern['q_proj'] must be a positive integer, got 0"),
+    (dict(alpha_pattern={"q_proj": float("inf")}), "alpha_pattern['q_proj'] must be a finite number > 0, got inf"),
+    (dict(rank_pattern=[("q_proj", 2)]), "rank_pattern must be a dict of {regex: value}"),
+    (dict(use_rslora="yes"), "use_rslora must be True or False, got 'yes'"),
     (dict(target_modules=("q_proj", "q_proj")), "target_modules names a module twice"),
-    (dict(init="xavier"), "init must be one of ('hesper', 'peft'), got 'xavier'"),
+    (dict(init="xavier"), "init must be one of ('hesper', 'peft', 'gaussian'), got 'xavier'"),
     (dict(seed=-1), "seed must be an integer in [0, 2**64), got -1"),
     (dict(seed=2 ** 64), "seed must be an integer in [0, 2**64)"),
     (dict(backend="cuda"), "backend must be one of ('wgpu', 'torch'), got 'cuda'"),
@@ -112,7 +123,7 @@ def test_apply_lora_takes_a_config_or_fields_and_remembers_it(pristine):
     (dict(lora_alpha=float("nan")), ValueError, "lora_alpha must be a finite number > 0, got nan"),
     (dict(lora_alpha="8"), ValueError, "lora_alpha must be a finite number > 0, got '8'"),
     (dict(rank=8), TypeError, r"unknown LoraConfig field\(s\) \['rank'\]"),
-    (dict(config={"r": 8}), TypeError, "config must be a LoraConfig, got dict"),
+    (dict(config={"r": 8}), TypeError, r"config must be a LoraConfig \(torch_wgpu_lora's or peft's\), got dict"),
 ])
 def test_apply_lora_refuses_bad_settings_before_changing_the_model(pristine, fields, error, message):
     model = copy.deepcopy(pristine)

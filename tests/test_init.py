@@ -104,5 +104,5 @@ def test_peft_init_is_kaiming_uniform_with_a_sqrt5():
 
 
 def test_unknown_init_is_refused():
-    with pytest.raises(ValueError, match="init must be one of \\('hesper', 'peft'\\), got 'xavier'"):
+    with pytest.raises(ValueError, match="init must be one of \\('hesper', 'peft', 'gaussian'\\), got 'xavier'"):
         init_lora_A((2, 2), "xavier", 0)

@@ -4,6 +4,7 @@ Subcommands::
 
     torch-wgpu-lora demo                       # offline: demo model, bundled data, train, compare
     torch-wgpu-lora train --model DIR --data train.jsonl --output run
+    torch-wgpu-lora train --config run.yaml --lr 1e-4   # options from a file; the command line wins
     torch-wgpu-lora generate --model DIR --adapter run/adapter --prompt "Name a primary colour."
     torch-wgpu-lora gradcheck --model DIR      # per-layer gradient parity table, WebGPU vs PyTorch
     torch-wgpu-lora info [--json]              # the WebGPU adapter, backend and limits
@@ -15,6 +16,10 @@ was asked (a missing file, malformed data, an unknown target module, a folder th
 not a BitNet checkpoint, bad option values), reported as one line
 ``torch-wgpu-lora: error: <what was wrong>`` on stderr. Anything else is a bug and
 keeps its traceback.
+
+``train --config FILE`` reads options from a YAML or JSON mapping, keyed by the options'
+names (``max_steps`` or ``max-steps``; flags true or false, lists for ``targets``); an option
+also given on the command line takes the command line's value.
 
 Several processes (data-parallel training, ``torchrun --nproc-per-node N -m torch_wgpu_lora
 train ...`` or ``accelerate launch``): ``train`` makes the torch.distributed process group
@@ -100,11 +105,28 @@ def _dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
-def _targets(text: str) -> tuple[str, ...]:
+def _targets(text: str) -> tuple[str, ...] | str:
+    """Comma-separated module names, or one string LoraConfig takes whole: "all-linear" or a regex."""
+    if text.strip().lower() == "all-linear" or any(c in text for c in "*?[(|\\^$+"):
+        return text.strip()
     targets = tuple(t.strip() for t in text.split(",") if t.strip())
     if not targets:
-        raise argparse.ArgumentTypeError("give at least one module name, e.g. q_proj,v_proj")
+        raise argparse.ArgumentTypeError("give at least one module name, e.g. q_proj,v_proj, or all-linear")
     return targets
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"min_lr_rate\": 0.1}}', got {text!r}")
+    return value
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def _positive_int(text: str) -> int:
@@ -217,16 +239,24 @@ def _train(args: argparse.Namespace) -> int:
     trainer = Trainer(model, tokenizer, records, eval_data=eval_records, output_dir=output, epochs=args.epochs,
                       engine=args.engine,
                       max_steps=args.max_steps, batch_size=args.batch_size,
-                      gradient_accumulation_steps=args.grad_accum, lr=args.lr, max_grad_norm=args.max_grad_norm,
-                      schedule=args.schedule, warmup_ratio=args.warmup_ratio, max_length=args.max_length,
+                      gradient_accumulation_steps=args.grad_accum, lr=args.lr, weight_decay=args.weight_decay,
+                      max_grad_norm=args.max_grad_norm, schedule=args.schedule, warmup_ratio=args.warmup_ratio,
+                      warmup_steps=args.warmup_steps, scheduler_kwargs=args.lr_scheduler_kwargs,
+                      max_length=args.max_length, packing=args.packing, group_by_length=args.group_by_length,
                       seed=args.seed, save_every=args.save_every, eval_every=args.eval_every,
-                      progress=not args.no_progress, overwrite=args.overwrite, long_examples=args.long_examples)
+                      early_stopping_patience=args.early_stopping_patience,
+                      early_stopping_threshold=args.early_stopping_threshold, save_best=args.save_best,
+                      report_to=args.report_to, progress=not args.no_progress, overwrite=args.overwrite,
+                      long_examples=args.long_examples)
     result = trainer.train(resume_from=args.resume)
     if parallel is not None and not parallel.is_main:
         return EXIT_OK  # rank 0 reports
     loss = "skipped" if result.loss is None else f"{result.loss:.4f}"
     print(f"trained {result.steps} steps; last loss {loss}"
-          + ("" if result.eval_loss is None else f", eval loss {result.eval_loss:.4f}"))
+          + ("" if result.eval_loss is None else f", eval loss {result.eval_loss:.4f}")
+          + ("" if result.stopped is None else f" ({result.stopped})"))
+    if result.best_adapter is not None:
+        print(f"best adapter: {result.best_adapter} (eval loss {result.best_eval_loss:.4f} at step {result.best_step})")
     print(f"adapter (PEFT layout): {result.adapter}")
     print(f"checkpoint: {result.checkpoint}; metrics: {result.metrics}" + (f"; plot: {result.plot}" if result.plot else ""))
     return EXIT_OK
@@ -351,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .logits import STRATEGIES
     from .engine import ENGINES
     from .training.data import LONG_EXAMPLES
-    from .training.schedule import SCHEDULES
+    from .training.metrics import REPORTERS
     from .training.trainer import Trainer
 
     lora = {field.name: field.default for field in dataclasses.fields(LoraConfig)}
@@ -363,18 +393,22 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = commands.add_parser("train", help="train LoRA adapters on an instruction dataset",
-                            description="Train LoRA adapters of a BitNet checkpoint on Alpaca-style records "
-                            "({instruction, input?, output}) from a JSON array or JSONL file. Writes "
-                            "OUTPUT/adapter (PEFT layout), OUTPUT/checkpoints, OUTPUT/metrics.jsonl, OUTPUT/loss.png.")
+                            description="Train LoRA adapters of a BitNet checkpoint on chat ({messages}), "
+                            "{prompt, completion}, {text} or Alpaca ({instruction, input?, output}) records from a "
+                            "JSON array, JSONL, Parquet or CSV file. Writes OUTPUT/adapter (PEFT layout), "
+                            "OUTPUT/checkpoints, OUTPUT/metrics.jsonl, OUTPUT/loss.png.")
+    p.add_argument("--config", metavar="FILE", help="read options from a YAML or JSON file (keys: the options' "
+                   "names); options given on the command line win")
     _add_model(p)
-    p.add_argument("--data", required=True, metavar="FILE", help="training records, JSON array or JSONL")
+    p.add_argument("--data", required=True, metavar="FILE", help="training records: JSON array, JSONL, Parquet or CSV")
     p.add_argument("--eval-data", metavar="FILE", help="evaluation records (loss at the end and every --eval-every)")
     p.add_argument("--output", default=trainer["output_dir"], metavar="DIR", help="output folder (default: %(default)s)")
     p.add_argument("--rank", type=int, default=lora["r"], help="LoRA rank r (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=lora["lora_alpha"], help="lora_alpha; scaling = alpha / r "
                    "(default: %(default)s)")
     p.add_argument("--targets", type=_targets, default=lora["target_modules"], metavar="NAMES",
-                   help="comma-separated module names to adapt (default: q_proj,v_proj)")
+                   help="comma-separated module names to adapt, all-linear, or a regular expression a whole module "
+                   "name matches (default: q_proj,v_proj)")
     p.add_argument("--dropout", type=float, default=lora["lora_dropout"], help="LoRA dropout (default: %(default)s)")
     length = p.add_mutually_exclusive_group()
     # No default here: one would hide a conflict with --max-steps (argparse sees a given default as not given).
@@ -385,10 +419,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, default=trainer["gradient_accumulation_steps"],
                    help="micro-batches per optimiser step (default: %(default)s)")
     p.add_argument("--lr", type=float, default=trainer["lr"], help="peak learning rate (default: %(default)s)")
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), default=trainer["schedule"],
-                   help="learning-rate schedule (default: %(default)s)")
-    p.add_argument("--warmup-ratio", type=float, default=trainer["warmup_ratio"],
-                   help="share of the steps spent warming up (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=trainer["weight_decay"],
+                   help="AdamW's decoupled weight decay (default: %(default)s)")
+    p.add_argument("--lr-scheduler", "--schedule", dest="schedule", default=trainer["schedule"], metavar="NAME",
+                   help="learning-rate schedule, any of transformers' (linear, cosine, cosine_with_restarts, "
+                   "polynomial, constant, constant_with_warmup, inverse_sqrt, cosine_with_min_lr, warmup_stable_decay, "
+                   "reduce_lr_on_plateau, ...) (default: %(default)s)")
+    p.add_argument("--lr-scheduler-kwargs", type=_json_object, metavar="JSON",
+                   help="the schedule's own options as a JSON object, e.g. '{\"min_lr_rate\": 0.1}'")
+    warmup = p.add_mutually_exclusive_group()
+    warmup.add_argument("--warmup-steps", type=int, help="optimiser steps spent warming up")
+    warmup.add_argument("--warmup-ratio", type=float, help="share of the steps spent warming up (default: 0.06)")
     p.add_argument("--max-grad-norm", type=float, default=trainer["max_grad_norm"],
                    help="clip the gradient norm to this; 0 = no clipping (default: %(default)s)")
     p.add_argument("--max-length", type=int, default=trainer["max_length"], help="tokens per example, longer "
@@ -396,12 +437,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-examples", choices=LONG_EXAMPLES, default=trainer["long_examples"],
                    help="an example longer than the model's context (max_position_embeddings) is refused, naming "
                    "it, or cut to the context, counting them (default: %(default)s)")
+    p.add_argument("--packing", action="store_true", help="pack several examples into each sequence of "
+                   "--max-length tokens (each attends to itself only)")
+    p.add_argument("--group-by-length", action="store_true", help="batch examples of similar length together")
     p.add_argument("--seed", type=_seed, default=trainer["seed"], help="seeds the adapters' init, the data order "
                    "and dropout (default: %(default)s)")
     p.add_argument("--save-every", type=int, default=trainer["save_every"], help="checkpoint every N steps; 0 = "
                    "only at the end (default: %(default)s)")
     p.add_argument("--eval-every", type=int, default=trainer["eval_every"], help="evaluate every N steps; 0 = "
                    "only at the end (default: %(default)s)")
+    p.add_argument("--early-stopping-patience", type=int, default=trainer["early_stopping_patience"], metavar="N",
+                   help="stop after N evaluations in a row without a lower evaluation loss; 0 = never "
+                   "(default: %(default)s)")
+    p.add_argument("--early-stopping-threshold", type=float, default=trainer["early_stopping_threshold"],
+                   help="how much lower an evaluation loss must be to count as better (default: %(default)s)")
+    p.add_argument("--save-best", action="store_true", help="keep the adapter of the lowest evaluation loss in "
+                   "OUTPUT/best-adapter")
+    p.add_argument("--report-to", type=_names, default=(), metavar="NAMES",
+                   help=f"also log to these trackers, comma-separated: {', '.join(REPORTERS)} (their packages are "
+                   "optional)")
     earlier = p.add_mutually_exclusive_group()
     earlier.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
                          help="continue the run in --output from its newest checkpoint, or from CHECKPOINT")
@@ -418,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "or 300)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_train)
+    # train's options by option string, for --config (argparse has no public list of a parser's actions).
+    parser.train_options = {option: action for action in p._actions for option in action.option_strings}
 
     p = commands.add_parser("generate", help="generate text, with or without an adapter",
                             description="Continue a prompt with a BitNet checkpoint, optionally with a trained "
@@ -517,6 +573,82 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _read_config(path: str) -> dict[str, Any]:
+    """The options in a YAML or JSON file (a mapping)."""
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"--config {path}: no such file")
+    text = file.read_text(encoding="utf-8")
+    if file.suffix.lower() in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise UsageError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml), or write the "
+                             "options as JSON") from None
+        try:
+            options = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise UsageError(f"--config {path} is not valid YAML: {err}") from None
+    else:
+        try:
+            options = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"--config {path} is not valid JSON: {err}") from None
+    if not isinstance(options, dict):
+        raise UsageError(f"--config {path} must hold a mapping of option names to values, got {type(options).__name__}")
+    return options
+
+
+def _with_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with the options of ``train --config FILE`` put before the command line's own (argparse
+    keeps the last value of an option, so the command line wins). An option of the file that the
+    command line gives, or one that cannot go with one it gives (--epochs and --max-steps), is left out."""
+    if not argv or argv[0] != "train":
+        return argv
+    rest, path = list(argv[1:]), None
+    for i, token in enumerate(rest):
+        if token == "--config" and i + 1 < len(rest):
+            path = rest[i + 1]
+            del rest[i:i + 2]
+            break
+        if token.startswith("--config="):
+            path = token.split("=", 1)[1]
+            del rest[i]
+            break
+    if path is None:
+        return argv
+    options = parser.train_options
+    given = {options[t.split("=", 1)[0]].dest for t in rest if t.split("=", 1)[0] in options}
+    excluded = set(given)
+    for group in _TRAIN_EXCLUSIVE:
+        if given & set(group):
+            excluded |= set(group)
+    tokens: list[str] = []
+    for key, value in _read_config(path).items():
+        flag = "--" + str(key).replace("_", "-")
+        action = options.get(flag)
+        if action is None or flag == "--config":
+            raise UsageError(f"--config {path}: unknown option {key!r}; the train options are "
+                             f"{sorted(o[2:] for o in options if o != '--config')}")
+        if action.dest in excluded or value is None:
+            continue
+        if action.nargs == 0:  # a flag: true or false
+            if not isinstance(value, bool):
+                raise UsageError(f"--config {path}: {key} is a flag; give true or false, got {value!r}")
+            tokens += [flag] if value else []
+        elif isinstance(value, (list, tuple)):
+            tokens += [flag, ",".join(str(v) for v in value)]
+        elif isinstance(value, dict):
+            tokens += [flag, json.dumps(value)]
+        else:
+            tokens += [flag, json.dumps(value) if isinstance(value, bool) else str(value)]
+    return ["train", *tokens, *rest]
+
+
+# Options of train that exclude each other (argparse's mutually exclusive groups), by dest.
+_TRAIN_EXCLUSIVE = (("epochs", "max_steps"), ("resume", "overwrite"), ("warmup_steps", "warmup_ratio"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     # Before torch loads OpenMP (it is read once): on a CPU adapter, lavapipe runs the WebGPU
@@ -528,7 +660,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv and argv[0] == "bench":
             return cmd_bench(argv[1:])
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(_with_config(parser, argv))
         import torch
 
         with torch.compiler.set_stance("force_eager"):  # see the module docstring

@@ -1,4 +1,4 @@
-"""Adapter initialisation: Hesper's seeded Kaiming-uniform, bit for bit, and PEFT's default.
+"""Adapter initialisation: Hesper's seeded Kaiming-uniform, bit for bit, and PEFT's two.
 
 Hesper's recipe (``init="hesper"``): B is zero; A is uniform in [-bound, bound) with
 bound = sqrt(3 / in_features), drawn row-major from xoroshiro128+ (Hesper's docs call
@@ -89,7 +89,14 @@ def peft_uniform(shape: tuple[int, int], seed: int) -> torch.Tensor:
     return out
 
 
-INITS = ("hesper", "peft")
+def gaussian(shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """PEFT's ``init_lora_weights="gaussian"`` for lora_A: N(0, (1/r)²), from a seeded generator."""
+    out = torch.empty(shape)
+    torch.nn.init.normal_(out, std=1.0 / shape[0], generator=torch.Generator().manual_seed(seed))
+    return out
+
+
+INITS = ("hesper", "peft", "gaussian")
 
 
 def init_lora_A(shape: tuple[int, int], init: str, seed: int) -> torch.Tensor:
@@ -98,4 +105,6 @@ def init_lora_A(shape: tuple[int, int], init: str, seed: int) -> torch.Tensor:
         return hesper_uniform(shape, fan_in=shape[1], seed=seed)
     if init == "peft":
         return peft_uniform(shape, seed)
+    if init == "gaussian":
+        return gaussian(shape, seed)
     raise ValueError(f"init must be one of {INITS}, got {init!r}")

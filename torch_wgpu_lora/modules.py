@@ -7,7 +7,8 @@ torch.Size([3, 32])
 >>> layer.lora_A.shape, layer.lora_B.shape, layer.scaling
 (torch.Size([8, 64]), torch.Size([32, 8]), 2.0)
 
-output = base_layer(x) + scaling · lora_B(lora_A(dropout(x))), scaling = lora_alpha / r.
+output = base_layer(x) + scaling · lora_B(lora_A(dropout(x))), scaling = lora_alpha / r
+(lora_alpha / sqrt(r) with ``use_rslora``). While ``disabled`` is set, output = base_layer(x).
 Naming follows PEFT (``lora_A`` [r, in], ``lora_B`` [out, r]); they are Parameters
 rather than Linear modules, and adapter files map them to PEFT's ``lora_A.weight``.
 """
@@ -33,7 +34,7 @@ class LoRALinear(nn.Module):
     """
 
     def __init__(self, base_layer: nn.Module, r: int = 8, lora_alpha: float = 8.0, lora_dropout: float = 0.0,
-                 init: str = "hesper", seed: int = 42, backend: str = "wgpu") -> None:
+                 init: str = "hesper", seed: int = 42, backend: str = "wgpu", use_rslora: bool = False) -> None:
         super().__init__()
         in_features = getattr(base_layer, "in_features", None)
         out_features = getattr(base_layer, "out_features", None)
@@ -41,15 +42,17 @@ class LoRALinear(nn.Module):
             raise TypeError(f"LoRALinear wraps layers with integer in_features/out_features; "
                             f"{type(base_layer).__name__} has none")
         config = LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, init=init, seed=seed,
-                            backend=backend)  # one check of every setting, naming the bad field
+                            backend=backend, use_rslora=use_rslora)  # one check of every setting, naming the bad field
         self.base_layer = base_layer.requires_grad_(False)
         self.in_features, self.out_features = in_features, out_features
         self.r, self.lora_alpha, self.scaling = config.r, config.lora_alpha, config.scaling
+        self.use_rslora = config.use_rslora
         self.backend = config.backend
         self.lora_dropout = nn.Dropout(config.lora_dropout) if config.lora_dropout > 0 else nn.Identity()
         self.lora_A = nn.Parameter(init_lora_A((config.r, in_features), config.init, config.seed))
         self.lora_B = nn.Parameter(torch.zeros(out_features, config.r))
         self.merged = False
+        self.disabled = False  # the adapter adds nothing (PEFT's disable_adapter)
 
     @property
     def backend(self) -> str:
@@ -74,7 +77,7 @@ class LoRALinear(nn.Module):
         return lora_reference(x.to(self.lora_A.dtype), self.lora_A, self.lora_B, self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.merged:
+        if self.merged or self.disabled:
             return self.base_layer(x)
         if self._backend == "wgpu":  # the adapter's GPU work runs while the CPU computes the base
             return base_plus_lora(lambda: self.base_layer(x), self.lora_dropout(x).float(), self.lora_A,

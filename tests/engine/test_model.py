@@ -247,6 +247,16 @@ def test_double_backward_through_the_engine_loss_is_refused_clearly():
     assert torch.isfinite(grad).all()
 
 
+def test_position_ids_are_refused_rather_than_ignored():
+    # Packed sequences restart their positions; the engine numbers every row 0, 1, ... and attends
+    # across it, so taking position_ids silently would give another model's logits.
+    model = tiny_model("dense", False)
+    ids, mask = batch(model.config.vocab_size, [6])
+    with pytest.raises(ValueError, match="BitNetEngine numbers positions 0, 1, ... in each row and attends across "
+                                         "the whole row; it does not take position_ids"):
+        BitNetEngine(model)(ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+
+
 # -- memory ------------------------------------------------------------------------------------------
 
 _MEMORY_SCRIPT = """

@@ -1,6 +1,7 @@
-"""Shared by the integration tests: tiny BitNets written as GGUF files with ``gguf``'s own writer,
-under llama.cpp's tensor names and metadata keys (``gguf``'s constants), and a Llama-3 style
-tokenizer; and processes that save into, and load from, one PEFT folder at once.
+"""Shared by the integration tests: random adapter values and the logits of one fixed batch; tiny
+BitNets written as GGUF files with ``gguf``'s own writer, under llama.cpp's tensor names and metadata
+keys (``gguf``'s constants), and a Llama-3 style tokenizer; and processes that save into, and load
+from, one PEFT folder at once.
 
 The i2_s bytes are made here from bitnet.cpp's layout (microsoft/BitNet, src/ggml-bitnet-mad.cpp,
 ``quantize_i2_s`` on x86), not by the loader's code: blocks of 128 weights in 32 bytes, weight
@@ -290,3 +291,24 @@ def load_in_turns(checkpoint: str, folder: str, seconds: float, locks: bool, rea
         else:
             others.append(f"mixed: {sorted(got)}")
     results.put(("loads", outcomes, others))
+
+
+# -- random adapters and the logits of one batch ----------------------------------------------------
+
+IDS = torch.tensor([[0, 5, 17, 42, 99, 200, 7, 3]])  # one shape everywhere: AutoBitLinear compiles once per shape
+
+
+def randomize(model: torch.nn.Module, seed: int, scale: float = 0.3) -> torch.nn.Module:
+    """Random lora_A and lora_B (B starts at zero) so that the adapter changes every logit; works on
+    torch_wgpu_lora's adapters and on PEFT's (their Parameters' names hold lora_A / lora_B)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+    return model
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits

@@ -38,18 +38,11 @@ from transformers import BitNetForCausalLM
 from torch_wgpu_lora import load_adapter, save_adapter
 from torch_wgpu_lora.integrations.bitnet import apply_lora, lora_modules, set_backend
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet
-from torch_wgpu_lora.modules import LoRALinear
 
-from .helpers import SAVES, adapter_of, load_in_turns, save_in_turns
+from .helpers import SAVES, adapter_of, load_in_turns, logits, randomize, save_in_turns
 
 TOL = {"torch": 1e-6, "wgpu": 1e-4}  # relative to max |logit|; see module docstring
-IDS = torch.tensor([[0, 5, 17, 42, 99, 200, 7, 3]])  # one shape everywhere: AutoBitLinear compiles once per shape
 R, ALPHA = 4, 8.0  # scaling 2.0, a power of two (see module docstring)
-
-
-@pytest.fixture(scope="module")
-def dense(tmp_path_factory):
-    return build_tiny_bitnet(tmp_path_factory.mktemp("dense"), flavour="dense", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -59,35 +52,9 @@ def small(tmp_path_factory):
                              hidden_size=32, intermediate_size=48)
 
 
-@pytest.fixture(scope="module")
-def pristine(dense):
-    return BitNetForCausalLM.from_pretrained(dense).eval()
-
-
-@pytest.fixture
-def base(pristine):
-    """A fresh copy of the dense base model, without adapters."""
-    return copy.deepcopy(pristine)
-
-
-def randomize(model, seed, scale=0.3):
-    """Random lora_A and lora_B (B starts at zero) so that the adapter changes every logit."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                p.copy_(scale * torch.randn(p.shape, generator=g))
-    return model
-
-
 def with_adapter(model, r=R, lora_alpha=ALPHA, seed=1, **kwargs):
     apply_lora(model, r=r, lora_alpha=lora_alpha, backend="torch", **kwargs)
     return randomize(model, seed)
-
-
-def logits(model):
-    with torch.no_grad():
-        return model(IDS).logits
 
 
 def assert_matches(ours, theirs, base_logits, backend):
@@ -351,13 +318,11 @@ def edit_tensors(folder, change):
 
 @pytest.mark.parametrize("key, value, feature", [
     ("use_dora", True, "DoRA"),
-    ("use_rslora", True, "rank-stabilised scaling"),
     ("bias", "all", "trained biases"),
     ("lora_bias", True, "a bias on lora_B"),
     ("fan_in_fan_out", True, "transposed (Conv1D) base weights"),
-    ("rank_pattern", {"q_proj": 8}, "per-module ranks"),
-    ("alpha_pattern", {"q_proj": 32}, "per-module alphas"),
     ("modules_to_save", ["lm_head"], "fully trained extra modules"),
+    ("target_parameters", ["mlp.experts.gate_up_proj"], "adapters on raw parameters"),
     ("trainable_token_indices", [5, 6], "trainable token embeddings"),
     ("layer_replication", [[0, 2]], "replicated layers"),
     ("use_qalora", True, "QA-LoRA"),
@@ -385,14 +350,21 @@ def test_unknown_peft_options_are_refused_unless_off(peft_folder, base):
     (dict(lora_alpha=0), "lora_alpha must be a finite number > 0, got 0"),
     (dict(lora_dropout=1.0), "lora_dropout must be a number in [0, 1), got 1.0"),
     (dict(r=8), "has lora_A [4, 64] and lora_B [64, 4], which is not rank r=8 from adapter_config.json"),
-    (dict(target_modules=["q_proj"]), "adapter_config.json: target_modules ['q_proj'] disagree with the tensors in "
-     "adapter_model.safetensors, which adapt ['q_proj', 'v_proj']: they hold adapters for "
-     "['model.layers.0.self_attn.v_proj', 'model.layers.1.self_attn.v_proj'], which target_modules does not name"),
-    (dict(target_modules=["q_proj", "v_proj", "k_proj"]), "target_modules ['q_proj', 'v_proj', 'k_proj'] disagree "
-     "with the tensors in adapter_model.safetensors, which adapt ['q_proj', 'v_proj']: target_modules names "
-     "['k_proj'], which they hold no adapter for"),
-    (dict(target_modules=r".*\.q_proj"), "target_modules '.*\\\\.q_proj' disagree with the tensors"),
-    (dict(target_modules=7), "target_modules must be a list of module names or a regex, got 7"),
+    (dict(target_modules=["q_proj"]), "target_modules ('q_proj',) disagree with the file's tensors, which adapt "
+     "['q_proj', 'v_proj']: they hold weights for ['model.layers.0.self_attn.v_proj', "
+     "'model.layers.1.self_attn.v_proj'], which target_modules does not select (peft would leave them unused)"),
+    (dict(target_modules=["q_proj", "v_proj", "k_proj"]), "target_modules ('q_proj', 'v_proj', 'k_proj') disagree "
+     "with the file's tensors, which adapt ['q_proj', 'v_proj']: target_modules selects "
+     "['model.layers.0.self_attn.k_proj', 'model.layers.1.self_attn.k_proj'], which they hold no weights for"),
+    (dict(target_modules=r".*\.q_proj"), "target_modules '.*\\\\.q_proj' disagree with the file's tensors"),
+    (dict(target_modules=7), "target_modules must be module names such as ('q_proj', 'v_proj'), 'all-linear' or a "
+     "regular expression, got 7"),
+    (dict(rank_pattern={"v_proj": 8}), "v_proj has lora_A [4, 64] and lora_B [32, 4], which is not rank r=8"),
+    (dict(init_lora_weights="pissa"), "init_lora_weights='pissa' (pissa) starts the adapter from the base weights"),
+    (dict(init_lora_weights="olora"), "init_lora_weights='olora' (olora) starts the adapter from the base weights"),
+    (dict(target_modules=["k_proj"]), "they hold weights for ['model.layers.0.self_attn.q_proj'"),
+    (dict(layers_to_transform=[0]), "layers_to_transform=(0,) disagree with the file's tensors, which adapt "
+     "['q_proj', 'v_proj']: they hold weights for ['model.layers.1.self_attn.q_proj'"),
 ])
 def test_bad_peft_config_values(peft_folder, base, changes, message):
     edit_config(peft_folder, **changes)
@@ -452,8 +424,8 @@ Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
     (lambda t: t.update({k.replace("layers.1.", "layers.7."): t.pop(k) for k in list(t) if "layers.1." in k}),
      "the adapter targets 'model.layers.7.self_attn.q_proj', but this model has no linear module of that name"),
     (lambda t: [t.pop(k) for k in list(t) if "layers.1." in k],
-     "the adapter has no weights for ['model.layers.1.self_attn.q_proj', 'model.layers.1.self_attn.v_proj'], "
-     "but adapters are applied to every module named ['q_proj', 'v_proj']"),
+     "target_modules selects ['model.layers.1.self_attn.q_proj', 'model.layers.1.self_attn.v_proj'], which they "
+     "hold no weights for"),
 ])
 def test_bad_peft_tensors(peft_folder, base, change, message):
     edit_tensors(peft_folder, change)
@@ -619,19 +591,14 @@ def test_save_errors(pristine, tmp_path):
     with pytest.raises(ValueError, match="is a folder; format='hesper' writes one file"):
         save_adapter(model, tmp_path, format="hesper")
 
-    mixed = copy.deepcopy(model)
     name = "model.layers.1.self_attn.v_proj"
-    mixed.set_submodule(name, LoRALinear(lora_modules(mixed)[name].base_layer, r=2))
-    with pytest.raises(ValueError, match=re.escape("the adapters do not share one rank: model.layers.1.self_attn."
-                                                   "v_proj has 2, model.layers.0.self_attn.q_proj has 4; "
-                                                   "PEFT files need rank_pattern")):
+    mixed = copy.deepcopy(model)
+    lora_modules(mixed)[name].use_rslora = True
+    lora_modules(mixed)[name].scaling = ALPHA / R ** 0.5
+    with pytest.raises(ValueError, match=re.escape("the adapters do not share one scaling rule (use_rslora): "
+                                                   "model.layers.0.self_attn.q_proj has False, "
+                                                   f"{name} has True; a PEFT config has one use_rslora")):
         save_adapter(mixed, tmp_path / "a")
-
-    partial = copy.deepcopy(model)
-    partial.set_submodule(name, lora_modules(partial)[name].base_layer)
-    with pytest.raises(ValueError, match=re.escape("PEFT's target_modules ['q_proj', 'v_proj'] would also put "
-                                                   "adapters on ['model.layers.1.self_attn.v_proj']")):
-        save_adapter(partial, tmp_path / "a")
 
     rescaled = copy.deepcopy(model)
     lora_modules(rescaled)[name].scaling = 3.0
@@ -744,6 +711,18 @@ def test_a_config_from_another_save_is_refused_naming_both(pristine, tmp_path):
             "adapter_config.json is not the config adapter_model.safetensors was saved with (lora_alpha=16 in the "
             "config, 8 with the weights): the folder was being written while it was read (load it again), or it "
             "was edited since (save the adapter again)")):
+        load_adapter(copy.deepcopy(pristine), path)
+
+
+
+def test_a_config_from_another_save_differing_in_a_pattern_is_refused(pristine, tmp_path):
+    # Per-module alphas change the model as much as lora_alpha does: the weights record them too.
+    path = save_adapter(with_adapter(copy.deepcopy(pristine)), tmp_path / "adapter")
+    other = save_adapter(with_adapter(copy.deepcopy(pristine), alpha_pattern={"v_proj": 16.0}), tmp_path / "other")
+    (path / "adapter_config.json").write_bytes((other / "adapter_config.json").read_bytes())
+    with pytest.raises(ValueError, match=re.escape(
+            "adapter_config.json is not the config adapter_model.safetensors was saved with (alpha_pattern="
+            "{'v_proj': 16} in the config, {} with the weights): the folder was being written")):
         load_adapter(copy.deepcopy(pristine), path)
 
 

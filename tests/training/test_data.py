@@ -1,14 +1,18 @@
-"""Alpaca data: reading JSON/JSONL with located errors, the prompt template, loss masks,
-truncation, padding and the seeded order."""
+"""Training data: reading JSON/JSONL with located errors, Parquet, CSV and datasets; the record forms
+(Alpaca, chat against transformers' chat templates and assistant masks, prompt/completion, text);
+loss masks, truncation, padding, packing (against transformers' own masks), the seeded orders."""
 
+import copy
 import json
+import re
 
+import numpy as np
 import pytest
 import torch
 
-from torch_wgpu_lora.integrations.tiny import build_tiny_tokenizer
+from torch_wgpu_lora.integrations.tiny import CHAT_TEMPLATE, build_tiny_tokenizer
 from torch_wgpu_lora.loss import IGNORE_INDEX
-from torch_wgpu_lora.training.data import collate, encode_records, epoch_order, read_records
+from torch_wgpu_lora.training.data import collate, encode_records, epoch_order, length_grouped_order, pack, read_records
 
 RECORDS = [
     {"instruction": "Name a primary colour.", "input": "", "output": "Red."},
@@ -129,3 +133,161 @@ def test_epoch_order_is_seeded():
     assert a.tolist() == epoch_order(50, epoch=0, seed=7).tolist()
     assert a.tolist() != epoch_order(50, epoch=1, seed=7).tolist()
     assert a.tolist() != epoch_order(50, epoch=0, seed=8).tolist()
+
+
+# -- the forms TRL's SFT data takes ---------------------------------------------------------------
+
+CHATS = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another one."},
+     {"role": "assistant", "content": "Red, then."}],
+    [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there!"}],
+]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    texts = [m["content"] for chat in CHATS for m in chat] + ["User: Assistant: System:"]
+    return AutoTokenizer.from_pretrained(build_tiny_tokenizer(tmp_path_factory.mktemp("chat"), texts,
+                                                              chat_template=CHAT_TEMPLATE))
+
+
+def test_chat_records_are_rendered_with_the_template_and_learn_the_assistant_turns_only(chat_tokenizer):
+    examples = encode_records(chat_tokenizer, read_records([{"messages": chat} for chat in CHATS]))
+    for example, chat in zip(examples, CHATS):
+        # transformers' own rendering, and its mask of the template's {% generation %} parts
+        reference = chat_tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True,
+                                                       return_assistant_tokens_mask=True)
+        assert example.input_ids == reference["input_ids"]
+        mask = [label != IGNORE_INDEX for label in example.labels]
+        assert mask == [bool(m) for m in reference["assistant_masks"]] and any(mask)
+        assert all(label in (IGNORE_INDEX, token) for label, token in zip(example.labels, example.input_ids))
+
+
+def test_prompt_completion_records_learn_the_completion(tokenizer, chat_tokenizer):
+    (example,) = encode_records(tokenizer, read_records([{"prompt": PROMPT_NO_INPUT, "completion": "Red."}]))
+    prompt = tokenizer(PROMPT_NO_INPUT)["input_ids"]
+    completion = tokenizer("Red.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert example.input_ids == prompt + completion
+    assert example.labels == [IGNORE_INDEX] * len(prompt) + completion
+    # Conversational: the prompt's assistant turn is context, the completion's is learnt.
+    chat = CHATS[0]
+    (example,) = encode_records(chat_tokenizer, read_records([{"prompt": chat[:3], "completion": chat[3:]}]))
+    reference = chat_tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True,
+                                                   return_assistant_tokens_mask=True)
+    first_turn = chat_tokenizer.apply_chat_template(chat[:3], tokenize=True, return_dict=True,
+                                                    return_assistant_tokens_mask=True)
+    expected = [bool(m) for m in reference["assistant_masks"]]
+    expected[:len(first_turn["input_ids"])] = [False] * len(first_turn["input_ids"])
+    assert example.input_ids == reference["input_ids"]
+    assert [label != IGNORE_INDEX for label in example.labels] == expected and any(expected)
+
+
+def test_text_records_learn_every_token(tokenizer):
+    (example,) = encode_records(tokenizer, read_records([{"text": "One, two, three."}]))
+    ids = tokenizer("One, two, three.")["input_ids"] + [tokenizer.eos_token_id]
+    assert example.input_ids == ids and example.labels == [IGNORE_INDEX] + ids[1:]
+
+
+def test_a_record_that_fits_no_form_is_named_with_its_fields(tmp_path):
+    with pytest.raises(ValueError, match=re.escape("record 1: the record fits no form of training data; its fields "
+                                                   "are ['answer', 'question']")):
+        read_records([RECORDS[0], {"question": "Why?", "answer": "Because."}])
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"conversation": []}) + "\n")
+    with pytest.raises(ValueError, match=re.escape("data.jsonl, line 2: the record fits no form of training data; "
+                                                   "its fields are ['conversation']")):
+        read_records(path)
+    for record, message in [({"prompt": "Hi"}, "the record has no 'completion'"),
+                            ({"messages": [{"role": "user"}]}, "messages[0] must be a message {role, content}, got "
+                                                               "['role']"),
+                            ({"messages": [{"role": "user", "content": "Hi"}]}, "the conversation has no assistant"),
+                            ({"text": 5}, "'text' must be a string, got int")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            read_records([record])
+
+
+def test_chat_needs_a_template_that_renders_each_turn_as_a_prefix(tokenizer, chat_tokenizer):
+    records = read_records([{"messages": CHATS[1]}])
+    with pytest.raises(ValueError, match="record 0: chat records are rendered with the tokenizer's chat template, "
+                                         "and this tokenizer has none"):
+        encode_records(tokenizer, records)
+    shuffled = copy.copy(chat_tokenizer)
+    shuffled.chat_template = "{% for m in messages|reverse %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="record 0: the chat template renders the conversation up to message 1 as "
+                                         "other text than the start of the whole conversation"):
+        encode_records(shuffled, records)
+
+
+def test_files_datasets_and_iterables_read_alike(tmp_path):
+    import datasets
+
+    rows = [{"instruction": r["instruction"], "input": r.get("input", ""), "output": r["output"]} for r in RECORDS]
+    want = read_records(rows)
+    table = datasets.Dataset.from_list(rows)
+    table.to_parquet(tmp_path / "data.parquet")
+    table.to_csv(tmp_path / "data.csv", index=False)
+    assert read_records(tmp_path / "data.parquet") == want
+    assert read_records(tmp_path / "data.csv") == want
+    assert read_records(table) == want
+    assert read_records(row for row in rows) == want
+    chats = datasets.Dataset.from_dict({"messages": CHATS})
+    chats.to_parquet(tmp_path / "chat.parquet")
+    assert read_records(tmp_path / "chat.parquet") == [{"messages": chat} for chat in CHATS]
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match="bad.parquet could not be read as parquet"):
+        read_records(tmp_path / "bad.parquet")
+
+
+def test_packing_keeps_every_example_whole_and_restarts_positions(tokenizer):
+    examples = encode_records(tokenizer, read_records(RECORDS * 3))
+    longest = max(len(e.input_ids) for e in examples)
+    packed = pack(examples, 2 * longest)
+    assert len(packed) < len(examples)
+    pieces = []
+    for row in packed:
+        assert len(row.input_ids) <= 2 * longest
+        starts = [i for i, p in enumerate(row.position_ids) if p == 0] + [len(row.input_ids)]
+        assert row.position_ids == [i for a, b in zip(starts, starts[1:]) for i in range(b - a)]
+        pieces += [(row.input_ids[a:b], row.labels[a:b]) for a, b in zip(starts, starts[1:])]
+    assert sorted(pieces) == sorted((e.input_ids, e.labels) for e in examples)
+    assert all(labels[0] == IGNORE_INDEX for _, labels in pieces)  # no example learns from the one before it
+    batch = collate(packed, pad_token_id=tokenizer.pad_token_id)
+    assert batch["position_ids"][0, :len(packed[0].input_ids)].tolist() == packed[0].position_ids
+
+
+def test_a_packed_row_gives_each_example_its_own_logits(tokenizer, tmp_path):
+    """transformers' masks, fed the packed position ids, no attention mask and no cache, keep each example to
+    itself: its logits match the example's own forward (same float32 ops over shorter rows: 1e-5
+    of the largest logit covers their other summation orders; attending across examples moves them by O(0.1))."""
+    from transformers import BitNetForCausalLM
+
+    from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet
+
+    model = BitNetForCausalLM.from_pretrained(build_tiny_bitnet(tmp_path / "m", flavour="dense")).eval()
+    examples = encode_records(tokenizer, read_records(RECORDS))
+    (row,) = pack(examples, sum(len(e.input_ids) for e in examples))
+    batch = collate([row], pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+        alone = torch.cat([model(input_ids=torch.tensor([e.input_ids])).logits[0]
+                           for e in sorted(examples, key=lambda e: -len(e.input_ids))])
+    scale = alone.abs().max().item()
+    assert (packed - alone).abs().max().item() <= 1e-5 * scale
+
+
+def test_length_grouped_order_is_seeded_and_batches_similar_lengths():
+    lengths = [int(x) for x in np.random.default_rng(0).integers(1, 200, 400)]
+    order = length_grouped_order(lengths, batch_size=4, epoch=0, seed=3)
+    assert sorted(order.tolist()) == list(range(400))
+    assert order.tolist() == length_grouped_order(lengths, 4, epoch=0, seed=3).tolist()
+    assert order.tolist() != length_grouped_order(lengths, 4, epoch=1, seed=3).tolist()
+    assert lengths[order[0]] == max(lengths)
+
+    def padding(o):
+        return sum(4 * max(lengths[i] for i in o[k:k + 4]) - sum(lengths[i] for i in o[k:k + 4])
+                   for k in range(0, len(o), 4))
+
+    assert padding(order.tolist()) < padding(epoch_order(400, 0, 3).tolist()) / 3

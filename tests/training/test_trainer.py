@@ -3,6 +3,7 @@ atomic checkpoints, output folders (umask, earlier runs, leftovers) and damaged 
 
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -21,11 +22,12 @@ from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet, lora_pa
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
 from torch_wgpu_lora.prompts import format_prompt
 from torch_wgpu_lora.training import checkpoint as checkpoint_module
-from torch_wgpu_lora.training.data import collate, encode_records, read_records
+from torch_wgpu_lora.loss import IGNORE_INDEX
+from torch_wgpu_lora.training.data import Example, collate, encode_records, pack, read_records
 from torch_wgpu_lora.training.metrics import MetricsLog, plot_loss
 from torch_wgpu_lora.optim import WgpuAdamW
 from torch_wgpu_lora.training.schedule import make_scheduler
-from torch_wgpu_lora.training.trainer import TrainingStopped, accumulate_gradients, evaluate
+from torch_wgpu_lora.training.trainer import TrainerCallback, TrainingStopped, accumulate_gradients, evaluate
 
 RECORDS = [
     {"instruction": "Name a primary colour.", "output": "Red."},
@@ -147,7 +149,8 @@ def test_callback_gets_each_metrics_record_right_after_it_is_written(base, tmp_p
     assert [(r["step"], "eval_loss" in r) for r, _ in seen] == [(1, False), (2, False), (2, True), (3, False),
                                                                  (3, True)]
     assert all(record == line for record, line in seen)
-    with pytest.raises(TypeError, match="callback must be a function taking one metrics record, got str"):
+    with pytest.raises(TypeError, match="callback must be a TrainerCallback or a function taking one metrics record, "
+                                        "got str"):
         Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path, callback="plot"))
 
 
@@ -241,12 +244,13 @@ def nan_on_the_gpu_from(trainer, step):
     GPU, so the loss is not finite (the adapters themselves stay good)."""
     from torch_wgpu_lora.runtime import write
 
-    def callback(record):
-        if record.get("step") == step - 1 and "loss" in record:
-            norm = trainer.engine.weights.final_norm
-            write(norm, np.full(norm.shape, np.nan, np.float32))
+    class PoisonTheNorm(TrainerCallback):
+        def on_log(self, trainer, record):
+            if record.get("step") == step - 1 and "loss" in record:
+                norm = trainer.engine.weights.final_norm
+                write(norm, np.full(norm.shape, np.nan, np.float32))
 
-    trainer.callback = callback
+    trainer.callback = PoisonTheNorm()
 
 
 @pytest.mark.parametrize("engine", ["torch", "wgpu"])
@@ -551,3 +555,166 @@ def test_examples_longer_than_the_context_are_refused_or_cut_as_the_engine_refus
         with pytest.raises(ValueError) as by_torch:
             run()
         assert str(by_torch.value) == str(by_engine.value)
+
+
+
+def test_a_packed_batch_meets_the_context_with_its_longest_example(base):
+    # Positions restart at each packed example: two of 200 tokens make a row of 400 positions
+    # numbered up to 199, within the context of 256; one of 300 tokens is refused as the engine
+    # refuses 300 tokens.
+    model = fresh_model(base)
+    assert model.config.max_position_embeddings == 256
+    g = torch.Generator().manual_seed(0)
+
+    def example(length):
+        ids = torch.randint(3, model.config.vocab_size, (length,), generator=g).tolist()
+        return Example(input_ids=ids, labels=[IGNORE_INDEX, *ids[1:]])
+
+    two = collate(pack([example(200), example(200)], 400), pad_token_id=2)
+    assert two["input_ids"].shape == (1, 400) and int(two["position_ids"].max()) == 199
+    assert math.isfinite(evaluate(model, [two]))
+    with pytest.raises(ValueError) as by_engine:
+        BitNetEngine(model)(torch.zeros(1, 300, dtype=torch.long))
+    long = collate(pack([example(300), example(50)], 400), pad_token_id=2)
+    with pytest.raises(ValueError) as by_torch:
+        evaluate(model, [long])
+    assert str(by_torch.value) == str(by_engine.value)
+
+
+# -- watching and steering a run ------------------------------------------------------------------
+
+def read_metrics(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_any_transformers_schedule_with_warmup_steps_and_its_options(base, tmp_path):
+    from transformers import get_scheduler
+
+    train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=6, lr=1e-2, schedule="cosine_with_min_lr",
+                                                         warmup_steps=2, scheduler_kwargs={"min_lr_rate": 0.25}))
+    logged = [r["lr"] for r in read_metrics(tmp_path)]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
+    reference = get_scheduler("cosine_with_min_lr", optimizer, num_warmup_steps=2, num_training_steps=6,
+                              scheduler_specific_kwargs={"min_lr_rate": 0.25})
+    expected = []
+    for _ in range(6):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        reference.step()
+    assert logged == expected and expected[0] == 0.0 and min(expected[2:]) >= 0.25e-2
+    with pytest.raises(ValueError, match="give warmup_steps or warmup_ratio, not both"):
+        Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path, warmup_steps=1, warmup_ratio=0.1))
+
+
+def test_a_plateau_schedule_follows_the_evaluation_loss(base, tmp_path):
+    train(fresh_model(base), base[1], RECORDS, eval_data=EVAL_RECORDS,
+          **options(tmp_path, max_steps=6, lr=5e-2, eval_every=1, schedule="reduce_lr_on_plateau",
+                    scheduler_kwargs={"patience": 0, "factor": 0.5}))
+    lines = read_metrics(tmp_path)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=5e-2)
+    reference = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+    for record in lines:  # torch's own scheduler, fed the same evaluation losses at the same points
+        if "loss" in record:
+            assert record["lr"] == optimizer.param_groups[0]["lr"]
+        else:
+            reference.step(record["eval_loss"])
+    with pytest.raises(ValueError, match=r"schedule='reduce_lr_on_plateau' follows the evaluation loss: give "
+                                         r"eval_data and eval_every > 0"):
+        Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path, schedule="reduce_lr_on_plateau"))
+
+
+def test_evaluations_log_perplexity_and_early_stopping_ends_the_run(base, tmp_path):
+    # A threshold no loss can beat: every evaluation after the first counts as no better.
+    result = train(fresh_model(base), base[1], RECORDS, eval_data=EVAL_RECORDS,
+                   **options(tmp_path, max_steps=20, eval_every=2, save_every=0, early_stopping_patience=2,
+                             early_stopping_threshold=1e9))
+    evals = [r for r in read_metrics(tmp_path) if "eval_loss" in r]
+    assert all(r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"]), rel=1e-12) for r in evals)
+    assert [r["step"] for r in evals] == [2, 4, 6]  # best at 2, no better at 4 and 6: patience 2 is spent
+    assert result.steps == 6 and result.stopped.startswith("early stopping: 2 evaluations without")
+    assert result.checkpoint.name == "step-000006" and result.eval_loss == evals[-1]["eval_loss"]
+    assert (result.best_step, result.best_eval_loss) == (2, evals[0]["eval_loss"])
+
+
+def test_the_best_adapter_is_kept_and_loaded_at_the_end(base, tmp_path):
+    model = fresh_model(base)
+    result = train(model, base[1], RECORDS, eval_data=EVAL_RECORDS,
+                   **options(tmp_path, max_steps=6, lr=0.3, eval_every=1, save_every=1, save_total_limit=6,
+                             save_best=True, load_best_at_end=True))
+    evals = [r for r in read_metrics(tmp_path) if "eval_loss" in r]
+    best = min(evals, key=lambda r: r["eval_loss"])
+    assert (result.best_step, result.best_eval_loss) == (best["step"], best["eval_loss"])
+    assert best["step"] != 6, "a run whose last step is its best does not show the best being kept"
+    at_best = load_adapter(fresh_model(base), tmp_path / "checkpoints" / f"step-{best['step']:06d}" / "adapter")
+    assert_same_adapter(adapter_tensors(load_adapter(fresh_model(base), result.best_adapter)), adapter_tensors(at_best))
+    assert_same_adapter(adapter_tensors(model), adapter_tensors(at_best))  # load_best_at_end
+
+
+def test_tensorboard_gets_every_record_through_its_own_writer(base, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train(fresh_model(base), base[1], RECORDS[:4], eval_data=EVAL_RECORDS,
+          **options(tmp_path, max_steps=3, eval_every=2, report_to="tensorboard"))
+    events = EventAccumulator(str(tmp_path / "runs"))
+    events.Reload()
+    lines = read_metrics(tmp_path)
+    for tag, key in (("train/loss", "loss"), ("train/lr", "lr"), ("eval/loss", "eval_loss"),
+                     ("eval/perplexity", "eval_perplexity")):
+        logged = [(e.step, e.value) for e in events.Scalars(tag)]
+        expected = [(r["step"], r[key]) for r in lines if key in r]
+        assert [s for s, _ in logged] == [s for s, _ in expected], tag
+        assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6), tag  # float32 in events
+
+
+def test_a_tracker_that_is_not_installed_is_named(base, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
+    with pytest.raises(ValueError, match=r"report_to='wandb' needs the wandb package, which is not installed"):
+        Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path, report_to=["wandb"]))
+    with pytest.raises(ValueError, match=r"report_to takes \('tensorboard', 'wandb'\), got 'mlflow'"):
+        Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path, report_to="mlflow"))
+
+
+def test_callbacks_hear_each_event_and_can_stop_the_run(base, tmp_path):
+    events = []
+
+    class Watcher(TrainerCallback):
+        def on_log(self, trainer, record):
+            events.append(("log", record["step"], "eval_loss" in record))
+
+        def on_step_end(self, trainer, step):
+            events.append(("step", step))
+            if step == 4:
+                trainer.stop("seen enough")
+
+        def on_evaluate(self, trainer, metrics):
+            events.append(("evaluate", metrics["step"], metrics["eval_perplexity"] > 1))
+
+        def on_save(self, trainer, checkpoint):
+            events.append(("save", checkpoint.name))
+
+    result = train(fresh_model(base), base[1], RECORDS, eval_data=EVAL_RECORDS,
+                   **options(tmp_path, max_steps=10, eval_every=2, save_every=3, callback=Watcher()))
+    assert events == [("log", 1, False), ("step", 1), ("log", 2, False), ("log", 2, True), ("evaluate", 2, True),
+                      ("step", 2), ("log", 3, False), ("step", 3), ("save", "step-000003"), ("log", 4, False),
+                      ("log", 4, True), ("evaluate", 4, True), ("step", 4), ("save", "step-000004")]
+    assert result.steps == 4 and result.stopped == "seen enough" and result.checkpoint.name == "step-000004"
+
+
+def test_packing_trains_on_the_same_loss_as_the_examples_alone(base, tmp_path):
+    """One step over every example, packed: its loss is the mean over the examples' labelled tokens
+    computed unpacked (transformers' forward either way; 1e-5 relative covers float32 sums over rows
+    of other lengths, where attention across examples would move the loss by far more)."""
+    model = fresh_model(base)
+    examples = encode_records(base[1], read_records(RECORDS), 128)
+    alone = accumulate_gradients(model, [collate(examples, base[1].pad_token_id)])
+    model.zero_grad()
+    result = train(model, base[1], RECORDS, **options(tmp_path, max_steps=1, batch_size=8, lr=0.0, packing=True,
+                                                      engine="auto"))
+    assert result.loss == pytest.approx(alone, rel=1e-5)
+    with pytest.raises(ValueError, match="packing=True runs on the torch path"):
+        Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path, packing=True, engine="wgpu"))
+
+
+def test_length_grouped_batches_train(base, tmp_path):
+    result = train(fresh_model(base), base[1], RECORDS, **options(tmp_path, epochs=1, group_by_length=True))
+    assert result.steps == 4 and all(r["loss"] is not None for r in read_metrics(tmp_path))

@@ -20,6 +20,12 @@ the values last uploaded and writes those that changed (an optimizer step, ``loa
 any in-place edit), so the engine never drifts from them. When the engine itself updates
 ``params`` (training with the GPU optimizer), ``pull`` writes the values back.
 
+The engine runs adapters (``LoRALinear``) on those seven projections of the decoder layers;
+``check_adapters`` refuses, naming the module, any other adapter in the model (on ``lm_head``,
+a PEFT layer, ...), which it would otherwise leave out. ``refresh`` follows the model when its
+adapters change (another active adapter: other modules or ranks) by laying them out anew; a
+disabled adapter (``LoRALinear.disabled``) runs with scaling 0.
+
 LoRA dropout (``dropout``): adapters in training mode with ``lora_dropout`` > 0 drop features
 of their input with masks the kernels compute from a pass's seed and each adapter's key
 (``kernels.dropout``); the engine takes one probability for every adapter, as a PEFT config has.
@@ -35,7 +41,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..integrations.bitnet import projection
+from ..integrations.bitnet import PROJECTIONS, projection
+from ..integrations.peft import peft_layers
 from ..modules import LoRALinear
 from ..runtime import Buffer, Device, Recorder, upload, write
 from .config import EngineConfig, pad
@@ -75,6 +82,11 @@ class Site:
     adapters: list[Adapter]
 
 
+def _scaling(module: LoRALinear) -> float:
+    """The factor the kernels apply to an adapter's output: 0 while it is disabled."""
+    return 0.0 if module.disabled else module.scaling
+
+
 def rows_of(config: EngineConfig, name: str) -> tuple[int, int, int]:
     """(first row, end row, step) of a projection's outputs in its site's fused projection."""
     q, kv, f = config.q_size, config.kv_size, config.intermediate
@@ -83,19 +95,62 @@ def rows_of(config: EngineConfig, name: str) -> tuple[int, int, int]:
             "down_proj": (0, config.hidden, 1)}[name]
 
 
+def refuse_peft_layers(model: nn.Module) -> None:
+    """ValueError naming the first PEFT layer in ``model`` (BitNetEngine runs torch_wgpu_lora's adapters)."""
+    for name, module in peft_layers(model):
+        raise ValueError(f"{name} is a PEFT layer ({type(module).__name__}), which BitNetEngine does not run; convert "
+                         "the model with torch_wgpu_lora.integrations.peft.from_peft(model) (its adapters become "
+                         "torch_wgpu_lora's, sharing their Parameters), or run it on the torch path (engine='torch')")
+
+
+def check_adapters(model: nn.Module, config: EngineConfig) -> None:
+    """ValueError naming the first adapter of ``model`` that the engine cannot run: a PEFT layer, or a
+    ``LoRALinear`` anywhere but on the seven projections of the decoder layers (e.g. on ``lm_head``)."""
+    refuse_peft_layers(model)
+    runnable = {id(projection(layer, name)) for layer in model.model.layers[: config.layers] for name in PROJECTIONS}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear) and id(module) not in runnable:
+            raise ValueError(f"{name} has a LoRA adapter, which BitNetEngine cannot run: it runs adapters on the "
+                             f"decoder layers' projections ({', '.join(PROJECTIONS)}) only. Remove it, or run the "
+                             "model on the torch path (engine='torch')")
+
+
+def _layout(model: nn.Module, config: EngineConfig) -> list[list[tuple[str, LoRALinear]]]:
+    """Per layer, the (projection name, adapter) pairs the engine runs, in ``SITES`` order."""
+    return [[(n, m) for names in SITES.values() for n in names if isinstance(m := projection(layer, n), LoRALinear)]
+            for layer in model.model.layers[: config.layers]]
+
+
 class EngineAdapters:
     """Every adapter of the model on the GPU, by layer and site, synced with the Parameters."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, device: Device) -> None:
-        self.config, self.device = config, device
+        self.model, self.config, self.device = model, config, device
+        self.gpu_is_newer = False  # set when the engine's own optimizer step changed ``params``
+        self._lay_out(_layout(model, config))
+
+    def refresh(self) -> bool:
+        """Lay the adapters out anew if the model's changed since (other modules or ranks, e.g. after
+        ``set_adapter``); returns whether it did. Values the engine's optimizer wrote are pulled into
+        the old Parameters first. Plans built for the old layout must not be used after a True."""
+        layout = _layout(self.model, self.config)
+        if [[(n, id(m), m.r) for n, m in layer] for layer in layout] == self._signature:
+            return False
+        check_adapters(self.model, self.config)
+        self.pull()
+        self._lay_out(layout)
+        return True
+
+    def _lay_out(self, layout: list[list[tuple[str, LoRALinear]]]) -> None:
+        config = self.config
+        self._signature = [[(n, id(m), m.r) for n, m in layer] for layer in layout]
         self.sites: list[dict[str, Site]] = []
         size = 0
-        for index, layer in enumerate(model.model.layers[: config.layers]):
+        for index, placed in enumerate(layout):
             sites = {}
             for site, names in SITES.items():
                 k = config.intermediate if site == "down" else config.hidden
-                modules = [(n, projection(layer, n)) for n in names]
-                modules = [(n, m) for n, m in modules if isinstance(m, LoRALinear)]
+                modules = [(n, m) for n, m in placed if n in names]
                 rank = sum(m.r for _, m in modules)
                 a_offset, size = size, size + pad(rank * pad(k, 64), _ALIGN)
                 adapters, a_row = [], 0
@@ -106,25 +161,24 @@ class EngineAdapters:
                 sites[site] = Site(k, rank, a_offset, None, None, len(adapters), adapters)
             self.sites.append(sites)
         self.size = max(size, _ALIGN)
-        self.params = Buffer((self.size,), device=device)
+        self.params = Buffer((self.size,), device=self.device)
         self._grads: Buffer | None = None
         for sites in self.sites:
             for site in sites.values():
                 if site.rank:
                     site.a = self.params.slice(site.a_offset, (site.rank, pad(site.k, 64)))
-                    site.table = upload(lora_table(self._segments(site)), device)
+                    site.table = upload(lora_table(self._segments(site)), self.device)
         self.modules = [a.module for sites in self.sites for s in sites.values() for a in s.adapters]
         self._uploaded: dict[int, torch.Tensor] = {}  # id(parameter) -> the values on the GPU
         self._scaling: dict[int, float] = {}  # id(module) -> the scaling in its segment header
-        self.gpu_is_newer = False  # set when the engine's own optimizer step changed ``params``
-        rec = Recorder(device)
+        rec = Recorder(self.device)
         rec.clear(self.params)  # padding between regions reads as zero
         rec.submit()
         self.sync(force=True)
 
     @staticmethod
     def _segments(site: Site) -> list[tuple]:
-        return [(*a.rows[:3], a.a_row, a.module.scaling, a.b_offset, a.module.r) for a in site.adapters]
+        return [(*a.rows[:3], a.a_row, _scaling(a.module), a.b_offset, a.module.r) for a in site.adapters]
 
     @property
     def max_rank(self) -> int:
@@ -212,10 +266,11 @@ class EngineAdapters:
             if m.merged:
                 raise ValueError(f"layer {adapter.layer} {adapter.name}: the adapter is merged into its base weight, "
                                  "which the engine has already uploaded; unmerge it")
-            if force or self._scaling.get(id(m)) != m.scaling:  # load_adapter may bring another alpha
-                word = np.array([m.scaling], np.float32).view(np.uint32)
+            scaling = _scaling(m)
+            if force or self._scaling.get(id(m)) != scaling:  # load_adapter may bring another alpha
+                word = np.array([scaling], np.float32).view(np.uint32)
                 write(site.table, word, offset=(8 * adapter.segment + 6) * 4)
-                self._scaling[id(m)] = m.scaling
+                self._scaling[id(m)] = scaling
             if force or self._changed(m.lora_A):
                 a = np.zeros((m.r, pad(site.k, 64)), np.float32)
                 a[:, : site.k] = m.lora_A.detach().float().numpy()

@@ -36,7 +36,7 @@ from ..limits import check_context
 from ..loss import IGNORE_INDEX, causal_lm_loss
 from ..runtime import Device, get_device
 from ..runtime.buffers import pool_for, staging_for
-from .adapters import EngineAdapters
+from .adapters import EngineAdapters, check_adapters, refuse_peft_layers
 from .config import EngineConfig
 from .generate import DecodeSession
 from .plan import ForwardPlan, KVCache
@@ -59,10 +59,12 @@ class BitNetEngine(nn.Module):
 
     def __init__(self, model: nn.Module, device: Device | None = None) -> None:
         super().__init__()
+        refuse_peft_layers(model)
         self.engine_config = EngineConfig.from_model(model)
         if self.engine_config.projection_norm_eps is not None:
             raise ValueError("BitNetEngine does not run BitLinear layers with their own RMSNorm "
                              "(quantization_config.use_rms_norm); use the torch path for this model")
+        check_adapters(model, self.engine_config)
         self.device = device or get_device()
         self.model = model
         self.weights: EngineWeights = upload_weights(model, self.engine_config, self.device)
@@ -114,6 +116,8 @@ class BitNetEngine(nn.Module):
         """The KV cache, plans and sampling launches of a generation of this shape and sampling
         (``engine.generate.session``), built once, then reused: building one takes tens of ms.
         Generation applies no LoRA dropout: adapters that would (training mode) are refused."""
+        with self.lock:
+            self._follow_adapters()
         if self.adapters.dropout():
             raise ValueError("BitNetEngine generates without LoRA dropout, and the adapters are in training mode "
                              "with lora_dropout > 0: call model.eval() first (torch_wgpu_lora.generate does)")
@@ -130,6 +134,15 @@ class BitNetEngine(nn.Module):
         with self.lock:
             self.optimizer_step.discard_ahead()
             self._plans.clear()
+
+    def _follow_adapters(self) -> None:
+        """Lay the adapters out anew when the model's changed (``EngineAdapters.refresh``): the plans,
+        the step encoded ahead and the optimizer step's flat moments of the old layout go (the
+        optimizers keep their moments, which move into the new layout at their next step)."""
+        if self.adapters.refresh():
+            self.release_plans()
+            self.optimizer_step.release_moments()
+            self.optimizer_step = OptimizerStep(self.adapters, Workspace(self.device))
 
     def _cached(self, key: tuple, make: Any) -> Any:
         plan = self._plans.get(key)
@@ -197,7 +210,12 @@ class BitNetEngine(nn.Module):
         """
         if unused.get("use_cache") or unused.get("past_key_values") is not None or unused.get("cache") is not None:
             raise ValueError("BitNetEngine keeps its KV cache on the GPU; use torch_wgpu_lora.generate for decoding")
+        if unused.get("position_ids") is not None:
+            raise ValueError("BitNetEngine numbers positions 0, 1, ... in each row and attends across the whole row; "
+                             "it does not take position_ids (packed sequences): run those on the torch path")
         ids, lengths = self.check_inputs(input_ids, attention_mask, labels)
+        with self.lock:
+            self._follow_adapters()
         params = [p for m in self.adapters.modules for p in (m.lora_A, m.lora_B)]
         seed = _dropout_seed() if self.adapters.dropout() else None  # one pass's masks: the loss's and its logits'
         if labels is not None and torch.is_grad_enabled() and any(p.requires_grad for p in params):
@@ -267,6 +285,7 @@ class BitNetEngine(nn.Module):
         ("loss" and "tokens" over every process when ``all_reduce`` is given).
         """
         with self.lock:
+            self._follow_adapters()
             self.optimizer_step.check_optimizer(optimizer)
             p = self.adapters.dropout()
             self.adapters.sync(pull=False)  # the GPU's values are the newest: no readback before a step

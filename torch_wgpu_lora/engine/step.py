@@ -14,6 +14,7 @@ a run of steps hides the encoding behind the GPU.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -35,6 +36,7 @@ class OptimizerStep:
         self.workspace = workspace
         self._moments: tuple[Buffer, Buffer] | None = None  # made at the first step
         self._views: dict | None = None  # each Parameter's views of them, which the optimizer adopts
+        self._adopters: weakref.WeakSet = weakref.WeakSet()  # optimizers holding those views
         self._stats = workspace.alloc("optimizer", (4,))
         self._partials = workspace.alloc("optimizer", (CLIP_PARTIALS,))
         self._adamw = adamw_uniform(self.device)  # each step's AdamW values, written before its submit
@@ -60,7 +62,18 @@ class OptimizerStep:
                 write(buf, np.zeros(buf.numel, np.float32))
             self._views = self.adapters.views(self._moments)
         optimizer.adopt_moments(self._views)
+        self._adopters.add(optimizer)
         return self._moments
+
+    def release_moments(self) -> None:
+        """Give every optimizer that holds views of the flat moments buffers of its own, values
+        kept (``WgpuAdamW.adopt_moments``), before this step and its buffers go: views do not keep
+        the flat buffers alive, and the pool would hand them to the next owner."""
+        if self._views is not None:
+            for optimizer in list(self._adopters):
+                optimizer.adopt_moments({p: (layout, *(Buffer(b.shape, device=self.device) for b in pair))
+                                         for p, (layout, *pair) in self._views.items()})
+        self._adopters.clear()
 
     def run(self, plan: TrainPlan, slots: int, labelled: int, optimizer: WgpuAdamW, max_grad_norm: float, *,
             all_reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[str, Any]:

@@ -1,1 +1,1 @@
-"""Integrations: transformers' BitNet models, adapter files, gradient checks."""
+"""Integrations: transformers' BitNet models, adapter files, PEFT's model API and PEFT models, gradient checks."""

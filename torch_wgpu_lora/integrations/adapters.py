@@ -11,12 +11,17 @@
 (for example ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), and
 ``adapter_config.json`` (peft_type "LORA", task_type "CAUSAL_LM", r, lora_alpha,
 lora_dropout, target_modules, ...), as ``PeftModel.save_pretrained`` writes them.
-Loading also takes adapters that peft trained, as long as they describe plain LoRA:
-options that change the model in other ways (DoRA, rsLoRA, biases, rank or alpha
-patterns, modules_to_save, ...) are refused by name, and so is any option this module
-does not know whose value is not off, and so are ``target_modules`` that disagree with the
-modules the tensors adapt. ``adapter_model.bin`` is a pickle and is refused: loading never
-unpickles.
+Loading also takes adapters that peft trained, as long as they describe LoRA as this
+package runs it (per-module ranks and alphas, rsLoRA and adapters on some layers only
+included): options that change the model in other ways (DoRA, biases, modules_to_save, ...)
+are refused by name (``LoraConfig.from_peft_fields``), and so is any option this module does
+not know whose value is not off, and so are target fields (``target_modules``,
+``exclude_modules``, ``layers_to_transform``) that disagree with the modules the tensors
+adapt. An adapter whose initialisation changed the base weights (PiSSA, OLoRA, ...) is
+refused unless the model is that changed base (``residual_base=True``).
+``adapter_model.bin`` is a pickle and is refused: loading never unpickles. Saving writes
+rank_pattern / alpha_pattern where the adapters' ranks or alphas differ, and the exact
+module names as target_modules where the adapters cover only some modules of a name.
 
 **Hesper** (``format="hesper"``): one little-endian file, a 24-byte header
 ``u32 magic 0x4C4F5241, u32 version 1, u32 rank, f32 alpha, u32 numLayers, u32 reserved``,
@@ -38,9 +43,10 @@ Files without one (written by peft or Hesper, or a Hesper CRC that happens to be
 unchecked. Any file whose tensors hold NaN or Inf is refused.
 
 Both formats are written from, and read into, a ``LoraConfig`` (r, lora_alpha, targets,
-and for PEFT lora_dropout). Loading into a model without adapters applies them first
-(``apply_lora`` with that config). Into a model that has adapters, the file's modules and
-rank must match them; their lora_A, lora_B and lora_alpha (hence scaling) are replaced.
+and for PEFT lora_dropout, patterns and rsLoRA). Loading into a model without adapters
+applies them first, to exactly the modules the file holds weights for. Into a model that has
+adapters, the file's modules and ranks must match them; their lora_A, lora_B and lora_alpha
+(hence scaling) are replaced.
 Every check runs before any parameter changes.
 
 Writes are atomic. A Hesper file is written to a temporary file in the same folder,
@@ -56,10 +62,10 @@ inside the commit leaves a folder without ``adapter_config.json``, which peft an
 Reading while saves run: a save's commit holds an exclusive lock on the folder (``flock``),
 and ``load_adapter`` reads both files once, whole, under a shared one, so it gets one whole
 save, and two saves at once commit one after the other. Our weights also record the config
-fields they were saved with (r, lora_alpha, lora_dropout, target_modules; ``PAIRING_KEY`` in
-the safetensors metadata): where folders cannot be locked (outside POSIX, some network
-filesystems), a read that meets a save half done is refused, saying the folder was being
-written. (peft's own loader takes no lock and has no such check: don't point it at a folder
+fields they were saved with (r, lora_alpha, lora_dropout, the target fields, the patterns and
+use_rslora; ``PAIRING_KEY`` in the safetensors metadata): where folders cannot be locked
+(outside POSIX, some network filesystems), a read that meets a save half done is refused,
+saying the folder was being written. (peft's own loader takes no lock and has no such check: don't point it at a folder
 that is being saved into.)
 """
 
@@ -84,7 +90,7 @@ from torch import nn
 from ..config import LoraConfig
 from ..files import locked_dir, make_temp_dir, sync_dir, write_atomic, write_temp
 from ..modules import LoRALinear
-from .bitnet import apply_lora, is_linear_like, layer_index, lora_modules
+from .bitnet import apply_lora, is_linear_like, layer_index, lora_modules, lora_targets
 from .gguf import save_gguf_adapter
 
 FORMATS = ("peft", "hesper")
@@ -96,7 +102,8 @@ PICKLE_WEIGHTS_NAME = "adapter_model.bin"
 PEFT_PREFIX = "base_model.model."
 CHECKSUM_KEY = "torch_wgpu_lora_sha256"  # safetensors metadata: our PEFT weights' checksum
 PAIRING_KEY = "torch_wgpu_lora_config"  # safetensors metadata: the config fields the weights were saved with
-_PAIRED_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules")
+_PAIRED_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "layers_to_transform",
+                  "layers_pattern", "rank_pattern", "alpha_pattern", "use_rslora")
 _PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 
 HESPER_MAGIC = 0x4C4F5241
@@ -105,48 +112,11 @@ _HESPER_HEADER = struct.Struct("<IIIfII")  # magic, version, rank, alpha, numLay
 _HESPER_CHECKED = 20  # header bytes before the reserved field, which the CRC covers with the tensors
 HESPER_TARGETS = ("q_proj", "v_proj")
 
-# PEFT options that make the model something other than base + (alpha/r)·B·A on the
-# targeted linear layers; each is refused unless its value is off (None, False, "none", empty).
-_PEFT_UNSUPPORTED = {
-    "use_dora": "DoRA (use_dora)",
-    "use_rslora": "rank-stabilised scaling alpha/sqrt(r) (use_rslora)",
-    "bias": "trained biases (bias)",
-    "lora_bias": "a bias on lora_B (lora_bias)",
-    "fan_in_fan_out": "transposed (Conv1D) base weights (fan_in_fan_out)",
-    "rank_pattern": "per-module ranks (rank_pattern)",
-    "alpha_pattern": "per-module alphas (alpha_pattern)",
-    "modules_to_save": "fully trained extra modules (modules_to_save)",
-    "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
-    "target_parameters": "adapters on raw parameters (target_parameters)",
-    "layer_replication": "replicated layers (layer_replication)",
-    "megatron_config": "Megatron parallel layers (megatron_config)",
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
-    "use_qalora": "QA-LoRA input pooling (use_qalora)",
-    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
-    "velora_config": "VeLoRA (velora_config)",
-    "monteclora_config": "MonteCLoRA (monteclora_config)",
-    "arrow_config": "Arrow routing (arrow_config)",
-    "kasa_config": "KaSA (kasa_config)",
-}
-# Options that only matter before training (initialisation) or pick which modules carry
-# adapters (the tensor keys say that exactly): any value is fine.
-_PEFT_HARMLESS = {
-    "peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
-    "inference_mode", "r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules",
-    "layers_to_transform", "layers_pattern", "init_lora_weights", "loftq_config", "eva_config",
-    "corda_config", "lora_ga_config", "megatron_core", "qalora_group_size", "ensure_weight_tying",
-}
-
-
-def _is_off(value: Any) -> bool:
-    return value is None or value is False or value in ("none", "") or (isinstance(value, (dict, list)) and not value)
-
-
 @dataclass
 class _Adapter:
     """What a file describes, checked against the model before any tensor is read."""
 
-    config: LoraConfig  # target_modules: the last name components of the modules in ``shapes``
+    config: LoraConfig  # as the file describes it (ranks: the shapes')
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # module -> (lora_A shape, lora_B shape)
 
 
@@ -181,11 +151,14 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, format: str = "peft"
     return path
 
 
-def load_adapter(model: nn.Module, path: str | os.PathLike, format: str | None = None) -> nn.Module:
+def load_adapter(model: nn.Module, path: str | os.PathLike, format: str | None = None, *,
+                 residual_base: bool = False) -> nn.Module:
     """Load the adapter at ``path`` into ``model`` (changed in place, and returned).
 
     ``format=None`` detects it: a folder is PEFT, a file starting with Hesper's magic is Hesper.
     Anything but a regular file or a folder (a FIFO, a device) is refused before it is opened.
+    ``residual_base=True`` says that ``model``'s base weights are the ones peft changed when it
+    initialised this adapter (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), which such adapters need.
 
     >>> # model = load_adapter(BitNetForCausalLM.from_pretrained(base), "out/adapter")
     """
@@ -193,8 +166,10 @@ def load_adapter(model: nn.Module, path: str | os.PathLike, format: str | None =
     format = _detect_format(path) if format is None else format
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS} or None, got {format!r}")
-    read = _read_peft if format == "peft" else _read_hesper
-    adapter, targets, tensors = read(model, path)
+    if format == "peft":
+        adapter, targets, tensors = _read_peft(model, path, residual_base)
+    else:
+        adapter, targets, tensors = _read_hesper(model, path)
     _install(model, adapter, targets, tensors)
     return model
 
@@ -234,9 +209,11 @@ def _dropout_p(m: LoRALinear) -> float:
 
 def _check_scaling(modules: dict[str, LoRALinear]) -> None:
     for name, m in modules.items():
-        if m.scaling != m.lora_alpha / m.r:
-            raise ValueError(f"{name}.scaling is {m.scaling}, not lora_alpha / r = {m.lora_alpha / m.r}: "
-                             "adapter files store r and lora_alpha only")
+        expected = LoraConfig(r=m.r, lora_alpha=m.lora_alpha, use_rslora=m.use_rslora).scaling
+        if m.scaling != expected:
+            rule = "lora_alpha / sqrt(r)" if m.use_rslora else "lora_alpha / r"
+            raise ValueError(f"{name}.scaling is {m.scaling}, not {rule} = {expected}: adapter files store r, "
+                             "lora_alpha and use_rslora only")
 
 
 def _file_config(source: Any, **fields: Any) -> LoraConfig:
@@ -257,14 +234,15 @@ def _check_finite(source: Any, tensors: dict[str, tuple[torch.Tensor, torch.Tens
 
 
 def _fit(model: nn.Module, adapter: _Adapter, source: str) -> tuple[str, ...] | None:
-    """Check ``adapter`` against ``model``; return the targets to apply, or None when the model has them."""
+    """Check ``adapter`` against ``model``; return the modules to put adapters on, or None when the
+    model has them."""
     named = dict(model.named_modules())
-    r = adapter.config.r
     for name, (a_shape, b_shape) in adapter.shapes.items():
         module = named.get(name)
         if module is None or not is_linear_like(module):
             raise ValueError(f"{source}: the adapter targets {name!r}, but this model has no linear module of "
                              "that name (was it made for another architecture?)")
+        r = a_shape[0]
         want_a, want_b = (r, module.in_features), (module.out_features, r)
         if (a_shape, b_shape) != (want_a, want_b):
             raise ValueError(f"{source}: {name} has lora_A {list(a_shape)} and lora_B {list(b_shape)}, but this "
@@ -272,73 +250,124 @@ def _fit(model: nn.Module, adapter: _Adapter, source: str) -> tuple[str, ...] | 
                              f"{list(want_a)} and lora_B {list(want_b)}: the adapter was made for another model size")
     wanted = set(adapter.shapes)
     existing = lora_modules(model)
+    _check_targets(model, adapter.config, wanted, existing, source)
     if existing:
         if set(existing) != wanted:
             raise ValueError(f"{source}: the model's adapters do not match the file's: only in the model "
                              f"{sorted(set(existing) - wanted)[:4]}, only in the file {sorted(wanted - set(existing))[:4]}")
         for name, m in existing.items():
+            r = adapter.shapes[name][0][0]
             if m.r != r:
                 raise ValueError(f"{source}: the model's adapter {name} has rank {m.r}, the file's has rank {r}")
             if m.merged:
                 raise ValueError(f"{source}: the model's adapter {name} is merged into its base weight; "
                                  "unmerge() it before loading new adapter weights")
         return None
-    targets = adapter.config.target_modules
-    would_wrap = {n for n, m in named.items() if n and n.rsplit(".", 1)[-1] in targets and is_linear_like(m)}
-    if would_wrap != wanted:
-        raise ValueError(f"{source}: the adapter has no weights for {sorted(would_wrap - wanted)[:4]}, but "
-                         f"adapters are applied to every module named {list(targets)}")
-    return targets
+    return tuple(adapter.shapes)
+
+
+def _check_targets(model: nn.Module, config: LoraConfig, wanted: set[str], existing: dict[str, LoRALinear],
+                   source: str) -> None:
+    """Refuse a file whose target fields select other modules of ``model`` than those its tensors
+    adapt (``wanted``): peft would load such a pair as another model, leaving tensors unused or
+    adding untrained adapters. ``existing``: the model's adapters, whose base layers are no targets."""
+    inside = tuple(f"{name}." for name in existing)
+    try:
+        selected = {n for n, _ in lora_targets(model, config) if not n.startswith(inside)}
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
+    unselected, unloaded = sorted(wanted - selected), sorted(selected - wanted)
+    if not unselected and not unloaded:
+        return
+    fields = "".join(f", {key}={getattr(config, key)!r}" for key in ("exclude_modules", "layers_to_transform")
+                     if getattr(config, key) is not None)
+    found = sorted({m.rsplit(".", 1)[-1] for m in wanted})
+    problems = ([f"they hold weights for {unselected[:4]}, which target_modules does not select (peft would leave "
+                 "them unused)"] if unselected else []) + \
+               ([f"target_modules selects {unloaded[:4]}, which they hold no weights for (peft would add untrained "
+                 "adapters there)"] if unloaded else [])
+    raise ValueError(f"{source}: target_modules {config.target_modules!r}{fields} disagree with the file's tensors, "
+                     f"which adapt {found}: " + "; ".join(problems))
 
 
 @torch.no_grad()
 def _install(model: nn.Module, adapter: _Adapter, targets: tuple[str, ...] | None,
              tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    config = adapter.config
     if targets is not None:
-        # init="peft" is the fast one; every value is overwritten below.
-        apply_lora(model, adapter.config.updated(target_modules=targets, init="peft"))
+        # Exactly the file's modules, whatever its target fields say; init="peft" is the fast one
+        # (every value is overwritten below).
+        exact = "(?:" + "|".join(re.escape(name) for name in targets) + ")"
+        apply_lora(model, config.updated(target_modules=exact, exclude_modules=None, layers_to_transform=None,
+                                         layers_pattern=None, init="peft"))
+        model.lora_config = config
         for m in lora_modules(model).values():
             m.train(model.training)  # new modules start in training mode; follow the model's (dropout)
     elif getattr(model, "lora_config", None) is not None:
-        model.lora_config = model.lora_config.updated(lora_alpha=adapter.config.lora_alpha)
+        model.lora_config = model.lora_config.updated(lora_alpha=config.lora_alpha, alpha_pattern=config.alpha_pattern,
+                                                      use_rslora=config.use_rslora)
     modules = lora_modules(model)
     for name, (A, B) in tensors.items():
         m = modules[name]
         m.lora_A.copy_(A)
         m.lora_B.copy_(B)
-        m.lora_alpha = adapter.config.lora_alpha
-        m.scaling = adapter.config.scaling
+        m.lora_alpha = config.alpha_of(name)
+        m.use_rslora = config.use_rslora
+        m.scaling = config.scaling_of(name)
 
 
 # -- PEFT ----------------------------------------------------------------------------------------
 
+def _by_module(model: nn.Module, modules: dict[str, LoRALinear], value: Any, default: Any) -> dict[str, Any]:
+    """PEFT's pattern for the modules whose ``value`` is not ``default``: keyed by the module's last
+    name where every adapter of that name has the value, else by its escaped qualified name."""
+    out = {}
+    for name, m in modules.items():
+        if value(m) == default:
+            continue
+        short = name.rsplit(".", 1)[-1]
+        same_named = [other for n, other in modules.items() if n.rsplit(".", 1)[-1] == short]
+        out[short if all(value(o) == value(m) for o in same_named) else re.escape(name)] = value(m)
+    return out
+
+
+def _most_common(values: list[Any]) -> Any:
+    return max(sorted(set(values)), key=values.count)
+
+
 def _peft_lora_config(model: nn.Module, modules: dict[str, LoRALinear]) -> LoraConfig:
-    r = _uniform(modules, "rank", lambda m: m.r, "PEFT files need rank_pattern for that, which is not supported")
-    alpha = _uniform(modules, "lora_alpha", lambda m: m.lora_alpha,
-                     "PEFT files need alpha_pattern for that, which is not supported")
     dropout = _uniform(modules, "lora_dropout", _dropout_p, "a PEFT config has one lora_dropout")
+    use_rslora = _uniform(modules, "scaling rule (use_rslora)", lambda m: m.use_rslora,
+                          "a PEFT config has one use_rslora")
     _check_scaling(modules)
-    targets = tuple(sorted({name.rsplit(".", 1)[-1] for name in modules}))
-    same_named = {n for n, m in model.named_modules() if n and n.rsplit(".", 1)[-1] in targets and is_linear_like(m)}
-    if same_named != set(modules):
-        raise ValueError(f"PEFT's target_modules {list(targets)} would also put adapters on "
-                         f"{sorted(same_named - set(modules))[:4]}, which have none here; PEFT files cannot express "
-                         "adapters on only some modules of a name")
-    return LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=dropout)
+    r = _most_common([m.r for m in modules.values()])
+    alpha = _most_common([m.lora_alpha for m in modules.values()])
+    names = tuple(sorted({name.rsplit(".", 1)[-1] for name in modules}))
+    same_named = {n for n, m in model.named_modules() if n and n.rsplit(".", 1)[-1] in names and is_linear_like(m)}
+    # PEFT's target_modules names match every module of that name; where only some have adapters,
+    # the qualified names themselves (PEFT takes a module that a name equals, too).
+    targets = names if same_named == set(modules) else tuple(modules)
+    return LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=dropout, use_rslora=use_rslora,
+                      rank_pattern=_by_module(model, modules, lambda m: m.r, r),
+                      alpha_pattern=_by_module(model, modules, lambda m: m.lora_alpha, alpha))
+
+
+def _json_number(value: float) -> int | float:
+    return int(value) if float(value).is_integer() else value
 
 
 def _peft_config_json(config: LoraConfig, base_model_name_or_path: str | None) -> dict:
     """adapter_config.json for ``config``: the fields a peft LoraConfig saves (peft >= 0.19), at their
-    plain-LoRA values; peft fills the rest with defaults."""
-    alpha = config.lora_alpha
+    plain-LoRA values where this package has no such option; peft fills the rest with defaults."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "revision": None, "inference_mode": True, "r": config.r,
-        "lora_alpha": int(alpha) if alpha.is_integer() else alpha, "lora_dropout": config.lora_dropout,
+        "lora_alpha": _json_number(config.lora_alpha), "lora_dropout": config.lora_dropout,
         "target_modules": list(config.target_modules), "exclude_modules": None, "bias": "none", "lora_bias": False,
-        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "fan_in_fan_out": False, "use_rslora": config.use_rslora, "use_dora": False, "modules_to_save": None,
         "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
-        "rank_pattern": {}, "alpha_pattern": {},
+        "rank_pattern": dict(config.rank_pattern),
+        "alpha_pattern": {key: _json_number(value) for key, value in config.alpha_pattern.items()},
     }
 
 
@@ -484,7 +513,9 @@ def _read_peft_pair(folder: Path) -> tuple[dict, bytes, dict, str | None]:
     except json.JSONDecodeError as err:
         raise ValueError(f"{weights_path}: its {PAIRING_KEY} metadata is not valid JSON ({err}): the file "
                          "is damaged; use another copy") from None
-    differ = [key for key in _PAIRED_FIELDS if not isinstance(saved, dict) or config.get(key) != saved.get(key)]
+    # A field the weights do not record is not compared.
+    differ = [key for key in _PAIRED_FIELDS
+              if not isinstance(saved, dict) or (key in saved and config.get(key) != saved[key])]
     if not differ:
         return config, data, header, None
     return config, data, header, (
@@ -495,55 +526,10 @@ def _read_peft_pair(folder: Path) -> tuple[dict, bytes, dict, str | None]:
         "(save the adapter again)")
 
 
-def _peft_config(config_path: Path, config: dict) -> LoraConfig:
-    """adapter_config.json's r, lora_alpha and lora_dropout, with every option checked (targets are
-    the default ones: the tensors' names say which modules the adapter covers)."""
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"{config_path}: peft_type is {config.get('peft_type')!r}; only LoRA adapters "
-                         "(peft_type 'LORA') can be loaded")
-    for key, value in config.items():
-        if key in _PEFT_UNSUPPORTED and not _is_off(value):
-            raise ValueError(f"{config_path}: {key}={value!r} asks for {_PEFT_UNSUPPORTED[key]}, which "
-                             "torch_wgpu_lora does not implement; loading it would give a different model")
-        if key not in _PEFT_UNSUPPORTED and key not in _PEFT_HARMLESS and not _is_off(value):
-            raise ValueError(f"{config_path}: unknown option {key}={value!r} (from a newer peft?); it may "
-                             "change the model in a way torch_wgpu_lora cannot reproduce, so it is refused")
-    return _file_config(config_path, r=config.get("r"), lora_alpha=config.get("lora_alpha"),
-                        lora_dropout=config.get("lora_dropout", 0.0))
-
-
-def _peft_targets(module: str, targets: str | list[str]) -> bool:
-    """Whether peft puts an adapter on ``module`` for ``target_modules=targets``: a regex the whole
-    name matches, or a list of names each matching the module's name or its last components."""
-    if isinstance(targets, str):
-        return re.fullmatch(targets, module) is not None
-    return any(module == t or module.endswith("." + t) for t in targets)
-
-
-def _check_peft_targets(config_path: Path, targets: Any, modules: list[str]) -> None:
-    """Refuse a config whose target_modules disagree with the modules the tensors adapt: peft would
-    load such a pair into another model than ours (ignoring tensors, or adding adapters)."""
-    if targets is None or targets == "all-linear":  # peft infers them from the model: nothing to compare
-        return
-    if not isinstance(targets, str) and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
-        raise ValueError(f"{config_path}: target_modules must be a list of module names or a regex, got {targets!r}")
-    try:
-        unnamed = [m for m in modules if not _peft_targets(m, targets)]
-    except re.error as err:
-        raise ValueError(f"{config_path}: target_modules {targets!r} is not a valid regex ({err})") from None
-    unused = [] if isinstance(targets, str) else [t for t in targets if not any(_peft_targets(m, [t]) for m in modules)]
-    if unnamed or unused:
-        found = sorted({m.rsplit(".", 1)[-1] for m in modules})
-        raise ValueError(f"{config_path}: target_modules {targets!r} disagree with the tensors in {WEIGHTS_NAME}, "
-                         f"which adapt {found}: " +
-                         (f"they hold adapters for {unnamed[:4]}, which target_modules does not name" if unnamed
-                          else f"target_modules names {unused}, which they hold no adapter for"))
-
-
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
-def _read_peft(model: nn.Module, folder: Path):
+def _read_peft(model: nn.Module, folder: Path, residual_base: bool):
     from safetensors import SafetensorError
     from safetensors.torch import load as safetensors_load
 
@@ -553,8 +539,8 @@ def _read_peft(model: nn.Module, folder: Path):
     weights_path = folder / WEIGHTS_NAME
     # Both files are read once, into memory: every check below and the tensors see the same bytes.
     config_json, data, header, disagreement = _read_peft_pair(folder)
-    config = _peft_config(folder / CONFIG_NAME, config_json)
-    r = config.r
+    config = LoraConfig.from_peft_fields(config_json, str(folder / CONFIG_NAME), loading=True,
+                                         residual_base=residual_base)
     shapes: dict[str, dict[str, tuple[int, ...]]] = {}
     for key, entry in header.items():
         if key == "__metadata__":
@@ -574,13 +560,11 @@ def _read_peft(model: nn.Module, folder: Path):
         if set(pair) != {"A", "B"}:
             missing = "lora_B" if "A" in pair else "lora_A"
             raise ValueError(f"{weights_path}: {module} has no {missing} weight")
+        r = config.rank_of(module)
         if len(pair["A"]) != 2 or len(pair["B"]) != 2 or pair["A"][0] != r or pair["B"][1] != r:
             raise ValueError(f"{weights_path}: {module} has lora_A {list(pair['A'])} and lora_B "
                              f"{list(pair['B'])}, which is not rank r={r} from {CONFIG_NAME}")
-    _check_peft_targets(folder / CONFIG_NAME, config_json.get("target_modules"), sorted(shapes))
-    targets = tuple(sorted({module.rsplit(".", 1)[-1] for module in shapes}))
-    adapter = _Adapter(config.updated(target_modules=targets),
-                       {module: (pair["A"], pair["B"]) for module, pair in shapes.items()})
+    adapter = _Adapter(config, {module: (pair["A"], pair["B"]) for module, pair in shapes.items()})
     fit_targets = _fit(model, adapter, str(folder))
     try:
         stored = safetensors_load(data)
@@ -637,6 +621,8 @@ def _save_hesper(model: nn.Module, modules: dict[str, LoRALinear], path: Path) -
                                             "the Hesper format has one alpha"),
                         target_modules=HESPER_TARGETS)
     _check_scaling(modules)
+    if any(m.use_rslora for m in modules.values()):
+        raise ValueError("the Hesper format scales adapters by lora_alpha / r; these use rsLoRA's lora_alpha / sqrt(r)")
     if float(np.float32(config.lora_alpha)) != config.lora_alpha:
         raise ValueError(f"lora_alpha={config.lora_alpha!r} is not exactly a float32, which the Hesper header "
                          "stores; use a value float32 holds exactly (e.g. an integer)")

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import LoraConfig
+from ..config import ALL_LINEAR, LoraConfig
 from ..modules import LoRALinear
 from .gguf import is_gguf_path, load_gguf_bitnet, load_gguf_tokenizer
 
@@ -209,15 +209,45 @@ def use_ste_backward(model: nn.Module) -> int:
     return changed
 
 
-def apply_lora(model: nn.Module, config: LoraConfig | None = None, **fields: Any) -> nn.Module:
-    """Replace every module named in the config's ``target_modules`` with a ``LoRALinear`` wrapping it.
+def lora_targets(model: nn.Module, config: LoraConfig) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every linear module of ``model`` that ``config`` selects, in model
+    order, by PEFT's rules (``LoraConfig.selects``); ``"all-linear"`` leaves out the output layer
+    (``get_output_embeddings``), as PEFT does. ValueError when a target name, or the whole selection,
+    matches nothing.
 
-    ``config`` (default ``LoraConfig()``) with ``fields`` replacing its values:
+    >>> # [name for name, _ in lora_targets(model, LoraConfig(target_modules="all-linear"))][:2]
+    >>> # ['model.layers.0.self_attn.q_proj', 'model.layers.0.self_attn.k_proj']
+    """
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linear = [(n, m) for n, m in model.named_modules() if n and is_linear_like(m)
+              and not (config.target_modules == ALL_LINEAR and m is output)]
+    names = sorted({n.rsplit(".", 1)[-1] for n, _ in linear})
+    if isinstance(config.target_modules, tuple):
+        unknown = [t for t in config.target_modules if not any(n == t or n.endswith(f".{t}") for n, _ in linear)]
+        if unknown:
+            raise ValueError(f"target_modules {unknown} match no module; linear modules in this model: {names}")
+    selected = [(n, m) for n, m in linear if config.selects(n)]
+    if not selected:
+        raise ValueError(f"target_modules={config.target_modules!r} (with exclude_modules={config.exclude_modules!r}, "
+                         f"layers_to_transform={config.layers_to_transform!r}) selects no linear module of this model; "
+                         f"its linear modules: {names}")
+    return selected
+
+
+def apply_lora(model: nn.Module, config: Any = None, **fields: Any) -> nn.Module:
+    """Replace every module the config selects with a ``LoRALinear`` wrapping it.
+
+    ``config`` (default ``LoraConfig()``; a ``peft.LoraConfig`` is read with ``LoraConfig.from_peft``,
+    which refuses by name what this package does not implement) with ``fields`` replacing its values:
     ``apply_lora(model, r=8, lora_alpha=16)`` and ``apply_lora(model, LoraConfig(r=8, lora_alpha=16))``
-    are the same. The model keeps the config it was given as ``model.lora_config``.
+    are the same. Modules are selected as PEFT selects them (``lora_targets``), each with its
+    rank and alpha from ``rank_pattern`` / ``alpha_pattern``. The model keeps the config it was
+    given as ``model.lora_config``. (``torch_wgpu_lora.apply_lora``, ``integrations.peft``'s, also
+    gives the model PEFT's model API.)
 
-    Every other parameter is frozen. With ``init="hesper"``, the adapter of target t (its
-    position in ``target_modules``) in layer i is seeded ``seed + len(target_modules)*i + t``:
+    Every other parameter is frozen. With ``init="hesper"``, the adapter of target t (the position
+    in ``target_modules`` of the name it matched; with "all-linear" or a regex, of its name among
+    the selected modules' names in model order) in layer i is seeded ``seed + T*i + t`` (T targets):
     for the default Q/V targets, ``seed + 2i`` and ``seed + 2i + 1`` as in Hesper.
     Every packed ``BitLinear`` of the model, target or not, gets the straight-through
     backward (``use_ste_backward``). Returns ``model`` (changed in place). Unknown
@@ -226,27 +256,24 @@ def apply_lora(model: nn.Module, config: LoraConfig | None = None, **fields: Any
     >>> # apply_lora(load_bitnet(folder), r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"))
     """
     if config is not None and not isinstance(config, LoraConfig):
-        raise TypeError(f"config must be a LoraConfig, got {type(config).__name__}; pass settings as keywords "
-                        "(apply_lora(model, r=8)) or apply_lora(model, LoraConfig(r=8))")
+        config = LoraConfig.from_peft(config)
     config = (config or LoraConfig()).updated(**fields)
-    targets = config.target_modules
     if any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("this model already has LoRA adapters (apply_lora was called before)")
-    existing = OrderedDict()
-    for name, module in model.named_modules():
-        if name and is_linear_like(module):
-            existing.setdefault(name.rsplit(".", 1)[-1], []).append((name, module))
-    unknown = [t for t in targets if t not in existing]
-    if unknown:
-        raise ValueError(f"target_modules {unknown} match no module; linear modules in this model: "
-                         f"{sorted(existing)}")
+    selected = lora_targets(model, config)
+    if isinstance(config.target_modules, tuple):
+        kinds = list(config.target_modules)
+        kind = {n: next(t for t in kinds if n == t or n.endswith(f".{t}")) for n, _ in selected}
+    else:
+        kind = {n: n.rsplit(".", 1)[-1] for n, _ in selected}
+        kinds = list(dict.fromkeys(kind.values()))
     # Build every adapter before changing the model, so bad arguments leave it untouched.
     wrappers = [
-        (name, LoRALinear(module, r=config.r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                          init=config.init, backend=config.backend,
-                          seed=(config.seed + len(targets) * (layer_index(name) or 0) + t_index) % 2 ** 64))
-        for t_index, target in enumerate(targets)
-        for name, module in existing[target]
+        (name, LoRALinear(module, r=config.rank_of(name), lora_alpha=config.alpha_of(name),
+                          lora_dropout=config.lora_dropout, init=config.init, backend=config.backend,
+                          use_rslora=config.use_rslora,
+                          seed=(config.seed + len(kinds) * (layer_index(name) or 0) + kinds.index(kind[name])) % 2 ** 64))
+        for name, module in selected
     ]
     model.requires_grad_(False)
     use_ste_backward(model)

@@ -103,10 +103,21 @@ def build_tiny_bitnet(path: str | os.PathLike, flavour: str = "dense", seed: int
 
 
 SPECIAL_TOKENS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>"}
+# A chat template in microsoft/bitnet-b1.58-2B-4T's format ("Role: content" turns, each ended by the end
+# token; "Assistant: " prompts a reply), with transformers' generation markers around the assistant's part.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first %}{{ bos_token }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ 'Assistant: ' }}{% generation %}"
+    "{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ message['role'] | capitalize + ': ' + message['content'] + eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}"
+)
 
 
-def build_tiny_tokenizer(path: str | os.PathLike, texts: Iterable[str], vocab_size: int = 320) -> Path:
-    """Train a byte-level BPE tokenizer on ``texts`` and save it for ``AutoTokenizer``.
+def build_tiny_tokenizer(path: str | os.PathLike, texts: Iterable[str], vocab_size: int = 320,
+                         chat_template: str | None = None) -> Path:
+    """Train a byte-level BPE tokenizer on ``texts`` and save it for ``AutoTokenizer``, with
+    ``chat_template`` (e.g. ``CHAT_TEMPLATE``) if given.
 
     Special tokens take ids 0, 1, 2 (bos, eos, pad), matching ``TINY_CONFIG``.
     Deterministic for the same texts.
@@ -125,6 +136,8 @@ def build_tiny_tokenizer(path: str | os.PathLike, texts: Iterable[str], vocab_si
     )
     tok.train_from_iterator(list(texts), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(path)
     return path
 

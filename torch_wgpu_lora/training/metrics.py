@@ -1,4 +1,5 @@
-"""The metrics log (JSONL, one object a line) and the loss-curve plot drawn from it.
+"""The metrics log (JSONL, one object a line), the loss-curve plot drawn from it, and the
+experiment trackers that hear the same records (``Reporters``: TensorBoard, Weights & Biases).
 
 >>> import tempfile, pathlib
 >>> log = MetricsLog(pathlib.Path(tempfile.mkdtemp()) / "metrics.jsonl")
@@ -7,8 +8,8 @@
 [{'step': 1, 'loss': 2.5}, {'step': 1, 'eval_loss': 2.7}]
 
 Training lines carry ``step``, ``epoch``, ``loss``, ``lr``, ``grad_norm``, ``tokens``,
-``tokens_per_s`` and ``skipped``; evaluation lines ``step`` and ``eval_loss``. Values
-that are not finite are written as null (JSON has no NaN).
+``tokens_per_s`` and ``skipped``; evaluation lines ``step``, ``eval_loss`` and
+``eval_perplexity``. Values that are not finite are written as null (JSON has no NaN).
 
 Each line is synced to disk as it is appended. A crash (or a full disk) can still cut the
 last line short: ``read`` drops a torn last line with a warning, and ``keep_until`` (on
@@ -18,17 +19,21 @@ the file and line.
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import math
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..files import append_synced, write_atomic
 
-__all__ = ["MetricsLog", "plot_loss"]
+__all__ = ["REPORTERS", "MetricsLog", "Reporters", "perplexity", "plot_loss"]
+
+REPORTERS = ("tensorboard", "wandb")
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -78,6 +83,83 @@ class MetricsLog:
     def _replace(self, text: str) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, text.encode("utf-8"))
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), the perplexity of a mean loss per token (inf where that overflows, as transformers reports it).
+
+    >>> perplexity(0.0)
+    1.0
+    """
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+class Reporters:
+    """The experiment trackers ``report_to`` names (``REPORTERS``, one name or several), each written
+    through its library's own writer: TensorBoard's ``SummaryWriter`` (event files in ``folder``) and
+    ``wandb.log`` (a run started in ``folder``'s parent). Each record's numbers are logged at its
+    step, under ``train/<name>`` or ``eval/<name>`` (``eval_loss`` → ``eval/loss``). The writers open
+    at the first record (on the process that logs), so making one costs nothing elsewhere.
+
+    >>> Reporters((), "runs").names
+    ()
+    """
+
+    def __init__(self, report_to: str | Sequence[str], folder: str | os.PathLike) -> None:
+        names = (report_to,) if isinstance(report_to, str) else tuple(report_to)
+        unknown = [name for name in names if name not in REPORTERS]
+        if unknown:
+            raise ValueError(f"report_to takes {REPORTERS}, got {unknown[0]!r}")
+        for name in names:  # missing packages are said at once, not at the first record
+            _writer_module(name)
+        self.names, self.folder = names, Path(folder)
+        self._writers: dict[str, Any] | None = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.names:
+            return
+        if self._writers is None:
+            self._writers = {name: _open_writer(name, self.folder) for name in self.names}
+        step = record["step"]
+        values = {_tag(key): float(value) for key, value in record.items()
+                  if key not in ("step", "epoch", "skipped") and isinstance(value, (int, float))
+                  and not isinstance(value, bool)}
+        if "tensorboard" in self._writers:
+            for tag, value in values.items():
+                self._writers["tensorboard"].add_scalar(tag, value, step)
+        if "wandb" in self._writers:
+            self._writers["wandb"].log(values, step=step)
+
+    def close(self) -> None:
+        for name, writer in (self._writers or {}).items():
+            if name == "tensorboard":
+                writer.close()
+            else:
+                writer.finish()
+        self._writers = None
+
+
+def _tag(key: str) -> str:
+    return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+
+
+def _writer_module(name: str) -> Any:
+    package = {"tensorboard": "tensorboard", "wandb": "wandb"}[name]
+    try:
+        return importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else "wandb")
+    except ImportError:
+        raise ValueError(f"report_to={name!r} needs the {package} package, which is not installed "
+                         f"(pip install {package})") from None
+
+
+def _open_writer(name: str, folder: Path) -> Any:
+    module = _writer_module(name)
+    if name == "tensorboard":
+        return module.SummaryWriter(log_dir=str(folder))
+    return module.init(dir=str(folder.parent))
 
 
 def plot_loss(records: list[dict[str, Any]], path: str | os.PathLike) -> Path | None:

@@ -1,4 +1,4 @@
-"""``Trainer`` and ``train``: LoRA finetuning of a causal LM on Alpaca-style data.
+"""``Trainer`` and ``train``: LoRA finetuning of a causal LM on instruction, chat or text data.
 
 >>> # from torch_wgpu_lora import apply_lora, load_bitnet, train
 >>> # model = apply_lora(load_bitnet("bitnet-bf16"), r=8)
@@ -21,8 +21,15 @@ Non-finite values: a step whose loss or gradient norm is not finite changes noth
 
 Files under ``output_dir``: ``metrics.jsonl`` (one line per step and per evaluation),
 ``checkpoints/step-NNNNNN`` (``save_every`` steps and at the end; the newest
-``save_total_limit`` are kept), ``adapter/`` (the adapter of the newest checkpoint) and
-``loss.png`` (if matplotlib is installed). ``train(resume_from=True)`` continues from the
+``save_total_limit`` are kept), ``adapter/`` (the adapter of the newest checkpoint),
+``best-adapter/`` (``save_best``: the adapter of the lowest evaluation loss so far),
+``runs/`` (``report_to="tensorboard"``) and ``loss.png`` (if matplotlib is installed).
+
+Watching and steering a run: evaluations log the loss and its perplexity; ``early_stopping_patience``
+ends the run when that many evaluations in a row did not lower the best loss by more than
+``early_stopping_threshold``; a ``TrainerCallback`` hears each logged record, step, evaluation
+and checkpoint, and may end the run (``Trainer.stop``). A run that ends early saves a checkpoint
+and returns normally, its ``TrainResult.stopped`` saying why. ``train(resume_from=True)`` continues from the
 newest checkpoint, bit for bit as if the run had not stopped. A fresh run refuses an
 ``output_dir`` that holds an earlier run's output unless told to ``overwrite`` it. Every
 run starts by deleting the temporary checkpoint folders a killed run left behind.
@@ -61,24 +68,29 @@ import numpy as np
 import torch
 
 from ..engine import choose_engine
-from ..integrations.adapters import save_adapter
+from ..integrations.adapters import load_adapter, save_adapter
 from ..integrations.bitnet import lora_parameters
+from ..integrations.peft import from_peft, peft_layers
 from ..limits import check_context, model_context
 from ..loss import causal_lm_loss, labelled_tokens
 from ..optim import WgpuAdamW, clip_grad_norm
 from .checkpoint import (DamagedCheckpoint, checkpoint_name, checkpoint_step, latest_checkpoint, list_checkpoints,
                          load_checkpoint, read_checkpoint, read_rank_rngs, remove_unfinished, rng_state,
                          save_checkpoint, set_rng_state)
-from .data import Example, collate, encode_records, epoch_order, read_records, shard
+from .data import Example, collate, encode_records, epoch_order, length_grouped_order, pack, read_records, shard
 from .distributed import DataParallel, RankLost
-from .metrics import MetricsLog, plot_loss
-from .schedule import make_scheduler
+from .metrics import MetricsLog, Reporters, perplexity, plot_loss
+from .schedule import make_scheduler, metric_driven, warmup_steps as ratio_warmup
 
-__all__ = ["TrainResult", "Trainer", "TrainingStopped", "accumulate_gradients", "earlier_run", "evaluate", "train"]
+__all__ = ["TrainResult", "Trainer", "TrainerCallback", "TrainingStopped", "accumulate_gradients", "earlier_run",
+           "evaluate", "train"]
 
 SEED_LIMIT = 2 ** 32  # numpy's legacy seed (np.random.seed), which the Trainer sets
 # What a run writes into its output folder (besides checkpoints/), by the Trainer's names.
-_OUTPUTS = ("adapter", "metrics.jsonl", "loss.png")
+_OUTPUTS = ("adapter", "best-adapter", "metrics.jsonl", "loss.png", "runs")
+_WARMUP_RATIO = 0.06  # the share of steps warming up when neither warmup_steps nor warmup_ratio is given
+# Settings recorded in checkpoints since a later version, at the value a checkpoint without them had.
+_SETTINGS_BEFORE = {"warmup_steps": None, "scheduler_kwargs": None, "packing": False, "group_by_length": False}
 
 
 class TrainingStopped(RuntimeError):
@@ -96,12 +108,57 @@ class TrainResult:
     checkpoint: Path
     metrics: Path
     plot: Path | None
+    best_eval_loss: float | None = None  # the lowest evaluation loss, and its step
+    best_step: int | None = None
+    best_adapter: Path | None = None  # its adapter (save_best)
+    stopped: str | None = None  # why the run ended before its last step (early stopping, a callback), else None
+
+
+class TrainerCallback:
+    """Hooks into a run; override the ones needed (each gets the ``Trainer``). ``trainer.stop(why)``,
+    from any of them, ends the run after the current step: a checkpoint is saved and ``train``
+    returns, ``TrainResult.stopped`` being ``why``.
+
+    >>> class StopAtLoss(TrainerCallback):
+    ...     def on_log(self, trainer, record):
+    ...         if record.get("loss") is not None and record["loss"] < 0.5:
+    ...             trainer.stop("the loss fell below 0.5")
+    """
+
+    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        """A metrics record (a step's or an evaluation's, as in metrics.jsonl), right after it is written."""
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        """Optimiser step ``step`` (from 1) is done."""
+
+    def on_evaluate(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        """An evaluation finished: ``metrics`` has ``step``, ``eval_loss`` and ``eval_perplexity``."""
+
+    def on_save(self, trainer: Trainer, checkpoint: Path) -> None:
+        """A checkpoint was written (on every rank, once rank 0 has written it)."""
+
+
+class _OnLog(TrainerCallback):
+    """A plain function as the callback: it hears each metrics record."""
+
+    def __init__(self, function: Callable[[dict[str, Any]], None]) -> None:
+        self.function = function
+
+    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        self.function(record)
 
 
 def _summed_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Cross-entropy summed over the batch's labelled positions (token t predicts t+1)."""
-    check_context(model_context(model), batch["input_ids"].shape[1])  # the engine checks the same
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    """Cross-entropy summed over the batch's labelled positions (token t predicts t+1). A packed batch
+    goes in with its ``position_ids``, no attention mask and no cache: transformers then attends within
+    each packed example only (its masks take position ids restarting at 0 as example boundaries)."""
+    if "position_ids" in batch:
+        # Positions restart at each packed example: the longest example is what meets the context.
+        check_context(model_context(model), int(batch["position_ids"][batch["attention_mask"].bool()].max()) + 1)
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    else:
+        check_context(model_context(model), batch["input_ids"].shape[1])  # the engine checks the same
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     return causal_lm_loss(logits, batch["labels"], reduction="sum")
 
 
@@ -183,7 +240,16 @@ def _fingerprint(examples: list[Example]) -> str:
 class Trainer:
     """Finetunes the LoRA adapters of ``model`` (``apply_lora`` first) on ``data``.
 
-    ``data`` and ``eval_data``: a JSON/JSONL path or a list of ``{instruction, input?, output}``.
+    ``model``: a transformers model holding adapters (``apply_lora``), or a ``PeftModel`` (or a base
+    ``get_peft_model`` wrapped), whose adapter is trained through ``integrations.peft.from_peft``:
+    the Parameters are the PeftModel's own, so it holds the trained values afterwards.
+
+    ``data`` and ``eval_data``: records in any form ``training.data`` reads (chat ``messages``,
+    ``prompt``/``completion``, ``text``, Alpaca), from a JSON/JSONL/Parquet/CSV path, a
+    ``datasets.Dataset`` or a list of dicts. ``packing=True`` packs several examples into each
+    sequence of ``max_length`` tokens (``data.pack``; on the torch path: ``BitNetEngine`` attends
+    across whole rows); ``group_by_length=True`` batches examples of similar length together
+    (``data.length_grouped_order``).
     Training runs ``epochs`` passes over the data, or exactly ``max_steps`` optimiser steps
     (passing over the data as often as needed); give one of them, or neither for one epoch.
     ``seed`` (in [0, 2**32)) fixes the data order and seeds Python's, numpy's and torch's
@@ -196,9 +262,21 @@ class Trainer:
     model's context (``max_position_embeddings``), in ``data`` or ``eval_data``, is refused
     before training starts, naming the record (``long_examples="refuse"``, the default), or
     cut to the context (``"truncate"``, warning how many were cut); on either path.
-    ``callback``, when given, is called with each metrics record (a training step's or an
-    evaluation's dict, as in ``metrics.jsonl``) right after it is written, e.g. to draw a
-    live loss plot in a notebook.
+    ``packing=True`` packs several examples into each sequence of ``max_length`` tokens (on the
+    torch path); ``group_by_length=True`` batches examples of similar length together.
+    ``callback``, when given, is a ``TrainerCallback``, or a function called with each metrics
+    record (a training step's or an evaluation's dict, as in ``metrics.jsonl``) right after it is
+    written, e.g. to draw a live loss plot in a notebook.
+
+    Schedule: ``schedule`` is any transformers scheduler (``training.schedule``), warming up for
+    ``warmup_steps`` steps or a ``warmup_ratio`` of them (default 0.06), with ``scheduler_kwargs``
+    its own options; "reduce_lr_on_plateau" and "greedy" follow the evaluation loss (they need
+    ``eval_data`` and ``eval_every``). Evaluation: ``early_stopping_patience`` (evaluations, 0 =
+    off) and ``early_stopping_threshold`` stop a run that no longer improves; ``save_best`` keeps
+    the adapter of the lowest evaluation loss in ``output_dir/best-adapter``, and
+    ``load_best_at_end`` puts it into the model when the run ends. ``report_to``: "tensorboard"
+    and/or "wandb" (a name or a list) also get every record, through each library's own writer
+    (optional dependencies).
 
     ``engine``: ``"wgpu"`` runs the whole model on WebGPU (``BitNetEngine``): each optimizer
     step, every micro-batch's forward and backward, the clip and the AdamW update, is one
@@ -223,11 +301,17 @@ class Trainer:
                  output_dir: str | Path = "lora-output", epochs: int | None = None, max_steps: int | None = None,
                  batch_size: int = 4, gradient_accumulation_steps: int = 1, lr: float = 2e-4,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-7, weight_decay: float = 0.01,
-                 max_grad_norm: float = 1.0, schedule: str = "cosine", warmup_ratio: float = 0.06,
-                 max_length: int = 512, seed: int = 42, save_every: int = 100, eval_every: int = 0,
-                 save_total_limit: int = 2, max_bad_steps: int = 3, progress: bool = True, plot: bool = True,
-                 overwrite: bool = False, callback: Callable[[dict[str, Any]], None] | None = None,
+                 max_grad_norm: float = 1.0, schedule: str = "cosine", warmup_ratio: float | None = None,
+                 warmup_steps: int | None = None, scheduler_kwargs: dict[str, Any] | None = None,
+                 max_length: int = 512, packing: bool = False, group_by_length: bool = False, seed: int = 42,
+                 save_every: int = 100, eval_every: int = 0, save_total_limit: int = 2, max_bad_steps: int = 3,
+                 early_stopping_patience: int = 0, early_stopping_threshold: float = 0.0, save_best: bool = False,
+                 load_best_at_end: bool = False, report_to: str | Sequence[str] = (), progress: bool = True,
+                 plot: bool = True, overwrite: bool = False,
+                 callback: TrainerCallback | Callable[[dict[str, Any]], None] | None = None,
                  engine: str = "auto", check_every: int = 50, long_examples: str = "refuse") -> None:
+        if peft_layers(model):  # a PeftModel: trained through our adapters sharing its Parameters
+            model = from_peft(model)
         self.params = lora_parameters(model)
         if not self.params:
             raise ValueError("the model has no LoRA adapters to train; call apply_lora(model, ...) first")
@@ -243,16 +327,37 @@ class Trainer:
         self.check_every = _positive_int("check_every", check_every, allow_zero=True)
         self.max_grad_norm = max_grad_norm
         clip_grad_norm([], max_grad_norm)  # checks the value now rather than at the first step
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback must be a function taking one metrics record, got {type(callback).__name__}")
+        if callback is not None and not isinstance(callback, TrainerCallback) and not callable(callback):
+            raise TypeError(f"callback must be a TrainerCallback or a function taking one metrics record, got "
+                            f"{type(callback).__name__}")
+        for name, flag in (("packing", packing), ("group_by_length", group_by_length), ("save_best", save_best),
+                           ("load_best_at_end", load_best_at_end)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        self.early_stopping_patience = _positive_int("early_stopping_patience", early_stopping_patience,
+                                                     allow_zero=True)
+        if isinstance(early_stopping_threshold, bool) or not isinstance(early_stopping_threshold, (int, float)) \
+                or not 0 <= early_stopping_threshold < math.inf:
+            raise ValueError(f"early_stopping_threshold must be a finite number >= 0, got {early_stopping_threshold!r}")
+        self.early_stopping_threshold = float(early_stopping_threshold)
+        self.save_best, self.load_best_at_end, self.group_by_length = save_best, load_best_at_end, group_by_length
         self.model, self.tokenizer = model, tokenizer
         context = model_context(model)
         self.examples = encode_records(tokenizer, read_records(data), max_length, context, long_examples)
+        if packing:
+            self.examples = pack(self.examples, max_length)
         try:
             self.eval_examples = None if eval_data is None else encode_records(
                 tokenizer, read_records(eval_data), max_length, context, long_examples)
         except ValueError as err:
             raise ValueError(f"eval_data: {err}") from None
+        needs_eval = [name for name, on in (("early_stopping_patience", self.early_stopping_patience),
+                                            ("save_best", save_best), ("load_best_at_end", load_best_at_end),
+                                            (f"schedule={schedule!r}", metric_driven(schedule))) if on]
+        if needs_eval and (self.eval_examples is None or not self.eval_every):
+            raise ValueError(f"{needs_eval[0]} follows the evaluation loss: give eval_data and eval_every > 0")
+        if load_best_at_end and not save_best:
+            raise ValueError("load_best_at_end loads the adapter save_best keeps: pass save_best=True too")
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.dist = DataParallel.current()  # None when this process trains alone
         self.rank, self.world_size = (0, 1) if self.dist is None else (self.dist.rank, self.dist.world_size)
@@ -267,22 +372,43 @@ class Trainer:
         if not isinstance(overwrite, bool):
             raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
         self.overwrite = overwrite
-        self.engine = choose_engine(model, engine)
+        if packing and engine == "wgpu":
+            raise ValueError("packing=True runs on the torch path: BitNetEngine attends across a whole row "
+                             "(pass engine='torch' or 'auto')")
+        self.engine = choose_engine(model, "torch" if packing else engine)
         self.optimizer = WgpuAdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self.scheduler = make_scheduler(self.optimizer, schedule, self.total_steps, warmup_ratio)
+        if warmup_steps is not None and warmup_ratio is not None:
+            raise ValueError(f"give warmup_steps or warmup_ratio, not both (got {warmup_steps!r} and {warmup_ratio!r})")
+        if warmup_steps is None:
+            warmup_ratio = _WARMUP_RATIO if warmup_ratio is None else warmup_ratio
+            warmup = ratio_warmup(self.total_steps, warmup_ratio)
+        else:
+            warmup = warmup_steps
+        self.scheduler = make_scheduler(self.optimizer, schedule, self.total_steps, warmup, scheduler_kwargs)
+        self.metric_schedule = metric_driven(schedule)
         self.output_dir = Path(output_dir)
         self.checkpoints = self.output_dir / "checkpoints"
         self.adapter_path = self.output_dir / "adapter"
+        self.best_path = self.output_dir / "best-adapter"
         self.metrics = MetricsLog(self.output_dir / "metrics.jsonl")
-        self.progress, self.plot, self.callback = progress, plot, callback
+        self.reporters = Reporters(report_to, self.output_dir / "runs")
+        self.progress, self.plot = progress, plot
+        self.callback = _OnLog(callback) if callback is not None and not isinstance(callback, TrainerCallback) \
+            else callback
         # What must match for a resumed run to continue this one exactly.
         self.settings = {
             "data": _fingerprint(self.examples), "batch_size": self.batch_size,
             "gradient_accumulation_steps": self.accumulation, "total_steps": self.total_steps,
-            "seed": self.seed, "schedule": schedule, "warmup_ratio": warmup_ratio, "lr": lr,
-            "betas": list(betas), "eps": eps, "weight_decay": weight_decay, "max_grad_norm": max_grad_norm,
-            "world_size": self.world_size,
+            "seed": self.seed, "schedule": schedule, "warmup_ratio": warmup_ratio, "warmup_steps": warmup_steps,
+            "scheduler_kwargs": scheduler_kwargs, "lr": lr, "betas": list(betas), "eps": eps,
+            "weight_decay": weight_decay, "max_grad_norm": max_grad_norm, "world_size": self.world_size,
+            "packing": packing, "group_by_length": group_by_length,
         }
+
+    def stop(self, why: str = "stopped by a callback") -> None:
+        """End the run after the current step (from a ``TrainerCallback``): a checkpoint is saved and
+        ``train`` returns, its result's ``stopped`` being ``why``."""
+        self.stop_reason = why
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -293,6 +419,7 @@ class Trainer:
         if resume_from and self.overwrite:
             raise ValueError("resume_from continues the run in output_dir and overwrite replaces it: pass one of them")
         self.last_saved = None
+        self.stop_reason = None
         try:
             return self._train(resume_from, tqdm)
         except RankLost as err:  # say where to resume from
@@ -305,8 +432,12 @@ class Trainer:
         position = self._begin(resume_from)
         step, epoch, group = position["step"], position["epoch"], position["group"]
         self.bad_streak = position["bad_streak"]
+        # The best evaluation so far and the evaluations since (early stopping); None before the first.
+        self.best = position.get("best")
+        self.stale_evals = position.get("stale_evals", 0)
         self.last_saved = position["step"] if resume_from else None
         last_loss = eval_loss = None
+        evaluated = None  # the step of the last evaluation
         self.model.train()
         bar = tqdm(total=self.total_steps, initial=step, desc="training", unit="step",
                    disable=not self.progress or self.rank != 0)
@@ -327,24 +458,51 @@ class Trainer:
                         epoch, group = epoch + 1, 0
                     if self.dist is not None and self.check_every and step % self.check_every == 0:
                         self._check_in_sync(step)
-                    if step < self.total_steps:
-                        if self.eval_examples and self.eval_every and step % self.eval_every == 0:
-                            self._evaluate(step)
-                        if self.save_every and step % self.save_every == 0:
-                            self._save(step, epoch, group)
+                    if self.eval_examples and self.eval_every and step % self.eval_every == 0:
+                        eval_loss, evaluated = self._evaluate(step), step
+                    if self.callback is not None:
+                        self.callback.on_step_end(self, step)
+                    self._agree_on_stop(step)
+                    if self.stop_reason is not None:
+                        break
+                    if step < self.total_steps and self.save_every and step % self.save_every == 0:
+                        self._save(step, epoch, group)
                     if group == 0:
                         break
+                if self.stop_reason is not None:
+                    break
         finally:
             bar.close()
             if self.engine is not None:  # also when training stops early: the Parameters are current
                 self.engine.adapters.pull()
-        if self.eval_examples:
-            eval_loss = self._evaluate(step)
-        checkpoint = self._save(step, epoch, group)
-        plot = self._on_rank0(lambda: plot_loss(self.metrics.read(), self.output_dir / "loss.png"),
-                              "drawing the loss plot") if self.plot else None
+        try:
+            if self.eval_examples and evaluated != step:
+                eval_loss = self._evaluate(step)
+            checkpoint = self._save(step, epoch, group)
+            if self.load_best_at_end and self.best is not None:
+                self._on_rank0(lambda: load_adapter(self.model, self.best_path, format="peft"),
+                               "loading the best adapter on rank 0")
+                if self.dist is not None:
+                    self.dist.broadcast_(self.params, "the broadcast of the best adapter")
+            plot = self._on_rank0(lambda: plot_loss(self.metrics.read(), self.output_dir / "loss.png"),
+                                  "drawing the loss plot") if self.plot else None
+        finally:
+            self.reporters.close()
+        best = self.best or {}
         return TrainResult(steps=step, loss=last_loss, eval_loss=eval_loss, adapter=self.adapter_path,
-                           checkpoint=checkpoint, metrics=self.metrics.path, plot=plot)
+                           checkpoint=checkpoint, metrics=self.metrics.path, plot=plot,
+                           best_eval_loss=best.get("loss"), best_step=best.get("step"),
+                           best_adapter=self.best_path if self.save_best and self.best else None,
+                           stopped=self.stop_reason)
+
+    def _agree_on_stop(self, step: int) -> None:
+        """Data-parallel with a callback: every rank stops if any callback asked its rank to (early
+        stopping follows the global evaluation loss, the same on every rank)."""
+        if self.dist is None or self.callback is None:
+            return
+        asked = self.stop_reason is not None
+        if self.dist.sum_ints([int(asked)], f"agreeing whether to stop after step {step}")[0] and not asked:
+            self.stop_reason = "stopped by a callback on another rank"
 
     def _on_rank0(self, fn: Callable[[], Any], what: str) -> Any:
         """``fn()`` on rank 0 alone, its result (or error) on every rank (``DataParallel.on_rank0``)."""
@@ -408,7 +566,7 @@ class Trainer:
                              "overwrite=True to replace it, or choose another output_dir")
         shutil.rmtree(self.checkpoints, ignore_errors=True)  # an earlier run's: overwrite=True said so
         self.metrics.clear()
-        return {"step": 0, "epoch": 0, "group": 0, "bad_streak": 0}
+        return {"step": 0, "epoch": 0, "group": 0, "bad_streak": 0, "best": None, "stale_evals": 0}
 
     def _resume(self, resume_from: str | Path | bool) -> dict[str, int]:
         if resume_from is True:
@@ -430,6 +588,7 @@ class Trainer:
                              f"size {there}); this run has {self.world_size}. Resume it {how}: each process's "
                              "share of the data, the batch of a step and the saved random states all depend on "
                              "the world size, so another one would not continue that run")
+        saved = {**_SETTINGS_BEFORE, **saved}
         differ = [f"{key}: {saved.get(key)!r} there, {value!r} here" for key, value in self.settings.items()
                   if saved.get(key) != value]
         if differ:
@@ -468,7 +627,11 @@ class Trainer:
 
     def _epoch_groups(self, epoch: int) -> list[list[list[Example]]]:
         """The epoch's optimiser steps, each a list of micro-batches of examples."""
-        order = epoch_order(len(self.examples), epoch, self.seed)
+        if self.group_by_length:
+            order = length_grouped_order([len(e.input_ids) for e in self.examples],
+                                         self.batch_size * self.world_size, epoch, self.seed)
+        else:
+            order = epoch_order(len(self.examples), epoch, self.seed)
         if self.dist is not None:  # this rank's share, as DistributedSampler deals it
             order = shard(order, self.rank, self.world_size)
         micro = [[self.examples[i] for i in order[start:start + self.batch_size]]
@@ -510,7 +673,8 @@ class Trainer:
                 self.optimizer.step()
             self.bad_streak = 0
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if not self.metric_schedule:  # the others step with each evaluation's loss
+            self.scheduler.step()
         return {"loss": None if skipped else loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                 "tokens_per_s": tokens / (time.perf_counter() - start), "skipped": skipped}
 
@@ -528,20 +692,37 @@ class Trainer:
         if self.dist is not None:  # each rank evaluated its share; the loss is over all of them
             loss_sum, tokens = self.dist.sum_floats([loss_sum, tokens], f"the evaluation all-reduce at step {step}")
         loss = loss_sum / tokens
-        self._log({"step": step, "eval_loss": loss})
+        metrics = {"step": step, "eval_loss": loss, "eval_perplexity": perplexity(loss)}
+        self._log(metrics)
+        if self.metric_schedule:
+            self.scheduler.step(loss)
+        if self.best is None or loss < self.best["loss"] - self.early_stopping_threshold:
+            self.best, self.stale_evals = {"loss": loss, "step": step}, 0
+            if self.save_best:
+                self._on_rank0(lambda: save_adapter(self.model, self.best_path, format="peft"),
+                               f"saving the best adapter (step {step}) on rank 0")
+        else:
+            self.stale_evals += 1
+            if self.early_stopping_patience and self.stale_evals >= self.early_stopping_patience:
+                self.stop_reason = (f"early stopping: {self.stale_evals} evaluations without an evaluation loss "
+                                    f"below {self.best['loss'] - self.early_stopping_threshold:.6g} (the best, "
+                                    f"{self.best['loss']:.6g}, was at step {self.best['step']})")
+        if self.callback is not None:
+            self.callback.on_evaluate(self, metrics)
         return loss
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.rank == 0:
             self.metrics.append(record)
+            self.reporters.log(record)
         if self.callback is not None:
-            self.callback(record)
+            self.callback.on_log(self, record)
 
     def _save(self, step: int, epoch: int, group: int) -> Path:
         if self.engine is not None:  # the Parameters take the GPU's values before they are written
             self.engine.adapters.pull()
         state = {"step": step, "epoch": epoch, "group": group, "bad_streak": self.bad_streak,
-                 "settings": self.settings}
+                 "settings": self.settings, "best": self.best, "stale_evals": self.stale_evals}
         rank_rngs = None
         if self.dist is not None:  # rank 0 writes what every rank holds, and the others' random states
             self._check_in_sync(step)
@@ -557,6 +738,8 @@ class Trainer:
 
         folder = self._on_rank0(write, f"saving the checkpoint of step {step} on rank 0")
         self.last_saved = step
+        if self.callback is not None:
+            self.callback.on_save(self, folder)
         return folder
 
     def _stop_message(self, step: int) -> str:

@@ -1,0 +1,124 @@
+"""What BitNetEngine accepts: every adapter it cannot run refused at construction, naming the module
+(on lm_head, a PEFT layer, a PeftModel); PEFT models run once converted (``from_peft``), with the
+PeftModel's logits; the engine follows the model's active adapter and ``disable_adapter``.
+
+Dense models, logits within LOGIT_RTOL of the largest |logit| of transformers' own forward
+(helpers.py; a dropped or wrong adapter moves logits by O(0.1-1)), each comparison also checking
+that the adapters change the logits by far more.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+
+import peft
+import pytest
+import torch
+
+import torch_wgpu_lora as twl
+from torch_wgpu_lora import BitNetEngine, WgpuAdamW
+from torch_wgpu_lora.integrations.bitnet import load_bitnet, lora_modules, lora_parameters, lora_state_dict, set_backend
+from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet
+
+from ..integrations.helpers import randomize
+from .helpers import LOGIT_RTOL, assert_close, labelled_batch, torch_logits
+
+IDS = torch.tensor([[0, 5, 17, 42, 99, 200, 7, 3], [9, 8, 7, 6, 5, 4, 3, 2]])
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return build_tiny_bitnet(tempfile.mkdtemp(), flavour="dense", seed=0)
+
+
+def logits_of(model):
+    return torch_logits(model, IDS, None)
+
+
+def assert_runs_the_adapters(got, ref, unlike):
+    """``got`` is ``ref`` within LOGIT_RTOL, and ``ref`` is far from ``unlike`` (the adapters matter)."""
+    assert_close(got, ref, LOGIT_RTOL, "logits")
+    scale = ref.abs().max().item()
+    assert (ref - unlike).abs().max().item() > 100 * LOGIT_RTOL * scale, "the adapters barely change the logits"
+
+
+def two_adapters(checkpoint):
+    """A model whose active adapter, "default", is r=4 on q_proj and v_proj (random A and B), beside
+    "wide", r=2 on every linear module."""
+    model = twl.apply_lora(load_bitnet(checkpoint), r=4, target_modules=("q_proj", "v_proj"))
+    randomize(model, 2, scale=0.2)
+    model.add_adapter("wide", peft.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    return model
+
+
+def test_an_adapter_on_lm_head_is_refused_naming_it(checkpoint):
+    model = twl.apply_lora(load_bitnet(checkpoint), r=4, target_modules=("q_proj", "lm_head"))
+    with pytest.raises(ValueError, match=re.escape("lm_head has a LoRA adapter, which BitNetEngine cannot run")):
+        BitNetEngine(model)
+
+
+def test_the_trainers_auto_choice_falls_back_to_torch_for_what_the_engine_refuses(checkpoint):
+    from torch_wgpu_lora.engine import choose_engine
+
+    model = twl.apply_lora(load_bitnet(checkpoint), r=4, target_modules=("q_proj", "lm_head"))
+    with pytest.raises(ValueError, match="lm_head has a LoRA adapter"):
+        choose_engine(model, "wgpu")
+    assert choose_engine(model, "auto") is None
+
+
+def test_peft_layers_are_refused_and_run_once_converted(checkpoint):
+    base = load_bitnet(checkpoint).eval()
+    reference = logits_of(base)
+    theirs = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                                           "down_proj"]))
+    randomize(theirs, 1, scale=0.2).eval()
+    for model in (theirs, theirs.base_model.model):  # the PeftModel, and the base it wrapped in place
+        with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn.q_proj is a PEFT layer (Linear), "
+                                                       "which BitNetEngine does not run; convert the model with")):
+            BitNetEngine(model)
+    engine = BitNetEngine(twl.from_peft(theirs))
+    assert_runs_the_adapters(engine(IDS).logits, logits_of(theirs), reference)
+
+
+def test_the_engine_follows_the_active_adapter_and_disable_adapter(checkpoint):
+    pristine = load_bitnet(checkpoint).eval()
+    reference = logits_of(pristine)
+    model = two_adapters(checkpoint).eval()
+    engine = BitNetEngine(model)
+    expected_default = logits_of(set_backend(model, "torch"))
+    assert_runs_the_adapters(engine(IDS).logits, expected_default, reference)
+
+    model.set_adapter("wide")  # other modules, other ranks: the engine lays them out anew
+    randomize(model, 3, scale=0.2)
+    assert len(lora_modules(model)) == 14
+    assert_runs_the_adapters(engine(IDS).logits, logits_of(set_backend(model, "torch")), reference)
+    with model.disable_adapter():
+        assert_close(engine(IDS).logits, reference, LOGIT_RTOL, "logits with the adapter disabled")
+
+    model.set_adapter("default")
+    assert_runs_the_adapters(engine(IDS).logits, expected_default, reference)
+
+
+def test_training_steps_follow_the_active_adapter_and_each_optimizer_keeps_its_moments(checkpoint):
+    # A step of "default", one of "wide" (another layout: the engine's flat moments are made anew),
+    # then one of "default" again: "default" ends as two steps of a fresh engine leave it, bit for bit
+    # (the same kernels on the same values), so its optimizer's moments outlived the other layout.
+    model, twin = two_adapters(checkpoint), two_adapters(checkpoint)
+    micro = [labelled_batch(model, [8, 6])]
+    engine, twin_engine = BitNetEngine(model), BitNetEngine(twin)
+    first, twin_optimizer = (WgpuAdamW(lora_parameters(m), lr=1e-2) for m in (model, twin))
+    engine.train_step(micro, first, max_grad_norm=1.0)
+    model.set_adapter("wide")
+    wide = engine.train_step(micro, WgpuAdamW(lora_parameters(model), lr=1e-2), max_grad_norm=1.0)
+    assert not wide["skipped"] and len(lora_modules(model)) == 14
+    model.set_adapter("default")
+    engine.train_step(micro, first, max_grad_norm=1.0)
+    for _ in range(2):
+        twin_engine.train_step(micro, twin_optimizer, max_grad_norm=1.0)
+    engine.adapters.pull()  # the GPU's values into the Parameters
+    twin_engine.adapters.pull()
+    ours, theirs = lora_state_dict(model), lora_state_dict(twin)
+    assert ours.keys() == theirs.keys() and len(ours) == 8
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name

@@ -1,0 +1,355 @@
+"""PEFT's ways with torch_wgpu_lora's adapters: PEFT's model API, and PEFT models converted.
+
+>>> # model = apply_lora(load_bitnet(folder), peft.LoraConfig(r=8, target_modules="all-linear"))
+>>> # model.print_trainable_parameters()
+>>> # with model.disable_adapter(): base_logits = model(ids).logits
+>>> # model.load_adapter("other/adapter", adapter_name="other"); model.set_adapter("other")
+>>> # model.save_pretrained("out")              # PEFT's layout, as transformers' Trainer.save_model calls it
+>>> # ours = from_peft(peft_model)             # a PeftModel's LoRA layers as ours, sharing its Parameters
+
+**The model API.** ``apply_lora`` and ``load_adapter`` (this module's, which the package
+exports) put adapters on a transformers model as ``integrations.bitnet.apply_lora`` and
+``integrations.adapters.load_adapter`` do, and give the model PEFT's ``PeftModel`` methods
+(``LoraModelMixin``): ``print_trainable_parameters``, ``get_nb_trainable_parameters``, the
+``disable_adapter()`` context, named adapters (``add_adapter``, ``load_adapter``,
+``set_adapter``, ``delete_adapter``, ``active_adapter``) and ``save_pretrained``, which writes
+the adapters in PEFT's layout (the ``"default"`` adapter in the folder, others in sub-folders
+named after them, as PEFT does). transformers' ``Trainer.save_model`` and TRL's trainers call
+``save_pretrained``, so their outputs are adapters ``PeftModel.from_pretrained`` and
+``load_adapter`` read. The model's class becomes a subclass of its own (``BitNetForCausalLM``
+becomes ``BitNetForCausalLMWithLoRA``); forward, state dict and everything else are unchanged.
+
+Named adapters: the active adapter's ``LoRALinear`` modules are in the model, the others are
+kept aside and swapped in by ``set_adapter``. Parameters, optimizers and ``BitNetEngine``
+therefore see the active adapter alone (the engine re-lays out its adapters when they change).
+
+**PEFT models.** ``from_peft`` turns a ``PeftModel`` (or a base model ``get_peft_model`` wrapped)
+into a transformers model holding our adapters that shares every tensor with it: the LoRA layers
+of the active adapter become ``LoRALinear`` modules holding PEFT's own ``lora_A`` / ``lora_B``
+Parameters. Training it trains the PEFT model's adapter. Anything this package does not run
+(DoRA, biases, embeddings, ``modules_to_save``, several active adapters, merged layers) is
+refused, naming the module.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ..config import LoraConfig
+from ..modules import LoRALinear
+from . import adapters as adapter_files
+from . import bitnet
+
+__all__ = ["DEFAULT_ADAPTER", "LoraModelMixin", "apply_lora", "from_peft", "load_adapter", "peft_layers"]
+
+DEFAULT_ADAPTER = "default"  # PEFT's name for the first adapter, saved in the folder itself
+
+
+class LoraModelMixin:
+    """PEFT's ``PeftModel`` methods on a transformers model holding torch_wgpu_lora's adapters.
+
+    Models get it from ``apply_lora`` / ``load_adapter`` (this module's); the methods keep PEFT's
+    names and arguments. Where transformers' own PEFT methods take other arguments
+    (``add_adapter(adapter_config, adapter_name)``, ``delete_adapter([names])``) those forms work too.
+    """
+
+    _lora_adapters: dict[str, dict[str, LoRALinear]]
+    _lora_configs: dict[str, LoraConfig | None]
+    _active_adapter: str | None
+
+    @property
+    def active_adapter(self) -> str | None:
+        """The name of the adapter in use (None when every adapter was deleted)."""
+        return self._active_adapter
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """Every adapter's name, in the order they were added."""
+        return list(self._lora_adapters)
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """(trainable, all) parameter counts, as PEFT counts them."""
+        params = list(self.parameters())
+        return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+    def print_trainable_parameters(self) -> None:
+        """Print the counts as PEFT does: ``trainable params: ... || all params: ... || trainable%: ...``."""
+        trainable, total = self.get_nb_trainable_parameters()
+        print(f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {100 * trainable / total:.4f}")
+
+    @contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """Within the context the model computes what its base model computes (the adapters add nothing)."""
+        modules = bitnet.lora_modules(self).values()
+        saved = [m.disabled for m in modules]
+        try:
+            for m in modules:
+                m.disabled = True
+            yield
+        finally:
+            for m, was in zip(modules, saved):
+                m.disabled = was
+
+    def add_adapter(self, adapter_name: Any, peft_config: Any = None) -> None:
+        """Add a new adapter ``adapter_name`` made from ``peft_config`` (ours or peft's LoraConfig);
+        it is not made active (``set_adapter``). transformers' order, ``add_adapter(config, name)``, works too."""
+        if not isinstance(adapter_name, str):  # transformers' PeftAdapterMixin.add_adapter(adapter_config, adapter_name)
+            adapter_name, peft_config = peft_config or DEFAULT_ADAPTER, adapter_name
+        self._check_new_name(adapter_name)
+        if peft_config is None:
+            raise TypeError("add_adapter needs a LoraConfig (torch_wgpu_lora's or peft's)")
+        with self._bare():
+            bitnet.apply_lora(self, peft_config)
+            self._take_new(adapter_name)
+
+    def load_adapter(self, model_id: str | os.PathLike, adapter_name: str = DEFAULT_ADAPTER, *,
+                     residual_base: bool = False) -> None:
+        """Load the adapter at ``model_id`` (a PEFT folder or a Hesper file) as ``adapter_name``; it is
+        not made active (``set_adapter``). ``residual_base``: as ``integrations.adapters.load_adapter``."""
+        self._check_new_name(adapter_name)
+        with self._bare():
+            adapter_files.load_adapter(self, model_id, residual_base=residual_base)
+            self._take_new(adapter_name)
+
+    def set_adapter(self, adapter_name: str) -> None:
+        """Make ``adapter_name`` the adapter in use."""
+        if adapter_name not in self._lora_adapters:
+            raise ValueError(f"no adapter named {adapter_name!r}; the adapters are {self.adapter_names}")
+        if adapter_name == self._active_adapter:
+            return
+        self._swap_out()
+        for name, module in self._lora_adapters[adapter_name].items():
+            module.train(self.training)
+            self.set_submodule(name, module)
+        self._active_adapter = adapter_name
+        self.lora_config = self._lora_configs[adapter_name]
+
+    def delete_adapter(self, adapter_name: str | list[str]) -> None:
+        """Delete an adapter (or several: transformers' form). Deleting the active one makes the
+        first remaining adapter active, as PEFT does, or leaves the model without adapters."""
+        for name in [adapter_name] if isinstance(adapter_name, str) else list(adapter_name):
+            if name not in self._lora_adapters:
+                raise ValueError(f"no adapter named {name!r}; the adapters are {self.adapter_names}")
+            if name == self._active_adapter:
+                self._swap_out()
+                self._active_adapter = None
+                self.lora_config = None
+            del self._lora_adapters[name], self._lora_configs[name]
+            if self._active_adapter is None and self._lora_adapters:
+                self.set_adapter(next(iter(self._lora_adapters)))
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *, selected_adapters: list[str] | None = None,
+                        is_main_process: bool = True, state_dict: dict[str, torch.Tensor] | None = None,
+                        **ignored: Any) -> None:
+        """Write the adapters in PEFT's layout: ``"default"`` into ``save_directory``, any other into
+        ``save_directory/<name>`` (PEFT's ``PeftModel.save_pretrained``). Only on the main process.
+        ``state_dict`` is refused: the adapters are read from the model (other transformers saving
+        options, such as ``safe_serialization``, do not apply: adapters are always safetensors)."""
+        if state_dict is not None:
+            raise ValueError("save_pretrained of a model with torch_wgpu_lora adapters writes the adapters from the "
+                             "model itself; a state_dict (from DeepSpeed or FSDP) is not supported")
+        if not is_main_process:
+            return
+        names = self.adapter_names if selected_adapters is None else list(selected_adapters)
+        unknown = [n for n in names if n not in self._lora_adapters]
+        if unknown:
+            raise ValueError(f"selected_adapters {unknown} are not adapters of this model; they are {self.adapter_names}")
+        active = self._active_adapter
+        try:
+            for name in names:
+                self.set_adapter(name)
+                folder = Path(save_directory) if name == DEFAULT_ADAPTER else Path(save_directory) / name
+                adapter_files.save_adapter(self, folder)
+        finally:
+            if active is not None:
+                self.set_adapter(active)
+
+    # -- the adapters kept aside ---------------------------------------------------------------
+
+    def _check_new_name(self, adapter_name: Any) -> None:
+        if not isinstance(adapter_name, str) or not adapter_name or adapter_name in (".", "..") or "/" in adapter_name:
+            raise ValueError(f"adapter_name must be a non-empty name usable as a folder name, got {adapter_name!r}")
+        if adapter_name in self._lora_adapters:
+            raise ValueError(f"an adapter named {adapter_name!r} already exists; delete_adapter it first or choose "
+                             "another name")
+
+    def _swap_out(self) -> None:
+        """Put the base layers back in place of the active adapter's modules."""
+        if self._active_adapter is not None:
+            for name, module in self._lora_adapters[self._active_adapter].items():
+                self.set_submodule(name, module.base_layer)
+
+    @contextmanager
+    def _bare(self) -> Iterator[None]:
+        """The model without its active adapter for the duration (where new adapters are made); then the
+        active adapter (perhaps the new one, when there was none) in place, and its config."""
+        self._swap_out()
+        try:
+            yield
+        finally:
+            for name, module in bitnet.lora_modules(self).items():  # the new adapter (kept aside by _take_new)
+                self.set_submodule(name, module.base_layer)
+            if self._active_adapter is not None:
+                for name, module in self._lora_adapters[self._active_adapter].items():
+                    self.set_submodule(name, module)
+            self.lora_config = self._lora_configs.get(self._active_adapter)
+
+    def _take_new(self, adapter_name: str) -> None:
+        """Keep the adapter just applied to the bare model as ``adapter_name`` (``_bare`` takes it out)."""
+        modules = bitnet.lora_modules(self)
+        self._lora_adapters[adapter_name] = dict(modules)
+        self._lora_configs[adapter_name] = getattr(self, "lora_config", None)
+        if self._active_adapter is None:  # the first adapter of a model without one is the one in use
+            self._active_adapter = adapter_name
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def with_adapter_api(model: nn.Module, adapter_name: str = DEFAULT_ADAPTER) -> nn.Module:
+    """Give ``model``, which holds torch_wgpu_lora adapters, PEFT's model API (``LoraModelMixin``),
+    its adapters being ``adapter_name``; returns ``model`` (its class changed in place)."""
+    if isinstance(model, LoraModelMixin):
+        return model
+    cls = type(model)
+    if cls not in _CLASSES:
+        name = f"{cls.__name__}WithLoRA"
+        _CLASSES[cls] = type(name, (LoraModelMixin, cls), {"__module__": __name__, "__qualname__": name,
+                                                           "__doc__": f"{cls.__name__} with LoraModelMixin's methods."})
+        globals()[name] = _CLASSES[cls]  # found by name, so that the model pickles
+    model.__class__ = _CLASSES[cls]
+    model._lora_adapters = {adapter_name: dict(bitnet.lora_modules(model))}
+    model._lora_configs = {adapter_name: getattr(model, "lora_config", None)}
+    model._active_adapter = adapter_name
+    return model
+
+
+def apply_lora(model: nn.Module, config: Any = None, adapter_name: str = DEFAULT_ADAPTER, **fields: Any) -> nn.Module:
+    """``integrations.bitnet.apply_lora`` (``config``: ours or a ``peft.LoraConfig``, ``fields`` replacing its
+    values), then PEFT's model API on ``model`` (``LoraModelMixin``), the adapter named ``adapter_name``.
+
+    >>> # model = apply_lora(load_bitnet(folder), peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    """
+    bitnet.apply_lora(model, config, **fields)
+    return with_adapter_api(model, adapter_name)
+
+
+def load_adapter(model: nn.Module, path: str | os.PathLike, format: str | None = None, *,
+                 residual_base: bool = False) -> nn.Module:
+    """``integrations.adapters.load_adapter`` (a PEFT folder or Hesper file into ``model``), then PEFT's
+    model API on ``model`` (``LoraModelMixin``) when it was loaded into a model without adapters.
+
+    >>> # model = load_adapter(load_bitnet(folder), "run/adapter")
+    """
+    had_adapters = bool(bitnet.lora_modules(model))
+    adapter_files.load_adapter(model, path, format, residual_base=residual_base)
+    return model if had_adapters else with_adapter_api(model)
+
+
+# -- PEFT models ----------------------------------------------------------------------------------
+
+def peft_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every PEFT tuner layer in ``model`` (LoRA layers, ``modules_to_save``
+    wrappers, ...); none when peft was never imported (no model can hold one then)."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if tuners is None:
+        return []
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, tuners.BaseTunerLayer)]
+
+
+def _lora_linear_class() -> type | None:
+    module = sys.modules.get("peft.tuners.lora.layer")
+    return None if module is None else module.Linear
+
+
+def _check_peft_layer(name: str, layer: nn.Module) -> str:
+    """The active adapter of PEFT layer ``name``, after checking it is plain LoRA on a linear layer."""
+    if type(layer) is not _lora_linear_class():
+        raise ValueError(f"{name} is a PEFT {type(layer).__module__}.{type(layer).__name__}; torch_wgpu_lora runs "
+                         "LoRA on linear layers only (peft.tuners.lora.layer.Linear)")
+    active = list(layer.active_adapters)
+    if len(active) != 1 or active[0] not in layer.lora_A:
+        raise ValueError(f"{name}: PEFT layer with active adapters {active}; torch_wgpu_lora runs exactly one")
+    adapter = active[0]
+    problems = {
+        "its adapters are merged into the base weight (unmerge them first)": layer.merged,
+        "its adapters are disabled (leave the disable_adapter context first)": layer.disable_adapters,
+        "DoRA (use_dora)": layer.use_dora.get(adapter, False),
+        "a bias on lora_B (lora_bias)": layer.lora_bias.get(adapter, False),
+        "transposed base weights (fan_in_fan_out)": getattr(layer, "fan_in_fan_out", False),
+        "a LoRA variant": getattr(layer, "lora_variant", {}).get(adapter) is not None,
+    }
+    for what, present in problems.items():
+        if present:
+            raise ValueError(f"{name} (PEFT adapter {adapter!r}): {what}, which torch_wgpu_lora does not run")
+    a, b = layer.lora_A[adapter], layer.lora_B[adapter]
+    if type(a) is not nn.Linear or type(b) is not nn.Linear or a.bias is not None or b.bias is not None:
+        raise ValueError(f"{name} (PEFT adapter {adapter!r}): lora_A / lora_B are not bias-free nn.Linear layers")
+    if a.weight.dtype != torch.float32 or b.weight.dtype != torch.float32:
+        raise ValueError(f"{name} (PEFT adapter {adapter!r}): lora weights are {a.weight.dtype}; torch_wgpu_lora's "
+                         "adapters are float32 (peft's default, autocast_adapter_dtype=True)")
+    dropout = layer.lora_dropout[adapter]
+    if type(dropout) not in (nn.Dropout, nn.Identity):
+        raise ValueError(f"{name} (PEFT adapter {adapter!r}): lora_dropout is a {type(dropout).__name__}")
+    return adapter
+
+
+def from_peft(model: nn.Module, backend: str = "wgpu") -> nn.Module:
+    """A transformers model holding torch_wgpu_lora's adapters that shares every tensor with ``model``, a
+    ``PeftModel`` or a base model ``get_peft_model`` wrapped: each PEFT LoRA layer of the active adapter
+    becomes a ``LoRALinear`` (adapters on ``backend``) holding the same base weights and the same
+    ``lora_A`` / ``lora_B`` Parameters, so training the result trains ``model``'s adapter. ``model`` is
+    left as it was. The result has PEFT's model API (``LoraModelMixin``) and ``BitNetEngine`` runs it.
+
+    Refused, naming the module or the option: PEFT layers other than LoRA on linear layers, DoRA,
+    biases, several active adapters, merged or disabled adapters, and (from a PeftModel's config)
+    anything ``LoraConfig.from_peft_fields`` refuses. Adapters whose initialisation changed the base
+    weights (PiSSA, ...) are fine: the result shares those changed weights.
+
+    >>> # ours = from_peft(get_peft_model(base, peft.LoraConfig(target_modules=["q_proj", "v_proj"])))
+    """
+    config = None
+    base = model
+    peft_config = getattr(model, "peft_config", None)
+    if isinstance(peft_config, dict) and hasattr(model, "base_model") and hasattr(model.base_model, "model"):
+        active = getattr(model, "active_adapter", None)
+        if active not in peft_config:
+            raise ValueError(f"the PeftModel's active adapter is {active!r}; torch_wgpu_lora runs exactly one adapter")
+        fields = peft_config[active].to_dict()
+        config = LoraConfig.from_peft_fields(fields, f"the PeftModel's adapter {active!r}", loading=True,
+                                             residual_base=True)
+        base = model.base_model.model
+    layers = peft_layers(base)
+    if not layers:
+        raise ValueError(f"the {type(model).__name__} holds no PEFT layer: nothing to convert (apply_lora adds "
+                         "torch_wgpu_lora's adapters)")
+    if bitnet.lora_modules(base):
+        raise ValueError("the model holds torch_wgpu_lora adapters as well as PEFT layers; convert a model with one kind")
+    active = {name: _check_peft_layer(name, layer) for name, layer in layers}
+    # A copy of the module tree whose Parameters and buffers are the original's own.
+    shared = {id(t): t for t in (*base.parameters(), *base.buffers())}
+    twin = copy.deepcopy(base, memo=shared)
+    twin.requires_grad_(False)
+    bitnet.use_ste_backward(twin)
+    for name, layer in layers:
+        adapter = active[name]
+        copied = twin.get_submodule(name)
+        module = LoRALinear(copied.base_layer, r=layer.r[adapter], lora_alpha=layer.lora_alpha[adapter],
+                            init="peft", backend=backend, use_rslora=layer.use_rslora.get(adapter, False))
+        module.lora_A = layer.lora_A[adapter].weight.requires_grad_(True)
+        module.lora_B = layer.lora_B[adapter].weight.requires_grad_(True)
+        module.lora_dropout = copy.deepcopy(layer.lora_dropout[adapter])
+        module.scaling = float(layer.scaling[adapter])  # PEFT's, as set_scale may have changed it
+        module.train(twin.training)
+        twin.set_submodule(name, module)
+    if config is not None:
+        twin.lora_config = config.updated(backend=backend)
+    return with_adapter_api(twin, getattr(model, "active_adapter", None) or next(iter(active.values())))
