@@ -41,7 +41,7 @@ from torch_wgpu_lora.runtime import get_device
 from torch_wgpu_lora.runtime.device import ADAPTER_ENV
 from torch_wgpu_lora.training.data import shard
 
-from .test_trainer import EVAL_RECORDS, RECORDS
+from .helpers import EVAL_RECORDS, RECORDS
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5

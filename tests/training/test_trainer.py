@@ -29,18 +29,7 @@ from torch_wgpu_lora.optim import WgpuAdamW
 from torch_wgpu_lora.training.schedule import make_scheduler
 from torch_wgpu_lora.training.trainer import TrainerCallback, TrainingStopped, accumulate_gradients, evaluate
 
-RECORDS = [
-    {"instruction": "Name a primary colour.", "output": "Red."},
-    {"instruction": "Translate the word into French.", "input": "cat", "output": "Chat."},
-    {"instruction": "Count to three.", "output": "One, two, three."},
-    {"instruction": "What is two plus two?", "output": "Four."},
-    {"instruction": "Give the opposite of the word.", "input": "hot", "output": "Cold."},
-    {"instruction": "Name a planet.", "output": "Mars is a planet."},
-    {"instruction": "Say hello in Spanish.", "output": "Hola."},
-    {"instruction": "Name a fruit that is yellow.", "output": "A banana."},
-]
-EVAL_RECORDS = [{"instruction": "Name a colour.", "output": "Blue."},
-                {"instruction": "Count to two.", "output": "One, two."}]
+from .helpers import EVAL_RECORDS, RECORDS
 
 
 @pytest.fixture(scope="module")
