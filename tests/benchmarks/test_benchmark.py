@@ -186,8 +186,12 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
 
     engine.main(["--small", "--layers", "1", "--no-hf", "--out", str(tmp_path), "--prefill", "16", "--prompt", "4",
                  "--new-tokens", "4", "--repeats", "1", "--train", "16", "--train-steps", "1", "--drop-in", "8",
-                 "--drop-in-steps", "2"])
+                 "--drop-in-steps", "2", "--batched", "1x16,3x16"])
     result = json.loads((tmp_path / "engine.json").read_text())
+    batched = result["batched"]["engine"]  # training steps and prefill passes of several sequences a step
+    assert set(batched) == {"1x16", "3x16"} and all(b["train_tok_per_s"] > 0 and b["prefill_tok_per_s"] > 0
+                                                    for b in batched.values())
+    assert batched["3x16"]["train_tok_per_s"] == pytest.approx(48 / batched["3x16"]["train_step_s"])
     drop_in = result["drop_in"]  # the backends' steps and the base alone, taking turns
     assert len(drop_in["wgpu"]["steps_s"]) == len(drop_in["torch"]["steps_s"]) == len(drop_in["base"]["steps_s"]) == 2
     assert all(drop_in[variant]["page_faults"] >= 0 for variant in ("wgpu", "torch", "base"))  # Linux: resource

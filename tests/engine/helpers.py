@@ -73,7 +73,7 @@ def torch_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor |
 def forward_with_codes(engine: BitNetEngine, ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, dict]:
     """The engine's logits [batch, tokens, vocab] and the int8 codes of every quantisation point."""
     codes: dict = {}
-    logits = engine.plan(*ids.shape).logits_of(ids, lengths, codes=codes)
+    logits = engine.plan(*ids.shape).run(ids, lengths, codes=codes)
     return logits, codes
 
 

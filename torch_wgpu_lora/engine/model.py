@@ -231,7 +231,7 @@ class BitNetEngine(nn.Module):
         batch, tokens = ids.shape
         with self.lock:
             plan = self.plan(batch, tokens, dropout=seed is not None)
-            return plan.logits_of(ids, lengths, dropout=None if seed is None else (seed, self.adapters.dropout()))
+            return plan.run(ids, lengths, dropout=None if seed is None else (seed, self.adapters.dropout()))
 
     def loss_and_grads(self, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int],
                        codes: dict | None = None, dropout_seed: int | None = None,

@@ -10,7 +10,7 @@ of one generation share them. Activations are reused by every layer (a forward k
 a backward).
 
 >>> # plan = ForwardPlan(weights, adapters, KVCache(config, 2, 40, ws), tokens=40, scratch=engine.scratch)
->>> # logits = plan.logits_of(ids, lengths)      # [2, 40, vocab] on the CPU
+>>> # logits = plan.run(ids, lengths)      # [2, 40, vocab] on the CPU
 """
 
 from __future__ import annotations
@@ -164,30 +164,31 @@ class ForwardPlan:
         for first, buf in self.logits:
             rec.read(buf, out[first:first + buf.shape[0]])
 
-    def logits_of(self, ids: torch.Tensor, lengths: list[int], dropout: tuple[int, float] | None = None,
-                  codes: dict | None = None) -> torch.Tensor:
+    def run(self, ids: torch.Tensor, lengths: list[int], dropout: tuple[int, float] | None = None,
+            codes: dict | None = None) -> torch.Tensor | None:
         """Run one pass from position 0 over ``ids`` (int64 [batch, tokens], right-padded to
-        ``lengths``) and return its logits [batch, tokens, vocab] (CPU float32): the adapters are
-        synced, the inputs written, the pass recorded and submitted, the logits read back.
-        ``dropout``: (seed, probability) of the pass's LoRA dropout. ``codes``, a dict, receives the
-        pass's int8 activation codes (``program.read_codes``' format), for comparisons."""
-        if self.logits_mode != "all":
-            raise ValueError(f"logits_of reads every position's logits; this plan keeps {self.logits_mode!r}")
+        ``lengths``): the adapters synced, the inputs written, the pass recorded and submitted; returns
+        its logits [batch, tokens, vocab] (CPU float32) where the plan keeps every position's, else
+        None. ``dropout``: (seed, probability) of the pass's LoRA dropout. ``codes``, a dict, receives
+        the pass's int8 activation codes (``program.read_codes``' format), for comparisons."""
+        if self.logits_mode == "last":
+            raise ValueError("run reads every position's logits or none; this plan keeps the last position's")
         batch, tokens = ids.shape
         self.adapters.sync()
         if dropout is not None:
             self.set_dropout(*dropout)
         write(self.ids, ids.numpy().astype(np.uint32).reshape(-1))
         self.cache.set_position(0, lengths)
-        logits = torch.empty(batch * tokens, self.config.vocab, dtype=torch.float32)
+        logits = torch.empty(batch * tokens, self.config.vocab, dtype=torch.float32) if self.logits else None
         capture = {} if codes is not None else None
         rec = Recorder(self.device)
         self.record(rec, capture)
-        self.read_logits(rec, logits.numpy())
+        if logits is not None:
+            self.read_logits(rec, logits.numpy())
         rec.submit()
         if codes is not None:
             codes.update(read_codes(capture, batch, tokens, self.config))
-        return logits.reshape(batch, tokens, -1)
+        return logits.reshape(batch, tokens, -1) if logits is not None else None
 
     def roles(self) -> dict[str, int]:
         """Bytes the plan's workspace holds, by role (its cache's when the cache is in it)."""

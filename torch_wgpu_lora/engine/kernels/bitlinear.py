@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ...runtime import Buffer, Device, Launch, get_device, kernel
+from ...runtime import Buffer, Device, Launch, Recorder, get_device, kernel
 from ..weights import Projection
 from ..workspace import Workspace
 from . import dummy
@@ -47,7 +47,7 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
                      aux: Buffer | None = None, gemv: bool | None = None, lanes: int | None = None,
                      norm: tuple[Buffer, Buffer, float] | None = None, rope: RopeTarget | None = None,
                      attention: DecodePartials | None = None, tile_tokens: int | None = None,
-                     device: Device | None = None) -> Launch:
+                     mma: bool | None = None, device: Device | None = None) -> Launch:
     """One launch computing ``proj`` over ``tokens`` rows of activation codes into ``out``.
 
     ``codes``: u32 [tokens, k_words · 4] (``norm.rmsnorm_launch`` writes them), ``meta``: f32 [2 · tokens]
@@ -56,6 +56,8 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     epilogue also keeps, f32 [tokens, ≥ rows]: the raw gate/up pairs (``"gate_up"``), or the sums of
     an ``"add"`` (the residual stream after it). ``lanes``: threads a weight row in ``gemv`` (default ``gemv_lanes``);
     ``tile_tokens``: tokens a ``gemm`` workgroup holds, 32 or 64 (default ``gemm_tile_tokens``).
+    ``mma``: run the GEMM on the GPU's matrix units (``bitlinear_mma.wgsl``: the same integers, the same
+    epilogue); default ``matrix_units_win``, False where the device has no int8 subgroup matrices.
 
     Decoding's fusions (``gemv`` only): ``norm`` = (x, weight, eps) normalises x's rows (f32 [tokens, ≥ k])
     with RMSNorm and quantises them inside the launch, writing ``codes`` and ``meta`` rather than
@@ -86,6 +88,15 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     buffers = {1: codes, 2: meta, 4: proj.scale, 5: out, 6: h or pad, 7: lora or pad, 8: lora_b or pad,
                9: aux or dummy(device, "aux")}
     constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=aux is not None)
+    if not gemv and (matrix_units_win(device, tokens, proj) if mma is None else mma):
+        if not has_int8_matrix_units(device):
+            raise ValueError(f"mma=True needs int8 subgroup matrices of {MMA_SHAPE} with subgroups of 32; this "
+                             f"device ({device.name}) offers {device.subgroup_matrix_configs or 'none'}")
+        buffers.update({3: proj.weight})
+        return Launch.build(kernel("bitlinear_mma.wgsl", "gemm", device, **constants),
+                            (-(-proj.rows // 128), -(-tokens // 128), 1), buffers,
+                            (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank, segments,
+                             aux.shape[-1] if aux is not None else 0))
     x_stride, cache_len, tokens_per_seq = 0, 0, 1
     if gemv:  # the weights bound as vec4 words (binding 10); K is padded to 64, so rows are whole vec4s
         fewest = -(-k_words // (4 * _ROW_LOADS_MAX))
@@ -123,6 +134,44 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     return Launch.build(kern, grid, buffers, (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank,
                                               segments, aux.shape[-1] if aux is not None else 0, x_stride, cache_len,
                                               tokens_per_seq))
+
+
+MMA_SHAPE = (16, 16, 32)  # M, N, K of the int8 subgroup matrices bitlinear_mma.wgsl multiplies
+
+
+def has_int8_matrix_units(device: Device) -> bool:
+    """Whether ``bitlinear_mma.wgsl`` runs on ``device``: int8 × int8 → i32 subgroup matrices of
+    ``MMA_SHAPE`` in subgroups of 32 invocations (NVIDIA's through Dawn)."""
+    return any(c["component_type"] == "i8" and c["result_component_type"] == "i32"
+               and (c["m"], c["n"], c["k"]) == MMA_SHAPE and c["min_subgroup_size"] <= 32 <= c["max_subgroup_size"]
+               for c in device.subgroup_matrix_configs)
+
+
+def matrix_units_win(device: Device, tokens: int, proj: Projection) -> bool:
+    """Whether ``proj`` over ``tokens`` rows runs faster on the matrix units than as the ``gemm``
+    kernel: measured once per shape on the device itself (each launch three times, timestamps; kept
+    in the device's state), since which wins turns on the shape (a grid of few 128 × 128 blocks
+    leaves the GPU idle) and on the device. Both give the same values, so the choice changes only
+    the time. False without int8 subgroup matrices or timestamps."""
+    if not has_int8_matrix_units(device) or not device.has_timestamps:
+        return False
+    key = (tokens, proj.rows, proj.weight.shape[1])
+    choices = device.owned("bitlinear_mma_wins", dict)
+    if key not in choices:
+        codes = Buffer((tokens, 4 * proj.weight.shape[1]), "u32", device)
+        meta, out = Buffer((2 * tokens,), device=device), Buffer((tokens, proj.rows), device=device)
+        seconds = {}
+        for mma in (True, False):
+            launch = bitlinear_launch(codes, meta, proj, out, tokens=tokens, out_stride=proj.rows, gemv=False,
+                                      mma=mma, device=device)
+            times = []
+            for _ in range(3):
+                rec = Recorder(device, timestamps=True)
+                rec.launch(launch)
+                times.append(rec.submit())
+            seconds[mma] = min(times)
+        choices[key] = seconds[True] < seconds[False]
+    return choices[key]
 
 
 def gemm_tile_tokens(device: Device) -> int:
