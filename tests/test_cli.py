@@ -452,9 +452,11 @@ def test_info_text_and_json(capsys):
     assert main(["info"]) == EXIT_OK
     out = capsys.readouterr().out
     assert out.startswith("adapter:  ") and "max-storage-buffer-binding-size" in out
+    assert "\nwebgpu:   " in out and "\nsubgroup matrices: " in out and "the buffer pool keeps" in out
     assert main(["info", "--json"]) == EXIT_OK
     info = json.loads(capsys.readouterr().out)
-    assert {"adapter", "backend", "limits", "features", "versions"} <= set(info)
+    assert {"adapter", "backend", "limits", "features", "versions", "webgpu", "webgpu_choice",
+            "subgroup_matrix_configs", "memory", "settings"} <= set(info)
 
 
 # -- real processes -------------------------------------------------------------------------------

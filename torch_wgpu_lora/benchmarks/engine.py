@@ -30,7 +30,7 @@ import torch
 
 from ..engine.kernels.attention import keeps_probabilities, scores_kept_whole
 from ..runtime import Recorder, get_device, write
-from ..runtime.kernels import DEFAULT_SHADER_CHECKS
+from ..runtime.settings import DEFAULT_SHADER_CHECKS
 from .report import write_json
 from .timing import arithmetic_rate
 
@@ -599,7 +599,6 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.out, "engine.json", result)
 
     from ..engine import BitNetEngine
-    from ..runtime import set_shader_checks
 
     seqs = tuple(int(x) for x in args.train.split(",") if x)
     start = time.perf_counter()
@@ -617,8 +616,9 @@ def main(argv: list[str] | None = None) -> int:
                                     for name, r in out.items()))
         return out
 
+    default_settings = engine.device.settings
     for checks in args.checks.split(","):  # kernels and plans are keyed on the mode: each gets its own
-        set_shader_checks(checks)
+        engine.device.configure(shader_checks=checks)
         engine._plans.clear()
         suffix = "" if checks == DEFAULT_SHADER_CHECKS else f"_{checks}"
         result["engine" + suffix] = measure_engine(engine, args.prompt, args.new_tokens, args.prefill, args.repeats,
@@ -637,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
             if theirs is not None:
                 result["hf_peft_training"] = theirs
             save()
-    set_shader_checks(None)
+    engine.device.configure(default_settings)
     del model, engine
     gc.collect()
     if not args.no_hf:
