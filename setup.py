@@ -33,8 +33,11 @@ setup(
     extras_require={
         "plot": ["matplotlib>=3.7"],
         "peft": ["peft>=0.19"],
+        # the optional Dawn backend (TORCH_WGPU_LORA_BACKEND=dawn or auto): the wgpu-py API on Dawn
+        "dawn": ["wgpudawn>=0.32.0.4,<0.33"],
         "notebooks": ["jupyter", "ipykernel", "matplotlib>=3.7", "pandas>=2"],
-        "test": ["pytest>=8", "nbmake>=1.5", "ipykernel", "peft>=0.19", "matplotlib>=3.7", "pandas>=2"],
+        "test": ["pytest>=8", "nbmake>=1.5", "ipykernel", "peft>=0.19", "matplotlib>=3.7", "pandas>=2",
+                 "wgpudawn>=0.32.0.4,<0.33"],
     },
     entry_points={"console_scripts": ["torch-wgpu-lora=torch_wgpu_lora.cli:main"]},
 )
