@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -75,13 +77,19 @@ def test_buffers_return_to_the_pool_and_are_reused():
 
 @pytest.fixture
 def small_pool():
-    """The pool emptied and bounded at 64 KiB for the test; its bound restored afterwards."""
+    """The pool emptied and bounded at 64 KiB for the test, the garbage collector off (no buffer of
+    an earlier test freed meanwhile); both restored afterwards."""
     device = get_device()
     pool = pool_for(device)
+    gc.collect()
     pool.release()
     previous = device.configure(pool_bytes=64 << 10)
-    yield pool
-    device.configure(previous)
+    gc.disable()
+    try:
+        yield pool
+    finally:
+        gc.enable()
+        device.configure(previous)
 
 
 def test_the_pool_keeps_freed_buffers_up_to_its_bound_and_info_says_what_it_holds(small_pool):
@@ -111,8 +119,10 @@ def test_the_op_over_many_row_counts_holds_no_more_than_the_bound():
     the pool's bound past what it held before, plus the staging buffers it keeps for readbacks."""
     device = get_device()
     pool = pool_for(device)
+    gc.collect()
     pool.release()
     previous = device.configure(pool_bytes=256 << 10)
+    gc.disable()  # no buffer of an earlier test freed meanwhile
     try:
         A, B = torch.randn(8, 64), torch.randn(48, 8)
         lora(torch.randn(3, 64), A, B, 0.5)  # compiled, its resident weights uploaded
@@ -127,6 +137,7 @@ def test_the_op_over_many_row_counts_holds_no_more_than_the_bound():
         assert pool.free_bytes <= 256 << 10
         assert device.allocated - staging.kept_bytes <= allocated + (256 << 10)
     finally:
+        gc.enable()
         device.configure(previous)
 
 
