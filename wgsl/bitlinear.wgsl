@@ -89,7 +89,7 @@ override EPS: f32 = 1e-5;     // gemv_norm*, gemv_combine
 override SPLITS: u32 = 1u;    // gemv_combine: key spans of the partials
 override HEADS: u32 = 1u;     // MODE 3: query heads, key/value heads, their width (gemv_combine: HEADS, HEAD_DIM)
 override KV_HEADS: u32 = 1u;
-override HEAD_DIM: u32 = 2u;
+override HEAD_DIM: u32 = 4u;  // even (rope) and whole vec4s (gemv_combine): its default compiles for both
 
 const M2: u32 = 0x03030303u;
 
