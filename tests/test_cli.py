@@ -480,9 +480,11 @@ def test_info_text_and_json(capsys):
     assert main(["info"]) == EXIT_OK
     out = capsys.readouterr().out
     assert out.startswith("adapter:  ") and "max-storage-buffer-binding-size" in out
+    assert "\nwebgpu:   " in out and "\nsubgroup matrices: " in out and "the buffer pool keeps" in out
     assert main(["info", "--json"]) == EXIT_OK
     info = json.loads(capsys.readouterr().out)
-    assert {"adapter", "backend", "limits", "features", "versions"} <= set(info)
+    assert {"adapter", "backend", "limits", "features", "versions", "webgpu", "webgpu_choice",
+            "subgroup_matrix_configs", "memory", "settings"} <= set(info)
 
 
 def test_train_and_generate_take_a_gguf_model(capsys, tiny, tmp_path):

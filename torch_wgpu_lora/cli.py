@@ -331,7 +331,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     info = _require_webgpu()
     versions = {"torch_wgpu_lora": __version__}
-    for package in ("torch", "wgpu", "transformers"):
+    for package in ("torch", "wgpu", "wgpudawn", "transformers"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -343,7 +343,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"vendor:   {info['vendor']}")
     print(f"backend:  {info['backend']} ({info['adapter_type']})")
     print(f"chosen:   {info['choice']}")
+    print(f"webgpu:   {info['webgpu']} ({info['webgpu_version']}): {info['webgpu_choice']}")
+    configs = info["subgroup_matrix_configs"]
+    print(f"subgroup matrices: {len(configs)} configurations" if configs else "subgroup matrices: none")
+    for c in configs:
+        print(f"  {c['component_type']} -> {c['result_component_type']}, M={c['m']} N={c['n']} K={c['k']}")
     print(f"features: {', '.join(info['features']) or '(none)'}")
+    memory, settings = info["memory"], info["settings"]
+    print(f"settings: shader checks {settings['shader_checks']}, subgroups {settings['subgroups']}")
+    print(f"memory:   {memory['allocated_bytes'] >> 20} MiB allocated; the buffer pool keeps "
+          f"{memory['pooled_bytes'] >> 20} of at most {memory['pool_bound_bytes'] >> 20} MiB")
     print("limits:")
     width = max(map(len, info["limits"]))
     for name, value in info["limits"].items():

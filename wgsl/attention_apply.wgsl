@@ -93,7 +93,8 @@ fn put4(n: u32, k: u32, x: vec4<f32>) {
   let bh = n / p.padded;
   let i = n - bh * p.padded;
   if (i >= p.rows) { return; }
-  let nan = bitcast<f32>(0x7fc00000u);
+  var nan_bits = 0x7fc00000u;  // not a constant: WGSL's constant evaluation refuses NaN
+  let nan = bitcast<f32>(nan_bits);
   OUT[(((bh / p.heads * p.rows + i) * p.heads + bh % p.heads) * p.head_dim + k) / 4u] =
     select(vec4<f32>(nan), x * p.scale, POSITION[0] == 0u);
 }

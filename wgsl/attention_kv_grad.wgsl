@@ -83,7 +83,8 @@ fn put4(n: u32, k: u32, x: vec4<f32>) {
   let bg = n / p.padded;
   let j = n - bg * p.padded;
   if (j >= p.seq) { return; }
-  let nan = bitcast<f32>(0x7fc00000u);
+  var nan_bits = 0x7fc00000u;  // not a constant: WGSL's constant evaluation refuses NaN
+  let nan = bitcast<f32>(nan_bits);
   // bg = b·KVH + g
   OUT[((bg * p.max_len + j) * p.head_dim + k) / 4u] = select(vec4<f32>(nan), x * p.scale, POSITION[0] == 0u);
 }

@@ -31,20 +31,20 @@ const LN2: f32 = 0.6931471805599453;
 
 // Row i of (sequence, head) bh = wg.y: workgroup (i, bh).
 @compute @workgroup_size(WG)
-fn rows(inv: Invocation) {
+fn rows(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   enter(inv);
   let t = inv.t;
-  let i = inv.wg.x;
-  let bh = inv.wg.y;
+  let i = wg.x;
+  let bh = wg.y;
   let b = bh / p.heads;
   let keys = min(i, clamp(LENS[b], 1u, p.max_len) - 1u) + 1u;  // keys 0 .. keys - 1 are seen
   let quads = (keys + 3u) / 4u;
   let base = (bh * p.padded + i) * (p.padded / 4u);
   let c = p.scale * LOG2E;  // exp(scale·s) = exp2(c·s)
-  var m = -3.4028235e38;
+  var m = -0x1.fffffep+127f;
   for (var q = t; q < quads; q += WG) {
     let past = vec4<u32>(4u * q) + vec4<u32>(0u, 1u, 2u, 3u) >= vec4<u32>(keys);
-    let s = select(SC[base + q], vec4<f32>(-3.4028235e38), past);
+    let s = select(SC[base + q], vec4<f32>(-0x1.fffffep+127f), past);
     m = max(m, max(max(s.x, s.y), max(s.z, s.w)));
   }
   m = max_all(t, m);
@@ -60,7 +60,8 @@ fn rows(inv: Invocation) {
     SC[base + q] = select(exp2(c * SC[base + q] - lse2), vec4<f32>(0.0), past);
   }
   if (t == 0u) {
-    let nan = bitcast<f32>(0x7fc00000u);
+    var nan_bits = 0x7fc00000u;  // not a constant: WGSL's constant evaluation refuses NaN
+    let nan = bitcast<f32>(nan_bits);
     LSE[(b * p.seq + i) * p.heads + bh % p.heads] = select(nan, lse2 * LN2, POSITION[0] == 0u);
   }
 }

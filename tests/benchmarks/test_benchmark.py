@@ -13,7 +13,7 @@ from torch_wgpu_lora.benchmarks.lora_op import Case, breakdown, measure, run
 from torch_wgpu_lora.benchmarks.report import to_markdown
 from torch_wgpu_lora.benchmarks.training_step import training_step
 from torch_wgpu_lora.ops import lora_gpu
-from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, kernel, shader_checks
+from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, kernel
 
 
 class FakeClock:
@@ -103,12 +103,12 @@ def test_run_writes_json_markdown_and_chart(tmp_path):
 
 
 def test_sweep_times_each_variant_and_restores_the_defaults():
-    default_tuning, default_checks = lora_gpu.tuning(get_device()), shader_checks()
+    default_tuning, default_settings = lora_gpu.tuning(get_device()), get_device().settings
     rows = sweep.sweep(Case(8, 64, 32, 4, True, "tiny"), {"down_quads": [1], "shader_checks": ["full"]}, repeats=1)
     assert [(r["knob"], r["value"]) for r in rows] == [("down_quads", 1), ("shader_checks", "full")]
     if get_device().has_timestamps:
         assert all(r["gpu_us"] > 0 for r in rows)
-    assert lora_gpu.tuning(get_device()) == default_tuning and shader_checks() == default_checks
+    assert lora_gpu.tuning(get_device()) == default_tuning and get_device().settings == default_settings
 
 
 def test_cli_runs_the_op_benchmark_and_its_modes(tmp_path, monkeypatch, capsys):

@@ -32,9 +32,9 @@ from .timing import gpu_times
 
 
 def kind(launch: Launch) -> str:
-    """The launch's kernel entry point; a ternary GEMV also by its rows x features."""
+    """The launch's kernel entry point; a ternary GEMV (each fusion's entry point) also by its rows x features."""
     name = launch.kernel.name
-    if name == "bitlinear.wgsl:gemv":
+    if name.startswith("bitlinear.wgsl:gemv"):
         c = launch.kernel.constants
         name += f" {launch.grid[0] * c['ROWS']}x{64 * c['ROW_VECS']}"
     return name

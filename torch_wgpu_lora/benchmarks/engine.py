@@ -35,9 +35,9 @@ from ..integrations.bitnet import (PROJECTIONS, apply_lora, lora_modules, lora_p
                                    swapped_dropout)
 from ..ops import lora as lora_ops
 from ..optim import WgpuAdamW
-from ..runtime import Recorder, get_device, recorder, set_shader_checks, write
+from ..runtime import Recorder, get_device, recorder, write
 from ..runtime.buffers import pool_for
-from ..runtime.kernels import DEFAULT_SHADER_CHECKS
+from ..runtime.settings import DEFAULT_SHADER_CHECKS
 from .report import write_json
 from .timing import arithmetic_rate, median_interval
 
@@ -721,8 +721,9 @@ def main(argv: list[str] | None = None) -> int:
                                     for name, r in out.items()))
         return out
 
+    default_settings = engine.device.settings
     for checks in args.checks.split(","):  # kernels and plans are keyed on the mode: each gets its own
-        set_shader_checks(checks)
+        engine.device.configure(shader_checks=checks)
         engine.release_plans()
         suffix = "" if checks == DEFAULT_SHADER_CHECKS else f"_{checks}"
         result["engine" + suffix] = measure_engine(engine, args.prompt, args.new_tokens, args.prefill, args.repeats,
@@ -741,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
             if theirs is not None:
                 result["hf_peft_training"] = theirs
             save()
-    set_shader_checks(None)
+    engine.device.configure(default_settings)
     if args.batched:
         result["batched"] = measure_batched(engine, config, batched_shapes(args.batched), args.train_steps, log,
                                             not args.no_hf)

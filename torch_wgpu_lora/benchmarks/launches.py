@@ -45,8 +45,8 @@ from ..engine.kernels.projection import input_grad_splits
 from ..engine.kernels.rope import RopeTarget, rope_launch
 from ..engine.weights import Projection
 from ..engine.workspace import Workspace
-from ..runtime import Buffer, Launch, Recorder, get_device, kernel, set_shader_checks, set_subgroups, upload, write
-from ..runtime.kernels import DEFAULT_SHADER_CHECKS
+from ..runtime import Buffer, Launch, Recorder, get_device, kernel, upload, write
+from ..runtime.settings import DEFAULT_SHADER_CHECKS
 from .report import write_json
 
 # (hidden, ffn, heads, kv heads, head dim, rank of the Q/V site, cache lengths)
@@ -98,13 +98,13 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
         x, g, xn = floats(1, k), floats(k), Buffer((1, k), device=device)
         codes, meta = (Buffer((1, k // 4), "u32", device), Buffer((2,), device=device)) if quant else (None, None)
         a, h = (floats(lora, k), Buffer((1, lora), device=device)) if lora else (None, None)
-        for reductions, enabled in (("subgroups", None), ("barriers", False)):
-            set_subgroups(enabled)
+        for reductions, enabled in (("subgroups", True), ("barriers", False)):
+            previous = device.configure(subgroups=enabled)
             try:
                 out[f"{name}_{reductions}"] = timed([rmsnorm_launch(x, g, xn, tokens=1, k=k, eps=1e-5, codes=codes,
                                                                     meta=meta, lora_a=a, h=h, rank=lora, per_row=False)])
             finally:
-                set_subgroups(None)
+                device.configure(previous)
 
     projections = (("qkv", hidden + 2 * kv_heads * head_dim, hidden, "store"), ("o", hidden, hidden, "add"),
                    ("gate_up", 2 * ffn, hidden, "gate_up"), ("down", hidden, ffn, "add"))
@@ -211,11 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result: dict[str, Any] = {"adapter": get_device().name, "shape": "small" if args.small else "bitnet-2b"}
     for checks in args.checks.split(","):
-        set_shader_checks(checks)
+        previous = get_device().configure(shader_checks=checks)
         try:
             result[checks] = measure(result["shape"], args.repeats)
         finally:
-            set_shader_checks(None)
+            get_device().configure(previous)
         print(checks, json.dumps(result[checks]), flush=True)
     write_json(args.out, "launches.json", result)
     return 0

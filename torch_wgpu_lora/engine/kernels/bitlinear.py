@@ -84,9 +84,11 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     if attention and (not norm or attention.heads * attention.head_dim != proj.k or attention.head_dim % 4):
         raise ValueError(f"attention partials of {attention.heads} heads of {attention.head_dim} feed a GEMV that "
                          f"normalises rows of {proj.k} features (norm=...)")
+    if attention and rope:
+        raise ValueError("attention partials feed o_proj and mode 'rope' is the q/k/v projection's: not one launch")
     pad = dummy(device)
-    buffers = {1: codes, 2: meta, 4: proj.scale, 5: out, 6: h or pad, 7: lora or pad, 8: lora_b or pad,
-               9: aux or dummy(device, "aux")}
+    buffers = {4: proj.scale, 5: out, 6: h or pad, 7: lora or pad, 8: lora_b or pad, 9: aux or dummy(device, "aux")}
+    entry = "gemv" if gemv else "gemm"
     constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=aux is not None)
     if not gemv and (matrix_units_win(device, tokens, proj) if mma is None else mma):
         if not has_int8_matrix_units(device):
@@ -105,32 +107,38 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
             raise ValueError(f"gemv: rows of {proj.k} features take at least {fewest} lanes, not {lanes}")
         constants.update(ROWS=128 // lanes, LANES=lanes, ROW_VECS=k_words // 4)
         grid = (-(-proj.rows // (128 // lanes)), tokens, 1)
-        buffers.update({10: proj.weight, 11: pad, 12: pad, 13: dummy(device, "codes"), 14: dummy(device, "meta"),
-                        15: pad, 16: pad, 17: pad, 18: dummy(device, "keys"), 19: dummy(device, "values"),
-                        20: pad, 21: pad})
+        buffers[10] = proj.weight  # each gemv entry point binds only what it uses (bitlinear.wgsl)
+        if not norm:
+            buffers.update({1: codes, 2: meta})
     else:
         tile_tokens = tile_tokens or gemm_tile_tokens(device)
         if tile_tokens not in (32, 64):
             raise ValueError(f"gemm tiles hold 32 or 64 tokens, not {tile_tokens}")
         constants.update(TILE_TOKENS=tile_tokens)
-        grid, buffers[3] = (-(-proj.rows // 64), -(-tokens // tile_tokens), 1), proj.weight
+        grid = (-(-proj.rows // 64), -(-tokens // tile_tokens), 1)
+        buffers.update({1: codes, 2: meta, 3: proj.weight})
     if norm:
         x, weight, eps = norm
-        constants.update(NORM=True, K=proj.k, EPS=eps)
-        buffers.update({1: pad, 2: pad, 11: x, 12: weight, 13: codes, 14: meta})
+        constants.update(K=proj.k, EPS=eps)
+        buffers.update({12: weight, 13: codes, 14: meta})
         x_stride = x.shape[-1]
         if attention:
-            constants.update(COMBINE=True, SPLITS=attention.splits, HEADS=attention.heads,
-                             HEAD_DIM=attention.head_dim)
-            buffers.update({11: pad, 20: attention.o, 21: attention.ml})
+            entry = "gemv_combine"
+            constants.update(SPLITS=attention.splits, HEADS=attention.heads, HEAD_DIM=attention.head_dim)
+            buffers.update({20: attention.o, 21: attention.ml})
+        else:
+            entry = "gemv_norm"
+            buffers[11] = x
     if rope:
         if proj.rows != (rope.heads + 2 * rope.kv_heads) * rope.head_dim:
             raise ValueError(f"mode 'rope' takes the fused q/k/v rows: {proj.rows} rows for {rope.heads} + 2 × "
                              f"{rope.kv_heads} heads of {rope.head_dim}")
         constants.update(HEADS=rope.heads, KV_HEADS=rope.kv_heads, HEAD_DIM=rope.head_dim)
         buffers.update({15: rope.cos, 16: rope.sin, 17: rope.step, 18: rope.keys, 19: rope.values})
+        del buffers[9]  # its epilogue keeps no gate/up pairs
         cache_len, tokens_per_seq = rope.cache_len, rope.tokens_per_seq
-    kern = kernel("bitlinear.wgsl", "gemv" if gemv else "gemm", device, **constants)
+        entry += "_rope"
+    kern = kernel("bitlinear.wgsl", entry, device, **constants)
     return Launch.build(kern, grid, buffers, (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank,
                                               segments, aux.shape[-1] if aux is not None else 0, x_stride, cache_len,
                                               tokens_per_seq))
