@@ -339,7 +339,7 @@ def test_gemv_fusions_refuse_what_they_cannot_do():
     target = RopeTarget(*(poisoned((4,)) for _ in range(5)), heads=4, kv_heads=2, head_dim=16)
     with pytest.raises(ValueError, match="attention partials feed o_proj and mode 'rope' is the q/k/v projection's"):
         bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, mode="rope", rope=target, norm=(x, w, 1e-5),
-                         attention=decode_partials(2, 1, 4, 2, 16, 8))
+                         attention=decode_partials(2, 1, 4, 2, 16, 8, kernel_workspace()))
     big = _projection(torch.zeros(4, 4160, dtype=torch.int8), torch.ones(4), True)
     with pytest.raises(ValueError, match="up to 4096 features, not 4160"):
         bitlinear_launch(poisoned((1, 4160 // 4), "u32"), xm, big, out, tokens=1, out_stride=8,
