@@ -94,7 +94,7 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
         if not has_int8_matrix_units(device):
             raise ValueError(f"mma=True needs int8 subgroup matrices of {MMA_SHAPE} with subgroups of 32; this "
                              f"device ({device.name}) offers {device.subgroup_matrix_configs or 'none'}")
-        buffers.update({3: proj.weight})
+        buffers.update({1: codes, 2: meta, 3: proj.weight})
         return Launch.build(kernel("bitlinear_mma.wgsl", "gemm", device, **constants),
                             (-(-proj.rows // 128), -(-tokens // 128), 1), buffers,
                             (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank, segments,
