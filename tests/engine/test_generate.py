@@ -187,9 +187,9 @@ def test_a_reused_session_generates_what_the_torch_model_does():
     engine = BitNetEngine(model)
     first, second = [5, 9, 2, 7, 11, 3], [8, 1, 6, 4, 10, 12]
     engine_generate(engine, first, 12, set(), repetition_penalty=5.0)
-    session = engine.decode_session(6, 12, repetition_penalty=5.0)
+    session = engine.decode_session(1, 6, 12, repetition_penalty=5.0)
     reused, _ = engine_generate(engine, second, 12, set(), repetition_penalty=5.0)
-    assert engine.decode_session(6, 12, repetition_penalty=5.0) is session  # nothing new was built
+    assert engine.decode_session(1, 6, 12, repetition_penalty=5.0) is session  # nothing new was built
     assert reused == torch_greedy(model, second, 12, penalty=5.0)
 
 
@@ -198,7 +198,7 @@ def test_the_prompt_pass_keeps_its_attention_scores_whole_and_decoding_cannot():
     # transformers by the generation tests above); a decoding plan continues a cache.
     model = tiny_model("packed", adapters=True, seed=5)
     engine = BitNetEngine(model)
-    s = engine.decode_session(6, 4)
+    s = engine.decode_session(1, 6, 4)
     assert "attention_softmax.wgsl:rows" in [launch.kernel.name for launch in s.prefill.launches]
     assert "attention_softmax.wgsl:rows" not in [launch.kernel.name for launch in s.decode.launches]
     with pytest.raises(ValueError, match="cannot promise to start at position 0"):

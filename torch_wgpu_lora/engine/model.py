@@ -110,15 +110,16 @@ class BitNetEngine(nn.Module):
                             lambda: TrainPlan(self.weights, self.adapters, batch, tokens, slots, dropout,
                                               scratch=self.scratch))
 
-    def decode_session(self, prompt_length: int, max_new_tokens: int, **sampling: Any) -> DecodeSession:
-        """The KV cache, plans and sampling launches of a generation of this shape and sampling
-        (``engine.generate.session``), built once, then reused: building one takes tens of ms.
-        Generation applies no LoRA dropout: adapters that would (training mode) are refused."""
+    def decode_session(self, batch: int, prompt_length: int, max_new_tokens: int, **sampling: Any) -> DecodeSession:
+        """The KV cache, plans and sampling launches of a generation of ``batch`` prompts of up to
+        ``prompt_length`` tokens, with this sampling (``engine.generate.DecodeSession``), built
+        once, then reused: building one takes tens of ms. Generation applies no LoRA dropout:
+        adapters that would (training mode) are refused."""
         if self.adapters.dropout():
             raise ValueError("BitNetEngine generates without LoRA dropout, and the adapters are in training mode "
                              "with lora_dropout > 0: call model.eval() first (torch_wgpu_lora.generate does)")
-        return self._cached(("session", prompt_length, max_new_tokens, tuple(sorted(sampling.items()))),
-                            lambda: DecodeSession(self.weights, self.adapters, prompt_length, max_new_tokens,
+        return self._cached(("session", batch, prompt_length, max_new_tokens, tuple(sorted(sampling.items()))),
+                            lambda: DecodeSession(self.weights, self.adapters, batch, prompt_length, max_new_tokens,
                                                   scratch=self.scratch, **sampling))
 
     def release_plans(self) -> None:
@@ -346,7 +347,7 @@ def _plan_name(key: tuple) -> str:
     """A cached plan's name in the memory report, from its cache key."""
     kind, *shape = key
     if kind == "session":
-        return f"generation {shape[0]}+{shape[1]} tokens"
+        return f"generation {shape[0]}×({shape[1]}+{shape[2]}) tokens"
     batch, tokens, extra, dropout = shape
     name = f"{kind} {batch}×{tokens}" + (f", {extra} micro-batches" if kind == "train" and extra > 1 else "")
     return name + (", dropout" if dropout else "")
