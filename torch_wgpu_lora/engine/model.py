@@ -4,6 +4,7 @@
 >>> # engine = BitNetEngine(model)                 # uploads the frozen weights once
 >>> # out = engine(input_ids, attention_mask=mask, labels=labels)
 >>> # out.logits, out.loss                         # like transformers' CausalLMOutputWithPast
+>>> # engine.generate(input_ids, attention_mask=mask, max_new_tokens=32)  # like transformers' generate
 
 The engine shares the model's LoRA Parameters (it does not copy them): whatever changes them
 (a torch optimizer, ``load_adapter``, an in-place edit) is uploaded before the next call. The
@@ -39,6 +40,7 @@ from ..runtime.buffers import pool_for, staging_for
 from .adapters import EngineAdapters
 from .config import EngineConfig
 from .generate import DecodeSession
+from .generate_api import engine_transformers_generate
 from .plan import ForwardPlan, KVCache
 from .step import OptimizerStep
 from .train_plan import TrainPlan
@@ -230,6 +232,22 @@ class BitNetEngine(nn.Module):
             plan = self.train_plan(batch, tokens, dropout=p > 0)
             dropout = (_dropout_seed() if dropout_seed is None else dropout_seed, p) if p else None
             return plan.loss_and_grads(ids, labels, lengths, dropout=dropout, codes=codes)
+
+    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 generation_config: Any = None, streamer: Any = None, tokenizer: Any = None,
+                 **kwargs: Any) -> torch.Tensor:
+        """transformers' ``generate`` for a decoder-only model, every row of the batch generated at
+        once on WebGPU: returns [batch, input + new tokens] like transformers. ``input_ids`` (or
+        ``inputs=``), ``attention_mask`` (left or right padding), ``generation_config`` and keyword
+        settings as transformers takes them; what is supported, and what is refused:
+        ``engine.generate_api``.
+
+        >>> # out = engine.generate(**tokenizer(prompts, padding=True, return_tensors="pt"), max_new_tokens=32)
+        """
+        if input_ids is None:
+            input_ids = kwargs.pop("inputs", None)
+        return engine_transformers_generate(self, input_ids, attention_mask, generation_config, streamer, tokenizer,
+                                            **kwargs)
 
     # -- the fast path: a whole optimizer step in one submit -------------------------------------
 
