@@ -62,7 +62,7 @@ class KVCache:
     def nbytes(config: EngineConfig, batch: int, length: int) -> int:
         """Bytes of the keys and values of ``batch`` sequences of ``length`` positions.
 
-        >>> # KVCache.nbytes(config, 16, 144)  # BitNet-2B: 30 layers × 2 × 16 × 5 × 144 × 128 × 4 = 265 MB
+        >>> # KVCache.nbytes(config, 16, 144)  # BitNet-2B: 2 × 30 layers × 16 × 5 × 144 × 128 × 4 = 354 MB
         """
         return 2 * config.layers * batch * config.kv_heads * length * config.head_dim * 4
 
