@@ -257,5 +257,7 @@ def test_batch_limits_are_stated_and_refused_before_anything_runs():
     assert KVCache.nbytes(config, 3, 64) == 2 * config.layers * 3 * config.kv_heads * 64 * config.head_dim * 4
     with pytest.raises(ValueError, match="no prompts to generate for: the list is empty"):
         engine_generate_batch(engine, [], 4, set())
+    with pytest.raises(ValueError, match=r"prompt 1 must be 1 or more token ids in \[0, 320\), got \[3, 320\]"):
+        engine_generate_batch(engine, [[3], [3, 320]], 4, set())
     with pytest.raises(ValueError, match=f"need {limit + 4} positions; the model's context is {limit}"):
         engine_generate_batch(engine, [[3, 4], [3, 4, 5, 6]], limit, set())

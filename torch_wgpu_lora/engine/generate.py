@@ -13,17 +13,21 @@ buffer; the next batch is submitted before the last one's readback is waited on,
 overlaps the GPU's work. Generation stops once every sequence has ended; tokens computed past a
 sequence's end (at most a submit's worth) are dropped.
 
-A sequence's tokens are those it gets alone (greedy: exactly; sampling: for the same seed): its
-sums do not depend on the batch around it (the prompt pass is ``batch_invariant``, decode
-attention splits its keys per sequence, ``kernels.attention.decode``), while the batch's
-projections run on the path they run alone: up to ``gemv_max_tokens`` sequences (16 on GPUs, 4
-on CPU adapters) on the GEMV path. A larger batch decodes on the GEMM path, whose float sums
-(dense weights, the LM head, the LoRA terms of an unfused pass) are ordered otherwise, a last-bit
-difference that can move a quantised model's int8 rounding, and with it a token.
+A sequence's tokens are those it gets alone (greedy: exactly; sampling: for the same seed), since
+its sums do not depend on the batch around it: the prompt pass is ``batch_invariant`` (kept
+attention's sums unsplit, float projections as GEMMs), decode attention cuts each sequence's keys
+into the same spans whatever the batch (``kernels.attention.decode``), and up to
+``gemv_max_tokens`` sequences (16 on GPUs, 4 on CPU adapters) decode on the GEMV path, as one
+does. Past either bound the sums are ordered otherwise, a last-bit difference that can round a
+quantised model's int8 code differently, and with it change a token: a batch of more sequences
+decodes on the GEMM path (the LM head's and float weights' sums, and on GPUs unfused launches),
+and a batch whose prompt scores outgrow ``policy.SCORES_SCRATCH_BYTES`` runs its prompt pass
+with flash attention where one prompt keeps its scores whole.
 
-Limits: the batch's KV cache (``KVCache.nbytes``) must fit the device, a layer's keys one storage
-binding (``KVCache.max_batch``), the batch's last-position logits one binding, and every prompt
-plus ``max_new_tokens`` the model's context; each is refused with a message before anything runs.
+Limits: every prompt plus ``max_new_tokens`` must fit the model's context, a layer's keys one
+storage binding (``KVCache.max_batch``) and the batch's last-position logits one binding, each
+refused with a message before anything runs; and the batch's KV cache (``KVCache.nbytes``) must
+fit the device's memory.
 
 >>> # [(ids, eos_hit), ...] = engine_generate_batch(engine, [[0, 17, 42], [0, 5]], max_new_tokens=32, eos={1})
 """
@@ -183,6 +187,11 @@ def engine_generate_batch(engine: Any, prompts: Sequence[Sequence[int]], max_new
     min_new_tokens."""
     if not prompts:
         raise ValueError("no prompts to generate for: the list is empty")
+    vocab = engine.engine_config.vocab
+    for number, prompt in enumerate(prompts):
+        if not len(prompt) or not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt {number} must be 1 or more token ids in [0, {vocab}), got {list(prompt)[:8]}"
+                             + ("..." if len(prompt) > 8 else ""))
     if max_new_tokens == 0:
         return [([], False) for _ in prompts]
     with engine.lock:  # one GPU pass at a time (see BitNetEngine)

@@ -97,7 +97,8 @@ class ForwardPlan:
     decoding plans take none. ``from_start``: the caller promises that every pass starts at
     position 0 (a prompt, a batch's logits), so attention may keep its scores whole; such a plan
     run at another position gives NaN. ``batch_invariant``: each sequence's sums are the same
-    whatever the batch (``PassShape``; a generation's prompt pass). ``workspace``: the plan's own buffers (``scratch``, the
+    whatever the batch (``PassShape``; a generation's prompt pass; float weights then project with
+    GEMMs whatever the row count). ``workspace``: the plan's own buffers (``scratch``, the
     engine's workspace of scratch shared between plans, if given).
     """
 
@@ -128,6 +129,9 @@ class ForwardPlan:
             ffn_codes=ws.alloc("activations", (n, F // 4), "u32") if quant else None,
             meta=ws.alloc("activations", (2 * n,)) if quant else None, starts=cache.starts, lengths=cache.lengths,
             cache_length=cache.length, workspace=ws, decode=decode, fuse=not device.is_cpu if fuse is None else fuse,
+            # float weights: a GEMV sums in another order than a GEMM, and a sequence alone may take the
+            # one its batch does not (ternary weights' integer sums are the same on both paths)
+            gemv=False if batch_invariant and not quant else None,
             from_start=from_start, batch_invariant=batch_invariant, dropout=self.dropout)
         xn, h = ws.alloc("activations", (n, H)), ws.alloc("activations", (n, max(adapters.max_rank, 1)))
         site = SiteIO(xn, h)

@@ -120,7 +120,8 @@ class PassShape:
     * ``from_start``: every pass starts at position 0, so attention may keep its scores whole;
     * ``batch_invariant``: each sequence's values are summed in the same order whatever the batch
       around it (generation's prompt pass: a prompt's tokens are the same alone and in a batch):
-      kept attention's sums are not split (``policy.sum_splits`` splits them by the grid's size);
+      kept attention's sums are not split (``policy.sum_splits`` splits them by the grid's size; the
+      plan also keeps float projections on one path, ``gemv`` False);
     * ``dropout``: the pass's LoRA dropout state (``kernels.dropout``), None for none.
     """
 
