@@ -175,7 +175,8 @@ fn penalize(x: f32, flag: u32) -> f32 {
 // row is below min_new tokens), then temperature (when SCALE).
 fn processed(q: u32) -> vec4<f32> {
   var v = logits[row * p.v4 + q];
-  let s = seen[row * p.v4 + q];
+  var s = vec4<u32>(0u);
+  if (PENALIZE != 0u || BAN != 0u) { s = seen[row * p.v4 + q]; }  // read only when used
   if (PENALIZE != 0u) {
     let f = s & vec4<u32>(SEEN);
     v = vec4<f32>(penalize(v.x, f.x), penalize(v.y, f.y), penalize(v.z, f.z), penalize(v.w, f.w));
