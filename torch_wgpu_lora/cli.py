@@ -274,8 +274,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from transformers import TextStreamer
 
         # prints each piece of text as its tokens come, and a newline at the end
-        generate(runner, tokenizer, prompt, streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
-                 **options)
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        generate(runner, tokenizer, prompt, streamer=streamer, **options)
         return EXIT_OK
     print(generate(runner, tokenizer, prompt, **options))
     return EXIT_OK

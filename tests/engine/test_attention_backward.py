@@ -218,8 +218,8 @@ def test_a_scores_buffer_is_refused_where_it_would_not_be_used(monkeypatch):
         attention_launches(*common, scale=1.0, scores=Buffer((32768,)), workspace=ws, **shape)  # not from the start
     with pytest.raises(ValueError, match="only used by a training pass"):
         attention_backward_launches(args.q, args.k, args.v, args.out, args.lse, args.d_out, args.d_q, args.d_k,
-                                    args.d_v, args.starts, args.lengths, scale=1.0, scores=Buffer((32768,)), workspace=ws,
-                                    **shape)
+                                    args.d_v, args.starts, args.lengths, scale=1.0, scores=Buffer((32768,)),
+                                    workspace=ws, **shape)
     monkeypatch.setattr(policy, "SCORES_SCRATCH_BYTES", 4 * 32768 - 4)  # S would not be kept whole
     with pytest.raises(ValueError, match="only used by a training pass"):
         attention_launches(*common, scale=1.0, from_start=True, scores=Buffer((32768,)), workspace=ws, **shape)

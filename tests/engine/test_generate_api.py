@@ -97,7 +97,8 @@ def test_left_and_right_padding_give_the_same_tokens(dense, tokenizer):
     ours_left = engine.generate(**left, max_new_tokens=NEW, eos_token_id=[])
     ours_right = engine.generate(**right, max_new_tokens=NEW, eos_token_id=[])
     width = left["input_ids"].shape[1]
-    assert torch.equal(ours_left[:, :width], left["input_ids"]) and torch.equal(ours_right[:, :width], right["input_ids"])
+    assert torch.equal(ours_left[:, :width], left["input_ids"])
+    assert torch.equal(ours_right[:, :width], right["input_ids"])
     assert torch.equal(ours_left[:, width:], ours_right[:, width:])
 
 
@@ -180,7 +181,8 @@ def test_bad_input_and_unsupported_settings_are_refused_clearly(dense, tokenizer
          f"does not take logits_processor; {torch_path}"),
         (dict(input_ids=ids, output_scores=True), ValueError, "does not support output_scores=True"),
         (dict(input_ids=ids, typical_p=0.5), ValueError, "does not support typical_p=0.5"),
-        (dict(input_ids=ids, position_ids=ids), TypeError, r"neither inputs nor generation settings: \['position_ids'\]"),
+        (dict(input_ids=ids, position_ids=ids), TypeError,
+         r"neither inputs nor generation settings: \['position_ids'\]"),
         (dict(input_ids=ids, generation_config={"max_new_tokens": 3}), TypeError, "must be a transformers "
                                                                                   "GenerationConfig"),
         (dict(input_ids=ids.float()), TypeError, "input_ids must hold integer token ids"),

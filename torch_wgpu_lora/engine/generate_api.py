@@ -123,7 +123,8 @@ def _token_ids(name: str, value: Any, vocab: int) -> list[int]:
 def _prompts(input_ids: Any, attention_mask: Any, vocab: int) -> list[list[int]]:
     """Each row's real tokens: the ids where the mask is 1, the mask left- or right-padding each row."""
     if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"input_ids must be a torch.Tensor of token ids [batch, tokens], got {type(input_ids).__name__}")
+        raise TypeError(f"input_ids must be a torch.Tensor of token ids [batch, tokens], got "
+                        f"{type(input_ids).__name__}")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     if input_ids.dim() != 2:

@@ -6,8 +6,8 @@ A pass processes ``tokens`` positions of each of ``batch`` sequences (a prompt, 
 or one decoded token) against a ``KVCache`` that holds ``length`` positions. What changes between
 calls lives in GPU buffers the plan binds: the token ids, each sequence's first position in the
 pass (its start) and valid length, the latter two owned by the cache so that a prefill plan and a
-decode plan of one generation share them. Activations are reused by every layer (a forward keeps nothing for
-a backward).
+decode plan of one generation share them. Activations are reused by every layer (a forward keeps
+nothing for a backward).
 
 >>> # plan = ForwardPlan(weights, adapters, KVCache(config, 2, 40, ws), tokens=40, scratch=engine.scratch)
 >>> # logits = plan.logits_of(ids, lengths)      # [2, 40, vocab] on the CPU
@@ -15,10 +15,10 @@ a backward).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
-
-from typing import Sequence
 
 from ..runtime import Buffer, Recorder, write
 from .adapters import EngineAdapters
@@ -89,9 +89,9 @@ class ForwardPlan:
     ``logits``: ``"all"`` positions ([batch·tokens, vocab]), ``"last"`` (each sequence's last
     position, [batch, vocab rounded up to 4]: generation; with more than one token a pass, the rows
     ``last`` names, u32 [batch] the caller writes, by default each sequence's row ``tokens - 1``;
-    a right-padded batch names each sequence's last real token), or ``"none"``. ``decode``: few query tokens
-    against a long cache (flash decoding) and, with ``fuse``, decoding's fusions (default: on GPUs;
-    ``program``'s docstring). ``ids`` is a u32 [batch·tokens] buffer the caller writes, or another
+    a right-padded batch names each sequence's last real token), or ``"none"``. ``decode``: few
+    query tokens against a long cache (flash decoding) and, with ``fuse``, decoding's fusions
+    (default: on GPUs; ``program``'s docstring). ``ids`` is a u32 [batch·tokens] buffer the caller writes, or another
     plan's (a sampler's next-token buffer). ``dropout``: the adapters apply LoRA dropout (a
     training-mode forward), with masks from the state ``set_dropout`` writes before each pass;
     decoding plans take none. ``from_start``: the caller promises that every pass starts at

@@ -1,7 +1,8 @@
 """Rotary position embedding and the KV-cache write (``rope.wgsl``, or the epilogue of a
 decoding q/k/v GEMV in ``bitlinear.wgsl``), and the torch reference.
 
->>> # target = RopeTarget(weights.rope_cos, weights.rope_sin, starts, k_cache, v_cache, heads=20, kv_heads=5, head_dim=128)
+>>> # target = RopeTarget(weights.rope_cos, weights.rope_sin, starts, k_cache, v_cache, heads=20, kv_heads=5,
+>>> #                     head_dim=128)
 >>> # rec.launch(rope_launch(qkv, q_rot, target, tokens=n))
 """
 

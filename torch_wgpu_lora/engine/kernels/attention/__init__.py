@@ -122,8 +122,8 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
         lse_rows = lse if lse is not None else workspace.scratch("attention lse", (batch * tokens * heads,))
         return kept.forward_launches(scores_of, q, k_cache, v_cache, out, starts, lengths, lse_rows)
     if decode:
-        return decoding.decode_launches(q, k_cache, v_cache, out, starts, lengths, lse, splits=splits, partials=partials,
-                                      workspace=workspace, **shape)
+        return decoding.decode_launches(q, k_cache, v_cache, out, starts, lengths, lse, splits=splits,
+                                        partials=partials, workspace=workspace, **shape)
     return [flash.prefill_launch(q, k_cache, v_cache, out, starts, lengths, lse, tile=tile, device=workspace.device,
                                  **shape)]
 
