@@ -85,7 +85,8 @@ fn put4(n: u32, k: u32, x: vec4<f32>) {
   if (j >= p.seq) { return; }
   let nan = bitcast<f32>(0x7fc00000u);
   // bg = b·KVH + g
-  OUT[((bg * p.max_len + j) * p.head_dim + k) / 4u] = select(vec4<f32>(nan), x * p.scale, STARTS[bg / p.kv_heads] == 0u);
+  let from_start = STARTS[bg / p.kv_heads] == 0u;
+  OUT[((bg * p.max_len + j) * p.head_dim + k) / 4u] = select(vec4<f32>(nan), x * p.scale, from_start);
 }
 
 // @include _gemm_t_tile.wgsl

@@ -158,8 +158,8 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
     def backward(**choice: Any) -> list[Launch]:
         return attention_backward_launches(rows, keys, values, attn_out, lse, d_out, Buffer((seq, heads * head_dim)),
                                            Buffer(cache), Buffer(cache), starts, valid, batch=1, tokens=seq,
-                                           heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_len=seq, scale=head_dim ** -0.5,
-                                           workspace=workspace, **choice)
+                                           heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_len=seq,
+                                           scale=head_dim ** -0.5, workspace=workspace, **choice)
 
     tile = backward_tile(head_dim, device)
     chosen = sum_splits(-(-seq // tile.fixed) * kv_heads, device)
