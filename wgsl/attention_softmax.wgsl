@@ -3,7 +3,7 @@
 //   lse = ln Σ_{j ≤ lim} exp(scale·S[n][j])   SC[n][j] ← P = exp(scale·S[n][j] − lse)  (j ≤ lim)
 // for row n = (b·H + h)·TP + i, lim = min(i, len_b − 1) (len_b = LENS[b] clamped to 1..S, as
 // attention.wgsl has it); LSE[(b·T + i)·H + h] ← lse, the natural log the backward expects.
-// Keys past the limit in a row's last vec4 get P = 0; later vec4s are not touched. A pass that
+// Keys past the limit in a row's last vec4 get P = 0; later vec4s are not touched. A sequence that
 // does not start at position 0 gets NaN in LSE (attention_apply.wgsl, which reads P, gives NaN
 // outputs too).
 // Layouts: SC [B·H·TP, TP] as vec4s (TP: T rounded up to 64); LSE [B·T, H].
@@ -17,7 +17,7 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> POSITION: array<u32>;  // the step buffer: STEP_POS = 0
+@group(0) @binding(1) var<storage, read> STARTS: array<u32>;  // [B]: each sequence's first position (0 here)
 @group(0) @binding(2) var<storage, read> LENS: array<u32>;
 @group(0) @binding(3) var<storage, read_write> SC: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read_write> LSE: array<f32>;
@@ -62,6 +62,6 @@ fn rows(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   if (t == 0u) {
     var nan_bits = 0x7fc00000u;  // not a constant: WGSL's constant evaluation refuses NaN
     let nan = bitcast<f32>(nan_bits);
-    LSE[(b * p.seq + i) * p.heads + bh % p.heads] = select(nan, lse2 * LN2, POSITION[0] == 0u);
+    LSE[(b * p.seq + i) * p.heads + bh % p.heads] = select(nan, lse2 * LN2, STARTS[b] == 0u);
   }
 }

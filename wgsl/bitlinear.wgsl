@@ -38,7 +38,7 @@
 //   two partners (features d and d + D/2 of a q or k head) side by side, so one thread holds both:
 //   transformers' rotate_half rule with the COS/SIN tables at the token's position, rotated
 //   queries into OUT, rotated keys and the values into the caches KC, VC [batch, kv_heads, S, D].
-//   Token n is position STEP[0] + n % tokens_per_seq of sequence n / tokens_per_seq (rope.wgsl's
+//   Token n is position STARTS[b] + n % tokens_per_seq of sequence b = n / tokens_per_seq (rope.wgsl's
 //   rule).
 
 struct Params {
@@ -72,7 +72,7 @@ struct Params {
 @group(0) @binding(14) var<storage, read_write> XMW: array<f32>;
 @group(0) @binding(15) var<storage, read> COS: array<f32>;
 @group(0) @binding(16) var<storage, read> SIN: array<f32>;
-@group(0) @binding(17) var<storage, read> STEP: array<u32>;
+@group(0) @binding(17) var<storage, read> STARTS: array<u32>;
 @group(0) @binding(18) var<storage, read_write> KC: array<f32>;
 @group(0) @binding(19) var<storage, read_write> VC: array<f32>;
 @group(0) @binding(20) var<storage, read> PO: array<vec4<f32>>;
@@ -244,7 +244,7 @@ fn qkv_row(g: u32) -> u32 {
 // MODE 3: the grid's rows g, g + 1 (g even) of token n, with values a, b.
 fn put_rotated(n: u32, g: u32, a: f32, b: f32) {
   let seq = n / p.tokens_per_seq;
-  let pos = STEP[0] + n % p.tokens_per_seq;
+  let pos = STARTS[seq] + n % p.tokens_per_seq;
   let half = HEAD_DIM / 2u;
   let rotated = (HEADS + KV_HEADS) * HEAD_DIM;
   if (g < rotated) {

@@ -221,13 +221,13 @@ def test_gemv_normalises_and_quantises_its_own_input(tokens, k, rows, mode, redu
 
 @pytest.mark.parametrize("normalise", [False, True], ids=["codes", "norm"])
 def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
-    # two sequences of two tokens at positions 3, 4: q, k rotated by transformers' rule, k and v
-    # into the caches, with Q/V adapters on the fused rows (as a decoding q/k/v projection)
+    # two sequences of two tokens, at positions 3, 4 and 7, 8: q, k rotated by transformers' rule,
+    # k and v into the caches, with Q/V adapters on the fused rows (as a decoding q/k/v projection)
     from transformers import BitNetConfig
     from transformers.models.bitnet.modeling_bitnet import BitNetRotaryEmbedding, apply_rotary_pos_emb
 
     g = torch.Generator().manual_seed(8)
-    batch, T, heads, kv_heads, d, cache_len, pos, k = 2, 2, 4, 2, 16, 12, 3, 128
+    batch, T, heads, kv_heads, d, cache_len, starts, k = 2, 2, 4, 2, 16, 12, [3, 7], 128
     q_size, kv_size = heads * d, kv_heads * d
     rows = q_size + 2 * kv_size
     config = BitNetConfig(hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -239,10 +239,10 @@ def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
     Bq, Bv = torch.randn(q_size, 4, generator=g), torch.randn(kv_size, 2, generator=g)
     lb = np.concatenate([Bv.numpy().ravel(), Bq.numpy().ravel()])
     table = lora_table([(0, q_size, 1, 0, 1.5, Bv.numel(), 4), (q_size + kv_size, rows, 1, 4, 0.25, 0, 2)])
-    step = upload(np.array([pos, 0, 0, 0], np.uint32))
     k_cache, v_cache = (upload(np.zeros((batch, kv_heads, cache_len, d), np.float32)) for _ in range(2))
     target = RopeTarget(upload(cos[0, :, : d // 2].contiguous().numpy()),
-                        upload(sin[0, :, : d // 2].contiguous().numpy()), step, k_cache, v_cache, heads, kv_heads, d, T)
+                        upload(sin[0, :, : d // 2].contiguous().numpy()), upload(np.array(starts, np.uint32)),
+                        k_cache, v_cache, heads, kv_heads, d, T)
     q_rot = poisoned((batch * T, q_size))
     options = dict(tokens=batch * T, out_stride=q_size, mode="rope", rope=target, gemv=True, h=upload(h.numpy()),
                    lora_rank=6, lora=upload(table), lora_b=upload(lb), segments=2)
@@ -267,13 +267,16 @@ def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
     q = raw[:, :q_size].reshape(batch, T, heads, d).transpose(1, 2)
     k_ = raw[:, q_size:q_size + kv_size].reshape(batch, T, kv_heads, d).transpose(1, 2)
     v = raw[:, q_size + kv_size:].reshape(batch, T, kv_heads, d).transpose(1, 2)
-    positions = slice(pos, pos + T)
-    q_ref, k_ref = apply_rotary_pos_emb(q, k_, cos[:, positions].double(), sin[:, positions].double())
-    assert_close(got_q.reshape(batch, T, heads, d).transpose(1, 2), q_ref, 1e-5, "q")
-    assert_close(got_k[:, :, positions], k_ref, 1e-5, "k")
-    assert_close(got_v[:, :, positions], v, 1e-5, "v")
-    assert not got_k[:, :, :pos].any() and not got_k[:, :, pos + T:].any()  # nothing outside its positions
-    assert not got_v[:, :, :pos].any() and not got_v[:, :, pos + T:].any()
+    got_q = got_q.reshape(batch, T, heads, d).transpose(1, 2)
+    for b, pos in enumerate(starts):
+        positions = slice(pos, pos + T)
+        q_ref, k_ref = apply_rotary_pos_emb(q[b:b + 1], k_[b:b + 1], cos[:, positions].double(),
+                                            sin[:, positions].double())
+        assert_close(got_q[b:b + 1], q_ref, 1e-5, f"q of sequence {b}")
+        assert_close(got_k[b:b + 1, :, positions], k_ref, 1e-5, f"k of sequence {b}")
+        assert_close(got_v[b, :, positions], v[b], 1e-5, f"v of sequence {b}")
+        assert not got_k[b, :, :pos].any() and not got_k[b, :, pos + T:].any()  # nothing outside its positions
+        assert not got_v[b, :, :pos].any() and not got_v[b, :, pos + T:].any()
 
 
 @pytest.mark.parametrize("length", [5, 70, 200])
@@ -286,14 +289,14 @@ def test_gemv_normalises_attention_partials_merged_as_it_reads_them(length):
     g = torch.Generator().manual_seed(length)
     q = torch.randn(batch, heads * d, generator=g)
     caches = [torch.randn(batch, kv_heads, max_len, d, generator=g) for _ in range(2)]
-    step = upload(np.array([length - 1, 0, 0, 0], np.uint32))
-    lengths = upload(np.array([length, max(1, length - 3)], np.uint32))
+    keys = [length, max(1, length - 3)]  # each sequence's query at its own end
+    starts, lengths = upload(np.array(keys, np.uint32) - 1), upload(np.array(keys, np.uint32))
     workspace = kernel_workspace()
     partials = decode_partials(batch, 1, heads, kv_heads, d, max_len, workspace, splits=4)
     for buf in (partials.o, partials.ml):
         nan_fill(buf)
     attend = attention_launches(upload(q.numpy()), *(upload(c.numpy()) for c in caches), poisoned((batch, heads * d)),
-                                step, lengths, batch=batch, tokens=1, heads=heads, kv_heads=kv_heads, head_dim=d,
+                                starts, lengths, batch=batch, tokens=1, heads=heads, kv_heads=kv_heads, head_dim=d,
                                 max_len=max_len, scale=d ** -0.5, decode=True, partials=partials, workspace=workspace)
     assert len(attend) == 1  # the partials' reader merges them: no combine launch
     norm = _norm_module(heads * d, g)
@@ -305,8 +308,8 @@ def test_gemv_normalises_attention_partials_merged_as_it_reads_them(length):
                                gemv=True, norm=(poisoned((batch, heads * d)), upload(norm.weight.detach().numpy()),
                                                 1e-5), attention=partials)
     got, got_codes, got_meta = run(attend + [project], out, codes, meta)
-    attended, _ = attention_reference(q.double(), caches[0].double(), caches[1].double(), length - 1,
-                                      [length, max(1, length - 3)], heads, kv_heads, d ** -0.5)
+    attended, _ = attention_reference(q.double(), caches[0].double(), caches[1].double(),
+                                      [n - 1 for n in keys], keys, heads, kv_heads, d ** -0.5)
     with torch.no_grad():
         y = norm(attended.float())  # transformers' module on the merged output (float32)
     ours = torch.from_numpy(got_codes.numpy().view(np.int8).reshape(batch, -1).astype(np.int64))
@@ -482,29 +485,31 @@ def test_rope_matches_transformers_and_fills_the_caches():
     from transformers.models.bitnet.modeling_bitnet import BitNetRotaryEmbedding, apply_rotary_pos_emb
 
     g = torch.Generator().manual_seed(7)
-    batch, T, heads, kv_heads, d, cache_len, pos = 2, 5, 4, 2, 16, 12, 3
+    batch, T, heads, kv_heads, d, cache_len, starts = 2, 5, 4, 2, 16, 12, [3, 6]  # each sequence at its own start
     config = BitNetConfig(hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv_heads,
                           max_position_embeddings=cache_len)
     cos, sin = BitNetRotaryEmbedding(config)(torch.zeros(1), torch.arange(cache_len)[None])
     q_size, kv_size = heads * d, kv_heads * d
     qkv = torch.randn(batch * T, q_size + 2 * kv_size + 3, generator=g)  # +3: a row stride past the features
-    step = upload(np.array([pos, 0, 0, 0], np.uint32))
     q_rot = poisoned((batch * T, q_size))
     k_cache, v_cache = (upload(np.zeros((batch, kv_heads, cache_len, d), np.float32)) for _ in range(2))
     target = RopeTarget(upload(cos[0, :, : d // 2].contiguous().numpy()),
-                        upload(sin[0, :, : d // 2].contiguous().numpy()), step, k_cache, v_cache, heads, kv_heads, d, T)
+                        upload(sin[0, :, : d // 2].contiguous().numpy()), upload(np.array(starts, np.uint32)),
+                        k_cache, v_cache, heads, kv_heads, d, T)
     launch = rope_launch(upload(qkv.numpy()), q_rot, target, tokens=batch * T)
     got_q, got_k, got_v = run([launch], q_rot, k_cache, v_cache)
     q = qkv[:, :q_size].reshape(batch, T, heads, d).transpose(1, 2)
     k = qkv[:, q_size:q_size + kv_size].reshape(batch, T, kv_heads, d).transpose(1, 2)
     v = qkv[:, q_size + kv_size:q_size + 2 * kv_size].reshape(batch, T, kv_heads, d).transpose(1, 2)
-    positions = slice(pos, pos + T)
-    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos[:, positions], sin[:, positions])
-    assert_close(got_q.reshape(batch, T, heads, d).transpose(1, 2), q_ref, 1e-6, "q")
-    assert_close(got_k[:, :, positions], k_ref, 1e-6, "k")
-    assert torch.equal(got_v[:, :, positions], v)
-    assert not got_k[:, :, :pos].any() and not got_k[:, :, pos + T:].any()  # nothing outside its positions
-    assert_close(rope_reference(q, cos[0, positions], sin[0, positions]), q_ref, 1e-7, "reference")
+    got_q = got_q.reshape(batch, T, heads, d).transpose(1, 2)
+    for b, pos in enumerate(starts):
+        positions = slice(pos, pos + T)
+        q_ref, k_ref = apply_rotary_pos_emb(q[b:b + 1], k[b:b + 1], cos[:, positions], sin[:, positions])
+        assert_close(got_q[b:b + 1], q_ref, 1e-6, f"q of sequence {b}")
+        assert_close(got_k[b:b + 1, :, positions], k_ref, 1e-6, f"k of sequence {b}")
+        assert torch.equal(got_v[b, :, positions], v[b])
+        assert not got_k[b, :, :pos].any() and not got_k[b, :, pos + T:].any()  # nothing outside its positions
+        assert_close(rope_reference(q[b], cos[0, positions], sin[0, positions]), q_ref[0], 1e-7, "reference")
 
 
 # -- BitLinear on the matrix units (devices with int8 subgroup matrices: `pytest -m matrix_units`) -----

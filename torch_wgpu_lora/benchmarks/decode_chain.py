@@ -59,7 +59,7 @@ def measure(small: bool, layers: int, tokens: int = 8, repeats: int = 5, cache: 
     at position ``cache - 64`` of a ``cache``-position KV cache."""
     config = small_config(layers) if small else bitnet_2b_config(layers)
     engine = BitNetEngine(with_adapters(packed_model(config), 8, seed=0))
-    s = engine.decode_session(16, cache - 16)
+    s = engine.decode_session(1, 16, cache - 16)
     s.cache.set_position(cache - 64, [cache - 63])
     write(s.next_token, np.array([5], np.uint32))
     launches = list(s.decode.launches) + list(s.decode_sampling)

@@ -197,9 +197,9 @@ def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: in
     out: dict[str, Any] = {}
 
     # prefill: a prompt of prefill_tokens, last position's logits, as generation runs it
-    s = engine.decode_session(prefill_tokens, 1)
+    s = engine.decode_session(1, prefill_tokens, 1)
     g = torch.Generator().manual_seed(1)
-    s.start(torch.randint(0, vocab, (prefill_tokens,), generator=g).tolist())
+    s.start([torch.randint(0, vocab, (prefill_tokens,), generator=g).tolist()], [0], ())
     start = time.perf_counter()
     while time.perf_counter() - start < WARM_UP_S:
         rec = Recorder(device)
@@ -233,8 +233,8 @@ def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: in
         tokens, _ = engine_generate(engine, prompt_ids, new_tokens, set(), tokens_per_submit=tokens_per_submit)
         walls.append(time.perf_counter() - t0)
     wall = statistics.median(walls)
-    s = engine.decode_session(prompt, new_tokens)
-    s.start(prompt_ids)
+    s = engine.decode_session(1, prompt, new_tokens)
+    s.start([prompt_ids], [0], ())
     s.cache.set_position(prompt + 1, [prompt + 2])
     write(s.next_token, np.array([tokens[0]], np.uint32))
     step_gpu, encode = [], []

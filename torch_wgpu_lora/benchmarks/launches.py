@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from ..engine.kernels import STEP_POS
 from ..engine.kernels.attention import (attention_backward_launches, attention_launches, backward_tile,
                                        backward_tiles, decode_splits, sum_splits, prefill_tile, prefill_tiles)
 from ..engine.kernels.bitlinear import bitlinear_launch, bitlinear_t_launch, gemm_tile_tokens, gemv_normalises
@@ -45,7 +44,7 @@ from ..engine.kernels.projection import input_grad_splits
 from ..engine.kernels.rope import RopeTarget, rope_launch
 from ..engine.weights import Projection
 from ..engine.workspace import Workspace
-from ..runtime import Buffer, Launch, Recorder, get_device, kernel, upload, write
+from ..runtime import Buffer, Launch, Recorder, get_device, kernel, upload
 from ..runtime.settings import DEFAULT_SHADER_CHECKS
 from .report import write_json
 
@@ -126,8 +125,8 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
                 norm=(x, g, 1e-5))])
         if name == "qkv":
             cache = lengths[0]
-            step = upload(np.array([cache - 1, 0, 0, 0], np.uint32))
-            target = RopeTarget(floats(cache, head_dim // 2), floats(cache, head_dim // 2), step,
+            starts = upload(np.array([cache - 1], np.uint32))
+            target = RopeTarget(floats(cache, head_dim // 2), floats(cache, head_dim // 2), starts,
                                 floats(1, kv_heads, cache, head_dim), floats(1, kv_heads, cache, head_dim), heads,
                                 kv_heads, head_dim)
             q = Buffer((1, heads * head_dim), device=device)
@@ -138,21 +137,19 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
 
     for n in lengths:
         q, kc, vc = floats(1, heads * head_dim), floats(1, kv_heads, n, head_dim), floats(1, kv_heads, n, head_dim)
-        attn_out, step = Buffer((1, heads * head_dim), device=device), Buffer((4,), "u32", device)
-        position = np.zeros(4, np.uint32)
-        position[STEP_POS] = n - 1
-        write(step, position)
+        attn_out = Buffer((1, heads * head_dim), device=device)
+        starts = upload(np.array([n - 1], np.uint32))
         valid = upload(np.array([n], np.uint32))
-        chosen = decode_splits(1, kv_heads, 1, n, device)
+        chosen = decode_splits(kv_heads, 1, n, device)
         for splits in sorted({1, 2, 4, chosen}):
-            launches = attention_launches(q, kc, vc, attn_out, step, valid, batch=1, tokens=1, heads=heads,
+            launches = attention_launches(q, kc, vc, attn_out, starts, valid, batch=1, tokens=1, heads=heads,
                                           kv_heads=kv_heads, head_dim=head_dim, max_len=n, scale=head_dim ** -0.5,
                                           decode=True, splits=splits, workspace=workspace)
             out[f"attention_{n}_splits{splits}" + ("_chosen" if splits == chosen else "")] = timed(launches)
     # the attention backward of a training step at seq 512 (the heads of a layer), per dkdv split count
     seq = 512 if shape == "bitnet-2b" else 64
     rows, cache = floats(seq, heads * head_dim), (1, kv_heads, seq, head_dim)
-    step = upload(np.zeros(4, np.uint32))
+    starts = upload(np.zeros(1, np.uint32))
     valid = upload(np.array([seq], np.uint32))
     lse = upload(rng.random((seq, heads)).astype(np.float32) + 5.0)
     keys, values = floats(*cache), floats(*cache)
@@ -160,9 +157,9 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
 
     def backward(**choice: Any) -> list[Launch]:
         return attention_backward_launches(rows, keys, values, attn_out, lse, d_out, Buffer((seq, heads * head_dim)),
-                                           Buffer(cache), Buffer(cache), step, valid, batch=1, tokens=seq, heads=heads,
-                                           kv_heads=kv_heads, head_dim=head_dim, max_len=seq, scale=head_dim ** -0.5,
-                                           workspace=workspace, **choice)
+                                           Buffer(cache), Buffer(cache), starts, valid, batch=1, tokens=seq,
+                                           heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_len=seq,
+                                           scale=head_dim ** -0.5, workspace=workspace, **choice)
 
     tile = backward_tile(head_dim, device)
     chosen = sum_splits(-(-seq // tile.fixed) * kv_heads, device)
@@ -177,7 +174,7 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
         out[f"attention_backward_{seq}_scores_kept_splits{splits}"] = timed(backward(from_start=True, splits=splits))
     tile = prefill_tile(head_dim, device)
     for t in prefill_tiles(head_dim, device):
-        launches = attention_launches(rows, keys, values, Buffer((seq, heads * head_dim)), step, valid, batch=1,
+        launches = attention_launches(rows, keys, values, Buffer((seq, heads * head_dim)), starts, valid, batch=1,
                                       tokens=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_len=seq,
                                       scale=head_dim ** -0.5, lse=Buffer((seq, heads)), tile=t, workspace=workspace)
         name = f"attention_prefill_{seq}_tile{t.row_quads}x{t.key_tile}x{t.key_lanes}"

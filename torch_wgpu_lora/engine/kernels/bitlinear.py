@@ -134,7 +134,7 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
             raise ValueError(f"mode 'rope' takes the fused q/k/v rows: {proj.rows} rows for {rope.heads} + 2 × "
                              f"{rope.kv_heads} heads of {rope.head_dim}")
         constants.update(HEADS=rope.heads, KV_HEADS=rope.kv_heads, HEAD_DIM=rope.head_dim)
-        buffers.update({15: rope.cos, 16: rope.sin, 17: rope.step, 18: rope.keys, 19: rope.values})
+        buffers.update({15: rope.cos, 16: rope.sin, 17: rope.starts, 18: rope.keys, 19: rope.values})
         del buffers[9]  # its epilogue keeps no gate/up pairs
         cache_len, tokens_per_seq = rope.cache_len, rope.tokens_per_seq
         entry += "_rope"
