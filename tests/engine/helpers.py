@@ -161,12 +161,12 @@ def torch_step(twin: torch.nn.Module, micro: list[dict], optimizer: torch.optim.
     optimizer.zero_grad()
 
 
-def twins(seed: int, dropout: float = 0.0) -> tuple:
-    """A model with adapters, its deep copy, the engine on the first and the two optimizers
-    (WgpuAdamW on the engine's, torch.optim.AdamW on the copy's) with the same settings. eps
-    comparable to the gradients (not 1e-7): the update is then proportional to the gradient rather
-    than its sign, so a comparison sees the gradient's size too."""
-    model = tiny_model("dense", adapters=True, seed=seed)
+def twins(seed: int, dropout: float = 0.0, **config) -> tuple:
+    """A model with adapters (``config``: tiny_model's overrides), its deep copy, the engine on the
+    first and the two optimizers (WgpuAdamW on the engine's, torch.optim.AdamW on the copy's) with
+    the same settings. eps comparable to the gradients (not 1e-7): the update is then proportional
+    to the gradient rather than its sign, so a comparison sees the gradient's size too."""
+    model = tiny_model("dense", adapters=True, seed=seed, **config)
     randomize_lora_B(model, seed=seed + 1)
     twin = copy.deepcopy(model)
     ours = WgpuAdamW(lora_parameters(model), lr=5e-3, eps=1e-3)
