@@ -24,23 +24,10 @@ from torch_wgpu_lora.integrations.bitnet import lora_parameters
 from torch_wgpu_lora.loss import labelled_tokens
 from torch_wgpu_lora.runtime import Recorder, get_device, upload
 
-from .helpers import assert_close, assert_twins_agree, micro_batches, twins
+from .helpers import assert_close, assert_twins_agree, micro_batches, torch_grads, torch_step, twins
 
 LAYERS = 5
 GRAD_RTOL = 1e-4
-
-
-def torch_grads(twin: torch.nn.Module, micro: list[dict]) -> tuple[dict[str, torch.Tensor], float]:
-    """The torch path's adapter gradients of a step over ``micro`` (the loss per labelled token of
-    the whole step), by parameter name, and the step's summed loss."""
-    tokens = sum(labelled_tokens(b["labels"]) for b in micro)
-    loss_sum = 0.0
-    for b in micro:
-        out = twin(**b)
-        n = labelled_tokens(b["labels"])
-        (out.loss * n / tokens).backward()
-        loss_sum += out.loss.item() * n
-    return {name: p.grad.clone() for name, p in twin.named_parameters() if "lora_" in name}, loss_sum
 
 
 def test_buckets_are_runs_of_whole_layers_from_the_last_closed_at_the_size_given():
@@ -113,9 +100,7 @@ def test_the_summed_buckets_are_written_back_before_clip_and_adamw():
         tokens = sum(labelled_tokens(b["labels"]) for b in micro)
         done = engine.train_step(micro, ours, max_grad_norm=1e3, all_reduce=lambda flat: flat.mul_(2),
                                  labelled_total=2 * tokens, bucket_bytes=2 * layer_bytes)
-        _, loss_sum = torch_grads(twin, micro)  # the torch path's step (no norm reaches 1e3: no clipping)
-        theirs.step()
-        theirs.zero_grad()
+        loss_sum = torch_step(twin, micro, theirs, max_norm=1e3)  # no norm reaches 1e3: no clipping
         assert done["tokens"] == 2 * tokens and abs(done["loss"] - loss_sum / tokens) <= 1e-5 * loss_sum / tokens
     assert_twins_agree(engine, model, twin)
 

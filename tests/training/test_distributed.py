@@ -405,15 +405,6 @@ def test_gradients_exchanged_a_layer_at_a_time_train_the_adapters_one_rank_train
     assert abs(results[0]["buckets"]["loss"] - result.loss) <= 1e-5 * result.loss
 
 
-def test_ranks_given_other_bucket_sizes_are_refused_before_training(two_ranks):
-    # Their buckets would not match: each all-reduce would pair tensors of other sizes.
-    _, results = two_ranks
-    for result in results:
-        assert result["bucket_sizes"]["error"] == "DistributedError"
-        assert ("the processes were given different training settings (ddp_bucket_cap_mb: rank 0 1.0, rank 1 0.5)"
-                in result["bucket_sizes"]["message"])
-
-
 def test_a_gloo_group_beside_a_default_group_that_takes_no_cpu_tensors_trains_the_same(two_ranks):
     # What runs under an NCCL default group (CPU builds have none, so the test forces that branch):
     # the same collectives over a gloo group of its own, the same steps, the same adapters.
@@ -442,12 +433,15 @@ def test_diverged_adapters_stop_every_rank_naming_the_rank(two_ranks):
         assert "after step 1 the adapters of rank 1 differ from rank 0's" in diverged["message"]
 
 
-def test_ranks_given_other_settings_are_refused_before_training(two_ranks):
+@pytest.mark.parametrize("run, differ", [
+    ("disagree", "lr: rank 0 0.005, rank 1 0.001"),
+    ("bucket_sizes", "ddp_bucket_cap_mb: rank 0 1.0, rank 1 0.5"),  # each bucket's all-reduce would pair other sizes
+])
+def test_ranks_given_other_settings_are_refused_before_training(two_ranks, run, differ):
     _, results = two_ranks
     for result in results:
-        assert result["disagree"]["error"] == "DistributedError"
-        assert ("the processes were given different training settings (lr: rank 0 0.005, rank 1 0.001)"
-                in result["disagree"]["message"])
+        assert result[run]["error"] == "DistributedError"
+        assert f"the processes were given different training settings ({differ})" in result[run]["message"]
 
 
 def test_rank_0_decides_about_the_output_folder_for_every_rank(two_ranks):
