@@ -40,7 +40,7 @@ layers as soon as the backward has passed them).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
+from collections.abc import Hashable
 
 import numpy as np
 import torch
