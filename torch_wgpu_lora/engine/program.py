@@ -39,8 +39,8 @@ layers as soon as the backward has passed them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
