@@ -43,10 +43,12 @@ setup(
         "data": ["datasets>=2.14", "pyyaml>=6"],
         "tensorboard": ["tensorboard>=2.12"],
         "wandb": ["wandb>=0.15"],
+        # the optional Dawn backend (TORCH_WGPU_LORA_BACKEND=dawn or auto): the wgpu-py API on Dawn
+        "dawn": ["wgpudawn>=0.32.0.4,<0.33"],
         "notebooks": ["jupyter", "ipykernel", "matplotlib>=3.7", "pandas>=2"],
         "test": ["pytest>=8", "nbmake>=1.5", "ipykernel", "peft>=0.19", "matplotlib>=3.7", "pandas>=2",
                  "gguf>=0.11,<0.20", "transformers>=5.18", "trl>=1.0", "datasets>=2.14", "tensorboard>=2.12",
-                 "pyyaml>=6"],
+                 "pyyaml>=6", "wgpudawn>=0.32.0.4,<0.33"],
     },
     entry_points={"console_scripts": ["torch-wgpu-lora=torch_wgpu_lora.cli:main"]},
 )

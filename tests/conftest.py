@@ -17,15 +17,16 @@ def pytest_report_header(config: pytest.Config) -> str:
     from torch_wgpu_lora.runtime import device_info
 
     info = device_info()  # raises RuntimeError naming what to install when no adapter exists
-    return f"WebGPU adapter: {info['adapter']} [{info['backend']}, {info['adapter_type']}] (CI={os.environ.get('CI', '')!r})"
+    return (f"WebGPU adapter: {info['adapter']} [{info['backend']}, {info['adapter_type']}] on {info['webgpu']} "
+            f"({info['webgpu_choice']}) (CI={os.environ.get('CI', '')!r})")
 
 
 @pytest.fixture(params=["subgroups", "barriers"])
 def reductions(request: pytest.FixtureRequest):
     """Runs a test with the workgroup reductions of ``_reductions.subgroup.wgsl`` (where the adapter
     has subgroups) and of ``_reductions.wgsl`` (barriers only, as on adapters without them)."""
-    from torch_wgpu_lora.runtime import set_subgroups
+    from torch_wgpu_lora.runtime import get_device
 
-    set_subgroups(None if request.param == "subgroups" else False)
+    previous = get_device().configure(subgroups=request.param == "subgroups")
     yield request.param
-    set_subgroups(None)
+    get_device().configure(previous)

@@ -396,6 +396,83 @@ def test_generate_with_an_adapter_continues_as_the_library_does(capsys, tiny, tm
 
 
 
+def test_generate_stream_prints_the_text_as_the_library_returns_it(capsys, tiny):
+    prompt = RECORDS[1]["instruction"]
+    for engine in ("torch", "wgpu"):
+        assert main(["generate", "--model", str(tiny["dense"]), "--prompt", prompt, "--max-new-tokens", "8",
+                     "--stream", "--engine", engine]) == EXIT_OK
+        assert capsys.readouterr().out == python_generation(tiny["dense"], None, prompt, max_new_tokens=8) + "\n"
+
+
+PROMPT_RECORDS = [{"instruction": "Name a primary colour."}, {"prompt": "Count to three.", "id": 7},
+                  {"instruction": "Translate the word into French.", "input": "cat"}, {"prompt": "Name a planet."},
+                  {"instruction": "Add the numbers.", "input": "2 and 3", "tag": ["x"]}]
+
+
+def test_generate_for_a_prompts_file_in_batches_resumes_after_an_interruption(capsys, tiny, tmp_path, monkeypatch):
+    # Every record's result is the library's for its prompt; an interrupted run leaves whole
+    # records only, and the same command then generates the rest: the file an uninterrupted run
+    # writes, byte for byte.
+    import torch_wgpu_lora.prompts_file as prompts_file
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in PROMPT_RECORDS) + "\n")  # a blank line is skipped
+    command = ["generate", "--model", str(tiny["dense"]), "--prompts-file", str(prompts), "--batch-size", "2",
+               "--max-new-tokens", "6", "--engine", "wgpu"]
+    full = tmp_path / "full.jsonl"
+    assert main(command + ["--output", str(full), "--no-progress"]) == EXIT_OK
+    assert capsys.readouterr().out == f"{full}: 5 records (5 generated now, 0 by an earlier run)\n"
+    results = [json.loads(line) for line in full.read_text().splitlines()]
+    for record, result in zip(PROMPT_RECORDS, results, strict=True):
+        prompt = {k: record[k] for k in ("instruction", "input") if k in record} or record["prompt"]
+        assert result == {**record, "generated_text": python_generation(tiny["dense"], None, prompt,
+                                                                        max_new_tokens=6)}
+
+    calls = []
+    real = prompts_file.generate
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prompts_file, "generate", interrupted)
+    out = tmp_path / "out.jsonl"
+    assert main(command + ["--output", str(out), "--no-progress"]) == 130
+    assert out.read_text().splitlines(keepends=True) == full.read_text().splitlines(keepends=True)[:2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.jsonl", "out.jsonl", "prompts.jsonl"]  # no temp file
+    monkeypatch.setattr(prompts_file, "generate", real)
+    capsys.readouterr()
+    assert main(command + ["--output", str(out)]) == EXIT_OK
+    captured = capsys.readouterr()
+    assert captured.out == f"{out}: 5 records (3 generated now, 2 by an earlier run)\n"
+    assert "generating" in captured.err and "5/5" in captured.err  # the progress bar
+    assert out.read_bytes() == full.read_bytes()
+    assert main(command + ["--output", str(out), "--no-progress"]) == EXIT_OK  # nothing left to do
+    assert capsys.readouterr().out.endswith("5 records (0 generated now, 5 by an earlier run)\n")
+
+
+def test_generate_for_a_prompts_file_refuses_bad_records_and_another_files_output(capsys, tiny, tmp_path):
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    command = ["generate", "--model", str(tiny["dense"]), "--prompts-file", str(prompts), "--output", str(out),
+               "--max-new-tokens", "2", "--no-progress"]
+    prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n" + json.dumps({"text": "Hi"}) + "\n")
+    fails_with(capsys, command, f"{prompts}: line 2 needs exactly one of instruction, prompt, messages; it has none")
+    prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n{not json\n")
+    fails_with(capsys, command, f"{prompts}: line 2 is not JSON")
+    prompts.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    fails_with(capsys, command, f"{prompts}: line 1: messages must be a non-empty list of objects")
+    prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n" + json.dumps({"prompt": "Bye"}) + "\n")
+    out.write_text(json.dumps({"prompt": "Other", "generated_text": "x"}) + "\n")
+    fails_with(capsys, command, f"{out}: line 1 is not the result of record 1 of {prompts}")
+    fails_with(capsys, ["generate", "--model", str(tiny["dense"]), "--prompts-file", str(prompts)],
+               "--prompts-file needs --output")
+    fails_with(capsys, command + ["--stream"], "--input and --stream go with --prompt")
+    fails_with(capsys, ["generate", "--model", str(tiny["dense"]), "--prompt", "Hi", "--output", str(out)],
+               "--output goes with --prompts-file")
+
+
 def test_train_then_generate_with_the_adapter(capsys, tiny, tmp_path):
     run = tmp_path / "run"
     assert main(["train", "--model", str(tiny["dense"]), "--data", str(tiny["data"]), "--output", str(run),
@@ -483,9 +560,11 @@ def test_info_text_and_json(capsys):
     assert main(["info"]) == EXIT_OK
     out = capsys.readouterr().out
     assert out.startswith("adapter:  ") and "max-storage-buffer-binding-size" in out
+    assert "\nwebgpu:   " in out and "\nsubgroup matrices: " in out and "the buffer pool keeps" in out
     assert main(["info", "--json"]) == EXIT_OK
     info = json.loads(capsys.readouterr().out)
-    assert {"adapter", "backend", "limits", "features", "versions"} <= set(info)
+    assert {"adapter", "backend", "limits", "features", "versions", "webgpu", "webgpu_choice",
+            "subgroup_matrix_configs", "memory", "settings"} <= set(info)
 
 
 def test_train_and_generate_take_a_gguf_model(capsys, tiny, tmp_path):

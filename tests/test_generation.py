@@ -1,13 +1,15 @@
 """generate(): agreement with Hugging Face's generate and logits processors, KV cache,
-seeding, EOS, templates and argument checks, on a tiny BitNet with WebGPU LoRA adapters."""
+seeding, EOS, templates, lists of prompts, chat messages, streamers and argument checks, on a
+tiny BitNet with WebGPU LoRA adapters."""
 
+import copy
 import json
 from importlib import resources
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoTokenizer, BitNetForCausalLM
+from transformers import AutoTokenizer, BitNetForCausalLM, TextStreamer
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -81,7 +83,8 @@ def test_greedy_matches_hf_generate_token_for_token(model, tokenizer):
 
 
 @pytest.mark.parametrize("strategy, hf_filters", [("top_k", dict(top_k=5, top_p=1.0)),
-                                                  ("top_p", dict(top_k=0, top_p=0.8))])
+                                                  ("top_p", dict(top_k=0, top_p=0.8)),
+                                                  ("top_k_top_p", dict(top_k=5, top_p=0.8))])
 def test_seeded_sampling_matches_hf_generate_under_the_same_seed(model, tokenizer, strategy, hf_filters):
     # HF draws with torch.multinomial from the global generator; ours from a local one
     # seeded alike, so the same processed logits give the same draws.
@@ -162,19 +165,27 @@ def test_top_p_equals_hf(p):
     assert torch.equal(top_p_filter(logits, p), TopPLogitsWarper(p)(None, logits))
 
 
-@pytest.mark.parametrize("strategy", ["greedy", "top_k", "top_p"])
+@pytest.mark.parametrize("strategy", ["greedy", "top_k", "top_p", "top_k_top_p"])
 def test_process_logits_equals_hf_chain(strategy):
+    # with EOS tokens banned below min_new_tokens (transformers' MinNewTokensLengthLogitsProcessor)
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
     generator = torch.Generator().manual_seed(5)
     logits = torch.randn(64, generator=generator)
     seen = torch.randint(0, 64, (20,), generator=generator)
-    chain = [RepetitionPenaltyLogitsProcessor(1.2)]
+    eos = torch.tensor([int(torch.argmax(logits)), 3])
+    chain = [RepetitionPenaltyLogitsProcessor(1.2), MinNewTokensLengthLogitsProcessor(20, 5, eos)]
     if strategy != "greedy":
         chain.append(TemperatureLogitsWarper(0.7))
-        chain.append(TopKLogitsWarper(7) if strategy == "top_k" else TopPLogitsWarper(0.6))
+        if "top_k" in strategy:
+            chain.append(TopKLogitsWarper(7))
+        if "top_p" in strategy:
+            chain.append(TopPLogitsWarper(0.6))
     expected = logits[None].clone()
     for processor in chain:
         expected = processor(seen[None], expected)
-    ours = process_logits(logits, seen, strategy, temperature=0.7, top_k=7, top_p=0.6, repetition_penalty=1.2)
+    ours = process_logits(logits, seen, strategy, temperature=0.7, top_k=7, top_p=0.6, repetition_penalty=1.2,
+                          banned_ids=eos)
     assert torch.allclose(ours, expected[0], atol=1e-6)  # temperature division may round differently by 1 ulp
 
 
@@ -278,7 +289,7 @@ def test_training_flag_is_restored(model, tokenizer):
      r"temperature=1e-45 is too small: logits / temperature overflow float32, so the next-token probabilities are "
      r"not finite"),
     (dict(prompt=""), ValueError, "prompt is empty"),
-    (dict(prompt=3), TypeError, "prompt must be a string or a dict"),
+    (dict(prompt=3), TypeError, "prompt must be a string, a dict with 'instruction'"),
     (dict(prompt={"input": "x"}), ValueError, "a dict prompt has the keys 'instruction'"),
     (dict(prompt={"instruction": ""}), ValueError, "instruction must be a non-empty string"),
 ])
@@ -309,3 +320,74 @@ def test_both_paths_refuse_a_generation_past_the_context_with_one_message(model,
     with pytest.raises(ValueError) as refused:
         engine(torch.zeros(1, 257, dtype=torch.long))
     assert str(refused.value) == "257 tokens exceed the model's context of 256 positions (max_position_embeddings)"
+
+
+# -- lists of prompts, chat messages, streamers ---------------------------------------------------
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n\n{% endfor %}"
+                 "{% if add_generation_prompt %}### assistant:\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tokenizer):
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = CHAT_TEMPLATE
+    return chat
+
+
+def test_a_list_of_prompts_gives_each_prompts_result_on_both_paths(model, chat_tokenizer):
+    # text, an Alpaca record and chat messages in one list: each result is that prompt's alone
+    # (on the engine all at once); the i-th draws with seed + i
+    prompts = [PROMPT, {"instruction": "Add the numbers.", "input": "2 and 3"},
+               [{"role": "user", "content": "Name a flower."}]]
+    engine = BitNetEngine(model)
+    for runner in (model, engine):
+        for options in (dict(), dict(strategy="top_k_top_p", top_k=5, top_p=0.9, seed=11)):
+            together = generate(runner, chat_tokenizer, prompts, max_new_tokens=NEW_TOKENS, return_ids=True,
+                                 **options)
+            alone = [generate(runner, chat_tokenizer, p, max_new_tokens=NEW_TOKENS, return_ids=True,
+                              **{**options, **({"seed": 11 + i} if options else {})})
+                     for i, p in enumerate(prompts)]
+            assert together == alone, (runner.__class__.__name__, options)
+
+
+def test_chat_messages_are_rendered_with_the_tokenizers_chat_template(model, chat_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    ours = generate(model, chat_tokenizer, messages, max_new_tokens=NEW_TOKENS, return_ids=True)
+    ids = chat_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"]
+    assert ours.prompt_ids == ids[0].tolist()
+    assert chat_tokenizer.decode(ids[0]).endswith("### assistant:\n")
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                         eos_token_id=chat_tokenizer.eos_token_id, pad_token_id=chat_tokenizer.pad_token_id,
+                         repetition_penalty=1.1)
+    assert ours.token_ids == out[0, ids.shape[1]:].tolist()
+
+
+class Captured(TextStreamer):
+    """A TextStreamer that keeps what it would print."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.pieces: list[str] = []
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        self.pieces.append(text)
+
+
+def test_the_streamer_gets_the_text_returned_on_both_paths(model, tokenizer):
+    for runner in (model, BitNetEngine(model)):
+        streamer = Captured(tokenizer)
+        text = generate(runner, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, streamer=streamer)
+        assert "".join(streamer.pieces) == text and len(streamer.pieces) > 1
+
+
+def test_lists_chats_and_streamers_refuse_what_they_cannot_take(model, tokenizer):
+    with pytest.raises(ValueError, match="no prompts to generate for: the list is empty"):
+        generate(model, tokenizer, [])
+    with pytest.raises(ValueError, match="a streamer prints one generation; 2 prompts were given"):
+        generate(model, tokenizer, [PROMPT, PROMPT], streamer=Captured(tokenizer))
+    with pytest.raises(ValueError, match="this tokenizer has none"):
+        generate(model, tokenizer, [{"role": "user", "content": PROMPT}])
+    with pytest.raises(ValueError, match="chat message 0 needs a string 'content'"):
+        generate(model, tokenizer, [{"role": "user"}])

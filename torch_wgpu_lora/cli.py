@@ -5,7 +5,8 @@ Subcommands::
     torch-wgpu-lora demo                       # offline: demo model, bundled data, train, compare
     torch-wgpu-lora train --model DIR --data train.jsonl --output run
     torch-wgpu-lora train --config run.yaml --lr 1e-4   # options from a file; the command line wins
-    torch-wgpu-lora generate --model DIR --adapter run/adapter --prompt "Name a primary colour."
+    torch-wgpu-lora generate --model DIR --adapter run/adapter --prompt "Name a primary colour." [--stream]
+    torch-wgpu-lora generate --model DIR --prompts-file prompts.jsonl --output results.jsonl
     torch-wgpu-lora gradcheck --model DIR      # per-layer gradient parity table, WebGPU vs PyTorch
     torch-wgpu-lora info [--json]              # the WebGPU adapter, backend and limits
     torch-wgpu-lora bench [--quick]            # the LoRA op benchmark (torch_wgpu_lora.benchmarks)
@@ -267,6 +268,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .integrations.adapters import check_adapter_path, load_adapter
     from .integrations.bitnet import set_backend
 
+    if args.prompts_file is not None:
+        if args.output is None:
+            raise UsageError("--prompts-file needs --output, the JSONL file the results go to")
+        if args.input is not None or args.stream:
+            raise UsageError("--input and --stream go with --prompt; each record of --prompts-file holds its prompt")
+    elif args.output is not None:
+        raise UsageError("--output goes with --prompts-file")
     if args.adapter is not None:
         check_adapter_path(args.adapter)
     if (args.adapter is not None and args.backend == "wgpu") or args.engine != "torch":
@@ -277,15 +285,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import choose_engine
 
     runner = choose_engine(model, args.engine) or model
+    options = dict(max_new_tokens=args.max_new_tokens, strategy=args.strategy, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                   use_template=args.template)
+    if args.prompts_file is not None:
+        from .prompts_file import generate_file
+
+        total, new = generate_file(runner, tokenizer, args.prompts_file, args.output, batch_size=args.batch_size,
+                                   progress=not args.no_progress, **options)
+        print(f"{args.output}: {total} records ({new} generated now, {total - new} by an earlier run)")
+        return EXIT_OK
     prompt: Any = args.prompt
     if args.input is not None:
         if not args.template:
             raise UsageError("--input goes into the Alpaca template; it cannot be combined with --no-template")
         prompt = {"instruction": args.prompt, "input": args.input}
-    text = generate(runner, tokenizer, prompt, max_new_tokens=args.max_new_tokens, strategy=args.strategy,
-                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    repetition_penalty=args.repetition_penalty, seed=args.seed, use_template=args.template)
-    print(text)
+    if args.stream:
+        from transformers import TextStreamer
+
+        # prints each piece of text as its tokens come, and a newline at the end
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        generate(runner, tokenizer, prompt, streamer=streamer, **options)
+        return EXIT_OK
+    print(generate(runner, tokenizer, prompt, **options))
     return EXIT_OK
 
 
@@ -331,7 +353,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     info = _require_webgpu()
     versions = {"torch_wgpu_lora": __version__}
-    for package in ("torch", "wgpu", "transformers"):
+    for package in ("torch", "wgpu", "wgpudawn", "transformers"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -343,7 +365,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"vendor:   {info['vendor']}")
     print(f"backend:  {info['backend']} ({info['adapter_type']})")
     print(f"chosen:   {info['choice']}")
+    print(f"webgpu:   {info['webgpu']} ({info['webgpu_version']}): {info['webgpu_choice']}")
+    configs = info["subgroup_matrix_configs"]
+    print(f"subgroup matrices: {len(configs)} configurations" if configs else "subgroup matrices: none")
+    for c in configs:
+        print(f"  {c['component_type']} -> {c['result_component_type']}, M={c['m']} N={c['n']} K={c['k']}")
     print(f"features: {', '.join(info['features']) or '(none)'}")
+    memory, settings = info["memory"], info["settings"]
+    print(f"settings: shader checks {settings['shader_checks']}, subgroups {settings['subgroups']}")
+    print(f"memory:   {memory['allocated_bytes'] >> 20} MiB allocated; the buffer pool keeps "
+          f"{memory['pooled_bytes'] >> 20} of at most {memory['pool_bound_bytes'] >> 20} MiB")
     print("limits:")
     width = max(map(len, info["limits"]))
     for name, value in info["limits"].items():
@@ -481,10 +512,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("generate", help="generate text, with or without an adapter",
                             description="Continue a prompt with a BitNet checkpoint, optionally with a trained "
                             "adapter. The prompt goes into the Alpaca template the trainer uses, unless "
-                            "--no-template.")
+                            "--no-template. With --prompts-file, generate for every record of a JSONL file "
+                            "(each with instruction (and input), prompt, or chat messages), in batches, into "
+                            "--output: each record with generated_text added. A run that stopped is continued "
+                            "by the same command: records already in --output are skipped.")
     _add_model(p)
     p.add_argument("--adapter", metavar="PATH", help="a PEFT adapter folder or a Hesper .lora file")
-    p.add_argument("--prompt", required=True, help="the instruction (or, with --no-template, the raw text)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the instruction (or, with --no-template, the raw text)")
+    source.add_argument("--prompts-file", metavar="FILE", help="JSONL records to generate for, one object a line: "
+                        "instruction (and input), prompt, or messages")
+    p.add_argument("--output", metavar="FILE", help="with --prompts-file: the JSONL file of results")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="with --prompts-file: prompts generated at "
+                   "once (default: %(default)s)")
+    p.add_argument("--stream", action="store_true", help="print the text as its tokens come")
+    p.add_argument("--no-progress", action="store_true", help="with --prompts-file: no progress bar")
     p.add_argument("--input", help="the record's input, placed under '### Input:' in the template")
     p.add_argument("--template", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the Alpaca template (default: on)")

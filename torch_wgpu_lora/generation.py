@@ -5,6 +5,9 @@
 >>> # generate(model, tokenizer, {"instruction": "Add the numbers.", "input": "2 and 3"}, strategy="top_p", seed=0)
 >>> # result = generate(model, tokenizer, "Once upon a time", max_new_tokens=16, return_ids=True)
 >>> # result.text, result.token_ids, result.finished_by_eos
+>>> # generate(engine, tokenizer, ["Name a colour.", "Add 2 and 3."])        # a list: every prompt at once
+>>> # generate(model, tokenizer, [{"role": "user", "content": "Hi!"}])        # chat messages
+>>> # generate(model, tokenizer, "Once upon a time", streamer=TextStreamer(tokenizer, skip_prompt=True))
 
 Each step processes the next-token logits in Hugging Face's order (``logits``: repetition
 penalty, then, sampling only, temperature, then top-k or top-p filtering); greedy takes the
@@ -23,9 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .limits import check_context, check_seed, model_context
+from .limits import SEED_LIMIT, check_context, check_seed, model_context
 from .logits import check_processing, process_logits
 from .prompts import check_unicode, format_prompt
+
+Prompt = str | Mapping[str, str] | list[Mapping[str, str]]  # text, an Alpaca record, or chat messages
 
 @dataclass(frozen=True)
 class Generation:
@@ -49,6 +54,31 @@ def _check_arguments(max_new_tokens: int, strategy: str, temperature: float, top
     check_seed(seed)
 
 
+def _is_chat(prompt: Any) -> bool:
+    """Whether ``prompt`` is chat messages: a list of dicts with a role."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, Mapping) and "role" in m for m in prompt)
+
+
+def _prompt_ids(prompt: Prompt, tokenizer: Any, use_template: bool) -> list[int]:
+    """The token ids of one prompt: text (``use_template``: in the Alpaca template), an Alpaca record,
+    or chat messages rendered with the tokenizer's chat template (and the assistant's turn opened)."""
+    if _is_chat(prompt):
+        for i, message in enumerate(prompt):
+            if not isinstance(message.get("content"), str):
+                raise ValueError(f"chat message {i} needs a string 'content', got {message.get('content')!r}")
+            check_unicode(message["content"], f"chat message {i}")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat messages are rendered with the tokenizer's chat template, and this tokenizer has "
+                             "none (tokenizer.chat_template)")
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+    text = _prompt_text(prompt, use_template)
+    ids = list(tokenizer(text)["input_ids"])
+    if not ids:
+        raise ValueError(f"prompt {text!r} encodes to no tokens")
+    return ids
+
+
 def _prompt_text(prompt: str | Mapping[str, str], use_template: bool) -> str:
     if isinstance(prompt, Mapping):
         unknown = set(prompt) - {"instruction", "input"}
@@ -59,8 +89,8 @@ def _prompt_text(prompt: str | Mapping[str, str], use_template: bool) -> str:
                 check_unicode(value, f"the prompt's {key!r}")
         return format_prompt(prompt["instruction"], prompt.get("input", ""))
     if not isinstance(prompt, str):
-        raise TypeError(f"prompt must be a string or a dict with 'instruction' (and 'input'), "
-                        f"got {type(prompt).__name__}")
+        raise TypeError(f"prompt must be a string, a dict with 'instruction' (and 'input'), chat messages (dicts "
+                        f"with 'role' and 'content') or a list of those, got {type(prompt).__name__}")
     if not prompt:
         raise ValueError("prompt is empty")
     check_unicode(prompt, "the prompt")
@@ -95,8 +125,9 @@ def _non_finite_message(raw_logits: torch.Tensor, temperature: float) -> str:
 
 
 def _decode_loop(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, eos: set[int],
-                 generator: torch.Generator | None, **processing: Any) -> tuple[list[int], bool]:
-    """(new token ids, whether EOS ended them); greedy when ``generator`` is None, else sampling."""
+                 generator: torch.Generator | None, streamer: Any = None, **processing: Any) -> tuple[list[int], bool]:
+    """(new token ids, whether EOS ended them); greedy when ``generator`` is None, else sampling;
+    ``streamer`` gets each token as it is chosen."""
     parameters = inspect.signature(model.forward).parameters
     # transformers 5 renamed forward's ``past_key_values`` (and the output field) to ``cache``.
     cache_name = "cache" if "cache" in parameters else "past_key_values"
@@ -115,6 +146,8 @@ def _decode_loop(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int
                 raise ValueError(_non_finite_message(output.logits[0, -1], processing["temperature"]))
             token = int(torch.multinomial(probabilities, 1, generator=generator))
         new_ids.append(token)
+        if streamer is not None:
+            streamer.put(torch.tensor([token]))
         if token in eos:
             return new_ids, True
         if step + 1 == max_new_tokens:
@@ -125,76 +158,101 @@ def _decode_loop(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int
     return new_ids, False
 
 
-def generate(model: nn.Module, tokenizer: Any, prompt: str | Mapping[str, str], max_new_tokens: int = 128,
+def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], max_new_tokens: int = 128,
              strategy: str = "greedy", temperature: float = 1.0, top_k: int = 40, top_p: float = 0.9,
              repetition_penalty: float = 1.1, eos_token_id: int | Iterable[int] | None = None,
-             seed: int | None = None, use_template: bool = False, return_ids: bool = False) -> str | Generation:
+             seed: int | None = None, use_template: bool = False, return_ids: bool = False,
+             streamer: Any = None) -> str | Generation | list[str] | list[Generation]:
     """Continue ``prompt`` with up to ``max_new_tokens`` tokens; return the new text.
 
     ``model`` is a transformers causal LM (LoRA adapters in place or not), or a
     ``BitNetEngine`` (the whole model on WebGPU: KV cache, sampling and token history stay
-    on the GPU), ``tokenizer`` its tokenizer (the prompt is encoded with its default special
-    tokens, e.g. BOS).
-    ``use_template=True`` wraps a string prompt in the Alpaca template as the instruction
-    (``prompts.format_prompt``); a dict ``{"instruction": ..., "input": ...}`` always is.
+    on the GPU), ``tokenizer`` its tokenizer.
+    ``prompt`` is text (encoded with the tokenizer's default special tokens, e.g. BOS;
+    ``use_template=True`` wraps it in the Alpaca template as the instruction,
+    ``prompts.format_prompt``), a dict ``{"instruction": ..., "input": ...}`` (always in the
+    template), chat messages (a list of ``{"role": ..., "content": ...}``, rendered with the
+    tokenizer's chat template, the assistant's turn opened), or a list of those: then each is
+    continued (on the engine all at once, each exactly as it would be alone) and a list of
+    results comes back, one per prompt, in order.
 
     ``strategy``: ``"greedy"`` (argmax; ``temperature``, ``top_k``, ``top_p`` and ``seed``
-    unused), ``"top_k"`` or ``"top_p"`` (sampling from the ``top_k`` most likely tokens, or
-    from the nucleus of probability ``top_p``, after dividing the logits by ``temperature``).
+    unused), ``"top_k"``, ``"top_p"`` or ``"top_k_top_p"`` (sampling from the ``top_k`` most
+    likely tokens, from the nucleus of probability ``top_p``, or from the nucleus within the
+    top k, after dividing the logits by ``temperature``).
     ``repetition_penalty`` applies CTRL's rule to every prompt and generated token (1.0: off).
-    ``seed`` (in [0, 2**32)) makes sampling reproducible (``None``: a fresh random seed each call). Greedy
-    results are the same on both paths; sampled ones are reproducible per seed on each path
-    but differ between them (the engine draws on the GPU with its own counter-based generator,
+    ``seed`` (in [0, 2**32)) makes sampling reproducible (``None``: a fresh random seed each
+    call); the i-th prompt of a list draws with ``seed + i`` (mod 2**32). Greedy results are the
+    same on both paths; sampled ones are reproducible per seed on each path but differ between
+    them (the engine draws on the GPU with its own counter-based generator,
     ``engine.kernels.sampling``).
     Generation stops after an EOS token (``eos_token_id``, by default the tokenizer's, else
     the model's generation config's; an int or several, each in the vocabulary; ``[]``: none) or
     ``max_new_tokens``. The prompt and ``max_new_tokens`` must fit the model's context
     (``max_position_embeddings``) on both paths: more is refused before anything runs.
+    ``streamer`` (one prompt): a transformers streamer (``TextStreamer``,
+    ``TextIteratorStreamer``) that gets the prompt's ids, then each new token as it comes.
 
     ``return_ids=True`` returns a ``Generation`` (text, new token ids, prompt ids, whether
     EOS ended it) instead of the text. The model runs in eval mode without gradients; its
     training flag is restored afterwards.
     """
     _check_arguments(max_new_tokens, strategy, temperature, top_k, top_p, repetition_penalty, seed)
-    text = _prompt_text(prompt, use_template)
+    several = isinstance(prompt, list) and not _is_chat(prompt)
+    prompts = prompt if several else [prompt]
+    if not prompts:
+        raise ValueError("no prompts to generate for: the list is empty")
+    if streamer is not None and len(prompts) != 1:
+        raise ValueError(f"a streamer prints one generation; {len(prompts)} prompts were given")
     from .engine import BitNetEngine
 
     engine = model if isinstance(model, BitNetEngine) else None
     eos = _eos_ids(eos_token_id, tokenizer, engine.model if engine is not None else model)
+    prompt_ids = [_prompt_ids(p, tokenizer, use_template) for p in prompts]
+    for ids in prompt_ids:
+        check_context(model_context(model), len(ids), max_new_tokens)
+    first_seed = int(torch.randint(0, 2**31, (1,))) if seed is None else seed
+    seeds = [(first_seed + i) % SEED_LIMIT for i in range(len(prompts))]
+    sampling = dict(strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p,
+                    repetition_penalty=repetition_penalty)
+    if streamer is not None:
+        streamer.put(torch.tensor([prompt_ids[0]]))
+    if engine is not None:
+        from .engine.generate import engine_generate_batch
+
+        def stream(row: int, token: int) -> bool:
+            streamer.put(torch.tensor([token]))
+            return False  # the streamer ends nothing
+
+        results = engine_generate_batch(engine, prompt_ids, max_new_tokens, eos, seeds=seeds,
+                                        on_token=stream if streamer is not None else None, **sampling)
+    else:
+        results = [_generate_on_torch(model, ids, max_new_tokens, eos, seed, streamer, **sampling)
+                   for ids, seed in zip(prompt_ids, seeds)]
+    if streamer is not None:
+        streamer.end()
+    out = [Generation(text=tokenizer.decode(new_ids, skip_special_tokens=True), token_ids=new_ids, prompt_ids=ids,
+                      finished_by_eos=by_eos) for ids, (new_ids, by_eos) in zip(prompt_ids, results)]
+    if not return_ids:
+        out = [g.text for g in out]
+    return out if several else out[0]
+
+
+def _generate_on_torch(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos: set[int], seed: int,
+                       streamer: Any, strategy: str, **processing: Any) -> tuple[list[int], bool]:
+    """One prompt's (new ids, whether EOS ended them) from transformers' model with a KV cache."""
+    if max_new_tokens == 0:
+        return [], False
     device = next(model.parameters()).device
-    prompt_ids = torch.as_tensor(tokenizer(text)["input_ids"], dtype=torch.long, device=device).reshape(1, -1)
-    if prompt_ids.shape[1] == 0:
-        raise ValueError(f"prompt {text!r} encodes to no tokens")
-    check_context(model_context(model), prompt_ids.shape[1], max_new_tokens)
     generator = None
     if strategy != "greedy":
         generator = torch.Generator(device=device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-
-    new_ids: list[int] = []
-    finished_by_eos = False
-    if engine is not None:
-        from .engine.generate import engine_generate
-
-        new_ids, finished_by_eos = engine_generate(
-            engine, prompt_ids[0].tolist(), max_new_tokens, eos, strategy=strategy, temperature=temperature,
-            top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-            seed=int(torch.randint(0, 2**31, (1,))) if seed is None else seed)
-    elif max_new_tokens > 0:
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                new_ids, finished_by_eos = _decode_loop(
-                    model, prompt_ids, max_new_tokens, eos, generator, strategy=strategy,
-                    temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
-        finally:
-            model.train(was_training)
-    new_text = tokenizer.decode(new_ids, skip_special_tokens=True)
-    if not return_ids:
-        return new_text
-    return Generation(text=new_text, token_ids=new_ids, prompt_ids=prompt_ids[0].tolist(),
-                      finished_by_eos=finished_by_eos)
+        generator.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return _decode_loop(model, torch.tensor([prompt_ids], device=device), max_new_tokens, eos, generator,
+                                streamer, strategy=strategy, **processing)
+    finally:
+        model.train(was_training)

@@ -1,5 +1,6 @@
 """The next-token rules shared by generation on the CPU and on the GPU engine: repetition penalty,
-temperature, top-k and top-p, in Hugging Face's order, on one sequence's logits.
+banned tokens (an EOS before ``min_new_tokens``), temperature, top-k and top-p (or top-k, then
+top-p within it), in Hugging Face's order, on one sequence's logits.
 
 The filters are re-implemented here (a few lines each, the same semantics as transformers'
 ``RepetitionPenaltyLogitsProcessor``, ``TopKLogitsWarper`` and ``TopPLogitsWarper``, which the
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-STRATEGIES = ("greedy", "top_k", "top_p")
+STRATEGIES = ("greedy", "top_k", "top_p", "top_k_top_p")
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -61,20 +62,26 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 def process_logits(logits: torch.Tensor, seen_ids: torch.Tensor, strategy: str = "greedy",
                    temperature: float = 1.0, top_k: int = 40, top_p: float = 0.9,
-                   repetition_penalty: float = 1.1) -> torch.Tensor:
+                   repetition_penalty: float = 1.1, banned_ids: torch.Tensor | None = None) -> torch.Tensor:
     """One step's next-token logits [vocab] as ``generate`` samples (or argmaxes) them.
 
-    ``seen_ids`` are the prompt and generated tokens so far. Greedy applies only the
-    repetition penalty; sampling then divides by ``temperature`` and applies top-k
-    (``strategy="top_k"``) or top-p (``strategy="top_p"``) filtering.
+    ``seen_ids`` are the prompt and generated tokens so far. Greedy applies the repetition
+    penalty, then sets ``banned_ids`` (EOS tokens before ``min_new_tokens``, as transformers'
+    ``MinNewTokensLengthLogitsProcessor``) to -inf; sampling then divides by ``temperature``
+    and applies top-k (``strategy="top_k"``), top-p (``"top_p"``) or top-k then top-p
+    (``"top_k_top_p"``, transformers' order when both are set) filtering.
     """
     logits = logits.float()
     if repetition_penalty != 1.0:
         logits = apply_repetition_penalty(logits, seen_ids, repetition_penalty)
+    if banned_ids is not None and len(banned_ids):
+        logits = logits.index_fill(-1, torch.as_tensor(banned_ids, dtype=torch.long), float("-inf"))
     if strategy == "greedy":
         return logits
     logits = logits / temperature
-    return top_k_filter(logits, top_k) if strategy == "top_k" else top_p_filter(logits, top_p)
+    if strategy in ("top_k", "top_k_top_p"):
+        logits = top_k_filter(logits, top_k)
+    return top_p_filter(logits, top_p) if strategy in ("top_p", "top_k_top_p") else logits
 
 
 def _is_number(value: Any) -> bool:

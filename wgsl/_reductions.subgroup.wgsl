@@ -6,7 +6,6 @@
 
 struct Invocation {
   @builtin(local_invocation_index) t: u32,
-  @builtin(workgroup_id) wg: vec3<u32>,
   @builtin(subgroup_invocation_id) lane: u32,
   @builtin(subgroup_id) subgroup: u32,
   @builtin(num_subgroups) subgroups: u32,

@@ -6,11 +6,12 @@
 //
 // On adapters with subgroups the runtime includes _reductions.subgroup.wgsl instead: the same
 // functions and Invocation, folding each subgroup in registers first. An entry point takes an
-// Invocation and calls enter(it) first.
+// Invocation and calls enter(it) first. Its workgroup_id is a parameter of its own, not a member:
+// uniformity analysis (Tint's) takes a struct for non-uniform when any member is, and branches
+// on the workgroup around these barriers must be seen to be uniform.
 
 struct Invocation {
   @builtin(local_invocation_index) t: u32,
-  @builtin(workgroup_id) wg: vec3<u32>,
 }
 
 fn enter(inv: Invocation) {}

@@ -1,7 +1,7 @@
 // Causal grouped-query attention over a KV cache, float32 (transformers' eager attention):
 //   for sequence b, query token i at position pos + i, query head h, KV head g = h / R:
 //   out[b,i,h,:] = softmax_j(scale * q[b,i,h,:]·K[b,g,j,:]) · V[b,g,j,:]
-//   over keys j <= lim = min(pos + i, len_b - 1)   (pos = STEP[0], len_b = LENS[b] in 1..S)
+//   over keys j <= lim = min(pos + i, len_b - 1)   (pos = STARTS[b], len_b = LENS[b] in 1..S)
 //   lse[b,i,h] = log(sum_j exp(scale * q·K_j))      (natural log; for a backward pass)
 // Layouts (vec4 arrays, D4 = head_dim / 4): Q and OUT [B*T, H, D4] (token-major, heads inside a
 // token), K and V caches [B, KVH, S, D4], LSE [B*T, H]. R = H / KVH query heads share a KV head.
@@ -40,7 +40,7 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> STEP: array<u32>;
+@group(0) @binding(1) var<storage, read> STARTS: array<u32>;  // [B]: each sequence's first position
 @group(0) @binding(2) var<storage, read> LENS: array<u32>;
 // prefill, decode_partial
 @group(0) @binding(3) var<storage, read> Q: array<vec4<f32>>;
@@ -138,7 +138,7 @@ fn prefill(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: v
   let g = wg.y;
   let b = wg.z;
   let row0 = (nwg.x - 1u - wg.x) * 4u * RG;  // last blocks first
-  let pos = STEP[0];
+  let pos = STARTS[b];
   let len = seq_len(b);
   let maxlim = min(pos + (min(row0 + 4u * RG, rows) - 1u) / R, len - 1u);  // the block's last key
   let kvbase = (b * p.kv_heads + g) * p.max_len;
@@ -340,7 +340,7 @@ var<workgroup> dL: array<vec4<f32>, DKL>;
 // Keys a 4-row block sees: 0 .. n-1 (its last row's limit + 1).
 fn block_keys(rb: u32, b: u32) -> u32 {
   let last = min(4u * rb + 4u, p.tokens * R) - 1u;
-  return min(STEP[0] + last / R, seq_len(b) - 1u) + 1u;
+  return min(STARTS[b] + last / R, seq_len(b) - 1u) + 1u;
 }
 
 // Keys per split span for a block of n keys: ceil(n / splits) rounded up to a tile.
@@ -378,7 +378,7 @@ fn decode_partial(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id
     return;
   }
   let kend = min(kbeg + span, n);
-  let pos = STEP[0];
+  let pos = STARTS[b];
   let len = seq_len(b);
   let lim = vec4<u32>(min(pos + min(row0, rows - 1u) / R, len - 1u),
                       min(pos + min(row0 + 1u, rows - 1u) / R, len - 1u),

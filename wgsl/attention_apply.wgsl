@@ -7,8 +7,8 @@
 // Layouts: A [B·H·TP, TP] (TP = T rounded up to 64, so a workgroup's 64 rows are one head's);
 // C [B, KVH, S, D4] vec4; OUT [B·T, H, D] as the forward's q.
 // Entries of A past a row's limit are never read: they are masked to zero as loaded, and a
-// workgroup's keys end after its last row's limit (row_span). A pass that does not start at
-// position 0 gets NaN everywhere: its keys before the pass have no scores here.
+// workgroup's keys end after its last row's limit (row_span). A sequence that does not start at
+// position 0 gets NaN in its rows: its keys before the pass have no scores here.
 //
 // Tiling (_gemm_t_tile.wgsl): 64 rows × 64 head-dim features a workgroup of 128 threads, keys in
 // steps of 32 through workgroup memory; with SPLITS > 1 the sum over keys is cut into ranges
@@ -27,7 +27,7 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> POSITION: array<u32>;  // the step buffer: STEP_POS = 0
+@group(0) @binding(1) var<storage, read> STARTS: array<u32>;  // [B]: each sequence's first position (0 here)
 @group(0) @binding(2) var<storage, read> LENS: array<u32>;
 @group(0) @binding(3) var<storage, read> A: array<f32>;  // P or dS
 @group(0) @binding(4) var<storage, read> C: array<vec4<f32>>;  // the value or key cache
@@ -93,9 +93,10 @@ fn put4(n: u32, k: u32, x: vec4<f32>) {
   let bh = n / p.padded;
   let i = n - bh * p.padded;
   if (i >= p.rows) { return; }
-  let nan = bitcast<f32>(0x7fc00000u);
+  var nan_bits = 0x7fc00000u;  // not a constant: WGSL's constant evaluation refuses NaN
+  let nan = bitcast<f32>(nan_bits);
   OUT[(((bh / p.heads * p.rows + i) * p.heads + bh % p.heads) * p.head_dim + k) / 4u] =
-    select(vec4<f32>(nan), x * p.scale, POSITION[0] == 0u);
+    select(vec4<f32>(nan), x * p.scale, STARTS[bh / p.heads] == 0u);
 }
 
 // @include _gemm_t_tile.wgsl

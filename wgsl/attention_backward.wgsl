@@ -1,7 +1,7 @@
 // Backward of the causal grouped-query attention of attention.wgsl, float32, flash-attention-2
 // style: the probabilities are recomputed from the forward's lse, never stored.
 //   for sequence b, query token i at position pos + i, query head h, KV head g = h / R, keys
-//   j <= lim = min(pos + i, len_b - 1)   (pos = STEP[0], len_b = LENS[b] clamped to 1..S):
+//   j <= lim = min(pos + i, len_b - 1)   (pos = STARTS[b], len_b = LENS[b] clamped to 1..S):
 //   P_ij  = exp(scale * q_i·k_j - lse_i)          D_i  = dO_i·O_i            (row_dot)
 //   dP_ij = dO_i·v_j                               dS_ij = P_ij (dP_ij - D_i)
 //   dQ_i  = scale * sum_j dS_ij k_j                                           (dq)
@@ -46,7 +46,7 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> STEP: array<u32>;
+@group(0) @binding(1) var<storage, read> STARTS: array<u32>;
 @group(0) @binding(2) var<storage, read> LENS: array<u32>;
 @group(0) @binding(3) var<storage, read> Q: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> K: array<vec4<f32>>;
@@ -229,7 +229,7 @@ fn dq(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u
   let g = wg.y;
   let b = wg.z;
   let row0 = (nwg.x - 1u - wg.x) * BQ;  // last blocks (most keys) first
-  let pos = STEP[0];
+  let pos = STARTS[b];
   let len = seq_len(b);
   let maxlim = min(pos + (min(row0 + BQ, rows) - 1u) / R, len - 1u);  // the block's last key
   let kvbase = (b * p.kv_heads + g) * p.max_len;
@@ -292,7 +292,7 @@ fn dkdv(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
   let g = wg.y;
   let b = wg.z / SPLITS;
   let split = wg.z % SPLITS;
-  let pos = STEP[0];
+  let pos = STARTS[b];
   let len = seq_len(b);
   let k0 = pos + wg.x * BK;
   let kvbase = (b * p.kv_heads + g) * p.max_len;
@@ -361,8 +361,9 @@ fn dkdv_sum(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgrou
   let n = cache_rows() * D4;
   let i = gid.y * nwg.x * 256u + gid.x;
   let j = (i / D4) % p.max_len;
-  let pos = STEP[0];
-  if (i >= n || j < pos || j >= min(pos + p.tokens, p.max_len)) { return; }
+  if (i >= n) { return; }
+  let pos = STARTS[(i / D4) / (p.kv_heads * p.max_len)];
+  if (j < pos || j >= min(pos + p.tokens, p.max_len)) { return; }
   var k = vec4<f32>(0.0);
   var v = vec4<f32>(0.0);
   for (var s = 0u; s < SPLITS; s++) {

@@ -2,8 +2,8 @@
 // or dS:
 //   OUT[b, g, j, :] = scale · Σ_{m = i·R + r} A[(b·H + g·R + r)·TP + i][j] · X[b, i, g·R + r, :]
 // over the queries that see key j (j ≤ lim = min(i, len_b − 1)): dV with A = P, X = dO, scale 1;
-// dK with A = dS, X = q, scale the softmax scale. Keys at or past len_b get zeros. A pass that
-// does not start at position 0 gets NaN everywhere (see attention_apply.wgsl).
+// dK with A = dS, X = q, scale the softmax scale. Keys at or past len_b get zeros. A sequence
+// that does not start at position 0 gets NaN in its rows (see attention_apply.wgsl).
 // GEMM rows n = (b·KVH + g)·TP + j (each (b, g)'s keys padded to TP, a multiple of 64); the sum
 // runs over m from j·R of the tile's first key (earlier queries see none of its keys).
 // Layouts: A [B·H·TP, TP]; X [B·T, H, D4] vec4; OUT [B, KVH, S, D], written at keys j < T.
@@ -26,7 +26,7 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> POSITION: array<u32>;  // the step buffer: STEP_POS = 0
+@group(0) @binding(1) var<storage, read> STARTS: array<u32>;  // [B]: each sequence's first position (0 here)
 @group(0) @binding(2) var<storage, read> LENS: array<u32>;
 @group(0) @binding(3) var<storage, read> A: array<f32>;         // P or dS
 @group(0) @binding(4) var<storage, read> X: array<vec4<f32>>;   // dO or q
@@ -83,9 +83,11 @@ fn put4(n: u32, k: u32, x: vec4<f32>) {
   let bg = n / p.padded;
   let j = n - bg * p.padded;
   if (j >= p.seq) { return; }
-  let nan = bitcast<f32>(0x7fc00000u);
+  var nan_bits = 0x7fc00000u;  // not a constant: WGSL's constant evaluation refuses NaN
+  let nan = bitcast<f32>(nan_bits);
   // bg = b·KVH + g
-  OUT[((bg * p.max_len + j) * p.head_dim + k) / 4u] = select(vec4<f32>(nan), x * p.scale, POSITION[0] == 0u);
+  let from_start = STARTS[bg / p.kv_heads] == 0u;
+  OUT[((bg * p.max_len + j) * p.head_dim + k) / 4u] = select(vec4<f32>(nan), x * p.scale, from_start);
 }
 
 // @include _gemm_t_tile.wgsl

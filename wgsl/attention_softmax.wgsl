@@ -3,7 +3,7 @@
 //   lse = ln Σ_{j ≤ lim} exp(scale·S[n][j])   SC[n][j] ← P = exp(scale·S[n][j] − lse)  (j ≤ lim)
 // for row n = (b·H + h)·TP + i, lim = min(i, len_b − 1) (len_b = LENS[b] clamped to 1..S, as
 // attention.wgsl has it); LSE[(b·T + i)·H + h] ← lse, the natural log the backward expects.
-// Keys past the limit in a row's last vec4 get P = 0; later vec4s are not touched. A pass that
+// Keys past the limit in a row's last vec4 get P = 0; later vec4s are not touched. A sequence that
 // does not start at position 0 gets NaN in LSE (attention_apply.wgsl, which reads P, gives NaN
 // outputs too).
 // Layouts: SC [B·H·TP, TP] as vec4s (TP: T rounded up to 64); LSE [B·T, H].
@@ -17,7 +17,7 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> POSITION: array<u32>;  // the step buffer: STEP_POS = 0
+@group(0) @binding(1) var<storage, read> STARTS: array<u32>;  // [B]: each sequence's first position (0 here)
 @group(0) @binding(2) var<storage, read> LENS: array<u32>;
 @group(0) @binding(3) var<storage, read_write> SC: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read_write> LSE: array<f32>;
@@ -31,20 +31,20 @@ const LN2: f32 = 0.6931471805599453;
 
 // Row i of (sequence, head) bh = wg.y: workgroup (i, bh).
 @compute @workgroup_size(WG)
-fn rows(inv: Invocation) {
+fn rows(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   enter(inv);
   let t = inv.t;
-  let i = inv.wg.x;
-  let bh = inv.wg.y;
+  let i = wg.x;
+  let bh = wg.y;
   let b = bh / p.heads;
   let keys = min(i, clamp(LENS[b], 1u, p.max_len) - 1u) + 1u;  // keys 0 .. keys - 1 are seen
   let quads = (keys + 3u) / 4u;
   let base = (bh * p.padded + i) * (p.padded / 4u);
   let c = p.scale * LOG2E;  // exp(scale·s) = exp2(c·s)
-  var m = -3.4028235e38;
+  var m = -0x1.fffffep+127f;
   for (var q = t; q < quads; q += WG) {
     let past = vec4<u32>(4u * q) + vec4<u32>(0u, 1u, 2u, 3u) >= vec4<u32>(keys);
-    let s = select(SC[base + q], vec4<f32>(-3.4028235e38), past);
+    let s = select(SC[base + q], vec4<f32>(-0x1.fffffep+127f), past);
     m = max(m, max(max(s.x, s.y), max(s.z, s.w)));
   }
   m = max_all(t, m);
@@ -60,7 +60,8 @@ fn rows(inv: Invocation) {
     SC[base + q] = select(exp2(c * SC[base + q] - lse2), vec4<f32>(0.0), past);
   }
   if (t == 0u) {
-    let nan = bitcast<f32>(0x7fc00000u);
-    LSE[(b * p.seq + i) * p.heads + bh % p.heads] = select(nan, lse2 * LN2, POSITION[0] == 0u);
+    var nan_bits = 0x7fc00000u;  // not a constant: WGSL's constant evaluation refuses NaN
+    let nan = bitcast<f32>(nan_bits);
+    LSE[(b * p.seq + i) * p.heads + bh % p.heads] = select(nan, lse2 * LN2, STARTS[b] == 0u);
   }
 }

@@ -10,8 +10,8 @@
 // the sums); 3 (gemv)
 // rope: the fused q/k/v rows rotated and written where attention reads them (below).
 //
-// Two entry points. gemv (a decoded token: a stream of the weights at memory bandwidth): one
-// token per workgroup row of the grid, ROWS weight rows a workgroup, LANES threads a row, each
+// Two kinds of entry point. gemv (a decoded token: a stream of the weights at memory bandwidth):
+// one token per workgroup row of the grid, ROWS weight rows a workgroup, LANES threads a row, each
 // reading 16 bytes (64 weights) at a time through W4 (the same weights as W), the row's length
 // a pipeline constant so that every load of a thread is issued at once; one barrier, then one
 // thread a row sums its lanes. gemm: 32 (or 64) tokens × 64 rows a workgroup, 4 × 4 a thread, K in
@@ -25,18 +25,20 @@
 // the engine's flat buffer of every adapter parameter).
 //
 // Decoding fuses into gemv what would be launches of their own (each a dependent launch, a few
-// µs when a token's whole work is a few hundred of them):
-// * NORM: each workgroup makes its token's codes itself, from the float rows X (x_stride apart)
-//   and the norm's weight G: norm.wgsl's RMSNorm and quantisation, the same operations in the same
-//   order, into workgroup memory; the first workgroup of each token also writes them, and the
-//   meta, to XQW and XMW (as norm.wgsl writes XQ and XM: captures and tests read them). With
-//   COMBINE the rows are attention's output, merged from its decode partials PO, PML as they are
-//   read (o_proj: no combine launch).
-// * MODE 3 (rope): the grid's rows are the weight rows in an order that puts each rotation's
+// µs when a token's whole work is a few hundred of them), one entry point per fusion, each binding
+// only what it reads and writes (WebGPU counts a binding an entry point's code names, taken or
+// not, against the 16 storage buffers a stage may have on Dawn):
+// * gemv_norm, gemv_norm_rope: each workgroup makes its token's codes itself, from the float rows X
+//   (x_stride apart) and the norm's weight G: norm.wgsl's RMSNorm and quantisation, the same
+//   operations in the same order, into workgroup memory; the first workgroup of each token also
+//   writes them, and the meta, to XQW and XMW (as norm.wgsl writes XQ and XM: captures and tests
+//   read them). gemv_combine: so, from attention's output, merged from its decode partials PO, PML
+//   as they are read (o_proj: no combine launch).
+// * gemv_rope, gemv_norm_rope (MODE 3): the grid's rows are the weight rows in an order that puts each rotation's
 //   two partners (features d and d + D/2 of a q or k head) side by side, so one thread holds both:
 //   transformers' rotate_half rule with the COS/SIN tables at the token's position, rotated
 //   queries into OUT, rotated keys and the values into the caches KC, VC [batch, kv_heads, S, D].
-//   Token n is position STEP[0] + n % tokens_per_seq of sequence n / tokens_per_seq (rope.wgsl's
+//   Token n is position STARTS[b] + n % tokens_per_seq of sequence b = n / tokens_per_seq (rope.wgsl's
 //   rule).
 
 struct Params {
@@ -48,7 +50,7 @@ struct Params {
   lora_rank: u32,    // floats per row of H
   segments: u32,     // LoRA segments in LORA (0: none)
   aux_stride: u32,   // floats per row of AUX
-  x_stride: u32,     // NORM: floats per row of X
+  x_stride: u32,     // gemv_norm*: floats per row of X
   cache_len: u32,    // MODE 3: positions per sequence in KC, VC
   tokens_per_seq: u32,  // MODE 3
 }
@@ -70,7 +72,7 @@ struct Params {
 @group(0) @binding(14) var<storage, read_write> XMW: array<f32>;
 @group(0) @binding(15) var<storage, read> COS: array<f32>;
 @group(0) @binding(16) var<storage, read> SIN: array<f32>;
-@group(0) @binding(17) var<storage, read> STEP: array<u32>;
+@group(0) @binding(17) var<storage, read> STARTS: array<u32>;
 @group(0) @binding(18) var<storage, read_write> KC: array<f32>;
 @group(0) @binding(19) var<storage, read_write> VC: array<f32>;
 @group(0) @binding(20) var<storage, read> PO: array<vec4<f32>>;
@@ -83,14 +85,12 @@ override ROWS: u32 = 16u;   // gemv: weight rows per workgroup, 128 / LANES (eve
 override LANES: u32 = 8u;   // gemv: threads per row (gemv_lanes picks them per projection)
 override ROW_VECS: u32 = 4u;  // gemv: vec4 words per weight row (k_words / 4)
 override WG: u32 = ROWS * LANES;  // gemv's invocations (a multiple of 32)
-override NORM: bool = false;  // gemv: normalise and quantise the input first
-override K: u32 = 64u;        // NORM: the row's features (at most 4 · NORM_WORDS · WG)
-override EPS: f32 = 1e-5;     // NORM
-override COMBINE: bool = false;  // NORM: the rows are attention's output, merged from its decode partials
-override SPLITS: u32 = 1u;       // COMBINE: key spans of the partials
-override HEADS: u32 = 1u;     // MODE 3: query heads, key/value heads, their width (COMBINE: HEADS, HEAD_DIM)
+override K: u32 = 64u;        // gemv_norm*, gemv_combine: the row's features (at most 4 · NORM_WORDS · WG)
+override EPS: f32 = 1e-5;     // gemv_norm*, gemv_combine
+override SPLITS: u32 = 1u;    // gemv_combine: key spans of the partials
+override HEADS: u32 = 1u;     // MODE 3: query heads, key/value heads, their width (gemv_combine: HEADS, HEAD_DIM)
 override KV_HEADS: u32 = 1u;
-override HEAD_DIM: u32 = 2u;
+override HEAD_DIM: u32 = 4u;  // even (rope) and whole vec4s (gemv_combine): its default compiles for both
 
 const M2: u32 = 0x03030303u;
 
@@ -134,9 +134,9 @@ var<workgroup> xq: array<vec4<u32>, ROW_VECS * 4u>;
 
 fn xq_at(c: u32) -> u32 { return (c % 4u) * ROW_VECS + c / 4u; }
 
-const NORM_WORDS: u32 = 8u;  // NORM: 4-feature words an invocation holds
+const NORM_WORDS: u32 = 8u;  // gemv_norm*, gemv_combine: 4-feature words an invocation holds
 
-// COMBINE: features 4w.. of token n's row of attention's output (one head's), its key spans'
+// gemv_combine: features 4w.. of token n's row of attention's output (one head's), its key spans'
 // partials merged as attention.wgsl's decode_combine merges them: Σ_s w_s·o_s / Σ_s w_s·l_s with
 // w_s = exp2(m_s − max m) (an empty span's partials are (−1e30, 0) and zeros: weight 0).
 fn attention_out(n: u32, w: u32) -> vec4<f32> {
@@ -156,33 +156,52 @@ fn attention_out(n: u32, w: u32) -> vec4<f32> {
   return acc / l;
 }
 
-// NORM: token n's codes into xq (and XQW, XMW from the token's first workgroup), as rmsnorm in
-// norm.wgsl makes them; returns s. The norm's weights are loaded with the row, so the prologue
+// gemv_norm*: token n's codes into xq (and XQW, XMW from the token's first workgroup), as rmsnorm
+// in norm.wgsl makes them; returns s. The norm's weights are loaded with the row, so the prologue
 // waits on memory once.
 fn normalise(t: u32, n: u32, first: bool) -> f32 {
   let row = n * p.x_stride;
-  let row_words = ROW_VECS * 16u;  // 4-feature words of the padded row
-  let words = (row_words + WG - 1u) / WG;
   var y: array<vec4<f32>, NORM_WORDS>;
   var g: array<vec4<f32>, NORM_WORDS>;
   var ss = 0.0;
-  for (var i = 0u; i < words; i++) {
+  for (var i = 0u; i < norm_words(); i++) {
     let k = 4u * (t + WG * i);
-    var v = vec4<f32>(0.0);
-    if (!COMBINE) {
-      v = row_features(row, k);
-    } else if (k < K) {  // K = HEADS · HEAD_DIM: whole words
-      v = attention_out(n, k / 4u);
-    }
+    let v = row_features(row, k);
     y[i] = v;
     g[i] = norm_weights(k);
     ss += dot(v, v);
   }
+  return quantise_row(t, n, first, &y, &g, ss);
+}
+
+// gemv_combine: normalise's work on attention's output, merged from its decode partials as read.
+fn normalise_attention(t: u32, n: u32, first: bool) -> f32 {
+  var y: array<vec4<f32>, NORM_WORDS>;
+  var g: array<vec4<f32>, NORM_WORDS>;
+  var ss = 0.0;
+  for (var i = 0u; i < norm_words(); i++) {
+    let k = 4u * (t + WG * i);
+    var v = vec4<f32>(0.0);
+    if (k < K) { v = attention_out(n, k / 4u); }  // K = HEADS · HEAD_DIM: whole words
+    y[i] = v;
+    g[i] = norm_weights(k);
+    ss += dot(v, v);
+  }
+  return quantise_row(t, n, first, &y, &g, ss);
+}
+
+fn norm_words() -> u32 { return (ROW_VECS * 16u + WG - 1u) / WG; }  // the 4-feature words an invocation holds
+
+// The rest of the norm (y, g and Σ y² loaded): scale by the weights, quantise into xq, XQW and XMW.
+fn quantise_row(t: u32, n: u32, first: bool, y: ptr<function, array<vec4<f32>, NORM_WORDS>>,
+                g: ptr<function, array<vec4<f32>, NORM_WORDS>>, ss: f32) -> f32 {
+  let row_words = ROW_VECS * 16u;  // 4-feature words of the padded row
+  let words = norm_words();
   let r = inverseSqrt(sum_all(t, ss) / f32(K) + EPS);
   var m = 0.0;
   for (var i = 0u; i < words; i++) {
-    let v = g[i] * (y[i] * r);
-    y[i] = v;
+    let v = (*g)[i] * ((*y)[i] * r);
+    (*y)[i] = v;
     m = max(m, absmax4(v));
   }
   let s = quant_scale(max_all(t, m));
@@ -190,7 +209,7 @@ fn normalise(t: u32, n: u32, first: bool) -> f32 {
   for (var i = 0u; i < words; i++) {
     let w = t + WG * i;
     if (w < row_words) {
-      let q = codes4(y[i], s);
+      let q = codes4((*y)[i], s);
       let packed = pack4xI8(q);
       xq[xq_at(w / 4u)][w % 4u] = packed;
       if (first) { XQW[n * row_words + w] = packed; }
@@ -225,7 +244,7 @@ fn qkv_row(g: u32) -> u32 {
 // MODE 3: the grid's rows g, g + 1 (g even) of token n, with values a, b.
 fn put_rotated(n: u32, g: u32, a: f32, b: f32) {
   let seq = n / p.tokens_per_seq;
-  let pos = STEP[0] + n % p.tokens_per_seq;
+  let pos = STARTS[seq] + n % p.tokens_per_seq;
   let half = HEAD_DIM / 2u;
   let rotated = (HEADS + KV_HEADS) * HEAD_DIM;
   if (g < rotated) {
@@ -260,48 +279,127 @@ fn lanes_sum(first: u32) -> i32 {
 
 const ROW_LOADS_MAX: u32 = 16u;  // vec4 words of a row a thread loads: ROW_VECS ≤ 16 · LANES
 
-@compute @workgroup_size(WG)
-fn gemv(inv: Invocation) {
-  enter(inv);
-  let t = inv.t;
+// A gemv invocation's row (g in the grid, j and the next j2 among the weights) of token n, and what
+// its epilogue adds: the rows' scales and LoRA terms.
+struct GemvRow {
+  t: u32,
+  lane: u32,
+  r: u32,
+  n: u32,
+  g: u32,
+  j: u32,
+  ws: vec2<f32>,
+  extra: vec2<f32>,
+}
+
+// The thread's share of the weights first, into wv (the loop's trip count is a pipeline constant:
+// unrolled, every load in flight at once); then the epilogue's loads (row scales, LoRA terms of this
+// row and, for pairs, the next), so that they and the codes' staging or the norm prologue which the
+// entry point does next overlap the stream.
+fn gemv_row(t: u32, wg: vec3<u32>, wv: ptr<function, array<vec4<u32>, ROW_LOADS_MAX>>) -> GemvRow {
   let lane = t % LANES;
   let r = t / LANES;
-  let n = inv.wg.y;
-  let g = inv.wg.x * ROWS + r;  // the grid's row (MODE 3 reorders the weight rows)
+  let n = wg.y;
+  let g = wg.x * ROWS + r;  // the grid's row (MODE 3 reorders the weight rows)
   let j = qkv_row(min(g, p.rows - 1u));  // rows past the edge repeat the last one; not stored
-  // The thread's share of the weights first, into registers (the loop's trip count is a pipeline
-  // constant: unrolled, every load in flight at once); the codes' staging or the norm prologue
-  // and the epilogue's loads (row scales, LoRA terms of this row and, for pairs, the next)
-  // overlap the stream.
   let row = j * ROW_VECS;
-  let loads = (ROW_VECS + LANES - 1u) / LANES;
-  var wv: array<vec4<u32>, ROW_LOADS_MAX>;
-  for (var i = 0u; i < loads; i++) { wv[i] = W4[row + min(lane + LANES * i, ROW_VECS - 1u)]; }
+  for (var i = 0u; i < (ROW_VECS + LANES - 1u) / LANES; i++) {
+    (*wv)[i] = W4[row + min(lane + LANES * i, ROW_VECS - 1u)];
+  }
   let j2 = qkv_row(min(g + 1u, p.rows - 1u));
   let ws = vec2<f32>(WS[j], WS[j2]);
   var extra = vec2<f32>(0.0);
   if (p.segments > 0u && lane == 0u) { extra = vec2<f32>(lora(n, j), select(0.0, lora(n, j2), MODE >= 2u)); }
-  var s: f32;
-  if (NORM) { s = normalise(t, n, inv.wg.x == 0u); } else { s = XM[n]; load_codes(t, n); }
+  return GemvRow(t, lane, r, n, g, j, ws, extra);
+}
+
+// The row's lanes' dots with the codes in xq, into partial; true for the invocation that stores
+// the row (its first lane, a row of the projection).
+fn gemv_dot(row: GemvRow, wv: ptr<function, array<vec4<u32>, ROW_LOADS_MAX>>) -> bool {
   var acc = 0i;
-  for (var i = 0u; i < loads; i++) {
-    let u = lane + LANES * i;
+  for (var i = 0u; i < (ROW_VECS + LANES - 1u) / LANES; i++) {
+    let u = row.lane + LANES * i;
     if (u < ROW_VECS) {
-      let w = wv[i];
+      let w = (*wv)[i];
       acc += dot16(xq[u], spread_signed(w.x)) + dot16(xq[ROW_VECS + u], spread_signed(w.y))
            + dot16(xq[2u * ROW_VECS + u], spread_signed(w.z)) + dot16(xq[3u * ROW_VECS + u], spread_signed(w.w));
     }
   }
-  partial[t] = acc;
+  partial[row.t] = acc;
   workgroupBarrier();
-  if (lane != 0u || g >= p.rows) { return; }
-  let a = scaled(lanes_sum(t), s, ws.x) + extra.x;
+  return row.lane == 0u && row.g < p.rows;
+}
+
+// The row's values: its own (x) and, for pairs (MODE ≥ 2, held by the even row's thread), the next (y).
+fn gemv_values(row: GemvRow, s: f32) -> vec2<f32> {
+  let a = scaled(lanes_sum(row.t), s, row.ws.x) + row.extra.x;
+  if (MODE < 2u || row.r % 2u != 0u) { return vec2<f32>(a, 0.0); }
+  return vec2<f32>(a, scaled(lanes_sum(row.t + LANES), s, row.ws.y) + row.extra.y);
+}
+
+// The epilogue of MODE 0-2.
+fn gemv_put(row: GemvRow, s: f32) {
+  let v = gemv_values(row, s);
   if (MODE < 2u) {
-    put(n, j, a);
-  } else if (r % 2u == 0u) {  // pairs of rows, held by the even row's thread
-    let b = scaled(lanes_sum(t + LANES), s, ws.y) + extra.y;
-    if (MODE == 2u) { put_pair(n, j / 2u, a, b); } else { put_rotated(n, g, a, b); }
+    put(row.n, row.j, v.x);
+  } else if (row.r % 2u == 0u) {
+    put_pair(row.n, row.j / 2u, v.x, v.y);
   }
+}
+
+// The epilogue of MODE 3: rotated pairs.
+fn gemv_put_rotated(row: GemvRow, s: f32) {
+  if (row.r % 2u == 0u) {
+    let v = gemv_values(row, s);
+    put_rotated(row.n, row.g, v.x, v.y);
+  }
+}
+
+@compute @workgroup_size(WG)
+fn gemv(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
+  enter(inv);
+  var wv: array<vec4<u32>, ROW_LOADS_MAX>;
+  let row = gemv_row(inv.t, wg, &wv);
+  let s = XM[row.n];
+  load_codes(inv.t, row.n);
+  if (gemv_dot(row, &wv)) { gemv_put(row, s); }
+}
+
+@compute @workgroup_size(WG)
+fn gemv_rope(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
+  enter(inv);
+  var wv: array<vec4<u32>, ROW_LOADS_MAX>;
+  let row = gemv_row(inv.t, wg, &wv);
+  let s = XM[row.n];
+  load_codes(inv.t, row.n);
+  if (gemv_dot(row, &wv)) { gemv_put_rotated(row, s); }
+}
+
+@compute @workgroup_size(WG)
+fn gemv_norm(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
+  enter(inv);
+  var wv: array<vec4<u32>, ROW_LOADS_MAX>;
+  let row = gemv_row(inv.t, wg, &wv);
+  let s = normalise(inv.t, row.n, wg.x == 0u);
+  if (gemv_dot(row, &wv)) { gemv_put(row, s); }
+}
+
+@compute @workgroup_size(WG)
+fn gemv_norm_rope(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
+  enter(inv);
+  var wv: array<vec4<u32>, ROW_LOADS_MAX>;
+  let row = gemv_row(inv.t, wg, &wv);
+  let s = normalise(inv.t, row.n, wg.x == 0u);
+  if (gemv_dot(row, &wv)) { gemv_put_rotated(row, s); }
+}
+
+@compute @workgroup_size(WG)
+fn gemv_combine(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
+  enter(inv);
+  var wv: array<vec4<u32>, ROW_LOADS_MAX>;
+  let row = gemv_row(inv.t, wg, &wv);
+  let s = normalise_attention(inv.t, row.n, wg.x == 0u);
+  if (gemv_dot(row, &wv)) { gemv_put(row, s); }
 }
 
 // gemm: TILE_TOKENS (32 or 64) tokens × 64 rows a workgroup of 4·TILE_TOKENS threads; thread

@@ -26,10 +26,9 @@ override PARTIALS: u32 = 256u;  // workgroups of sumsq
 // @include _reductions.wgsl
 
 @compute @workgroup_size(WG)
-fn sumsq(inv: Invocation) {
+fn sumsq(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   enter(inv);
   let t = inv.t;
-  let wg = inv.wg;
   var s = 0.0;
   for (var i = wg.x * WG + t; i < p.n; i += PARTIALS * WG) { let g = G[i]; s += g * g; }
   let total = sum_all(t, s);
@@ -48,7 +47,7 @@ fn stats(inv: Invocation) {
   let loss = sum_all(t, l);
   if (t == 0u) {
     let norm = sqrt(total);
-    let finite = norm <= 3.4028235e38 && loss <= 3.4028235e38 && loss >= -3.4028235e38;  // false for NaN too
+    let finite = norm <= 0x1.fffffep+127f && loss <= 0x1.fffffep+127f && loss >= -0x1.fffffep+127f;  // false for NaN too
     var coef = 1.0;
     if (p.max_norm > 0.0) { coef = min(1.0, p.max_norm / (norm + 1e-6)); }
     STATS[0] = norm;

@@ -22,15 +22,14 @@ override WG: u32 = 256u;
 // @include _reductions.wgsl
 
 @compute @workgroup_size(WG)
-fn rows(inv: Invocation) {
+fn rows(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   enter(inv);
   let t = inv.t;
-  let wg = inv.wg;
   let n = wg.x;
   let row = n * p.vocab;
   let label = TARGET[n];
   let end = select(0u, p.vocab, label >= 0);  // the reductions' barriers stay in uniform control flow
-  var m = -3.4028235e38;
+  var m = -0x1.fffffep+127f;
   for (var v = t; v < end; v += WG) { m = max(m, L[row + v]); }
   m = max_all(t, m);
   var s = 0.0;

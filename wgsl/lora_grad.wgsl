@@ -62,10 +62,10 @@ fn put_dh(n: u32, r0: u32, v: vec4<f32>) {
 }
 
 @compute @workgroup_size(WG)
-fn dh(inv: Invocation) {
+fn dh(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   enter(inv);
   let t = inv.t;
-  let n0 = 4u * inv.wg.x;
+  let n0 = 4u * wg.x;
   let count = rows();
   let last = p.tokens - 1u;  // tokens past it repeat it (not stored)
   let dy = vec4<u32>(min(n0, last), min(n0 + 1u, last), min(n0 + 2u, last), min(n0 + 3u, last)) * p.dy_stride +

@@ -67,11 +67,11 @@ fn lora_a(row: u32, w: u32) -> mat4x4<f32> {  // columns: rows row.. of A at fea
 // operations: the same y). A row's loads (X, G and the workgroup's rows of A) are issued together,
 // before the first reduction: one wait on memory, and the ranks' reads spread over workgroups.
 @compute @workgroup_size(WG)
-fn rmsnorm(inv: Invocation) {
+fn rmsnorm(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   enter(inv);
   let t = inv.t;
-  let n = inv.wg.x;
-  let ranks = 4u * (inv.wg.y - 1u);  // workgroups y ≥ 1: their first rank
+  let n = wg.x;
+  let ranks = 4u * (wg.y - 1u);  // workgroups y ≥ 1: their first rank
   let row = n * p.x_stride;
   let out = n * STRIDE;
   let row_words = STRIDE / 4u;
@@ -84,12 +84,12 @@ fn rmsnorm(inv: Invocation) {
     let k = 4u * (t + WG * i);
     let v = row_features(row, k);
     g[i] = norm_weights(k);
-    if (inv.wg.y > 0u) { a[i] = lora_a(ranks, min(t + WG * i, row_words - 1u)); }
+    if (wg.y > 0u) { a[i] = lora_a(ranks, min(t + WG * i, row_words - 1u)); }
     y[i] = v;
     ss += dot(v, v);
   }
   let r = inverseSqrt(sum_all(t, ss) / f32(K) + p.eps);
-  if (inv.wg.y > 0u) {  // uniform: the whole workgroup computes its ranks of h and leaves
+  if (wg.y > 0u) {  // uniform: the whole workgroup computes its ranks of h and leaves
     var acc = vec4<f32>(0.0);
     for (var i = 0u; i < words; i++) {
       let w = t + WG * i;

@@ -28,10 +28,9 @@ override WG: u32 = 256u;
 // @include _reductions.wgsl
 
 @compute @workgroup_size(WG)
-fn rmsnorm_backward(inv: Invocation) {
+fn rmsnorm_backward(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   enter(inv);
   let t = inv.t;
-  let wg = inv.wg;
   let n = wg.x;
   let dy = n * p.dy_stride;
   let x = n * p.x_stride;
@@ -50,10 +49,10 @@ fn rmsnorm_backward(inv: Invocation) {
 // The same, four features an invocation at a time (a vec4 read or write where rmsnorm_backward
 // makes four scalar ones, each warp-wide access a quarter as wide).
 @compute @workgroup_size(WG)
-fn rmsnorm_backward4(inv: Invocation) {
+fn rmsnorm_backward4(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   enter(inv);
   let t = inv.t;
-  let n = inv.wg.x;
+  let n = wg.x;
   let words = p.k / 4u;
   let dy = n * p.dy_stride / 4u;
   let x = n * p.x_stride / 4u;

@@ -6,7 +6,7 @@
 // table (COS, SIN: [positions, D/2]; the second half of each row repeats the first):
 //   out[d]       = x[d] · cos − x[d + D/2] · sin
 //   out[d + D/2] = x[d + D/2] · cos + x[d] · sin          (d < D/2)
-// Token n is position step[0] + n % T of sequence n / T (T tokens per sequence in this pass).
+// Token n is position STARTS[b] + n % T of sequence b = n / T (T tokens per sequence in this pass).
 
 struct Params {
   tokens_per_seq: u32,
@@ -21,7 +21,7 @@ struct Params {
 @group(0) @binding(1) var<storage, read> QKV: array<f32>;
 @group(0) @binding(2) var<storage, read> COS: array<f32>;
 @group(0) @binding(3) var<storage, read> SIN: array<f32>;
-@group(0) @binding(4) var<storage, read> STEP: array<u32>;
+@group(0) @binding(4) var<storage, read> STARTS: array<u32>;  // [batch]: each sequence's first position
 @group(0) @binding(5) var<storage, read_write> QR: array<f32>;
 @group(0) @binding(6) var<storage, read_write> KC: array<f32>;
 @group(0) @binding(7) var<storage, read_write> VC: array<f32>;
@@ -33,7 +33,7 @@ fn rope(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
   let n = wg.x;
   let i = wg.y * WG + t;
   let b = n / p.tokens_per_seq;
-  let pos = STEP[0] + n % p.tokens_per_seq;
+  let pos = STARTS[b] + n % p.tokens_per_seq;
   let half = p.head_dim / 2u;
   let row = n * p.qkv_stride;
   let q_size = p.heads * p.head_dim;

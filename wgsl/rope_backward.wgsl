@@ -2,7 +2,7 @@
 // the transpose of the rotation, forward  r1 = x1·c − x2·s,  r2 = x2·c + x1·s,  gives
 //   dx1 = dr1·c + dr2·s,   dx2 = −dr1·s + dr2·c
 // for the queries (DQ [tokens, heads·D]) and the keys (DK [batch, kv_heads, S, D]); the values'
-// gradient (DV, the same layout) is copied through. Token n is position step[0] + n % T.
+// gradient (DV, the same layout) is copied through. Token n is position STARTS[n / T] + n % T.
 
 struct Params {
   tokens_per_seq: u32,
@@ -19,7 +19,7 @@ struct Params {
 @group(0) @binding(3) var<storage, read> DV: array<f32>;
 @group(0) @binding(4) var<storage, read> COS: array<f32>;
 @group(0) @binding(5) var<storage, read> SIN: array<f32>;
-@group(0) @binding(6) var<storage, read> STEP: array<u32>;
+@group(0) @binding(6) var<storage, read> STARTS: array<u32>;
 @group(0) @binding(7) var<storage, read_write> DQKV: array<f32>;
 
 override WG: u32 = 128u;
@@ -28,7 +28,7 @@ override WG: u32 = 128u;
 fn rope_backward(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let n = wg.x;
   let b = n / p.tokens_per_seq;
-  let pos = STEP[0] + n % p.tokens_per_seq;
+  let pos = STARTS[b] + n % p.tokens_per_seq;
   let half = p.head_dim / 2u;
   let row = n * p.qkv_stride;
   let q_size = p.heads * p.head_dim;

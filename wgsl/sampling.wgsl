@@ -1,17 +1,20 @@
-// Choosing the next token on the GPU from the last position's logits, and advancing the
-// decode state for the next step (engine/kernels/sampling.py builds the launches).
+// Choosing the next token of each sequence (row) of a batch on the GPU from its last position's
+// logits, and advancing the row's decode state for the next step (engine/kernels/sampling.py
+// builds the launches). Every launch has a row of workgroups per sequence (workgroup_id.y);
+// a row whose length is 0 has finished (at an EOS token, or ended by the host) and is skipped.
 //
 // Each step, in Hugging Face's order: repetition penalty (CTRL: on every token whose
-// `seen` flag is set, positive logits divided by the penalty, negative ones multiplied),
-// then for sampling: divide by the temperature, keep the top-k or the top-p nucleus, and
-// draw from the softmax of what is kept. The divisions are correctly rounded (`div_exact`,
+// SEEN flag is set, positive logits divided by the penalty, negative ones multiplied), EOS
+// tokens (EOS flag) to -inf while the row has generated fewer than min_new tokens, then for
+// sampling: divide by the temperature, keep the top-k or the top-p nucleus or both (top-p
+// within the top k), and draw from the softmax of what is kept. The divisions are correctly rounded (`div_exact`,
 // an integer long division: WGSL's `/` may be off by 2.5 ulp), so the processed logits are
 // bitwise torch's and greedy picks exactly torch.argmax's token.
 //
 // Greedy (2 launches):
 //   greedy_partial  [groups]  per workgroup: argmax over its chunk (ties: smallest id)
 //   greedy_final    [1]       argmax of the partials; advance
-// top_k / top_p (PASSES + 1 launches):
+// top_k / top_p (PASSES + 1 launches; top_k then top_p: 2 PASSES + 1):
 //   search_first [groups]  search pass 1, which also stores z = the processed logits
 //   search       [groups]  passes 2..PASSES. The keep threshold T (an ordered-u32 key, below)
 //                          is the largest key with F(T) >= goal, where F(c) = sum over tokens
@@ -24,6 +27,10 @@
 //                          and the first one stores the interval for the pass after. 17^8 >
 //                          2^32: 8 folds narrow any interval of keys to one key. Pass 1 weighs
 //                          by exp(z - its workgroup's max) and pass 2 rescales (online softmax).
+//                          top_k then top_p (MODE 2): passes 1..PASSES search the top-k
+//                          threshold T_k (counts; the last one also sums the mass), pass
+//                          PASSES + 1 folds them and starts the top-p search over [T_k, all]
+//                          with total = the mass at or above T_k.
 //   draw         [1]       the last fold (T final; the last pass's per-workgroup kept mass at
 //                          T are the block sums); u = uniform(seed, token count); the first
 //                          token, in id order, whose running kept mass exceeds u * total
@@ -34,11 +41,15 @@
 // step before it is read, so the same launches can be recorded for every token.
 //
 // Keys: a float's bits mapped to a u32 with the same order (-0 counts as +0, NaN as the
-// largest, as torch.argmax treats it). The advance (one thread of the last launch):
-// history[count] = token, seen[token] = 1, next_token[0] = token, step[STEP_POS] += 1,
-// lengths[0] += 1, step[STEP_TOKEN_COUNT] += 1.
+// largest, as torch.argmax treats it). The advance of row b (one thread of the last launch):
+// history[b][count] = token, seen[b][token] |= SEEN, next_token[b] = token, count += 1, and
+// the row's next pass goes at its end: starts[b] = lengths[b], lengths[b] += 1; or, when the
+// token is an EOS token, lengths[b] = 0 (finished).
 //
-// Scratch (vec4<u32>, `groups` = W): [0, 10W) and [10W, 20W) the partial sums of even and
+// Per row state (u32 [B, 2]): the sampling seed, the tokens generated. Seen flags u32
+// [B, 4 v4]: SEEN (1) the repetition penalty applies, EOS (2) an end-of-sequence token.
+//
+// Scratch (vec4<u32>, `groups` = W; scratch_rows of them per row): [0, 10W) and [10W, 20W) the partial sums of even and
 // odd search passes, 10 vec4s per workgroup: F of the 16 candidates (4 vec4s), F(lo) (.x),
 // then the same in probability mass (top_k's last pass only: the draw's block sums);
 // [20W, 21W) one vec4 per workgroup (greedy's (key, id), pass 1's max key); [21W, 21W+2)
@@ -55,43 +66,62 @@ struct Params {
   top_p: f32,
   penalty: f32,      // repetition penalty (read when PENALIZE != 0)
   temperature: f32,  // read when SCALE != 0
+  min_new: u32,      // EOS tokens are banned while a row has generated fewer (read when BAN != 0)
+  scratch_rows: u32, // vec4s of scratch per row
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
 
 // Bindings per entry point (the caller's buffers are either only read, or all read_write,
 // so arena views of one wgpu buffer may be passed together):
-//   greedy_partial  scratch, logits, seen
-//   search_first    scratch, logits, seen, z_out
-//   search          scratch, z
-//   greedy_final    scratch, seen_flags, step_buf, lengths, history, next_token
-//   draw            scratch, seen_flags, step_buf, lengths, history, next_token, z_draw
+//   greedy_partial  scratch, logits, seen, row_state, row_lengths
+//   search_first    scratch, logits, seen, z_out, row_state, row_lengths
+//   search          scratch, z, row_lengths
+//   greedy_final    scratch, seen_flags, state, starts, lengths, history, next_token
+//   draw            scratch, seen_flags, state, starts, lengths, history, next_token, z_draw
+// (logits, seen, z: rows of v4 vec4s; history: rows of history_len.)
 @group(0) @binding(1) var<storage, read_write> scratch: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> logits: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> seen: array<vec4<u32>>;
 @group(0) @binding(4) var<storage, read_write> z_out: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read> row_state: array<u32>;
+@group(0) @binding(6) var<storage, read> row_lengths: array<u32>;
 @group(0) @binding(2) var<storage, read_write> z: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> seen_flags: array<u32>;
-@group(0) @binding(3) var<storage, read_write> step_buf: array<u32>;
-@group(0) @binding(4) var<storage, read_write> lengths: array<u32>;
-@group(0) @binding(5) var<storage, read_write> history: array<u32>;
-@group(0) @binding(6) var<storage, read_write> next_token: array<u32>;
-@group(0) @binding(7) var<storage, read_write> z_draw: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> state: array<u32>;
+@group(0) @binding(4) var<storage, read_write> starts: array<u32>;
+@group(0) @binding(5) var<storage, read_write> lengths: array<u32>;
+@group(0) @binding(6) var<storage, read_write> history: array<u32>;
+@group(0) @binding(7) var<storage, read_write> next_token: array<u32>;
+@group(0) @binding(8) var<storage, read_write> z_draw: array<vec4<f32>>;
 
 override WG: u32 = 128u;      // threads per workgroup; a power of two, >= 16
 override PASSES: u32 = 8u;    // search passes (>= 2)
 override PENALIZE: u32 = 0u;  // 1: apply the repetition penalty
 override SCALE: u32 = 0u;     // 1: divide by the temperature
-override MODE: u32 = 0u;      // search: 0 top_k (counts), 1 top_p (probability mass)
-override STEP_POS: u32 = 0u;
-override STEP_SEED: u32 = 1u;
-override STEP_TOKEN_COUNT: u32 = 2u;
+override BAN: u32 = 0u;       // 1: ban EOS tokens below min_new tokens
+override MODE: u32 = 0u;      // search: 0 top_k (counts), 1 top_p (probability mass), 2 top_k then top_p
 
 const NONE: u32 = 0xffffffffu;
+const SEEN: u32 = 1u;
+const EOS: u32 = 2u;
+const SEED: u32 = 0u;   // fields of a row's state
+const COUNT: u32 = 1u;
 
-fn partials_at(pass_index: u32) -> u32 { return (pass_index & 1u) * 10u * p.groups; }
-fn aux_at() -> u32 { return 20u * p.groups; }
-fn state_at() -> u32 { return 21u * p.groups; }
+var<private> row: u32;   // this workgroup's sequence
+var<private> base: u32;  // its first scratch vec4
+
+fn enter(wg: vec3<u32>) {
+  row = wg.y;
+  base = row * p.scratch_rows;
+}
+
+fn partials_at(pass_index: u32) -> u32 { return base + (pass_index & 1u) * 10u * p.groups; }
+fn aux_at() -> u32 { return base + 20u * p.groups; }
+fn state_at() -> u32 { return base + 21u * p.groups; }
+
+// Whether search pass `pass_at` tallies counts (top_k) rather than probability mass (top_p).
+fn counts(pass_at: u32) -> bool { return MODE == 0u || (MODE == 2u && pass_at <= PASSES); }
 
 // ---------------------------------------------------------------------------------------
 // Processing the logits
@@ -141,12 +171,20 @@ fn penalize(x: f32, flag: u32) -> f32 {
   return div_exact(x, p.penalty);
 }
 
-// The processed logits of vec4 q: penalty (when PENALIZE), then temperature (when SCALE).
+// The processed logits of the row's vec4 q: penalty (when PENALIZE), EOS banned (when BAN and the
+// row is below min_new tokens), then temperature (when SCALE).
 fn processed(q: u32) -> vec4<f32> {
-  var v = logits[q];
+  var v = logits[row * p.v4 + q];
+  var s = vec4<u32>(0u);
+  if (PENALIZE != 0u || BAN != 0u) { s = seen[row * p.v4 + q]; }  // read only when used
   if (PENALIZE != 0u) {
-    let s = seen[q];
-    v = vec4<f32>(penalize(v.x, s.x), penalize(v.y, s.y), penalize(v.z, s.z), penalize(v.w, s.w));
+    let f = s & vec4<u32>(SEEN);
+    v = vec4<f32>(penalize(v.x, f.x), penalize(v.y, f.y), penalize(v.z, f.z), penalize(v.w, f.w));
+  }
+  if (BAN != 0u && row_state[2u * row + COUNT] < p.min_new) {
+    var neg_inf_bits = 0xff800000u;  // not a constant: WGSL's constant evaluation refuses infinities
+    let neg_inf = bitcast<f32>(neg_inf_bits);
+    v = select(v, vec4<f32>(neg_inf), (s & vec4<u32>(EOS)) != vec4<u32>(0u));
   }
   if (SCALE != 0u) {
     let d = p.temperature;
@@ -206,16 +244,23 @@ fn uniform01(seed: u32, count: u32) -> f32 {
 }
 
 // ---------------------------------------------------------------------------------------
-// The advance (one thread of the last launch)
+// The advance (one thread of the last launch, for a row that has not finished)
 
 fn advance(token: u32) {
-  let count = step_buf[STEP_TOKEN_COUNT];
-  if (count < p.history_len) { history[count] = token; }
-  seen_flags[token] = 1u;
-  next_token[0] = token;
-  step_buf[STEP_POS] = step_buf[STEP_POS] + 1u;
-  lengths[0] = lengths[0] + 1u;
-  step_buf[STEP_TOKEN_COUNT] = count + 1u;
+  if (lengths[row] == 0u) { return; }
+  let count = state[2u * row + COUNT];
+  if (count < p.history_len) { history[row * p.history_len + count] = token; }
+  let at = row * 4u * p.v4 + token;
+  let flags = seen_flags[at];
+  seen_flags[at] = flags | SEEN;
+  next_token[row] = token;
+  state[2u * row + COUNT] = count + 1u;
+  if ((flags & EOS) != 0u) {
+    lengths[row] = 0u;
+  } else {
+    starts[row] = lengths[row];
+    lengths[row] = lengths[row] + 1u;
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -244,6 +289,8 @@ fn reduce_best(t: u32, k: u32, i: u32) {
 
 @compute @workgroup_size(WG)
 fn greedy_partial(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+  enter(wg);
+  if (row_lengths[wg.y] == 0u) { return; }  // a finished row
   let begin = wg.x * p.chunk;
   let end = min(begin + p.chunk, p.v4);
   var bk = 0u;  // no token's key is 0 (-NaN counts as the largest)
@@ -261,7 +308,8 @@ fn greedy_partial(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id
 }
 
 @compute @workgroup_size(WG)
-fn greedy_final(@builtin(local_invocation_index) t: u32) {
+fn greedy_final(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+  enter(wg);
   var bk = 0u;
   var bi = NONE;
   for (var w = t; w < p.groups; w += WG) {
@@ -331,7 +379,7 @@ fn previous_state(t: u32) -> vec4<u32> {
 // This pass's state: the previous pass's partial sums folded into its interval. Every
 // workgroup computes the same values in the same order (a tree over workgroups). Pass 2
 // rescales pass 1's top_p sums from each workgroup's max to the global one, and takes the
-// total from them.
+// total from them. MODE 2's pass PASSES + 1 starts the top-p search above T_k (below).
 fn current_state(t: u32, prev: vec4<u32>) -> vec4<u32> {
   let top = bitcast<f32>(prev.z);
   // thread t loads workgroup t's sums (groups <= WG): independent loads, one round trip
@@ -366,7 +414,7 @@ fn current_state(t: u32, prev: vec4<u32>) -> vec4<u32> {
   var total = bitcast<f32>(prev.w);
   if (p.pass_index == 2u) { total = everything; }  // pass 1's F(lo) summed every token's weight
   var goal = f32(p.top_k);
-  if (MODE == 1u) { goal = p.top_p * total; }
+  if (!counts(p.pass_index - 1u)) { goal = p.top_p * total; }
   let lo = prev.x;
   let hi = prev.y;
   var n = vec2<u32>(lo, hi);
@@ -374,7 +422,33 @@ fn current_state(t: u32, prev: vec4<u32>) -> vec4<u32> {
   n = fold(n, lo, hi, 4u, s1, goal);
   n = fold(n, lo, hi, 8u, s2, goal);
   n = fold(n, lo, hi, 12u, s3, goal);
+  if (MODE == 2u && p.pass_index == PASSES + 1u) {  // T_k found: top-p over [T_k, all], its mass the total
+    let mass = kept_sums(t, prev, n.x, 5u);
+    return vec4<u32>(n.x, NONE, prev.z, bitcast<u32>(mass));
+  }
   return vec4<u32>(n.x, n.y, prev.z, bitcast<u32>(total));
+}
+
+// Which of the previous pass's candidates (16: its lo) the final threshold is.
+fn candidate_index(prev: vec4<u32>, threshold: u32) -> u32 {
+  if (threshold == prev.x) { return 16u; }
+  return (threshold - prev.x) / ((prev.y - prev.x) / 17u + 1u) - 1u;
+}
+
+// The previous pass's per-workgroup sums at the final `threshold` (`at`: 0 the tallies, 5 the
+// mass): the value of workgroup t (0 for t >= groups), and in red1[0] their total, which every
+// thread returns (all threads call this).
+fn kept_sums(t: u32, prev: vec4<u32>, threshold: u32, at: u32) -> f32 {
+  let c = candidate_index(prev, threshold);
+  var v = 0.0;
+  if (t < p.groups) {
+    v = bitcast<vec4<f32>>(scratch[partials_at(p.pass_index - 1u) + at + c / 4u + 10u * t])[c & 3u];
+  }
+  let zero = vec4<f32>(0.0);
+  sum_over_threads(t, zero, zero, zero, zero, v);
+  let total = red1[0];
+  workgroupBarrier();  // red1 is written again next
+  return total;
 }
 
 var<private> cand0: vec4<u32>;
@@ -433,14 +507,15 @@ fn tally_mass(k: u32, w: f32) {
   mass_lo += select(0.0, w, k >= cand_lo);
 }
 
-// Tally vec4 q of z: weight 1 (top_k) or exp(z - top) (top_p); also the mass when `both`.
+// Tally vec4 q of z: weight 1 (counts) or exp(z - top) (mass); also the mass when `both`.
 fn tally4(q: u32, v: vec4<f32>, top: f32, both: bool) {
   let k = key4(v);
   let ok = valid4(q);
+  let mass = !counts(p.pass_index);
   var e = vec4<f32>(0.0);
-  if (MODE == 1u || both) { e = select(vec4<f32>(0.0), exp4(v - top), ok); }
+  if (mass || both) { e = select(vec4<f32>(0.0), exp4(v - top), ok); }
   var w = select(vec4<f32>(0.0), vec4<f32>(1.0), ok);
-  if (MODE == 1u) { w = e; }
+  if (mass) { w = e; }
   tally(k.x, w.x);
   tally(k.y, w.y);
   tally(k.z, w.z);
@@ -484,12 +559,15 @@ fn store_sums(t: u32, at: u32, a0: vec4<f32>, a1: vec4<f32>, a2: vec4<f32>, a3: 
 
 @compute @workgroup_size(WG)
 fn search_first(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+  enter(wg);
+  if (row_lengths[wg.y] == 0u) { return; }  // a finished row
   let begin = wg.x * p.chunk;
   let end = min(begin + p.chunk, p.v4);
+  let zrow = row * p.v4;
   var mk = 0u;
   for (var q = begin + t; q < end; q += WG) {
     let v = processed(q);
-    z_out[q] = v;
+    z_out[zrow + q] = v;
     let k = select(vec4<u32>(0u), key4(v), valid4(q));
     mk = max(mk, max(max(k.x, k.y), max(k.z, k.w)));
   }
@@ -497,27 +575,30 @@ fn search_first(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) 
   if (t == 0u) { scratch[aux_at() + wg.x] = vec4<u32>(top_key, 0u, 0u, 0u); }
   let top = value_of(top_key);
   start_tally(0u, NONE);
-  for (var q = begin + t; q < end; q += WG) { tally4(q, z_out[q], top, false); }  // this thread's own writes
+  for (var q = begin + t; q < end; q += WG) { tally4(q, z_out[zrow + q], top, false); }  // this thread's own writes
   store_sums(t, partials_at(1u) + 10u * wg.x, acc0, acc1, acc2, acc3, acc_lo);
 }
 
 @compute @workgroup_size(WG)
 fn search(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+  enter(wg);
+  if (row_lengths[wg.y] == 0u) { return; }  // a finished row
   let st = current_state(t, previous_state(t));
   if (wg.x == 0u && t == 0u) { scratch[state_at() + (p.pass_index & 1u)] = st; }
   let lo = st.x;
   let hi = st.y;
   let top = bitcast<f32>(st.z);
-  let last = p.pass_index == PASSES;
-  let both = MODE == 0u && last;
+  let last = p.pass_index % PASSES == 0u;  // the last pass of a search
+  let both = counts(p.pass_index) && last;  // the top-k search's last pass also sums the mass
   start_tally(lo, hi);
   let begin = wg.x * p.chunk;
   var end = min(begin + p.chunk, p.v4);
   if (lo == hi && !last) { end = begin; }  // converged: nothing left to count until the last pass
+  let zrow = row * p.v4;
   for (var q = begin + t; q < end; q += 2u * WG) {  // two loads in flight
     let q2 = q + WG;
-    let a = z[q];
-    let b = z[min(q2, end - 1u)];
+    let a = z[zrow + q];
+    let b = z[zrow + min(q2, end - 1u)];
     tally4(q, a, top, both);
     if (q2 < end) { tally4(q2, b, top, both); }
   }
@@ -604,21 +685,21 @@ fn pick_lane(e: vec4<f32>, goal: f32) -> u32 {
 }
 
 @compute @workgroup_size(WG)
-fn draw(@builtin(local_invocation_index) t: u32) {
+fn draw(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
+  enter(wg);
   // the last fold: T is the last pass's lo or one of its candidates, c
   let prev = previous_state(t);
   let st = current_state(t, prev);
   if (t == 0u) { scratch[state_at() + (p.pass_index & 1u)] = st; }  // for inspection
   let threshold = st.x;
   let top = bitcast<f32>(st.z);
-  var c = 16u;  // T = lo: F(lo)
-  if (threshold != prev.x) { c = (threshold - prev.x) / ((prev.y - prev.x) / 17u + 1u) - 1u; }
+  let c = candidate_index(prev, threshold);
   // level 1: the blocks, the last pass's workgroups, with their kept mass at T
-  let at = partials_at(PASSES) + select(0u, 5u, MODE == 0u) + c / 4u;
+  let at = partials_at(p.pass_index - 1u) + select(0u, 5u, counts(p.pass_index - 1u)) + c / 4u;
   var v = 0.0;
   if (t < p.groups) { v = bitcast<vec4<f32>>(scratch[at + 10u * t])[c & 3u]; }
   level(t, v);
-  let u = uniform01(step_buf[STEP_SEED], step_buf[STEP_TOKEN_COUNT]);
+  let u = uniform01(state[2u * row + SEED], state[2u * row + COUNT]);
   let block = pick(u * level_total());
   var residual = block.residual;
   let begin = select(block.index, 0u, block.index == NONE) * p.chunk;
@@ -633,7 +714,7 @@ fn draw(@builtin(local_invocation_index) t: u32) {
     let q = q0 + t;
     var e = vec4<f32>(0.0);
     if (q < end) {
-      let v4 = z_draw[q];
+      let v4 = z_draw[row * p.v4 + q];
       e = select(vec4<f32>(0.0), exp4(v4 - top), valid4(q) & (key4(v4) >= vec4<u32>(threshold)));
     }
     lanes[t] = e;

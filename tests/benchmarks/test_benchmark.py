@@ -13,7 +13,7 @@ from torch_wgpu_lora.benchmarks.lora_op import Case, breakdown, measure, run
 from torch_wgpu_lora.benchmarks.report import to_markdown
 from torch_wgpu_lora.benchmarks.training_step import training_step
 from torch_wgpu_lora.ops import lora_gpu
-from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, kernel, shader_checks
+from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, kernel
 
 
 class FakeClock:
@@ -103,12 +103,12 @@ def test_run_writes_json_markdown_and_chart(tmp_path):
 
 
 def test_sweep_times_each_variant_and_restores_the_defaults():
-    default_tuning, default_checks = lora_gpu.tuning(get_device()), shader_checks()
+    default_tuning, default_settings = lora_gpu.tuning(get_device()), get_device().settings
     rows = sweep.sweep(Case(8, 64, 32, 4, True, "tiny"), {"down_quads": [1], "shader_checks": ["full"]}, repeats=1)
     assert [(r["knob"], r["value"]) for r in rows] == [("down_quads", 1), ("shader_checks", "full")]
     if get_device().has_timestamps:
         assert all(r["gpu_us"] > 0 for r in rows)
-    assert lora_gpu.tuning(get_device()) == default_tuning and shader_checks() == default_checks
+    assert lora_gpu.tuning(get_device()) == default_tuning and get_device().settings == default_settings
 
 
 def test_cli_runs_the_op_benchmark_and_its_modes(tmp_path, monkeypatch, capsys):
@@ -186,8 +186,12 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
 
     engine.main(["--small", "--layers", "1", "--no-hf", "--out", str(tmp_path), "--prefill", "16", "--prompt", "4",
                  "--new-tokens", "4", "--repeats", "1", "--train", "16", "--train-steps", "1", "--drop-in", "8",
-                 "--drop-in-steps", "2"])
+                 "--drop-in-steps", "2", "--batched", "1x16,3x16"])
     result = json.loads((tmp_path / "engine.json").read_text())
+    batched = result["batched"]["engine"]  # training steps and prefill passes of several sequences a step
+    assert set(batched) == {"1x16", "3x16"} and all(b["train_tok_per_s"] > 0 and b["prefill_tok_per_s"] > 0
+                                                    for b in batched.values())
+    assert batched["3x16"]["train_tok_per_s"] == pytest.approx(48 / batched["3x16"]["train_step_s"])
     drop_in = result["drop_in"]  # the backends' steps and the base alone, taking turns
     assert len(drop_in["wgpu"]["steps_s"]) == len(drop_in["torch"]["steps_s"]) == len(drop_in["base"]["steps_s"]) == 2
     assert all(drop_in[variant]["page_faults"] >= 0 for variant in ("wgpu", "torch", "base"))  # Linux: resource

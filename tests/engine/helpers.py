@@ -1,19 +1,24 @@
 """Shared by the engine's tests: tiny models and batches, launches run and read back, poisoned
-buffers, the one closeness check, and the engine-against-torch training twins."""
+buffers, the one closeness check, the engine-against-torch training twins, and generation's
+tokenizer and references."""
 
 from __future__ import annotations
 
 import copy
 import tempfile
+from typing import Any
 
 import numpy as np
 import torch
 
 from torch_wgpu_lora import BitNetEngine, WgpuAdamW
+from torch_wgpu_lora.demo import demo_records
 from torch_wgpu_lora.engine.workspace import Workspace
 from torch_wgpu_lora.integrations.bitnet import apply_lora, lora_parameters, load_bitnet
 from torch_wgpu_lora.integrations.gradcheck import randomize_lora_B
-from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet
+from torch_wgpu_lora.integrations.quantisation import FeedStats, feeding_codes
+from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
+from torch_wgpu_lora.logits import process_logits
 from torch_wgpu_lora.loss import IGNORE_INDEX, labelled_tokens
 from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, write
 
@@ -73,7 +78,7 @@ def torch_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor |
 def forward_with_codes(engine: BitNetEngine, ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, dict]:
     """The engine's logits [batch, tokens, vocab] and the int8 codes of every quantisation point."""
     codes: dict = {}
-    logits = engine.plan(*ids.shape).logits_of(ids, lengths, codes=codes)
+    logits = engine.plan(*ids.shape).run(ids, lengths, codes=codes)
     return logits, codes
 
 
@@ -201,3 +206,39 @@ def assert_twins_agree(engine: BitNetEngine, model: torch.nn.Module, twin: torch
     for (name, a), b in zip(model.named_parameters(), twin.parameters()):
         if "lora_" in name:
             assert_close(a.detach(), b.detach(), TWIN_RTOL, name)
+
+
+# -- generation ----------------------------------------------------------------------------------------
+
+def tiny_tokenizer() -> Any:
+    """A byte-level BPE tokenizer trained on the demo records (special tokens 0, 1, 2: bos, eos, pad)."""
+    from transformers import AutoTokenizer
+
+    texts = [r["instruction"] + " " + r["output"] for r in demo_records()]
+    return AutoTokenizer.from_pretrained(build_tiny_tokenizer(tempfile.mkdtemp(), texts))
+
+
+def engine_choice_is_explained_by_a_flip(model, engine, ids: list[int], penalty: float) -> tuple[int, int]:
+    """At the position after ``ids``: (the engine's greedy choice, torch's greedy choice when fed the
+    engine's int8 codes), after checking that feeding codes involved at least one near-tie flip."""
+    x = torch.tensor([ids])
+    logits, codes = forward_with_codes(engine, x, [len(ids)])
+    logits = logits[0]
+    stats = FeedStats()
+    with feeding_codes(model, codes, stats), torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        fed = model(input_ids=x).logits[0, -1]
+    assert stats.flips > 0, "the paths diverged without any rounding flip: a real difference"
+    seen = x[0]
+    return (int(torch.argmax(process_logits(logits[-1], seen, repetition_penalty=penalty))),
+            int(torch.argmax(process_logits(fed, seen, repetition_penalty=penalty))))
+
+
+def torch_greedy(model, ids: list[int], new_tokens: int, penalty: float) -> list[int]:
+    """Greedy tokens after ``ids`` from transformers' model over the whole sequence at every step
+    (no cache), with the repetition penalty of ``process_logits``."""
+    ids = list(ids)
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        for _ in range(new_tokens):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            ids.append(int(torch.argmax(process_logits(logits, torch.tensor(ids), repetition_penalty=penalty))))
+    return ids[-new_tokens:]

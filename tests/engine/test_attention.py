@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-from torch_wgpu_lora.engine.kernels import STEP_POS
 from torch_wgpu_lora.engine.kernels.attention import (PrefillTile, attention_launches, attention_reference,
                                                       kept_scores_bytes, policy, prefill_tile)
 from torch_wgpu_lora.engine.kernels.attention.flash import PREFILL_TILES
@@ -48,9 +47,9 @@ class Attention:
         self.v = Buffer((batch, kv_heads, max_len, head_dim))
         self.out = Buffer((batch * tokens, heads * head_dim))
         self.lse = Buffer((batch * tokens, heads)) if lse else None
-        self.step = Buffer((4,), "u32")
+        self.starts = Buffer((batch,), "u32")
         self.lengths = Buffer((batch,), "u32")
-        self.launches = attention_launches(self.q, self.k, self.v, self.out, self.step, self.lengths,
+        self.launches = attention_launches(self.q, self.k, self.v, self.out, self.starts, self.lengths,
                                            scale=head_dim ** -0.5, lse=self.lse, decode=decode,
                                            workspace=kernel_workspace(), **self.shape, **kw)
 
@@ -59,10 +58,10 @@ class Attention:
         write(self.k, nan_past(k, poison_from))
         write(self.v, nan_past(v, poison_from))
 
-    def run(self, pos: int, lengths) -> tuple[np.ndarray, np.ndarray | None]:
-        step = np.zeros(4, np.uint32)
-        step[STEP_POS] = pos
-        write(self.step, step)
+    def run(self, starts, lengths) -> tuple[np.ndarray, np.ndarray | None]:
+        """One pass, its sequences at ``starts`` (one int: all of them) with ``lengths`` valid keys."""
+        starts = [starts] * self.shape["batch"] if isinstance(starts, int) else starts
+        write(self.starts, np.asarray(starts, np.uint32))
         write(self.lengths, np.asarray(lengths, np.uint32))
         nan_fill(self.out)
         out = np.zeros(self.out.shape, np.float32)
@@ -80,7 +79,8 @@ class Attention:
 
 
 def check_once(batch, tokens, heads, kv_heads, head_dim, pos, lengths, *, decode=False, seed=0, max_len=None, **kw):
-    max_len = max_len or max(pos + tokens, max(lengths))
+    """The kernels against the reference, the sequences at ``pos`` (one int, or one per sequence)."""
+    max_len = max_len or max(np.max(pos) + tokens, max(lengths))
     q, k, v = random_case(batch, tokens, heads, kv_heads, head_dim, max_len, seed)
     attn = Attention(batch, tokens, heads, kv_heads, head_dim, max_len, decode=decode, **kw)
     attn.set_inputs(q, k, v, lengths)
@@ -131,6 +131,7 @@ PREFILL_CASES = {
     "long_mha_d64": (1, 300, 4, 4, 64, 0, [300]),
     "long_gqa4_d64": (2, 260, 8, 2, 64, 0, [260, 131]),
     "bitnet_heads_d128": (2, 70, 20, 5, 128, 6, [76, 33]),
+    "rows_at_their_own_positions": (3, 9, 4, 2, 16, [0, 5, 20], [9, 12, 29]),  # one padded
 }
 
 
@@ -152,7 +153,7 @@ def test_prefill_every_tile_that_fits_the_adapter():
     assert any(t.workgroup_bytes(128) <= 16 * 1024 for t in PREFILL_TILES)  # WebGPU's default limit
 
 
-FROM_START_CASES = {name: case for name, case in PREFILL_CASES.items() if case[5] == 0}
+FROM_START_CASES = {name: case for name, case in PREFILL_CASES.items() if np.max(case[5]) == 0}
 
 
 @pytest.mark.parametrize("case", sorted(FROM_START_CASES))
@@ -170,8 +171,10 @@ def test_a_pass_from_start_gives_nan_after_a_prefix_and_gives_way_past_its_scrat
     q, k, v = random_case(2, 30, 4, 2, 20, 43, seed=3)
     attn = Attention(2, 30, 4, 2, 20, 43, from_start=True)
     attn.set_inputs(q, k, v, [43, 25])
-    out, lse = attn.run(13, [43, 25])  # keys before the pass have no scores: NaN, not a wrong value
-    assert np.isnan(out).all() and np.isnan(lse).all()
+    out, lse = attn.run([0, 13], [30, 25])  # keys before the pass have no scores: NaN, not a wrong value
+    assert np.isnan(out[30:]).all() and np.isnan(lse[30:]).all()
+    ref_out, ref_lse = attention_reference(q[:30], k[:1], v[:1], 0, [30], 4, 2, 20 ** -0.5)
+    assert_close(out[:30], ref_out, RTOL, "the sequence from position 0")
     monkeypatch.setattr(policy, "SCORES_SCRATCH_BYTES", kept_scores_bytes(2, 8, 40) - 4)
     attn = Attention(2, 40, 8, 2, 16, 40, from_start=True)
     assert [launch.kernel.name for launch in attn.launches] == ["attention.wgsl:prefill"]
@@ -213,6 +216,34 @@ def test_decode_steps_record_the_same_launches(splits, tokens, heads, kv_heads, 
         if previous is not None:
             assert not np.allclose(out[:tokens], previous[:tokens]), f"pos={pos}: output did not change"
         previous = out
+
+
+def test_decode_rows_at_their_own_positions_and_a_finished_row():
+    # Sequences of different lengths decode together, each at its own position; a finished row
+    # (length 0, as the sampler leaves it) is read as one key: attention costs it one tile.
+    starts, lengths = [3, 70, 0, 130, 9], [4, 71, 1, 131, 0]
+    q, k, v = random_case(5, 1, 8, 2, 64, 160, seed=4)
+    attn = Attention(5, 1, 8, 2, 64, 160, decode=True)
+    attn.set_inputs(q, k, v, [4, 71, 1, 131, 1])  # NaN past each length: the finished row's past key 0
+    out, lse = attn.run(starts, lengths)
+    ref_out, ref_lse = attention_reference(q, k, v, starts, [4, 71, 1, 131, 1], 8, 2, 64 ** -0.5)
+    assert_close(out, ref_out, RTOL, "out")
+    assert_close(lse, ref_lse, RTOL, "lse")
+
+
+def test_a_sequences_decode_output_does_not_depend_on_its_batch():
+    # The key spans are chosen per sequence: alone (its own cache length) or beside others (a
+    # longer cache), a sequence's keys are summed in the same spans, so its output is bitwise
+    # the same (what makes generation's tokens independent of the batch).
+    heads, kv_heads, d, n = 4, 2, 32, 150
+    q, k, v = random_case(3, 1, heads, kv_heads, d, 400, seed=6)
+    together = Attention(3, 1, heads, kv_heads, d, 400, decode=True)
+    together.set_inputs(q, k, v, [300, n, 400])
+    out, lse = together.run([299, n - 1, 399], [300, n, 400])
+    alone = Attention(1, 1, heads, kv_heads, d, n, decode=True)
+    alone.set_inputs(q[1:2], k[1:2, :, :n], v[1:2, :, :n], [n])
+    out_alone, lse_alone = alone.run(n - 1, [n])
+    assert np.array_equal(out[1:2], out_alone) and np.array_equal(lse[1:2], lse_alone)
 
 
 def test_decode_bitnet_shape_long_cache():

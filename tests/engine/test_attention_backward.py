@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 
-from torch_wgpu_lora.engine.kernels import STEP_POS
 from torch_wgpu_lora.engine.kernels.attention import (BackwardTile, attention_backward_launches,
                                                       attention_backward_reference, attention_launches,
                                                       attention_reference, backward_tile, keeps_probabilities,
@@ -68,14 +67,14 @@ class Backward:
         self.q, self.out, self.d_out, self.d_q = (Buffer(rows) for _ in range(4))
         self.k, self.v, self.d_k, self.d_v = (Buffer(cache) for _ in range(4))
         self.lse = Buffer((batch * tokens, heads))
-        self.step = Buffer((4,), "u32")
+        self.starts = Buffer((batch,), "u32")
         self.lengths = Buffer((batch,), "u32")
         scale, workspace = head_dim ** -0.5, kernel_workspace()
-        self.launches = attention_launches(self.q, self.k, self.v, self.out, self.step, self.lengths, scale=scale,
+        self.launches = attention_launches(self.q, self.k, self.v, self.out, self.starts, self.lengths, scale=scale,
                                            lse=self.lse, from_start=from_start, scores=scores, workspace=workspace,
                                            **self.shape)
         self.launches += attention_backward_launches(self.q, self.k, self.v, self.out, self.lse, self.d_out, self.d_q,
-                                                     self.d_k, self.d_v, self.step, self.lengths, scale=scale,
+                                                     self.d_k, self.d_v, self.starts, self.lengths, scale=scale,
                                                      tile=tile, splits=splits, from_start=from_start, scores=scores,
                                                      workspace=workspace, **self.shape)
         self.kernels = [launch.kernel.name for launch in self.launches]
@@ -84,13 +83,12 @@ class Backward:
                       for buf in launch.keep[3:5]]
 
     def run(self, q, k, v, d_out, pos, lengths):
+        """One pass, its sequences at ``pos`` (one int: all of them) with ``lengths`` valid keys."""
         write(self.q, np.ascontiguousarray(q.float().numpy()))
         write(self.d_out, np.ascontiguousarray(d_out.float().numpy()))
         write(self.k, nan_past(k, lengths))
         write(self.v, nan_past(v, lengths))
-        step = np.zeros(4, np.uint32)
-        step[STEP_POS] = pos
-        write(self.step, step)
+        write(self.starts, np.asarray(starts_of(pos, len(lengths)), np.uint32))
         write(self.lengths, np.asarray(lengths, np.uint32))
         for buf in (self.out, self.lse, self.d_q, self.d_k, self.d_v, *self.saved):
             nan_fill(buf)
@@ -105,6 +103,11 @@ class Backward:
         return got
 
 
+def starts_of(pos, batch: int) -> list[int]:
+    """Each sequence's first position: ``pos`` one int (all of them) or one per sequence."""
+    return [pos] * batch if isinstance(pos, int) else list(pos)
+
+
 def check(plan: Backward, pos, lengths, seed=0) -> float:
     """Runs ``plan`` on random inputs; checks every gradient; returns the worst relative error."""
     s = plan.shape
@@ -113,26 +116,28 @@ def check(plan: Backward, pos, lengths, seed=0) -> float:
     d_q, d_k, d_v = plan.run(q, k, v, d_out, pos, lengths)
     ref_q, ref_k, ref_v = autograd_reference(q, k, v, d_out, pos, lengths, heads, kv_heads, head_dim ** -0.5)
     tag = f"B={batch} T={tokens} H={heads}/{kv_heads} D={head_dim} pos={pos} lengths={lengths}"
-    written = slice(pos, pos + tokens)  # the key positions of this pass
     # dQ and dK are sums of scale·dS·k (·q) with dS = P(dO·v − dO·O): all zero when every row sees
     # one key (O = v), a cancellation float32 meets only to its rounding when the two dots are
     # summed in different orders (the GEMM path). Their scale is then that of the terms.
     terms = head_dim ** -0.5 * float(d_out.abs().max() * v.abs().max() * max(q.abs().max(), k.abs().max()))
-    errors = [assert_close(d_q, ref_q, RTOL, f"d_q {tag}", terms),
-              assert_close(d_k[:, :, written], ref_k[:, :, written], RTOL, f"d_k {tag}", terms),
-              assert_close(d_v[:, :, written], ref_v[:, :, written], RTOL, f"d_v {tag}")]
-    for b, n in enumerate(lengths):  # padded keys: exactly zero
-        assert (d_k[b, :, max(n, pos): pos + tokens] == 0).all(), f"d_k of padded keys {tag}"
-        assert (d_v[b, :, max(n, pos): pos + tokens] == 0).all(), f"d_v of padded keys {tag}"
-    # nothing written outside this pass's key positions (the cache prefix, rows past pos + T)
-    assert np.isnan(d_k[:, :, :pos]).all() and np.isnan(d_v[:, :, :pos]).all(), tag
-    assert np.isnan(d_k[:, :, pos + tokens:]).all() and np.isnan(d_v[:, :, pos + tokens:]).all(), tag
+    errors = [assert_close(d_q, ref_q, RTOL, f"d_q {tag}", terms)]
+    for b, (start, n) in enumerate(zip(starts_of(pos, batch), lengths)):
+        written = slice(start, start + tokens)  # the key positions of this pass
+        errors += [assert_close(d_k[b, :, written], ref_k[b, :, written], RTOL, f"d_k {tag}", terms),
+                   assert_close(d_v[b, :, written], ref_v[b, :, written], RTOL, f"d_v {tag}")]
+        # padded keys: exactly zero
+        assert (d_k[b, :, max(n, start): start + tokens] == 0).all(), f"d_k of padded keys {tag}"
+        assert (d_v[b, :, max(n, start): start + tokens] == 0).all(), f"d_v of padded keys {tag}"
+        # nothing written outside this pass's key positions (the cache prefix, rows past start + T)
+        assert np.isnan(d_k[b, :, :start]).all() and np.isnan(d_v[b, :, :start]).all(), tag
+        assert np.isnan(d_k[b, :, start + tokens:]).all() and np.isnan(d_v[b, :, start + tokens:]).all(), tag
     return max(errors)
 
 
 def check_once(batch, tokens, heads, kv_heads, head_dim, pos, lengths, *, seed=0, max_len=None, tile=None,
                splits=None, from_start=False) -> float:
-    plan = Backward(batch, tokens, heads, kv_heads, head_dim, max_len or pos + tokens, tile=tile, splits=splits,
+    plan = Backward(batch, tokens, heads, kv_heads, head_dim, max_len or max(starts_of(pos, batch)) + tokens,
+                    tile=tile, splits=splits,
                     from_start=from_start)
     assert ("attention_apply.wgsl:gemm_tiled" in plan.kernels) == from_start
     assert ("attention_backward.wgsl:dq" in plan.kernels) != from_start
@@ -166,6 +171,7 @@ CASES = {
     "bitnet_heads_d128": (2, 70, 20, 5, 128, 0, [70, 1]),
     "gqa2_d128_200": (1, 200, 4, 2, 128, 0, [200]),
     "after_prefix_gqa4_d20": (2, 30, 4, 1, 20, 13, [43, 25]),  # keys pos..pos+T-1 written; one padded
+    "rows_at_their_own_positions": (3, 9, 4, 2, 16, [0, 5, 20], [9, 12, 29]),  # one padded
 }
 
 
@@ -175,7 +181,7 @@ def test_backward_matches_autograd(case):
 
 
 @pytest.mark.parametrize("splits", [2, 3, 8])
-@pytest.mark.parametrize("case", ["bitnet_heads_d128", "after_prefix_gqa4_d20"])
+@pytest.mark.parametrize("case", ["bitnet_heads_d128", "after_prefix_gqa4_d20", "rows_at_their_own_positions"])
 def test_dkdv_split_over_query_tiles(case, splits):
     # each key block's query tiles cut into ranges summed by dkdv_sum: uneven (3) and more ranges
     # than some blocks have tiles (8: empty ranges write zeros), after a cache prefix too
@@ -204,7 +210,7 @@ def test_gradients_over_p_kept_from_the_forward(case, splits):
 def test_a_scores_buffer_is_refused_where_it_would_not_be_used(monkeypatch):
     args = Backward(2, 8, 4, 2, 8, 8, from_start=True)
     shape = dict(batch=2, tokens=8, heads=4, kv_heads=2, head_dim=8, max_len=8)
-    common = (args.q, args.k, args.v, args.out, args.step, args.lengths)
+    common = (args.q, args.k, args.v, args.out, args.starts, args.lengths)
     ws = kernel_workspace()
     with pytest.raises(ValueError, match="scores has 32767 elements, needs 32768"):  # 2 · 4 heads of 64 × 64
         attention_launches(*common, scale=1.0, from_start=True, scores=Buffer((32767,)), workspace=ws, **shape)
@@ -212,8 +218,8 @@ def test_a_scores_buffer_is_refused_where_it_would_not_be_used(monkeypatch):
         attention_launches(*common, scale=1.0, scores=Buffer((32768,)), workspace=ws, **shape)  # not from the start
     with pytest.raises(ValueError, match="only used by a training pass"):
         attention_backward_launches(args.q, args.k, args.v, args.out, args.lse, args.d_out, args.d_q, args.d_k,
-                                    args.d_v, args.step, args.lengths, scale=1.0, scores=Buffer((32768,)), workspace=ws,
-                                    **shape)
+                                    args.d_v, args.starts, args.lengths, scale=1.0, scores=Buffer((32768,)),
+                                    workspace=ws, **shape)
     monkeypatch.setattr(policy, "SCORES_SCRATCH_BYTES", 4 * 32768 - 4)  # S would not be kept whole
     with pytest.raises(ValueError, match="only used by a training pass"):
         attention_launches(*common, scale=1.0, from_start=True, scores=Buffer((32768,)), workspace=ws, **shape)

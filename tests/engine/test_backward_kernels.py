@@ -141,7 +141,7 @@ def test_rope_backward_is_the_transpose_of_rope():
     from transformers.models.bitnet.modeling_bitnet import BitNetRotaryEmbedding
 
     g = torch.Generator().manual_seed(3)
-    batch, T, heads, kv_heads, d, S, pos = 2, 4, 4, 2, 8, 10, 2
+    batch, T, heads, kv_heads, d, S, starts = 2, 4, 4, 2, 8, 10, [2, 5]  # each sequence at its own start
     cos, sin = BitNetRotaryEmbedding(BitNetConfig(hidden_size=heads * d, num_attention_heads=heads,
                                                   max_position_embeddings=S))(torch.zeros(1), torch.arange(S)[None])
     cos, sin = cos[0], sin[0]
@@ -151,11 +151,11 @@ def test_rope_backward_is_the_transpose_of_rope():
     out = poisoned((batch * T, (heads + 2 * kv_heads) * d))
     launch = rope_backward_launch(upload(dq.numpy()), upload(dk.numpy()), upload(dv.numpy()),
                                   upload(cos[:, : d // 2].contiguous().numpy()),
-                                  upload(sin[:, : d // 2].contiguous().numpy()), upload(np.array([pos, 0, 0, 0], np.uint32)),
+                                  upload(sin[:, : d // 2].contiguous().numpy()), upload(np.array(starts, np.uint32)),
                                   out, tokens=batch * T, tokens_per_seq=T, heads=heads, kv_heads=kv_heads, head_dim=d,
                                   cache_len=S)
     (got,) = run([launch], out)
-    ref = rope_backward_reference(dq, dk, dv, cos, sin, pos, T, heads, kv_heads)
+    ref = rope_backward_reference(dq, dk, dv, cos, sin, starts, T, heads, kv_heads)
     # a rotation's transpose: sums of two float32 products against float64
     assert_close(got[:, : (heads + kv_heads) * d], ref[:, : (heads + kv_heads) * d], 1e-6, "dq, dk")
     # the values' gradient is copied as it is: bit for bit

@@ -223,7 +223,7 @@ def test_training_mode_logits_and_loss_drop_with_seeds_from_torchs_generator():
 def test_generation_with_dropout_active_is_refused():
     model = with_dropout(tiny_model("packed", adapters=True), 0.1).train()
     with pytest.raises(ValueError, match="call model.eval"):
-        BitNetEngine(model).decode_session(4, 4)
+        BitNetEngine(model).decode_session(1, 4, 4)
 
 
 def test_adapters_that_would_drop_differently_are_refused():

@@ -1,68 +1,39 @@
 """Generation on the engine against the CPU path (``generate(model, ...)``, transformers' own
 modules with a KV cache): greedy tokens equal for 40 tokens on every flavour, except where a
-quantised model's rounding flip is shown to explain a divergence (``integrations.quantisation``)."""
+quantised model's rounding flip is shown to explain a divergence (``integrations.quantisation``);
+and a batch of prompts against each prompt alone: the same tokens, exactly, on every flavour."""
 
 from __future__ import annotations
-
-import tempfile
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from torch_wgpu_lora import BitNetEngine, generate
-from torch_wgpu_lora.demo import demo_records
-from torch_wgpu_lora.engine.generate import engine_generate
+from torch_wgpu_lora.engine.generate import engine_generate, engine_generate_batch
 from torch_wgpu_lora.engine.plan import ForwardPlan, KVCache
 from torch_wgpu_lora.engine.program import read_codes
 from torch_wgpu_lora.engine.workspace import Workspace
 from torch_wgpu_lora.integrations.bitnet import apply_lora
 from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE, FeedStats, feeding_codes
-from torch_wgpu_lora.integrations.tiny import FLAVOURS, build_tiny_tokenizer
+from torch_wgpu_lora.integrations.tiny import FLAVOURS
 from torch_wgpu_lora.logits import process_logits
 from torch_wgpu_lora.runtime import Recorder, write
 
-from .helpers import CONFIGS, LOGIT_RTOL, assert_close, forward_with_codes, tiny_model, torch_logits
+from .helpers import (CONFIGS, LOGIT_RTOL, assert_close, engine_choice_is_explained_by_a_flip, tiny_model,
+                      tiny_tokenizer, torch_greedy, torch_logits)
 
 NEW_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    texts = [r["instruction"] + " " + r["output"] for r in demo_records()]
-    return AutoTokenizer.from_pretrained(build_tiny_tokenizer(tempfile.mkdtemp(), texts))
+    return tiny_tokenizer()
 
 
 def cpu_generate(model, tokenizer, prompt, **options):
     with torch.compiler.set_stance("force_eager"):
         return generate(model, tokenizer, prompt, return_ids=True, eos_token_id=[], **options)
-
-
-def engine_choice_is_explained_by_a_flip(model, engine, ids: list[int], penalty: float) -> tuple[int, int]:
-    """At the position after ``ids``: (the engine's greedy choice, torch's greedy choice when fed the
-    engine's int8 codes), after checking that feeding codes involved at least one near-tie flip."""
-    x = torch.tensor([ids])
-    logits, codes = forward_with_codes(engine, x, [len(ids)])
-    logits = logits[0]
-    stats = FeedStats()
-    with feeding_codes(model, codes, stats), torch.no_grad(), torch.compiler.set_stance("force_eager"):
-        fed = model(input_ids=x).logits[0, -1]
-    assert stats.flips > 0, "the paths diverged without any rounding flip: a real difference"
-    seen = x[0]
-    return (int(torch.argmax(process_logits(logits[-1], seen, repetition_penalty=penalty))),
-            int(torch.argmax(process_logits(fed, seen, repetition_penalty=penalty))))
-
-
-def torch_greedy(model, ids: list[int], new_tokens: int, penalty: float) -> list[int]:
-    """Greedy tokens after ``ids`` from transformers' model over the whole sequence at every step
-    (no cache), with the repetition penalty of ``process_logits``."""
-    ids = list(ids)
-    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-        for _ in range(new_tokens):
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
-            ids.append(int(torch.argmax(process_logits(logits, torch.tensor(ids), repetition_penalty=penalty))))
-    return ids[-new_tokens:]
 
 
 def decoded_logits_and_codes(engine, ids: list[int], fuse: bool) -> tuple[torch.Tensor, dict]:
@@ -187,9 +158,9 @@ def test_a_reused_session_generates_what_the_torch_model_does():
     engine = BitNetEngine(model)
     first, second = [5, 9, 2, 7, 11, 3], [8, 1, 6, 4, 10, 12]
     engine_generate(engine, first, 12, set(), repetition_penalty=5.0)
-    session = engine.decode_session(6, 12, repetition_penalty=5.0)
+    session = engine.decode_session(1, 6, 12, repetition_penalty=5.0)
     reused, _ = engine_generate(engine, second, 12, set(), repetition_penalty=5.0)
-    assert engine.decode_session(6, 12, repetition_penalty=5.0) is session  # nothing new was built
+    assert engine.decode_session(1, 6, 12, repetition_penalty=5.0) is session  # nothing new was built
     assert reused == torch_greedy(model, second, 12, penalty=5.0)
 
 
@@ -198,8 +169,95 @@ def test_the_prompt_pass_keeps_its_attention_scores_whole_and_decoding_cannot():
     # transformers by the generation tests above); a decoding plan continues a cache.
     model = tiny_model("packed", adapters=True, seed=5)
     engine = BitNetEngine(model)
-    s = engine.decode_session(6, 4)
+    s = engine.decode_session(1, 6, 4)
     assert "attention_softmax.wgsl:rows" in [launch.kernel.name for launch in s.prefill.launches]
     assert "attention_softmax.wgsl:rows" not in [launch.kernel.name for launch in s.decode.launches]
     with pytest.raises(ValueError, match="cannot promise to start at position 0"):
         ForwardPlan(engine.weights, engine.adapters, s.cache, 1, logits="last", decode=True, from_start=True)
+
+
+def mixed_prompts(vocab: int, lengths=(5, 9, 2, 13), seed: int = 0) -> list[list[int]]:
+    """Prompts of ``lengths`` random tokens (none of the special ids 0, 1, 2)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_batch_generates_each_prompts_tokens_alone_on_every_flavour(flavour):
+    # Prompts of 5, 9, 2 and 13 tokens decode together, each at its own position, with its own
+    # repetition penalty: each row's greedy tokens are the ones it gets alone, exactly (its sums do
+    # not depend on the batch: engine.generate's docstring). Then with an EOS token that ends some
+    # rows early and not others: those rows end there, the others run on, and a finished row's
+    # length on the GPU is 0 (attention reads one key of it, the sampler skips it).
+    model = tiny_model(flavour, adapters=True, seed=3)
+    engine = BitNetEngine(model)
+    prompts = mixed_prompts(model.config.vocab_size)
+    alone = [engine_generate(engine, p, 20, set(), repetition_penalty=1.1) for p in prompts]
+    assert engine_generate_batch(engine, prompts, 20, set(), repetition_penalty=1.1) == alone
+    eos = next({t} for tokens, _ in alone for t in tokens[2:12]
+               if sum(t in other for other, _ in alone) < len(alone))  # a token some rows never choose
+    alone = [engine_generate(engine, p, 20, eos, repetition_penalty=1.1) for p in prompts]
+    ended = [by_eos for _, by_eos in alone]
+    assert any(ended) and not all(ended)
+    assert engine_generate_batch(engine, prompts, 20, eos, repetition_penalty=1.1) == alone
+    lengths = np.zeros(len(prompts), np.uint32)
+    rec = Recorder()
+    rec.read(engine.decode_session(len(prompts), 13, 20, repetition_penalty=1.1).cache.lengths, lengths)
+    rec.submit()
+    for length, prompt, (tokens, by_eos) in zip(lengths, prompts, alone):
+        assert length == (0 if by_eos else len(prompt) + len(tokens))
+
+
+def test_seeded_sampling_in_a_batch_draws_each_rows_tokens_alone():
+    # Each row samples with its own seed and count: the tokens of the same prompt and seed alone;
+    # the same seeds again give the same tokens, other seeds others.
+    model = tiny_model("packed", adapters=True, seed=5)
+    engine = BitNetEngine(model)
+    prompts = mixed_prompts(model.config.vocab_size, (4, 11, 7), seed=1)
+    options = dict(strategy="top_k_top_p", top_k=20, top_p=0.9, temperature=1.3, repetition_penalty=1.2)
+    seeds = [7, 8, 9]
+    batch = engine_generate_batch(engine, prompts, 16, set(), seeds=seeds, **options)
+    assert batch == [engine_generate(engine, p, 16, set(), seed=s, **options) for p, s in zip(prompts, seeds)]
+    assert engine_generate_batch(engine, prompts, 16, set(), seeds=seeds, **options) == batch
+    assert engine_generate_batch(engine, prompts, 16, set(), seeds=[1, 2, 3], **options) != batch
+
+
+def test_the_host_ends_a_row_where_on_token_says_and_the_others_run_on():
+    # A stop string is the host's end of a row: on_token sees every token in order and ends row 1
+    # after its third; the row's tokens stop there and its GPU length drops to 0, while the other
+    # rows generate what they generate alone.
+    model = tiny_model("dense", adapters=True, seed=4)
+    engine = BitNetEngine(model)
+    prompts = mixed_prompts(model.config.vocab_size, (6, 3, 8), seed=2)
+    seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def on_token(row: int, token: int) -> bool:
+        seen[row].append(token)
+        return row == 1 and len(seen[row]) == 3
+
+    got = engine_generate_batch(engine, prompts, 12, set(), tokens_per_submit=2, on_token=on_token)
+    alone = [engine_generate(engine, p, 12, set()) for p in prompts]
+    assert got[1] == (alone[1][0][:3], False) and got[0] == alone[0] and got[2] == alone[2]
+    assert [seen[r] for r in range(3)] == [tokens for tokens, _ in got]
+    lengths = np.zeros(3, np.uint32)
+    rec = Recorder()
+    rec.read(engine.decode_session(3, 8, 12).cache.lengths, lengths)  # the session the call used
+    rec.submit()
+    assert lengths.tolist() == [6 + 12, 0, 8 + 12]  # a running row: its prompt and every token chosen
+
+
+def test_batch_limits_are_stated_and_refused_before_anything_runs():
+    model = tiny_model("dense", adapters=False)
+    engine = BitNetEngine(model)
+    config, limit = engine.engine_config, model.config.max_position_embeddings
+    most = KVCache.max_batch(config, 64, engine.device.max_binding)
+    with pytest.raises(ValueError, match=f"a layer's keys must fit one storage binding of "
+                                         f"{engine.device.max_binding} bytes: at most {most} sequences"):
+        KVCache(config, most + 1, 64, Workspace(engine.device))
+    assert KVCache.nbytes(config, 3, 64) == 2 * config.layers * 3 * config.kv_heads * 64 * config.head_dim * 4
+    with pytest.raises(ValueError, match="no prompts to generate for: the list is empty"):
+        engine_generate_batch(engine, [], 4, set())
+    with pytest.raises(ValueError, match=r"prompt 1 must be 1 or more token ids in \[0, 320\), got \[3, 320\]"):
+        engine_generate_batch(engine, [[3], [3, 320]], 4, set())
+    with pytest.raises(ValueError, match=f"need {limit + 4} positions; the model's context is {limit}"):
+        engine_generate_batch(engine, [[3, 4], [3, 4, 5, 6]], limit, set())

@@ -221,13 +221,13 @@ def test_gemv_normalises_and_quantises_its_own_input(tokens, k, rows, mode, redu
 
 @pytest.mark.parametrize("normalise", [False, True], ids=["codes", "norm"])
 def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
-    # two sequences of two tokens at positions 3, 4: q, k rotated by transformers' rule, k and v
-    # into the caches, with Q/V adapters on the fused rows (as a decoding q/k/v projection)
+    # two sequences of two tokens, at positions 3, 4 and 7, 8: q, k rotated by transformers' rule,
+    # k and v into the caches, with Q/V adapters on the fused rows (as a decoding q/k/v projection)
     from transformers import BitNetConfig
     from transformers.models.bitnet.modeling_bitnet import BitNetRotaryEmbedding, apply_rotary_pos_emb
 
     g = torch.Generator().manual_seed(8)
-    batch, T, heads, kv_heads, d, cache_len, pos, k = 2, 2, 4, 2, 16, 12, 3, 128
+    batch, T, heads, kv_heads, d, cache_len, starts, k = 2, 2, 4, 2, 16, 12, [3, 7], 128
     q_size, kv_size = heads * d, kv_heads * d
     rows = q_size + 2 * kv_size
     config = BitNetConfig(hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -239,10 +239,10 @@ def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
     Bq, Bv = torch.randn(q_size, 4, generator=g), torch.randn(kv_size, 2, generator=g)
     lb = np.concatenate([Bv.numpy().ravel(), Bq.numpy().ravel()])
     table = lora_table([(0, q_size, 1, 0, 1.5, Bv.numel(), 4), (q_size + kv_size, rows, 1, 4, 0.25, 0, 2)])
-    step = upload(np.array([pos, 0, 0, 0], np.uint32))
     k_cache, v_cache = (upload(np.zeros((batch, kv_heads, cache_len, d), np.float32)) for _ in range(2))
     target = RopeTarget(upload(cos[0, :, : d // 2].contiguous().numpy()),
-                        upload(sin[0, :, : d // 2].contiguous().numpy()), step, k_cache, v_cache, heads, kv_heads, d, T)
+                        upload(sin[0, :, : d // 2].contiguous().numpy()), upload(np.array(starts, np.uint32)),
+                        k_cache, v_cache, heads, kv_heads, d, T)
     q_rot = poisoned((batch * T, q_size))
     options = dict(tokens=batch * T, out_stride=q_size, mode="rope", rope=target, gemv=True, h=upload(h.numpy()),
                    lora_rank=6, lora=upload(table), lora_b=upload(lb), segments=2)
@@ -267,13 +267,16 @@ def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
     q = raw[:, :q_size].reshape(batch, T, heads, d).transpose(1, 2)
     k_ = raw[:, q_size:q_size + kv_size].reshape(batch, T, kv_heads, d).transpose(1, 2)
     v = raw[:, q_size + kv_size:].reshape(batch, T, kv_heads, d).transpose(1, 2)
-    positions = slice(pos, pos + T)
-    q_ref, k_ref = apply_rotary_pos_emb(q, k_, cos[:, positions].double(), sin[:, positions].double())
-    assert_close(got_q.reshape(batch, T, heads, d).transpose(1, 2), q_ref, 1e-5, "q")
-    assert_close(got_k[:, :, positions], k_ref, 1e-5, "k")
-    assert_close(got_v[:, :, positions], v, 1e-5, "v")
-    assert not got_k[:, :, :pos].any() and not got_k[:, :, pos + T:].any()  # nothing outside its positions
-    assert not got_v[:, :, :pos].any() and not got_v[:, :, pos + T:].any()
+    got_q = got_q.reshape(batch, T, heads, d).transpose(1, 2)
+    for b, pos in enumerate(starts):
+        positions = slice(pos, pos + T)
+        q_ref, k_ref = apply_rotary_pos_emb(q[b:b + 1], k_[b:b + 1], cos[:, positions].double(),
+                                            sin[:, positions].double())
+        assert_close(got_q[b:b + 1], q_ref, 1e-5, f"q of sequence {b}")
+        assert_close(got_k[b:b + 1, :, positions], k_ref, 1e-5, f"k of sequence {b}")
+        assert_close(got_v[b, :, positions], v[b], 1e-5, f"v of sequence {b}")
+        assert not got_k[b, :, :pos].any() and not got_k[b, :, pos + T:].any()  # nothing outside its positions
+        assert not got_v[b, :, :pos].any() and not got_v[b, :, pos + T:].any()
 
 
 @pytest.mark.parametrize("length", [5, 70, 200])
@@ -286,14 +289,14 @@ def test_gemv_normalises_attention_partials_merged_as_it_reads_them(length):
     g = torch.Generator().manual_seed(length)
     q = torch.randn(batch, heads * d, generator=g)
     caches = [torch.randn(batch, kv_heads, max_len, d, generator=g) for _ in range(2)]
-    step = upload(np.array([length - 1, 0, 0, 0], np.uint32))
-    lengths = upload(np.array([length, max(1, length - 3)], np.uint32))
+    keys = [length, max(1, length - 3)]  # each sequence's query at its own end
+    starts, lengths = upload(np.array(keys, np.uint32) - 1), upload(np.array(keys, np.uint32))
     workspace = kernel_workspace()
     partials = decode_partials(batch, 1, heads, kv_heads, d, max_len, workspace, splits=4)
     for buf in (partials.o, partials.ml):
         nan_fill(buf)
     attend = attention_launches(upload(q.numpy()), *(upload(c.numpy()) for c in caches), poisoned((batch, heads * d)),
-                                step, lengths, batch=batch, tokens=1, heads=heads, kv_heads=kv_heads, head_dim=d,
+                                starts, lengths, batch=batch, tokens=1, heads=heads, kv_heads=kv_heads, head_dim=d,
                                 max_len=max_len, scale=d ** -0.5, decode=True, partials=partials, workspace=workspace)
     assert len(attend) == 1  # the partials' reader merges them: no combine launch
     norm = _norm_module(heads * d, g)
@@ -305,8 +308,8 @@ def test_gemv_normalises_attention_partials_merged_as_it_reads_them(length):
                                gemv=True, norm=(poisoned((batch, heads * d)), upload(norm.weight.detach().numpy()),
                                                 1e-5), attention=partials)
     got, got_codes, got_meta = run(attend + [project], out, codes, meta)
-    attended, _ = attention_reference(q.double(), caches[0].double(), caches[1].double(), length - 1,
-                                      [length, max(1, length - 3)], heads, kv_heads, d ** -0.5)
+    attended, _ = attention_reference(q.double(), caches[0].double(), caches[1].double(),
+                                      [n - 1 for n in keys], keys, heads, kv_heads, d ** -0.5)
     with torch.no_grad():
         y = norm(attended.float())  # transformers' module on the merged output (float32)
     ours = torch.from_numpy(got_codes.numpy().view(np.int8).reshape(batch, -1).astype(np.int64))
@@ -334,6 +337,12 @@ def test_gemv_fusions_refuse_what_they_cannot_do():
         bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, gemv=False, tile_tokens=16)
     with pytest.raises(ValueError, match="mode 'rope' and a RopeTarget go together"):
         bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, mode="rope")
+    from torch_wgpu_lora.engine.kernels.attention import decode_partials
+
+    target = RopeTarget(*(poisoned((4,)) for _ in range(5)), heads=4, kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="attention partials feed o_proj and mode 'rope' is the q/k/v projection's"):
+        bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, mode="rope", rope=target, norm=(x, w, 1e-5),
+                         attention=decode_partials(2, 1, 4, 2, 16, 8, kernel_workspace()))
     big = _projection(torch.zeros(4, 4160, dtype=torch.int8), torch.ones(4), True)
     with pytest.raises(ValueError, match="up to 4096 features, not 4160"):
         bitlinear_launch(poisoned((1, 4160 // 4), "u32"), xm, big, out, tokens=1, out_stride=8,
@@ -476,26 +485,87 @@ def test_rope_matches_transformers_and_fills_the_caches():
     from transformers.models.bitnet.modeling_bitnet import BitNetRotaryEmbedding, apply_rotary_pos_emb
 
     g = torch.Generator().manual_seed(7)
-    batch, T, heads, kv_heads, d, cache_len, pos = 2, 5, 4, 2, 16, 12, 3
+    batch, T, heads, kv_heads, d, cache_len, starts = 2, 5, 4, 2, 16, 12, [3, 6]  # each sequence at its own start
     config = BitNetConfig(hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv_heads,
                           max_position_embeddings=cache_len)
     cos, sin = BitNetRotaryEmbedding(config)(torch.zeros(1), torch.arange(cache_len)[None])
     q_size, kv_size = heads * d, kv_heads * d
     qkv = torch.randn(batch * T, q_size + 2 * kv_size + 3, generator=g)  # +3: a row stride past the features
-    step = upload(np.array([pos, 0, 0, 0], np.uint32))
     q_rot = poisoned((batch * T, q_size))
     k_cache, v_cache = (upload(np.zeros((batch, kv_heads, cache_len, d), np.float32)) for _ in range(2))
     target = RopeTarget(upload(cos[0, :, : d // 2].contiguous().numpy()),
-                        upload(sin[0, :, : d // 2].contiguous().numpy()), step, k_cache, v_cache, heads, kv_heads, d, T)
+                        upload(sin[0, :, : d // 2].contiguous().numpy()), upload(np.array(starts, np.uint32)),
+                        k_cache, v_cache, heads, kv_heads, d, T)
     launch = rope_launch(upload(qkv.numpy()), q_rot, target, tokens=batch * T)
     got_q, got_k, got_v = run([launch], q_rot, k_cache, v_cache)
     q = qkv[:, :q_size].reshape(batch, T, heads, d).transpose(1, 2)
     k = qkv[:, q_size:q_size + kv_size].reshape(batch, T, kv_heads, d).transpose(1, 2)
     v = qkv[:, q_size + kv_size:q_size + 2 * kv_size].reshape(batch, T, kv_heads, d).transpose(1, 2)
-    positions = slice(pos, pos + T)
-    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos[:, positions], sin[:, positions])
-    assert_close(got_q.reshape(batch, T, heads, d).transpose(1, 2), q_ref, 1e-6, "q")
-    assert_close(got_k[:, :, positions], k_ref, 1e-6, "k")
-    assert torch.equal(got_v[:, :, positions], v)
-    assert not got_k[:, :, :pos].any() and not got_k[:, :, pos + T:].any()  # nothing outside its positions
-    assert_close(rope_reference(q, cos[0, positions], sin[0, positions]), q_ref, 1e-7, "reference")
+    got_q = got_q.reshape(batch, T, heads, d).transpose(1, 2)
+    for b, pos in enumerate(starts):
+        positions = slice(pos, pos + T)
+        q_ref, k_ref = apply_rotary_pos_emb(q[b:b + 1], k[b:b + 1], cos[:, positions], sin[:, positions])
+        assert_close(got_q[b:b + 1], q_ref, 1e-6, f"q of sequence {b}")
+        assert_close(got_k[b:b + 1, :, positions], k_ref, 1e-6, f"k of sequence {b}")
+        assert torch.equal(got_v[b, :, positions], v[b])
+        assert not got_k[b, :, :pos].any() and not got_k[b, :, pos + T:].any()  # nothing outside its positions
+        assert_close(rope_reference(q[b], cos[0, positions], sin[0, positions]), q_ref[0], 1e-7, "reference")
+
+
+# -- BitLinear on the matrix units (devices with int8 subgroup matrices: `pytest -m matrix_units`) -----
+
+@pytest.mark.matrix_units
+@pytest.mark.parametrize("mode", ["store", "add", "gate_up"])
+@pytest.mark.parametrize("divide", [True, False])
+@pytest.mark.parametrize("tokens,k,rows", [(1, 64, 8), (37, 100, 130), (200, 2560, 256), (512, 2560, 13824),
+                                          (300, 6912, 2560)])
+def test_bitlinear_on_matrix_units_gives_the_gemms_integers(mode, divide, tokens, k, rows):
+    # the same exact integer dots and the same epilogue: equal to the general-core GEMM bit for bit,
+    # with LoRA segments and the kept sums or pairs; tokens, rows and K past 128-blocks included
+    from torch_wgpu_lora.engine.kernels.bitlinear import has_int8_matrix_units
+    from torch_wgpu_lora.runtime import get_device
+
+    assert has_int8_matrix_units(get_device()), "run on a device with int8 subgroup matrices"
+    g = torch.Generator().manual_seed(tokens + k + rows)
+    codes, scales, xq, xm = _codes(tokens, k, g)
+    values = torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8)
+    row_scales = torch.rand(rows, generator=g) + 0.5
+    proj = _projection(values, row_scales, divide)
+    rank = 3
+    h = torch.randn(tokens, rank, generator=g)
+    B = torch.randn(rows, rank, generator=g)
+    lb = np.concatenate([np.zeros(4, np.float32), B.numpy().ravel()])
+    table = lora_table([(0, rows, 1, 0, 0.5, 4, rank)])
+    width = rows // 2 if mode == "gate_up" else rows
+    residual = torch.randn(tokens, width, generator=g)
+    got = {}
+    for mma in (True, False):
+        out = upload(residual.numpy().copy()) if mode == "add" else poisoned((tokens, width))
+        aux = poisoned((tokens, rows + 4))
+        launch = bitlinear_launch(xq, xm, proj, out, tokens=tokens, out_stride=width, mode=mode, h=upload(h.numpy()),
+                                  lora_rank=rank, lora=upload(table), lora_b=upload(lb), segments=1, aux=aux,
+                                  gemv=False, mma=mma)
+        assert launch.kernel.name == ("bitlinear_mma.wgsl:gemm" if mma else "bitlinear.wgsl:gemm")
+        got[mma] = run([launch], out, aux)
+    for ours, theirs in zip(got[True], got[False]):
+        assert torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))  # NaN: unwritten in both
+    if mode == "store":
+        ref = bitlinear_reference(codes, scales, values, row_scales, divide) + 0.5 * h.double() @ B.double().T
+        # float32 scaling and LoRA sum beside the exact dot: the tolerance of the gemm test with LoRA
+        assert_close(got[True][0], ref, 1e-5, "bitlinear on the matrix units")
+
+
+def test_the_matrix_units_are_refused_where_the_device_has_none():
+    from torch_wgpu_lora.engine.kernels.bitlinear import has_int8_matrix_units, matrix_units_win
+    from torch_wgpu_lora.runtime import get_device
+
+    device = get_device()
+    g = torch.Generator().manual_seed(0)
+    codes, scales, xq, xm = _codes(4, 64, g)
+    proj = _projection(torch.randint(-1, 2, (8, 64), generator=g, dtype=torch.int8), torch.ones(8), True)
+    if has_int8_matrix_units(device):
+        assert isinstance(matrix_units_win(device, 4, proj), bool)
+        return
+    assert not matrix_units_win(device, 4, proj)
+    with pytest.raises(ValueError, match="mma=True needs int8 subgroup matrices"):
+        bitlinear_launch(xq, xm, proj, poisoned((4, 8)), tokens=4, out_stride=8, gemv=False, mma=True)

@@ -1,7 +1,8 @@
 """Choosing the next token on the GPU (engine/kernels/sampling.py, wgsl/sampling.wgsl):
 greedy equals torch.argmax of generation.py's processed logits, sampled draws equal the
 torch reference's, the decode state advances on the GPU, draws follow the filtered
-distribution, bad arguments are named."""
+distribution, every row of a batch is chosen as it would be alone, EOS ends a row (banned
+below min_new_tokens), finished rows are left alone, bad arguments are named."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from torch_wgpu_lora.engine.kernels import STEP_POS, STEP_SEED, STEP_TOKEN_COUNT
-from torch_wgpu_lora.engine.kernels.sampling import (SEARCH_PASSES, inverse_cdf, plan_shape, sample_reference,
-                                                     sampling_launches, uniform)
+from torch_wgpu_lora.engine.kernels.sampling import (EOS, ROW_COUNT, ROW_SEED, SEARCH_PASSES, SEEN, inverse_cdf,
+                                                     plan_shape, sample_reference, sampling_launches, uniform)
 from torch_wgpu_lora.logits import process_logits
 from torch_wgpu_lora.runtime import Arena, Buffer, Recorder, get_device, upload, write
 
@@ -21,49 +21,77 @@ from .helpers import kernel_workspace
 
 
 class Plan:
-    """A vocabulary's decode-state buffers and the sampling launches over them, built once;
-    each ``choose`` writes a step's inputs and runs one token."""
+    """A batch's decode-state buffers and the sampling launches over them, built once; each
+    ``choose`` writes a step's inputs and runs one token of every row."""
 
-    def __init__(self, vocab: int, strategy: str, history: int = 4, arena: bool = False, **options) -> None:
-        self.vocab = vocab
-        if arena:  # every caller buffer a view of one wgpu buffer, as a model plan keeps them
-            a = Arena(chunk_bytes=1 << 22)
-            self.logits, self.seen = a.alloc((vocab,)), a.alloc((vocab,), "u32")
-            self.step, self.lengths = a.alloc((4,), "u32"), a.alloc((1,), "u32")
-            self.history, self.next_token = a.alloc((history,), "u32"), a.alloc((1,), "u32")
-        else:
-            self.logits, self.seen = Buffer((vocab,)), Buffer((vocab,), "u32")
-            self.step, self.lengths = Buffer((4,), "u32"), Buffer((1,), "u32")
-            self.history, self.next_token = Buffer((history,), "u32"), Buffer((1,), "u32")
-        self.launches = sampling_launches(self.logits, self.seen, self.step, self.lengths, self.history,
+    def __init__(self, vocab: int, strategy: str, history: int = 4, arena: bool = False, batch: int = 1,
+                 **options) -> None:
+        self.vocab, self.batch = vocab, batch
+        self.width = 4 * -(-vocab // 4)  # rows of whole vec4s
+        shapes = {"logits": ((batch, self.width), "f32"), "seen": ((batch, self.width), "u32"),
+                  "state": ((batch, 2), "u32"), "starts": ((batch,), "u32"), "lengths": ((batch,), "u32"),
+                  "history": ((batch, history), "u32"), "next_token": ((batch,), "u32")}
+        # arena: every caller buffer a view of one wgpu buffer, as a model plan may keep them
+        make = Arena(chunk_bytes=1 << 22).alloc if arena else Buffer
+        for name, (shape, dtype) in shapes.items():
+            setattr(self, name, make(shape, dtype))
+        self.launches = sampling_launches(self.logits, self.seen, self.state, self.starts, self.lengths, self.history,
                                           self.next_token, vocab=vocab, strategy=strategy,
                                           workspace=kernel_workspace(), **options)
 
-    def start(self, logits: torch.Tensor | None, seen_ids: torch.Tensor, seed: int = 0, count: int = 0,
-              pos: int = 10) -> None:
+    def start(self, logits: torch.Tensor | None, seen_ids, seed=0, count=0, pos: int = 10, eos=(),
+              lengths=None) -> None:
+        """Every row's inputs: ``logits`` [vocab] (all rows) or [batch, vocab]; ``seen_ids`` a tensor
+        (all rows) or one per row; ``seed``, ``count`` and ``lengths`` one value (all rows) or one
+        per row (``lengths`` 0: a finished row; default ``pos``); ``eos`` the EOS token ids."""
+        b = self.batch
+
+        def per_row(value):
+            return list(value) if isinstance(value, (list, tuple)) else [value] * b
+
         if logits is not None:
-            write(self.logits, np.ascontiguousarray(logits.numpy(), np.float32))
-        flags = np.zeros(self.vocab, np.uint32)
-        flags[seen_ids.numpy()] = 1
+            rows = np.zeros((b, self.width), np.float32)
+            rows[:, :self.vocab] = logits.numpy()
+            write(self.logits, rows)
+        flags = np.zeros((b, self.width), np.uint32)
+        for row, ids in enumerate(per_row(seen_ids)):
+            flags[row, ids.numpy()] |= SEEN
+        flags[:, list(eos)] |= EOS
         write(self.seen, flags)
-        step = np.zeros(4, np.uint32)
-        step[STEP_POS], step[STEP_SEED], step[STEP_TOKEN_COUNT] = pos, seed & 0xFFFFFFFF, count
-        write(self.step, step)
-        write(self.lengths, np.array([pos], np.uint32))
-        write(self.history, np.zeros(self.history.numel, np.uint32))
+        state = np.zeros((b, 2), np.uint32)
+        state[:, ROW_SEED] = [s & 0xFFFFFFFF for s in per_row(seed)]
+        state[:, ROW_COUNT] = per_row(count)
+        write(self.state, state)
+        write(self.starts, np.full(b, pos - 1, np.uint32))
+        write(self.lengths, np.asarray(per_row(pos if lengths is None else lengths), np.uint32))
+        write(self.history, np.zeros(self.history.shape, np.uint32))
 
     def record(self, rec: Recorder) -> None:
         for launch in self.launches:
             rec.launch(launch)
 
-    def choose(self, logits: torch.Tensor, seen_ids: torch.Tensor, seed: int = 0, count: int = 0) -> int:
-        self.start(logits, seen_ids, seed, count)
-        out = np.zeros(1, np.uint32)
+    def read(self, *names: str) -> dict[str, np.ndarray]:
+        """The named buffers' contents, after a submit."""
+        got = {name: np.zeros(getattr(self, name).shape, np.uint32) for name in names}
+        rec = Recorder()
+        for name in names:
+            rec.read(getattr(self, name), got[name])
+        rec.submit()
+        return got
+
+    def choose_rows(self, logits: torch.Tensor, seen_ids, seed=0, count=0, **inputs) -> list[int]:
+        """Every row's next token (``start``'s arguments)."""
+        self.start(logits, seen_ids, seed, count, **inputs)
+        out = np.zeros(self.batch, np.uint32)
         rec = Recorder()
         self.record(rec)
         rec.read(self.next_token, out)
         rec.submit()
-        return int(out[0])
+        return [int(t) for t in out]
+
+    def choose(self, logits: torch.Tensor, seen_ids: torch.Tensor, seed: int = 0, count: int = 0) -> int:
+        """The one row's next token."""
+        return self.choose_rows(logits, seen_ids, seed, count)[0]
 
 
 def _seen(rng: np.random.Generator, vocab: int, n: int) -> torch.Tensor:
@@ -150,7 +178,7 @@ def _key(values: np.ndarray) -> np.ndarray:
     return np.where(bits & 0x80000000, ~bits, bits | 0x80000000).astype(np.uint32)
 
 
-@pytest.mark.parametrize("strategy", ["top_k", "top_p"])
+@pytest.mark.parametrize("strategy", ["top_k", "top_p", "top_k_top_p"])
 def test_the_search_lands_on_torchs_filter_boundary(strategy):
     # The threshold after the last search pass is the key of the smallest logit torch keeps.
     rng = np.random.default_rng(7)
@@ -167,10 +195,10 @@ def test_the_search_lands_on_torchs_filter_boundary(strategy):
             rec = Recorder()
             rec.read(scratch, state)
             rec.submit()
-            lo, hi = state[21 * groups + (SEARCH_PASSES + 1) % 2, :2]
+            lo, hi = state[0, 21 * groups + (SEARCH_PASSES + 1) % 2, :2]
             assert lo == hi, "the search did not converge"
             kept = process_logits(x, seen, strategy, 0.9, top_k, top_p, 1.2)
-            if strategy == "top_p":  # skip nuclei whose boundary a rounding difference could move
+            if strategy != "top_k":  # skip nuclei whose boundary a rounding difference could move
                 wider = process_logits(x, seen, strategy, 0.9, top_k, top_p * (1 + 1e-5), 1.2)
                 narrower = process_logits(x, seen, strategy, 0.9, top_k, top_p * (1 - 1e-5), 1.2)
                 if not (torch.equal(wider, kept) and torch.equal(narrower, kept)):
@@ -185,13 +213,13 @@ def _accepted(x, seen, strategy, temperature, top_k, top_p, penalty, seed, count
     moved by 1e-6 across a CDF boundary, or (top_p) the nucleus boundary moved by 1e-5."""
     u = uniform(seed, count)
     tokens = set()
-    for p in ([top_p, top_p * (1 - 1e-5), min(1.0, top_p * (1 + 1e-5))] if strategy == "top_p" else [top_p]):
+    for p in ([top_p, top_p * (1 - 1e-5), min(1.0, top_p * (1 + 1e-5))] if strategy != "top_k" else [top_p]):
         probs = process_logits(x, seen, strategy, temperature, top_k, p, penalty).softmax(-1)
         tokens |= {inverse_cdf(probs, min(max(v, 0.0), 1 - 2 ** -24)) for v in (u, u - 1e-6, u + 1e-6)}
     return sample_reference(x, seen, strategy, temperature, top_k, top_p, penalty, seed, count), tokens
 
 
-@pytest.mark.parametrize("strategy", ["top_k", "top_p"])
+@pytest.mark.parametrize("strategy", ["top_k", "top_p", "top_k_top_p"])
 def test_sampled_draws_equal_the_reference(strategy):
     rng = np.random.default_rng(3)
     cases = ambiguous = 0
@@ -218,7 +246,7 @@ def test_sampled_draws_equal_the_reference(strategy):
 def test_sampled_draws_at_a_full_vocabulary():
     rng = np.random.default_rng(4)
     vocab = 128256
-    for strategy in ("top_k", "top_p"):
+    for strategy in ("top_k", "top_p", "top_k_top_p"):
         plan = Plan(vocab, strategy, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.2)
         for trial in range(2):
             x = torch.from_numpy((rng.standard_normal(vocab) * 2.5).astype(np.float32))
@@ -229,7 +257,7 @@ def test_sampled_draws_at_a_full_vocabulary():
             assert got == expect or (len(tokens) > 1 and got in tokens), (strategy, got, expect, tokens)
 
 
-@pytest.mark.parametrize("strategy", ["greedy", "top_k", "top_p"])
+@pytest.mark.parametrize("strategy", ["greedy", "top_k", "top_p", "top_k_top_p"])
 def test_the_state_advances_over_several_tokens_in_one_submit(strategy):
     # The same launches recorded per token; between them only a GPU copy rewrites the logits.
     rng = np.random.default_rng(5)
@@ -245,34 +273,30 @@ def test_the_state_advances_over_several_tokens_in_one_submit(strategy):
     for i in range(steps):
         rec.copy(source, plan.logits, vocab * 4, src_offset=i * vocab * 4)
         plan.record(rec)
-    got = {name: np.zeros(buf.shape, np.uint32) for name, buf in
-           (("history", plan.history), ("next", plan.next_token), ("seen", plan.seen), ("step", plan.step),
-            ("lengths", plan.lengths))}
-    for name, buf in (("history", plan.history), ("next", plan.next_token), ("seen", plan.seen),
-                      ("step", plan.step), ("lengths", plan.lengths)):
-        rec.read(buf, got[name])
     rec.submit()
+    got = plan.read("history", "next_token", "seen", "state", "starts", "lengths")
 
     seen, tokens = prompt.clone(), []
     for i in range(steps):
         expect, accepted = _accepted(torch.from_numpy(rows[i]), seen, strategy, options["temperature"], 40,
                                      options["top_p"], options["repetition_penalty"], seed, i)
-        token = int(got["history"][i])
+        token = int(got["history"][0, i])
         assert token == expect or token in accepted, (i, token, expect)
         tokens.append(token)
         seen = torch.cat([seen, torch.tensor([token])])
     assert len(set(tokens)) > 1  # the penalty moved the choice off repeated tokens
-    assert got["history"][steps:].tolist() == [0, 0]
-    assert int(got["next"][0]) == tokens[-1]
-    flags = np.zeros(vocab, np.uint32)
-    flags[seen.numpy()] = 1
-    np.testing.assert_array_equal(got["seen"], flags)
-    assert got["step"][STEP_POS] == pos + steps and got["step"][STEP_TOKEN_COUNT] == steps
-    assert got["step"][STEP_SEED] == seed and got["lengths"][0] == pos + steps
+    assert got["history"][0, steps:].tolist() == [0, 0]
+    assert int(got["next_token"][0]) == tokens[-1]
+    flags = np.zeros(plan.width, np.uint32)
+    flags[seen.numpy()] = SEEN
+    np.testing.assert_array_equal(got["seen"][0], flags)
+    assert got["state"][0].tolist() == [seed, steps]  # the seed stays, the count advances
+    assert got["lengths"][0] == pos + steps and got["starts"][0] == pos + steps - 1  # the last pass at its end
 
 
 @pytest.mark.parametrize("strategy, options", [("top_k", dict(top_k=6, temperature=1.3)),
-                                               ("top_p", dict(top_p=0.7, temperature=0.8))])
+                                               ("top_p", dict(top_p=0.7, temperature=0.8)),
+                                               ("top_k_top_p", dict(top_k=8, top_p=0.6, temperature=1.1))])
 def test_draws_follow_the_filtered_distribution(strategy, options):
     rng = np.random.default_rng(6)
     vocab, draws = 24, 2000
@@ -283,7 +307,7 @@ def test_draws_follow_the_filtered_distribution(strategy, options):
     rec = Recorder()
     for _ in range(draws):  # penalty 1.0: the seen flags set along the way change nothing
         plan.record(rec)
-    rec.read(plan.history, history)
+    rec.read(plan.history, history.reshape(1, draws))
     rec.submit()
 
     probs = process_logits(x, torch.tensor([0]), strategy, repetition_penalty=1.0, **options).softmax(-1).numpy()
@@ -303,16 +327,72 @@ def test_draws_follow_the_filtered_distribution(strategy, options):
     assert same >= draws // 10 - 2
 
 
-def test_bad_arguments_raise_clear_errors():
+@pytest.mark.parametrize("strategy", ["greedy", "top_k", "top_p", "top_k_top_p"])
+def test_every_row_of_a_batch_is_chosen_as_it_is_alone_and_finished_rows_are_left_alone(strategy):
+    # Rows of different logits, seen tokens, seeds and counts in one launch: each row's token is
+    # the one the same launches choose for it alone (the kernels are deterministic: bitwise), and
+    # the reference's; a finished row (length 0) keeps its token, history, count and position.
+    rng = np.random.default_rng(8)
+    vocab, batch, options = 301, 5, dict(temperature=0.8, top_k=12, top_p=0.85, repetition_penalty=1.3)
+    logits = torch.from_numpy((rng.standard_normal((batch, vocab)) * 3).astype(np.float32))
+    seen = [_seen(rng, vocab, 15) for _ in range(batch)]
+    seeds, counts, lengths = [11, 12, 13, 14, 15], [0, 4, 9, 2, 7], [6, 9, 0, 12, 15]
+    plan = Plan(vocab, strategy, batch=batch, **options)
+    plan.start(logits, seen, seeds, counts, lengths=lengths)
+    write(plan.next_token, np.full(batch, 99, np.uint32))
+    rec = Recorder()
+    plan.record(rec)
+    rec.submit()
+    got = plan.read("next_token", "history", "state", "starts", "lengths")
+    alone = Plan(vocab, strategy, **options)
+    for row in range(batch):
+        if lengths[row] == 0:
+            assert got["next_token"][row] == 99 and not got["history"][row].any()
+            assert got["state"][row].tolist() == [seeds[row], counts[row]] and got["lengths"][row] == 0
+            continue
+        token = int(got["next_token"][row])
+        assert token == alone.choose(logits[row], seen[row], seeds[row], counts[row]), row
+        expect, accepted = _accepted(logits[row], seen[row], strategy, options["temperature"], options["top_k"],
+                                     options["top_p"], options["repetition_penalty"], seeds[row], counts[row])
+        assert token == expect or token in accepted, (row, token, expect)
+        assert got["history"][row, counts[row]] == token if counts[row] < 4 else not got["history"][row].any()
+        assert got["state"][row].tolist() == [seeds[row], counts[row] + 1]
+        assert (got["starts"][row], got["lengths"][row]) == (lengths[row], lengths[row] + 1)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "top_k_top_p"])
+def test_an_eos_token_ends_its_row_and_is_banned_below_min_new_tokens(strategy):
+    # The EOS tokens (7 and 40) are the most likely of every row. Rows below min_new_tokens=3
+    # choose among the others (transformers' MinNewTokensLengthLogitsProcessor: -inf after the
+    # penalty, before the temperature); a row at 3 may end: its length drops to 0 (finished) and
+    # its start stays, while a running row moves on.
+    rng = np.random.default_rng(9)
+    vocab, eos = 64, (7, 40)
+    x = torch.from_numpy(rng.standard_normal(vocab).astype(np.float32))
+    x[list(eos)] = torch.tensor([30.0, 29.0])  # sampling keeps the EOS tokens only once they are allowed
+    options = dict(temperature=0.9, top_k=5, top_p=0.9, repetition_penalty=1.0, min_new_tokens=3)
+    plan = Plan(vocab, strategy, batch=3, history=8, **options)
+    counts = [0, 2, 3]
+    tokens = plan.choose_rows(x, torch.tensor([1]), seed=5, count=counts, eos=eos)
+    got = plan.read("lengths", "starts", "seen")
+    for row, count in enumerate(counts):
+        banned = torch.tensor(eos) if count < 3 else None
+        expect = sample_reference(x, torch.tensor([1]), strategy, 0.9, 5, 0.9, 1.0, 5, count, banned_ids=banned)
+        assert tokens[row] == expect, (row, tokens[row], expect)
+        assert (tokens[row] in eos) == (count >= 3)
+    assert got["lengths"].tolist() == [11, 11, 0] and got["starts"].tolist() == [10, 10, 9]
+    assert (got["seen"][:, list(eos)] & EOS).all()  # the flags stay: later steps end there too
+
     v = 8
-    bufs = [Buffer((v,)), Buffer((v,), "u32"), Buffer((4,), "u32"), Buffer((1,), "u32"), Buffer((4,), "u32"),
-            Buffer((1,), "u32")]
+    bufs = [Buffer((v,)), Buffer((v,), "u32"), Buffer((2,), "u32"), Buffer((1,), "u32"), Buffer((1,), "u32"),
+            Buffer((4,), "u32"), Buffer((1,), "u32")]  # logits, seen, state, starts, lengths, history, next_token
 
     def make(*buffers, **options):
         return sampling_launches(*(buffers or bufs), **{"vocab": v, "strategy": "top_k",
                                                         "workspace": kernel_workspace(), **options})
 
-    with pytest.raises(ValueError, match=r"strategy must be one of \('greedy', 'top_k', 'top_p'\), got 'beam'"):
+    with pytest.raises(ValueError, match=r"strategy must be one of \('greedy', 'top_k', 'top_p', 'top_k_top_p'\), "
+                                         "got 'beam'"):
         make(strategy="beam")
     with pytest.raises(ValueError, match="top_k must be an integer >= 1, got 0"):
         make(top_k=0)
@@ -326,14 +406,21 @@ def test_bad_arguments_raise_clear_errors():
         make(repetition_penalty=-1.0)
     with pytest.raises(ValueError, match=r"repetition_penalty=1e\+39 is not a normal float32 number"):
         make(repetition_penalty=1e39)
+    with pytest.raises(ValueError, match="min_new_tokens must be an integer >= 0, got -1"):
+        make(min_new_tokens=-1)
     with pytest.raises(ValueError, match="vocab must be an integer"):
         make(vocab=0)
-    with pytest.raises(ValueError, match=r"logits must hold vocab=9 elements, got shape \(8,\)"):
+    with pytest.raises(ValueError, match=r"logits must hold at least 9 element\(s\), got shape \(8,\)"):
         make(vocab=9)
     with pytest.raises(TypeError, match="seen must be a u32 buffer, got f32"):
         make(bufs[0], Buffer((v,)), *bufs[2:])
-    with pytest.raises(ValueError, match="step must hold at least 4 element"):
-        make(*bufs[:2], Buffer((2,), "u32"), *bufs[3:])
+    with pytest.raises(ValueError, match=r"state must hold at least 2 element\(s\)"):
+        make(*bufs[:2], Buffer((1,), "u32"), *bufs[3:])
     with pytest.raises(TypeError, match="history must be a runtime Buffer, got ndarray"):
-        make(*bufs[:4], np.zeros(4, np.uint32), bufs[5])
+        make(*bufs[:5], np.zeros(4, np.uint32), bufs[6])
+    two = Buffer((2,), "u32")  # two sequences: every buffer needs a row of each
+    with pytest.raises(ValueError, match=r"logits must hold at least 16 element\(s\), got shape \(8,\)"):
+        make(*bufs[:4], two, *bufs[5:])
+    with pytest.raises(ValueError, match="history must hold a row of max_new_tokens for each of the 2 sequences"):
+        make(Buffer((2, v)), Buffer((2, v), "u32"), Buffer((4,), "u32"), two, two, Buffer((3,), "u32"), two)
     make(temperature=0.0, strategy="greedy")  # greedy ignores the temperature

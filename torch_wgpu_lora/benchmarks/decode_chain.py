@@ -32,9 +32,9 @@ from .timing import gpu_times
 
 
 def kind(launch: Launch) -> str:
-    """The launch's kernel entry point; a ternary GEMV also by its rows x features."""
+    """The launch's kernel entry point; a ternary GEMV (each fusion's entry point) also by its rows x features."""
     name = launch.kernel.name
-    if name == "bitlinear.wgsl:gemv":
+    if name.startswith("bitlinear.wgsl:gemv"):
         c = launch.kernel.constants
         name += f" {launch.grid[0] * c['ROWS']}x{64 * c['ROW_VECS']}"
     return name
@@ -59,7 +59,7 @@ def measure(small: bool, layers: int, tokens: int = 8, repeats: int = 5, cache: 
     at position ``cache - 64`` of a ``cache``-position KV cache."""
     config = small_config(layers) if small else bitnet_2b_config(layers)
     engine = BitNetEngine(with_adapters(packed_model(config), 8, seed=0))
-    s = engine.decode_session(16, cache - 16)
+    s = engine.decode_session(1, 16, cache - 16)
     s.cache.set_position(cache - 64, [cache - 63])
     write(s.next_token, np.array([5], np.uint32))
     launches = list(s.decode.launches) + list(s.decode_sampling)

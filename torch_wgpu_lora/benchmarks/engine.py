@@ -35,9 +35,9 @@ from ..integrations.bitnet import (PROJECTIONS, apply_lora, lora_modules, lora_p
                                    swapped_dropout)
 from ..ops import lora as lora_ops
 from ..optim import WgpuAdamW
-from ..runtime import Recorder, get_device, recorder, set_shader_checks, write
+from ..runtime import Recorder, get_device, recorder, synchronize, write
 from ..runtime.buffers import pool_for
-from ..runtime.kernels import DEFAULT_SHADER_CHECKS
+from ..runtime.settings import DEFAULT_SHADER_CHECKS
 from .report import write_json
 from .timing import arithmetic_rate, median_interval
 
@@ -169,13 +169,18 @@ def kernel_work(config: Any, seq: int, training: bool) -> dict[str, tuple[float,
     return work
 
 
+SAME_WORK = {"bitlinear.wgsl:gemm": ("bitlinear_mma.wgsl:gemm",)}  # kernels that share one work count
+
+
 def kernel_rates(kernels_us: dict[str, float], work: dict[str, tuple[float, str]],
                  ceilings: dict[str, float | None]) -> dict[str, dict[str, float]]:
     """For each kernel in ``work`` that ran: its operations/s (from the per-dispatch profile's
-    µs) and, where its ceiling was measured, that rate's share of it."""
+    µs) and, where its ceiling was measured, that rate's share of it. The ternary forward's work
+    is that of its two kernels together (``SAME_WORK``: the GEMM on the matrix units where the
+    device chose it for a projection)."""
     out = {}
     for name, (ops, ceiling) in work.items():
-        us = kernels_us.get(name)
+        us = sum(kernels_us.get(k, 0.0) for k in (name, *SAME_WORK.get(name, ())))
         if us:
             rate = ops / (us * 1e-6)
             out[name] = {"tera_ops_per_s": rate / 1e12}
@@ -192,9 +197,9 @@ def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: in
     out: dict[str, Any] = {}
 
     # prefill: a prompt of prefill_tokens, last position's logits, as generation runs it
-    s = engine.decode_session(prefill_tokens, 1)
+    s = engine.decode_session(1, prefill_tokens, 1)
     g = torch.Generator().manual_seed(1)
-    s.start(torch.randint(0, vocab, (prefill_tokens,), generator=g).tolist())
+    s.start([torch.randint(0, vocab, (prefill_tokens,), generator=g).tolist()], [0], ())
     start = time.perf_counter()
     while time.perf_counter() - start < WARM_UP_S:
         rec = Recorder(device)
@@ -228,8 +233,8 @@ def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: in
         tokens, _ = engine_generate(engine, prompt_ids, new_tokens, set(), tokens_per_submit=tokens_per_submit)
         walls.append(time.perf_counter() - t0)
     wall = statistics.median(walls)
-    s = engine.decode_session(prompt, new_tokens)
-    s.start(prompt_ids)
+    s = engine.decode_session(1, prompt, new_tokens)
+    s.start([prompt_ids], [0], ())
     s.cache.set_position(prompt + 1, [prompt + 2])
     write(s.next_token, np.array([tokens[0]], np.uint32))
     step_gpu, encode = [], []
@@ -508,6 +513,130 @@ def measure_drop_in(config: Any, seq: int, steps: int, log: Log) -> dict[str, An
     return out
 
 
+BATCHED = "1x512,8x512"  # (sequences)x(tokens) a step of the batched comparison
+
+
+class HFPeftAnchor:
+    """HF transformers + PEFT in bf16 on CUDA with ``attn_implementation="sdpa"`` (r=8 LoRA on
+    q_proj and v_proj, AdamW on the adapters, clipping at 1): ``train(ids)`` is one optimizer step
+    and ``prefill(ids)`` one forward to the last position's logits, each synchronised.
+    ``compile()`` compiles each decoder layer (regional compilation: the 30 identical layers
+    compile once), torch's advice for language models."""
+
+    def __init__(self, config: Any) -> None:
+        from peft import LoraConfig, get_peft_model
+        from transformers import BitNetForCausalLM
+
+        torch.cuda.empty_cache()
+        config = type(config).from_dict({**config.to_dict(), "_attn_implementation": "sdpa"})
+        with torch.device("cuda"):
+            model = BitNetForCausalLM(config).to(torch.bfloat16)
+        self.model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
+
+    def compile(self) -> None:
+        for layer in self.model.base_model.model.model.layers:
+            layer.compile()
+
+    def train(self, ids: torch.Tensor) -> None:
+        self.model.train()
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor) -> None:
+        self.model.eval()
+        self.model(input_ids=ids, logits_to_keep=1)
+        torch.cuda.synchronize()
+
+
+def _median_wall(fn: Callable[[], Any], warm: int, steps: int) -> float:
+    for _ in range(warm):
+        fn()
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - t0)
+    return statistics.median(walls)
+
+
+def batched_shapes(text: str) -> list[tuple[int, int]]:
+    """``"1x512,8x512"`` → [(1, 512), (8, 512)]."""
+    try:
+        return [tuple(int(x) for x in part.split("x")) for part in text.split(",") if part]  # type: ignore[misc]
+    except ValueError:
+        raise ValueError(f"shapes are SEQUENCESxTOKENS, comma-separated, e.g. {BATCHED}; got {text!r}") from None
+
+
+def measure_batched(engine: Any, config: Any, shapes: list[tuple[int, int]], steps: int, log: Log,
+                    hf: bool) -> dict[str, Any]:
+    """Training steps and prefill passes of ``shapes`` (sequences, tokens; every token labelled): the
+    engine's, and with ``hf`` HF + PEFT's (sdpa, bf16) eager and with its decoder layers compiled, in
+    one process. Keys ``"<batch>x<tokens>"``; tok/s counts every sequence's tokens."""
+    g = torch.Generator().manual_seed(3)
+    optimizer = WgpuAdamW(lora_parameters(engine.model), lr=1e-4)
+    out: dict[str, Any] = {"engine": {}}
+    for batch, seq in shapes:
+        key, tokens = f"{batch}x{seq}", batch * seq
+        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
+        micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
+        train = _median_wall(lambda: engine.train_step(micro, optimizer, 1.0), 2, steps)
+        plan = engine.plan(batch, seq, logits="none")
+        lengths = [seq] * batch
+
+        def prefill_pass() -> None:  # a pass without logits reads nothing back: wait for the GPU
+            plan.run(ids, lengths)
+            synchronize(engine.device)
+
+        prefill = _median_wall(prefill_pass, 2, steps)
+        out["engine"][key] = {"train_step_s": train, "train_tok_per_s": tokens / train,
+                              "prefill_s": prefill, "prefill_tok_per_s": tokens / prefill}
+        log(f"engine {key}: {out['engine'][key]}")
+        engine.release_plans()
+        gc.collect()
+    if hf and torch.cuda.is_available():
+        out.update(_measure_hf_batched(config, shapes, steps, log, g))
+    return out
+
+
+def _measure_hf_batched(config: Any, shapes: list[tuple[int, int]], steps: int, log: Log,
+                        g: torch.Generator) -> dict[str, Any]:
+    """``measure_batched``'s HF + PEFT part."""
+    out: dict[str, Any] = {}
+    torch.cuda.reset_peak_memory_stats()
+    anchor = HFPeftAnchor(config)
+    for mode in ("eager", "compiled"):
+        if mode == "compiled":
+            t0 = time.perf_counter()
+            anchor.compile()
+            out["hf_compile_started_s"] = time.perf_counter() - t0
+        out[f"hf_{mode}"] = {}
+        for batch, seq in shapes:
+            key, tokens = f"{batch}x{seq}", batch * seq
+            ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g).cuda()
+            try:
+                t0 = time.perf_counter()
+                anchor.train(ids)  # the first (compiling) step, timed apart
+                first = time.perf_counter() - t0
+                train = _median_wall(lambda: anchor.train(ids), 1, steps)
+                anchor.prefill(ids)
+                prefill = _median_wall(lambda: anchor.prefill(ids), 1, steps)
+            except Exception as e:  # a configuration torch cannot run here: recorded, the rest goes on
+                out[f"hf_{mode}"][key] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+                continue
+            out[f"hf_{mode}"][key] = {"first_step_s": first, "train_step_s": train, "train_tok_per_s": tokens / train,
+                                      "prefill_s": prefill, "prefill_tok_per_s": tokens / prefill}
+            log(f"HF + PEFT {mode} {key}: {out[f'hf_{mode}'][key]}")
+    out["hf_peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+    return out
+
+
 def measure_hf_peft(config: Any, prompt: int, new_tokens: int, prefill_tokens: int, repeats: int,
                     log: Log) -> dict[str, Any] | None:
     """HF transformers + PEFT on torch CUDA in bf16 (dense BitNet shapes), or None without CUDA."""
@@ -562,6 +691,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers + PEFT")
     parser.add_argument("--train", default="512,256", help="training sequence lengths ('' to skip)")
     parser.add_argument("--train-steps", type=int, default=3)
+    parser.add_argument("--batched", default="", metavar="SHAPES",
+                        help=f"also training and prefill at these SEQUENCESxTOKENS a step (e.g. {BATCHED}), beside "
+                        "HF + PEFT (sdpa) eager and compiled")
     parser.add_argument("--checks", default=DEFAULT_SHADER_CHECKS, help="shader-check modes to measure the engine "
                         "in, e.g. bounds,full (TORCH_WGPU_LORA_SHADER_CHECKS); results of modes other than the default "
                         "are keyed with a suffix")
@@ -599,8 +731,9 @@ def main(argv: list[str] | None = None) -> int:
                                     for name, r in out.items()))
         return out
 
+    default_settings = engine.device.settings
     for checks in args.checks.split(","):  # kernels and plans are keyed on the mode: each gets its own
-        set_shader_checks(checks)
+        engine.device.configure(shader_checks=checks)
         engine.release_plans()
         suffix = "" if checks == DEFAULT_SHADER_CHECKS else f"_{checks}"
         result["engine" + suffix] = measure_engine(engine, args.prompt, args.new_tokens, args.prefill, args.repeats,
@@ -619,12 +752,20 @@ def main(argv: list[str] | None = None) -> int:
             if theirs is not None:
                 result["hf_peft_training"] = theirs
             save()
-    set_shader_checks(None)
+    engine.device.configure(default_settings)
+    shapes = batched_shapes(args.batched)
+    if shapes:
+        result["batched"] = measure_batched(engine, config, shapes, args.train_steps, log, hf=False)
+        save()
     del model, engine
     gc.collect()
     if not args.no_hf:
         result["hf_peft"] = measure_hf_peft(config, args.prompt, args.new_tokens, args.prefill, args.repeats, log)
         save()
+        if shapes and torch.cuda.is_available():  # last: compiling takes the longest
+            result["batched"].update(_measure_hf_batched(config, shapes, args.train_steps, log,
+                                                         torch.Generator().manual_seed(4)))
+            save()
     if args.drop_in:
         result["drop_in"] = measure_drop_in(config, args.drop_in, args.drop_in_steps, log)
         save()

@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from ..engine.kernels import STEP_POS
 from ..engine.kernels.attention import (attention_backward_launches, attention_launches, backward_tile,
                                        backward_tiles, decode_splits, sum_splits, prefill_tile, prefill_tiles)
 from ..engine.kernels.bitlinear import bitlinear_launch, bitlinear_t_launch, gemm_tile_tokens, gemv_normalises
@@ -45,8 +44,8 @@ from ..engine.kernels.projection import input_grad_splits
 from ..engine.kernels.rope import RopeTarget, rope_launch
 from ..engine.weights import Projection
 from ..engine.workspace import Workspace
-from ..runtime import Buffer, Launch, Recorder, get_device, kernel, set_shader_checks, set_subgroups, upload, write
-from ..runtime.kernels import DEFAULT_SHADER_CHECKS
+from ..runtime import Buffer, Launch, Recorder, get_device, kernel, upload
+from ..runtime.settings import DEFAULT_SHADER_CHECKS
 from .report import write_json
 
 # (hidden, ffn, heads, kv heads, head dim, rank of the Q/V site, cache lengths)
@@ -98,13 +97,13 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
         x, g, xn = floats(1, k), floats(k), Buffer((1, k), device=device)
         codes, meta = (Buffer((1, k // 4), "u32", device), Buffer((2,), device=device)) if quant else (None, None)
         a, h = (floats(lora, k), Buffer((1, lora), device=device)) if lora else (None, None)
-        for reductions, enabled in (("subgroups", None), ("barriers", False)):
-            set_subgroups(enabled)
+        for reductions, enabled in (("subgroups", True), ("barriers", False)):
+            previous = device.configure(subgroups=enabled)
             try:
                 out[f"{name}_{reductions}"] = timed([rmsnorm_launch(x, g, xn, tokens=1, k=k, eps=1e-5, codes=codes,
                                                                     meta=meta, lora_a=a, h=h, rank=lora, per_row=False)])
             finally:
-                set_subgroups(None)
+                device.configure(previous)
 
     projections = (("qkv", hidden + 2 * kv_heads * head_dim, hidden, "store"), ("o", hidden, hidden, "add"),
                    ("gate_up", 2 * ffn, hidden, "gate_up"), ("down", hidden, ffn, "add"))
@@ -126,8 +125,8 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
                 norm=(x, g, 1e-5))])
         if name == "qkv":
             cache = lengths[0]
-            step = upload(np.array([cache - 1, 0, 0, 0], np.uint32))
-            target = RopeTarget(floats(cache, head_dim // 2), floats(cache, head_dim // 2), step,
+            starts = upload(np.array([cache - 1], np.uint32))
+            target = RopeTarget(floats(cache, head_dim // 2), floats(cache, head_dim // 2), starts,
                                 floats(1, kv_heads, cache, head_dim), floats(1, kv_heads, cache, head_dim), heads,
                                 kv_heads, head_dim)
             q = Buffer((1, heads * head_dim), device=device)
@@ -138,21 +137,19 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
 
     for n in lengths:
         q, kc, vc = floats(1, heads * head_dim), floats(1, kv_heads, n, head_dim), floats(1, kv_heads, n, head_dim)
-        attn_out, step = Buffer((1, heads * head_dim), device=device), Buffer((4,), "u32", device)
-        position = np.zeros(4, np.uint32)
-        position[STEP_POS] = n - 1
-        write(step, position)
+        attn_out = Buffer((1, heads * head_dim), device=device)
+        starts = upload(np.array([n - 1], np.uint32))
         valid = upload(np.array([n], np.uint32))
-        chosen = decode_splits(1, kv_heads, 1, n, device)
+        chosen = decode_splits(kv_heads, 1, n, device)
         for splits in sorted({1, 2, 4, chosen}):
-            launches = attention_launches(q, kc, vc, attn_out, step, valid, batch=1, tokens=1, heads=heads,
+            launches = attention_launches(q, kc, vc, attn_out, starts, valid, batch=1, tokens=1, heads=heads,
                                           kv_heads=kv_heads, head_dim=head_dim, max_len=n, scale=head_dim ** -0.5,
                                           decode=True, splits=splits, workspace=workspace)
             out[f"attention_{n}_splits{splits}" + ("_chosen" if splits == chosen else "")] = timed(launches)
     # the attention backward of a training step at seq 512 (the heads of a layer), per dkdv split count
     seq = 512 if shape == "bitnet-2b" else 64
     rows, cache = floats(seq, heads * head_dim), (1, kv_heads, seq, head_dim)
-    step = upload(np.zeros(4, np.uint32))
+    starts = upload(np.zeros(1, np.uint32))
     valid = upload(np.array([seq], np.uint32))
     lse = upload(rng.random((seq, heads)).astype(np.float32) + 5.0)
     keys, values = floats(*cache), floats(*cache)
@@ -160,9 +157,9 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
 
     def backward(**choice: Any) -> list[Launch]:
         return attention_backward_launches(rows, keys, values, attn_out, lse, d_out, Buffer((seq, heads * head_dim)),
-                                           Buffer(cache), Buffer(cache), step, valid, batch=1, tokens=seq, heads=heads,
-                                           kv_heads=kv_heads, head_dim=head_dim, max_len=seq, scale=head_dim ** -0.5,
-                                           workspace=workspace, **choice)
+                                           Buffer(cache), Buffer(cache), starts, valid, batch=1, tokens=seq,
+                                           heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_len=seq,
+                                           scale=head_dim ** -0.5, workspace=workspace, **choice)
 
     tile = backward_tile(head_dim, device)
     chosen = sum_splits(-(-seq // tile.fixed) * kv_heads, device)
@@ -177,7 +174,7 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
         out[f"attention_backward_{seq}_scores_kept_splits{splits}"] = timed(backward(from_start=True, splits=splits))
     tile = prefill_tile(head_dim, device)
     for t in prefill_tiles(head_dim, device):
-        launches = attention_launches(rows, keys, values, Buffer((seq, heads * head_dim)), step, valid, batch=1,
+        launches = attention_launches(rows, keys, values, Buffer((seq, heads * head_dim)), starts, valid, batch=1,
                                       tokens=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_len=seq,
                                       scale=head_dim ** -0.5, lse=Buffer((seq, heads)), tile=t, workspace=workspace)
         name = f"attention_prefill_{seq}_tile{t.row_quads}x{t.key_tile}x{t.key_lanes}"
@@ -211,11 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result: dict[str, Any] = {"adapter": get_device().name, "shape": "small" if args.small else "bitnet-2b"}
     for checks in args.checks.split(","):
-        set_shader_checks(checks)
+        previous = get_device().configure(shader_checks=checks)
         try:
             result[checks] = measure(result["shape"], args.repeats)
         finally:
-            set_shader_checks(None)
+            get_device().configure(previous)
         print(checks, json.dumps(result[checks]), flush=True)
     write_json(args.out, "launches.json", result)
     return 0

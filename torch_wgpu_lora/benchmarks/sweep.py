@@ -1,9 +1,9 @@
 """The op's GPU time under variants: launch shapes (``lora_gpu.Tuning``) and shader checks.
 
 One knob at a time around the default; each variant is undone afterwards
-(``set_tuning(None)`` and ``set_shader_checks(None)`` go back to the defaults and the
-environment's setting). Launch plans and compiled kernels are keyed on both, so a variant
-never reuses another's.
+(``set_tuning(None)`` goes back to the default launch shapes, ``Device.configure`` back to the
+device's settings as they were). Launch plans and compiled kernels are keyed on both, so a
+variant never reuses another's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import asdict
 from typing import Any, Iterator
 
 from ..ops import lora_gpu
-from ..runtime import get_device, set_shader_checks
+from ..runtime import get_device
 from .lora_op import Case, Inputs, record
 from .timing import gpu_times
 
@@ -24,7 +24,7 @@ SWEEP_VARIANTS = {
     "down_quads": [1, 2, 4],
     "outer_quads": [1, 2, 4],
     "outer_cols": [32, 64, 128],
-    "shader_checks": ["full", "bounds", "none"],  # wgpu-native's trusted modules (launch plans key on it)
+    "shader_checks": ["full", "bounds", "none"],  # the device's setting (launch plans key on it)
 }
 
 # The key cases ``--sweep`` runs SWEEP_VARIANTS on.
@@ -34,17 +34,17 @@ SWEEP_CASES = (Case(2048, 2560, 2560, 16, True, "q_proj"), Case(2048, 2560, 2560
 
 @contextmanager
 def variant(knob: str, value: Any, base: lora_gpu.Tuning) -> Iterator[None]:
-    """Run the body with one knob changed: ``shader_checks`` (a mode of ``set_shader_checks``)
-    or a field of ``lora_gpu.Tuning`` (the others as in ``base``)."""
-    if knob == "shader_checks":
-        set_shader_checks(value)
-    else:
+    """Run the body with one knob changed: ``shader_checks`` (the device's setting) or a field of
+    ``lora_gpu.Tuning`` (the others as in ``base``)."""
+    device = get_device()
+    previous = device.configure(shader_checks=value) if knob == "shader_checks" else device.settings
+    if knob != "shader_checks":
         lora_gpu.set_tuning(lora_gpu.Tuning(**{**asdict(base), knob: value}))
     try:
         yield
     finally:
         lora_gpu.set_tuning(None)
-        set_shader_checks(None)
+        device.configure(previous)
 
 
 def sweep(case: Case, variants: dict[str, list[Any]], repeats: int = 20) -> list[dict[str, Any]]:

@@ -7,8 +7,9 @@ it as an ``nn.Module``. Modules: ``config`` (what the engine reads of the model)
 ``workspace`` (where every plan's memory goes, by role), ``program`` (the one emitter of a
 layer's forward and of the LM head), ``plan`` (a forward pass, built once per shape),
 ``train_plan`` (forward, loss and backward of a training pass), ``step`` (the optimizer step:
-clip and AdamW on the GPU, the gradient exchange), ``generate`` (decoding with the KV cache and
-sampling on the GPU), ``model`` (the nn.Module, its autograd loss, the plan cache, the memory
+clip and AdamW on the GPU, the gradient exchange), ``generate`` (decoding a batch of prompts with
+the KV cache and sampling on the GPU), ``generate_api`` (transformers' ``generate`` arguments:
+``BitNetEngine.generate``), ``model`` (the nn.Module, its autograd loss, the plan cache, the memory
 report).
 """
 

@@ -1,74 +1,112 @@
-"""Generation on the engine: the KV cache, the next-token choice and the token history all stay
-on the GPU; only token ids come back.
+"""Generation on the engine, for a batch of prompts at once: the KV cache, the next-token choice
+and the token history all stay on the GPU; only token ids come back.
 
-A prefill pass runs the prompt and chooses the first token; then decode steps, each one pass
-over a single position followed by the sampling launches, which write the chosen token where
-the next step's embedding gather reads it and advance the position. ``tokens_per_submit``
-steps are recorded into one command buffer; the next batch is submitted before the last one's
-readback is waited on, so encoding overlaps the GPU's work. Tokens after an EOS are computed
-(at most a batch's worth) and trimmed.
+A prefill pass runs every prompt (right-padded to the longest) and chooses each one's first
+token; then decode steps, each one pass over one position of every sequence followed by the
+sampling launches, which write each sequence's chosen token where the next step's embedding
+gather reads it and advance that sequence's position. Every sequence keeps its own position
+(its prompt's length, then one more a token), seed, token count, seen tokens (the repetition
+penalty) and end: an EOS token ends a sequence on the GPU, after which its rows cost next to
+nothing (attention reads one key of it, the sampler skips it); the host may end one the same
+way (a stop string, ``on_token``). ``tokens_per_submit`` steps are recorded into one command
+buffer; the next batch is submitted before the last one's readback is waited on, so encoding
+overlaps the GPU's work. Generation stops once every sequence has ended; tokens computed past a
+sequence's end (at most a submit's worth) are dropped.
 
->>> # ids, eos_hit = engine_generate(engine, prompt_ids=[0, 17, 42], max_new_tokens=32, eos={1})
+A sequence's tokens are those it gets alone (greedy: exactly; sampling: for the same seed), since
+its sums do not depend on the batch around it: the prompt pass is ``batch_invariant`` (kept
+attention's sums unsplit, float projections as GEMMs), decode attention cuts each sequence's keys
+into the same spans whatever the batch (``kernels.attention.decode``), and up to
+``gemv_max_tokens`` sequences (16 on GPUs, 4 on CPU adapters) decode on the GEMV path, as one
+does. Past either bound the sums are ordered otherwise, a last-bit difference that can round a
+quantised model's int8 code differently, and with it change a token: a batch of more sequences
+decodes on the GEMM path (the LM head's and float weights' sums, and on GPUs unfused launches),
+and a batch whose prompt scores outgrow ``policy.SCORES_SCRATCH_BYTES`` runs its prompt pass
+with flash attention where one prompt keeps its scores whole.
+
+Limits: every prompt plus ``max_new_tokens`` must fit the model's context, a layer's keys one
+storage binding (``KVCache.max_batch``) and the batch's last-position logits one binding, each
+refused with a message before anything runs; and the batch's KV cache (``KVCache.nbytes``) must
+fit the device's memory.
+
+>>> # [(ids, eos_hit), ...] = engine_generate_batch(engine, [[0, 17, 42], [0, 5]], max_new_tokens=32, eos={1})
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 
 from ..limits import check_context
 from ..runtime import Pending, Recorder, write
 from .adapters import EngineAdapters
-from .kernels import STEP_POS
-from .kernels.sampling import sampling_launches
+from .config import pad
+from .kernels.sampling import EOS, ROW_SEED, SEEN, sampling_launches
 from .plan import ForwardPlan, KVCache
 from .weights import EngineWeights
 from .workspace import Workspace
 
+OnToken = Callable[[int, int], bool]  # (row, token) -> whether the row ends after it
+
 
 class DecodeSession:
-    """What one generation shape keeps on the GPU: the cache of ``prompt_length + max_new_tokens``
-    positions, the prefill and decode plans, the sampler's buffers and launches (``sampling``:
-    ``sampling_launches``' strategy, temperature, top_k, top_p, repetition_penalty). Built once
-    per shape, then reused: building one takes tens of ms. ``scratch``: the engine's workspace of
-    scratch shared between plans."""
+    """What one generation shape keeps on the GPU: the cache of ``batch`` sequences of
+    ``prompt_length + max_new_tokens`` positions, the prefill and decode plans, the sampler's
+    buffers and launches (``sampling``: ``sampling_launches``' strategy, temperature, top_k,
+    top_p, repetition_penalty, min_new_tokens). Built once per shape, then reused: building one
+    takes tens of ms. ``scratch``: the engine's workspace of scratch shared between plans."""
 
-    def __init__(self, weights: EngineWeights, adapters: EngineAdapters, prompt_length: int, max_new_tokens: int, *,
-                 scratch: Workspace | None = None, strategy: str = "greedy", temperature: float = 1.0,
-                 top_k: int = 40, top_p: float = 0.9, repetition_penalty: float = 1.0) -> None:
+    def __init__(self, weights: EngineWeights, adapters: EngineAdapters, batch: int, prompt_length: int,
+                 max_new_tokens: int, *, scratch: Workspace | None = None, strategy: str = "greedy",
+                 temperature: float = 1.0, top_k: int = 40, top_p: float = 0.9, repetition_penalty: float = 1.0,
+                 min_new_tokens: int = 0) -> None:
         config = weights.config
         check_context(config.max_positions, prompt_length, max_new_tokens)
-        length = prompt_length + max_new_tokens
+        if max_new_tokens < 1:
+            raise ValueError(f"a decode session generates at least one token, got max_new_tokens={max_new_tokens}")
         self.adapters, self.config = adapters, config
+        self.batch, self.prompt_length, self.max_new_tokens = batch, prompt_length, max_new_tokens
         self.workspace = ws = Workspace(adapters.device, shared=scratch)
-        self.cache = KVCache(config, 1, length, ws)
+        self.cache = KVCache(config, batch, prompt_length + max_new_tokens, ws)
         self.prefill = ForwardPlan(weights, adapters, self.cache, prompt_length, logits="last", from_start=True,
-                                   workspace=ws)
-        self.next_token = ws.alloc("inputs", (1,), "u32")
+                                   batch_invariant=True, workspace=ws)
+        self.next_token = ws.alloc("inputs", (batch,), "u32")
         self.decode = ForwardPlan(weights, adapters, self.cache, 1, logits="last", decode=True, ids=self.next_token,
                                   workspace=ws)
-        self.seen = ws.alloc("sampling", (config.vocab,), "u32")
-        self.history = ws.alloc("sampling", (max(max_new_tokens, 1),), "u32")
-        self.max_new_tokens = max_new_tokens
+        self.seen = ws.alloc("sampling", (batch, pad(config.vocab, 4)), "u32")
+        self.state = ws.alloc("sampling", (batch, 2), "u32")
+        self.history = ws.alloc("sampling", (batch, max_new_tokens), "u32")
         options = dict(vocab=config.vocab, strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p,
-                       repetition_penalty=repetition_penalty, workspace=ws)
+                       repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens, workspace=ws)
 
         def sampler(plan: ForwardPlan) -> list:
-            return sampling_launches(plan.logits[0][1], self.seen, self.cache.step, self.cache.lengths, self.history,
-                                     self.next_token, **options)
+            return sampling_launches(plan.logits[0][1], self.seen, self.state, self.cache.starts, self.cache.lengths,
+                                     self.history, self.next_token, **options)
 
         self.prefill_sampling, self.decode_sampling = sampler(self.prefill), sampler(self.decode)
 
-    def start(self, prompt_ids: list[int], seed: int = 0) -> None:
-        """Write a generation's inputs: the prompt, the tokens the repetition penalty sees, where the
-        prefill starts (position 0) and the sampling seed."""
-        prompt = np.asarray(prompt_ids, np.uint32)
-        write(self.prefill.ids, prompt)
-        seen = np.zeros(self.config.vocab, np.uint32)
-        seen[prompt] = 1
-        write(self.seen, seen)
-        self.cache.set_position(0, [len(prompt_ids)], seed=seed, generated=0)
+    def start(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], eos: Collection[int]) -> None:
+        """Write a generation's inputs: the prompts (right-padded) and the row of each one's last
+        token, the tokens the repetition penalty sees and the EOS tokens, each sequence's seed and
+        count, where each one stands (position 0, its prompt's length)."""
+        b, t = self.batch, self.prompt_length
+        if len(prompts) != b or len(seeds) != b or not all(1 <= len(p) <= t for p in prompts):
+            raise ValueError(f"{len(prompts)} prompts of {[len(p) for p in prompts]} tokens and {len(seeds)} seeds "
+                             f"for a session of {b} prompts of 1 to {t} tokens")
+        ids = np.zeros((b, t), np.uint32)  # padding: token 0, never attended to (each row's length)
+        flags = np.zeros(self.seen.shape, np.uint32)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = prompt
+            flags[row, np.asarray(prompt, np.int64)] = SEEN
+        flags[:, np.asarray(sorted(eos), np.int64)] |= EOS
+        write(self.prefill.ids, ids.reshape(-1))
+        write(self.prefill.last, np.asarray([row * t + len(p) - 1 for row, p in enumerate(prompts)], np.uint32))
+        write(self.seen, flags)
+        state = np.zeros((b, 2), np.uint32)
+        state[:, ROW_SEED] = [seed & 0xFFFFFFFF for seed in seeds]
+        write(self.state, state)
+        self.cache.set_position(0, [len(p) for p in prompts])
 
     def record(self, rec: Recorder, steps: int, prefill: bool) -> None:
         """Into ``rec``: the prefill and its sampler (``prefill``), then ``steps`` decode steps."""
@@ -81,13 +119,23 @@ class DecodeSession:
             for launch in self.decode_sampling:
                 rec.launch(launch)
 
-    def generate(self, prompt_ids: list[int], eos: set[int], seed: int = 0,
-                 tokens_per_submit: int = 8) -> tuple[list[int], bool]:
-        """Up to ``max_new_tokens`` after ``prompt_ids`` (whose length is the session's prompt length);
-        returns (new ids, whether EOS ended them)."""
+    def end_row(self, row: int) -> None:
+        """End sequence ``row`` from the next submit on (its length 0, as an EOS token sets it)."""
+        write(self.cache.lengths, np.zeros(1, np.uint32), offset=4 * row)
+
+    def generate(self, prompts: Sequence[Sequence[int]], eos: Collection[int], seeds: Sequence[int] | None = None,
+                 tokens_per_submit: int = 8, on_token: OnToken | None = None) -> list[tuple[list[int], bool]]:
+        """Up to ``max_new_tokens`` after each of ``prompts`` (``batch`` of them, each at most the
+        session's prompt length); returns each one's (new ids, whether an EOS token ended them).
+        ``seeds``: each sequence's sampling seed (default 0). ``on_token(row, token)`` sees every
+        token of every sequence as the tokens come back, in order, up to the sequence's last;
+        returning True ends that sequence after the token."""
         self.adapters.sync()
-        self.start(prompt_ids, seed)
+        seeds = [0] * self.batch if seeds is None else list(seeds)
+        self.start(prompts, seeds, eos)
         history = np.zeros(self.history.shape, np.uint32)
+        tokens: list[list[int]] = [[] for _ in prompts]
+        ended: list[bool | None] = [None] * self.batch  # None: running; else whether EOS ended it
 
         def submit(steps: int, prefill: bool) -> Pending:
             rec = Recorder(self.adapters.device)
@@ -95,43 +143,65 @@ class DecodeSession:
             rec.read(self.history, history)
             return rec.submit_async()
 
-        def finished(count: int) -> bool:
-            return any(int(t) in eos for t in history[:count])
+        def take(count: int) -> None:
+            """Hand on each running sequence's tokens below ``count``; end those that end."""
+            for row in range(self.batch):
+                while ended[row] is None and len(tokens[row]) < count:
+                    token = int(history[row, len(tokens[row])])
+                    tokens[row].append(token)
+                    stop = on_token(row, token) if on_token is not None else False
+                    if token in eos:
+                        ended[row] = True  # the GPU ended it
+                    elif stop:
+                        ended[row] = False
+                        self.end_row(row)
+                    elif len(tokens[row]) == self.max_new_tokens:
+                        ended[row] = False
 
-        # The prefill's sampler advanced the position by one from 0; the first decode step runs at
-        # the prompt's length (a queue write lands before the next submit).
         queue = [(submit(0, prefill=True), 1)]  # (submitted work, tokens chosen once it is done), oldest first
-        write(self.cache.step, np.array([len(prompt_ids)], np.uint32), offset=4 * STEP_POS)
         done = 1
-        while done < self.max_new_tokens:
-            steps = min(tokens_per_submit, self.max_new_tokens - done)
-            done += steps
-            queue.append((submit(steps, prefill=False), done))
-            if len(queue) > 1:  # one batch stays in flight while the next one is encoded
+        while queue:
+            more = done < self.max_new_tokens and None in ended
+            if more:
+                steps = min(tokens_per_submit, self.max_new_tokens - done)
+                done += steps
+                queue.append((submit(steps, prefill=False), done))
+            if len(queue) > 1 or not more:  # one batch stays in flight while the next one is encoded
                 oldest, count = queue.pop(0)
-                oldest.wait()
-                if finished(count):
-                    break
-        for pending, _ in queue:  # in submission order: the last wait leaves the newest history
-            pending.wait()
-        tokens = [int(t) for t in history[: self.max_new_tokens]]
-        for i, token in enumerate(tokens):
-            if token in eos:
-                return tokens[: i + 1], True
-        return tokens, False
+                oldest.wait()  # in submission order: the readback is the newest history
+                take(count)
+        return [(row, bool(end)) for row, end in zip(tokens, ended)]
 
     def roles(self) -> dict[str, int]:
         """Bytes the session's workspace holds, by role."""
         return self.workspace.roles()
 
 
-def engine_generate(engine: Any, prompt_ids: list[int], max_new_tokens: int, eos: set[int], *,
-                    seed: int = 0, tokens_per_submit: int = 8, **sampling: Any) -> tuple[list[int], bool]:
-    """Generate up to ``max_new_tokens`` after ``prompt_ids`` on a ``BitNetEngine``; returns (new
-    ids, whether EOS ended them). ``sampling``: ``DecodeSession``'s strategy, temperature, top_k,
-    top_p and repetition_penalty."""
+def engine_generate_batch(engine: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: Collection[int],
+                          *, seeds: Sequence[int] | None = None, tokens_per_submit: int = 8,
+                          on_token: OnToken | None = None, **sampling: Any) -> list[tuple[list[int], bool]]:
+    """Generate up to ``max_new_tokens`` after each of ``prompts`` (lists of token ids) on a
+    ``BitNetEngine``, all at once; returns each one's (new ids, whether EOS ended them).
+    ``seeds``: each prompt's sampling seed; ``on_token``: ``DecodeSession.generate``'s;
+    ``sampling``: ``DecodeSession``'s strategy, temperature, top_k, top_p, repetition_penalty and
+    min_new_tokens."""
+    if not prompts:
+        raise ValueError("no prompts to generate for: the list is empty")
+    vocab = engine.engine_config.vocab
+    for number, prompt in enumerate(prompts):
+        if not len(prompt) or not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt {number} must be 1 or more token ids in [0, {vocab}), got {list(prompt)[:8]}"
+                             + ("..." if len(prompt) > 8 else ""))
     if max_new_tokens == 0:
-        return [], False
+        return [([], False) for _ in prompts]
     with engine.lock:  # one GPU pass at a time (see BitNetEngine)
-        session = engine.decode_session(len(prompt_ids), max_new_tokens, **sampling)
-        return session.generate(prompt_ids, eos, seed=seed, tokens_per_submit=tokens_per_submit)
+        session = engine.decode_session(len(prompts), max(len(p) for p in prompts), max_new_tokens, **sampling)
+        return session.generate(prompts, eos, seeds=seeds, tokens_per_submit=tokens_per_submit, on_token=on_token)
+
+
+def engine_generate(engine: Any, prompt_ids: Sequence[int], max_new_tokens: int, eos: Collection[int], *,
+                    seed: int = 0, tokens_per_submit: int = 8, **sampling: Any) -> tuple[list[int], bool]:
+    """``engine_generate_batch`` of the one prompt ``prompt_ids``; returns (new ids, whether EOS
+    ended them)."""
+    return engine_generate_batch(engine, [prompt_ids], max_new_tokens, eos, seeds=[seed],
+                                 tokens_per_submit=tokens_per_submit, **sampling)[0]

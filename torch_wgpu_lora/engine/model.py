@@ -4,6 +4,7 @@
 >>> # engine = BitNetEngine(model)                 # uploads the frozen weights once
 >>> # out = engine(input_ids, attention_mask=mask, labels=labels)
 >>> # out.logits, out.loss                         # like transformers' CausalLMOutputWithPast
+>>> # engine.generate(input_ids, attention_mask=mask, max_new_tokens=32)  # like transformers' generate
 
 The engine shares the model's LoRA Parameters (it does not copy them): whatever changes them
 (a torch optimizer, ``load_adapter``, an in-place edit) is uploaded before the next call. The
@@ -39,6 +40,7 @@ from ..runtime.buffers import pool_for, staging_for
 from .adapters import EngineAdapters, check_adapters, refuse_peft_layers
 from .config import EngineConfig
 from .generate import DecodeSession
+from .generate_api import engine_transformers_generate
 from .plan import ForwardPlan, KVCache
 from .step import DEFAULT_BUCKET_BYTES, OptimizerStep, check_bucket_bytes
 from .train_plan import TrainPlan
@@ -112,17 +114,18 @@ class BitNetEngine(nn.Module):
                             lambda: TrainPlan(self.weights, self.adapters, batch, tokens, slots, dropout,
                                               scratch=self.scratch))
 
-    def decode_session(self, prompt_length: int, max_new_tokens: int, **sampling: Any) -> DecodeSession:
-        """The KV cache, plans and sampling launches of a generation of this shape and sampling
-        (``engine.generate.session``), built once, then reused: building one takes tens of ms.
-        Generation applies no LoRA dropout: adapters that would (training mode) are refused."""
+    def decode_session(self, batch: int, prompt_length: int, max_new_tokens: int, **sampling: Any) -> DecodeSession:
+        """The KV cache, plans and sampling launches of a generation of ``batch`` prompts of up to
+        ``prompt_length`` tokens, with this sampling (``engine.generate.DecodeSession``), built
+        once, then reused: building one takes tens of ms. Generation applies no LoRA dropout:
+        adapters that would (training mode) are refused."""
         with self.lock:
             self._follow_adapters()
         if self.adapters.dropout():
             raise ValueError("BitNetEngine generates without LoRA dropout, and the adapters are in training mode "
                              "with lora_dropout > 0: call model.eval() first (torch_wgpu_lora.generate does)")
-        return self._cached(("session", prompt_length, max_new_tokens, tuple(sorted(sampling.items()))),
-                            lambda: DecodeSession(self.weights, self.adapters, prompt_length, max_new_tokens,
+        return self._cached(("session", batch, prompt_length, max_new_tokens, tuple(sorted(sampling.items()))),
+                            lambda: DecodeSession(self.weights, self.adapters, batch, prompt_length, max_new_tokens,
                                                   scratch=self.scratch, **sampling))
 
     def release_plans(self) -> None:
@@ -231,7 +234,7 @@ class BitNetEngine(nn.Module):
         batch, tokens = ids.shape
         with self.lock:
             plan = self.plan(batch, tokens, dropout=seed is not None)
-            return plan.logits_of(ids, lengths, dropout=None if seed is None else (seed, self.adapters.dropout()))
+            return plan.run(ids, lengths, dropout=None if seed is None else (seed, self.adapters.dropout()))
 
     def loss_and_grads(self, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int],
                        codes: dict | None = None, dropout_seed: int | None = None,
@@ -247,6 +250,22 @@ class BitNetEngine(nn.Module):
             plan = self.train_plan(batch, tokens, dropout=p > 0)
             dropout = (_dropout_seed() if dropout_seed is None else dropout_seed, p) if p else None
             return plan.loss_and_grads(ids, labels, lengths, dropout=dropout, codes=codes)
+
+    def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 generation_config: Any = None, streamer: Any = None, tokenizer: Any = None,
+                 **kwargs: Any) -> torch.Tensor:
+        """transformers' ``generate`` for a decoder-only model, every row of the batch generated at
+        once on WebGPU: returns [batch, input + new tokens] like transformers. ``input_ids`` (or
+        ``inputs=``), ``attention_mask`` (left or right padding), ``generation_config`` and keyword
+        settings as transformers takes them; what is supported, and what is refused:
+        ``engine.generate_api``.
+
+        >>> # out = engine.generate(**tokenizer(prompts, padding=True, return_tensors="pt"), max_new_tokens=32)
+        """
+        if input_ids is None:
+            input_ids = kwargs.pop("inputs", None)
+        return engine_transformers_generate(self, input_ids, attention_mask, generation_config, streamer, tokenizer,
+                                            **kwargs)
 
     # -- the fast path: a whole optimizer step in one submit (a few with a gradient exchange) ---------
 
@@ -371,7 +390,7 @@ def _plan_name(key: tuple) -> str:
     """A cached plan's name in the memory report, from its cache key."""
     kind, *shape = key
     if kind == "session":
-        return f"generation {shape[0]}+{shape[1]} tokens"
+        return f"generation {shape[0]}×({shape[1]}+{shape[2]}) tokens"
     batch, tokens, extra, dropout = shape
     name = f"{kind} {batch}×{tokens}" + (f", {extra} micro-batches" if kind == "train" and extra > 1 else "")
     return name + (", dropout" if dropout else "")

@@ -4,16 +4,18 @@
 
 A pass processes ``tokens`` positions of each of ``batch`` sequences (a prompt, a batch's logits,
 or one decoded token) against a ``KVCache`` that holds ``length`` positions. What changes between
-calls lives in GPU buffers the plan binds: the token ids, the step buffer (the first position of
-the pass) and the valid lengths, all owned by the cache so that a prefill plan and a decode plan
-of one generation share them. Activations are reused by every layer (a forward keeps nothing for
-a backward).
+calls lives in GPU buffers the plan binds: the token ids, each sequence's first position in the
+pass (its start) and valid length, the latter two owned by the cache so that a prefill plan and a
+decode plan of one generation share them. Activations are reused by every layer (a forward keeps
+nothing for a backward).
 
 >>> # plan = ForwardPlan(weights, adapters, KVCache(config, 2, 40, ws), tokens=40, scratch=engine.scratch)
->>> # logits = plan.logits_of(ids, lengths)      # [2, 40, vocab] on the CPU
+>>> # logits = plan.run(ids, lengths)      # [2, 40, vocab] on the CPU
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -21,8 +23,8 @@ import torch
 from ..runtime import Buffer, Recorder, write
 from .adapters import EngineAdapters
 from .config import EngineConfig, pad
-from .kernels import STEP_POS, STEP_SEED, STEP_TOKEN_COUNT
 from .kernels.dropout import dropout_state
+from .kernels.embedding import gather_rows_launch
 from .program import LayerIO, PassShape, Program, SiteIO, emit_embedding, emit_final_norm, emit_head, emit_layer, \
     read_codes
 from .weights import EngineWeights
@@ -33,57 +35,84 @@ LOGITS = ("all", "last", "none")
 
 class KVCache:
     """Keys and values of every layer for ``batch`` sequences of up to ``length`` positions, with
-    the buffers that say where a pass stands: ``step`` (u32 [4]: first position, seed, tokens
-    generated, reserved), ``lengths`` (u32 [batch]: valid positions per sequence)."""
+    the buffers that say where each sequence stands: ``starts`` (u32 [batch]: the first position
+    of its next pass) and ``lengths`` (u32 [batch]: its valid positions, the next pass's included;
+    0 marks a finished generation row, of which attention then reads one key).
+
+    It holds ``nbytes(config, batch, length)`` of GPU memory, and each layer's keys (and values)
+    are one storage binding: ``batch × kv_heads × length × head_dim`` float32s must fit the
+    adapter's ``max_storage_buffer_binding_size`` (``max_batch`` says how many sequences do)."""
 
     def __init__(self, config: EngineConfig, batch: int, length: int, workspace: Workspace) -> None:
         if not 1 <= length <= config.max_positions:
             raise ValueError(f"a KV cache of {length} positions; the model takes 1 to {config.max_positions} "
                              "(max_position_embeddings)")
+        most = KVCache.max_batch(config, length, workspace.device.max_binding)
+        if not 1 <= batch <= most:
+            raise ValueError(f"a KV cache of {batch} sequences of {length} positions; a layer's keys must fit one "
+                             f"storage binding of {workspace.device.max_binding} bytes: at most {most} sequences")
         self.config, self.batch, self.length, self.device = config, batch, length, workspace.device
         shape = (batch, config.kv_heads, length, config.head_dim)
         self.keys = [workspace.alloc("KV cache", shape) for _ in range(config.layers)]
         self.values = [workspace.alloc("KV cache", shape) for _ in range(config.layers)]
-        self.step = workspace.alloc("inputs", (4,), "u32")
+        self.starts = workspace.alloc("inputs", (batch,), "u32")
         self.lengths = workspace.alloc("inputs", (batch,), "u32")
 
-    def set_position(self, pos: int, lengths: list[int], seed: int = 0, generated: int = 0) -> None:
-        """Write where the next pass starts: its first position and each sequence's valid length."""
+    @staticmethod
+    def nbytes(config: EngineConfig, batch: int, length: int) -> int:
+        """Bytes of the keys and values of ``batch`` sequences of ``length`` positions.
+
+        >>> # KVCache.nbytes(config, 16, 144)  # BitNet-2B: 2 × 30 layers × 16 × 5 × 144 × 128 × 4 = 354 MB
+        """
+        return 2 * config.layers * batch * config.kv_heads * length * config.head_dim * 4
+
+    @staticmethod
+    def max_batch(config: EngineConfig, length: int, max_binding: int) -> int:
+        """The most sequences of ``length`` positions whose layer keys fit a binding of ``max_binding`` bytes."""
+        return max_binding // (config.kv_heads * length * config.head_dim * 4)
+
+    def set_position(self, starts: int | Sequence[int], lengths: Sequence[int]) -> None:
+        """Write where the next pass stands: each sequence's first position (one int: every
+        sequence's) and valid length."""
+        starts = [starts] * self.batch if isinstance(starts, int) else list(starts)
         if len(lengths) != self.batch or not all(0 < n <= self.length for n in lengths):
             raise ValueError(f"lengths {lengths} for a cache of {self.batch} sequences × {self.length} positions")
-        step = np.zeros(4, np.uint32)
-        step[STEP_POS], step[STEP_SEED], step[STEP_TOKEN_COUNT] = pos, seed & 0xFFFFFFFF, generated
-        write(self.step, step)
+        if len(starts) != self.batch or not all(0 <= s < self.length for s in starts):
+            raise ValueError(f"starts {starts} for a cache of {self.batch} sequences × {self.length} positions")
+        write(self.starts, np.asarray(starts, np.uint32))
         write(self.lengths, np.asarray(lengths, np.uint32))
 
 
 class ForwardPlan:
     """Every buffer and launch of one forward pass shape.
 
-    ``logits``: ``"all"`` positions ([batch·tokens, vocab]), ``"last"`` (the last position of
-    the single sequence, [1, vocab]: generation), or ``"none"``. ``decode``: few query tokens
-    against a long cache (flash decoding) and, with ``fuse``, decoding's fusions (default: on GPUs;
-    ``program``'s docstring). ``ids`` is a u32 [batch·tokens] buffer the caller writes, or another
+    ``logits``: ``"all"`` positions ([batch·tokens, vocab]), ``"last"`` (each sequence's last
+    position, [batch, vocab rounded up to 4]: generation; with more than one token a pass, the rows
+    ``last`` names, u32 [batch] the caller writes, by default each sequence's row ``tokens - 1``;
+    a right-padded batch names each sequence's last real token), or ``"none"``. ``decode``: few
+    query tokens against a long cache (flash decoding) and, with ``fuse``, decoding's fusions
+    (default: on GPUs; ``program``'s docstring). ``ids`` is a u32 [batch·tokens] buffer the caller writes, or another
     plan's (a sampler's next-token buffer). ``dropout``: the adapters apply LoRA dropout (a
     training-mode forward), with masks from the state ``set_dropout`` writes before each pass;
     decoding plans take none. ``from_start``: the caller promises that every pass starts at
     position 0 (a prompt, a batch's logits), so attention may keep its scores whole; such a plan
-    run at another position gives NaN. ``workspace``: the plan's own buffers (``scratch``, the
+    run at another position gives NaN. ``batch_invariant``: each sequence's sums are the same
+    whatever the batch (``PassShape``; a generation's prompt pass; float weights then project with
+    GEMMs whatever the row count). ``workspace``: the plan's own buffers (``scratch``, the
     engine's workspace of scratch shared between plans, if given).
     """
 
     def __init__(self, weights: EngineWeights, adapters: EngineAdapters, cache: KVCache, tokens: int,
                  logits: str = "all", decode: bool = False, ids: Buffer | None = None,
                  fuse: bool | None = None, dropout: bool = False, from_start: bool = False,
-                 workspace: Workspace | None = None, scratch: Workspace | None = None) -> None:
+                 batch_invariant: bool = False, workspace: Workspace | None = None,
+                 scratch: Workspace | None = None) -> None:
         if logits not in LOGITS:
             raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
         if dropout and decode:
             raise ValueError("decoding plans apply no LoRA dropout")
         if from_start and decode:
             raise ValueError("decoding plans continue a cache: they cannot promise to start at position 0")
-        if logits == "last" and cache.batch != 1:
-            raise ValueError("logits='last' plans take one sequence")
         config, device = weights.config, cache.device
         self.config, self.weights, self.adapters, self.cache = config, weights, adapters, cache
         self.tokens, self.batch, self.device = tokens, cache.batch, device
@@ -98,9 +127,12 @@ class ForwardPlan:
             qkv=ws.alloc("activations", (n, config.q_size + 2 * config.kv_size)),
             codes=ws.alloc("activations", (n, H // 4), "u32") if quant else None,
             ffn_codes=ws.alloc("activations", (n, F // 4), "u32") if quant else None,
-            meta=ws.alloc("activations", (2 * n,)) if quant else None, step=cache.step, lengths=cache.lengths,
+            meta=ws.alloc("activations", (2 * n,)) if quant else None, starts=cache.starts, lengths=cache.lengths,
             cache_length=cache.length, workspace=ws, decode=decode, fuse=not device.is_cpu if fuse is None else fuse,
-            from_start=from_start, dropout=self.dropout)
+            # float weights: a GEMV sums in another order than a GEMM, and a sequence alone may take the
+            # one its batch does not (ternary weights' integer sums are the same on both paths)
+            gemv=False if batch_invariant and not quant else None,
+            from_start=from_start, batch_invariant=batch_invariant, dropout=self.dropout)
         xn, h = ws.alloc("activations", (n, H)), ws.alloc("activations", (n, max(adapters.max_rank, 1)))
         site = SiteIO(xn, h)
         queries, attention = ws.alloc("activations", (n, config.q_size)), ws.alloc("activations", (n, config.q_size))
@@ -110,6 +142,10 @@ class ForwardPlan:
                        for i in range(config.layers)]
         self.logits_mode = logits
         self.logits = self._logits_buffers(n, logits)
+        self.last = None
+        if logits == "last" and tokens > 1:
+            self.last = ws.alloc("inputs", (cache.batch,), "u32")
+            write(self.last, np.arange(cache.batch, dtype=np.uint32) * tokens + tokens - 1)
         self.program = Program()
         emit_embedding(self.program, self.shape, self.ids)
         for index, io in enumerate(self.layers):
@@ -117,22 +153,34 @@ class ForwardPlan:
         self._emit_head(xn)
 
     def _logits_buffers(self, n: int, mode: str) -> list[tuple[int, Buffer]]:
-        """(first row, buffer) chunks of the logits, each within one storage binding."""
+        """(first row, buffer) chunks of the logits, each within one storage binding ("last": one
+        buffer, rows of whole vec4s, as the sampler reads them)."""
         if mode == "none":
             return []
-        rows = n if mode == "all" else 1
-        per = max(1, self.device.max_binding // (4 * self.config.vocab))
-        return [(r, self.workspace.alloc("logits", (min(per, rows - r), self.config.vocab)))
-                for r in range(0, rows, per)]
+        vocab = self.config.vocab
+        if mode == "last":
+            width = pad(vocab, 4)
+            if self.batch * width * 4 > self.device.max_binding:
+                raise ValueError(f"{self.batch} sequences' last logits ({self.batch} × {width} float32s) exceed one "
+                                 f"storage binding of {self.device.max_binding} bytes: at most "
+                                 f"{self.device.max_binding // (4 * width)} sequences")
+            return [(0, self.workspace.alloc("logits", (self.batch, width)))]
+        per = max(1, self.device.max_binding // (4 * vocab))
+        return [(r, self.workspace.alloc("logits", (min(per, n - r), vocab))) for r in range(0, n, per)]
 
     def _emit_head(self, xn: Buffer) -> None:
         if self.logits_mode == "none":
             return
         residual = self.shape.residual
-        if self.logits_mode == "last":  # the single sequence's last position only
-            x = xn.rows(self.rows - 1, 1)
-            emit_final_norm(self.program, self.shape, residual.rows(self.rows - 1, 1), x, 1)
-            self.program.add(*emit_head(self.shape, x, self.logits[0][1], 1))
+        if self.logits_mode == "last":  # each sequence's last position only
+            rows = residual
+            if self.last is not None:
+                rows = self.workspace.alloc("activations", (self.batch, residual.shape[-1]))
+                self.program.add(gather_rows_launch(self.last, residual, rows, tokens=self.batch,
+                                                    k=residual.shape[-1], zero_missing=False, device=self.device))
+            x = xn.rows(0, self.batch)
+            emit_final_norm(self.program, self.shape, rows, x, self.batch)
+            self.program.add(*emit_head(self.shape, x, self.logits[0][1], self.batch))
             return
         emit_final_norm(self.program, self.shape, residual, xn, self.rows)
         for first, buf in self.logits:
@@ -160,34 +208,36 @@ class ForwardPlan:
         write(self.dropout, dropout_state(seed, p))
 
     def read_logits(self, rec: Recorder, out: np.ndarray) -> None:
-        """After the pass, copy the logits into ``out`` (float32 [rows, vocab])."""
+        """After the pass, copy the logits into ``out`` (float32 [rows, vocab]; "last": a row a sequence)."""
+        vocab = self.config.vocab
         for first, buf in self.logits:
-            rec.read(buf, out[first:first + buf.shape[0]])
+            rec.read(buf, lambda view, at=first: np.copyto(out[at:at + view.shape[0]], view[:, :vocab]))
 
-    def logits_of(self, ids: torch.Tensor, lengths: list[int], dropout: tuple[int, float] | None = None,
-                  codes: dict | None = None) -> torch.Tensor:
+    def run(self, ids: torch.Tensor, lengths: list[int], dropout: tuple[int, float] | None = None,
+            codes: dict | None = None) -> torch.Tensor | None:
         """Run one pass from position 0 over ``ids`` (int64 [batch, tokens], right-padded to
-        ``lengths``) and return its logits [batch, tokens, vocab] (CPU float32): the adapters are
-        synced, the inputs written, the pass recorded and submitted, the logits read back.
-        ``dropout``: (seed, probability) of the pass's LoRA dropout. ``codes``, a dict, receives the
-        pass's int8 activation codes (``program.read_codes``' format), for comparisons."""
-        if self.logits_mode != "all":
-            raise ValueError(f"logits_of reads every position's logits; this plan keeps {self.logits_mode!r}")
+        ``lengths``): the adapters synced, the inputs written, the pass recorded and submitted; returns
+        its logits [batch, tokens, vocab] (CPU float32) where the plan keeps every position's, else
+        None. ``dropout``: (seed, probability) of the pass's LoRA dropout. ``codes``, a dict, receives
+        the pass's int8 activation codes (``program.read_codes``' format), for comparisons."""
+        if self.logits_mode == "last":
+            raise ValueError("run reads every position's logits or none; this plan keeps the last position's")
         batch, tokens = ids.shape
         self.adapters.sync()
         if dropout is not None:
             self.set_dropout(*dropout)
         write(self.ids, ids.numpy().astype(np.uint32).reshape(-1))
         self.cache.set_position(0, lengths)
-        logits = torch.empty(batch * tokens, self.config.vocab, dtype=torch.float32)
+        logits = torch.empty(batch * tokens, self.config.vocab, dtype=torch.float32) if self.logits else None
         capture = {} if codes is not None else None
         rec = Recorder(self.device)
         self.record(rec, capture)
-        self.read_logits(rec, logits.numpy())
+        if logits is not None:
+            self.read_logits(rec, logits.numpy())
         rec.submit()
         if codes is not None:
             codes.update(read_codes(capture, batch, tokens, self.config))
-        return logits.reshape(batch, tokens, -1)
+        return logits.reshape(batch, tokens, -1) if logits is not None else None
 
     def roles(self) -> dict[str, int]:
         """Bytes the plan's workspace holds, by role (its cache's when the cache is in it)."""

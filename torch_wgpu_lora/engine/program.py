@@ -123,14 +123,18 @@ class Program:
 @dataclass(frozen=True)
 class PassShape:
     """What every launch of a pass shares: the model, ``batch`` sequences of ``tokens`` positions,
-    the buffers all layers reuse, where the pass stands (``step``: its first position; ``lengths``:
-    each sequence's valid keys), the caches' ``cache_length``, and what the pass may do:
+    the buffers all layers reuse, where the pass stands (``starts``: each sequence's first position;
+    ``lengths``: each sequence's valid keys), the caches' ``cache_length``, and what the pass may do:
 
     * ``decode``: few queries against a long cache (flash decoding); ``fuse``: decoding's fusions
       (the module's docstring; on GPUs: a CPU adapter runs each workgroup's re-reading of a row
       serially, which costs it more than the launches saved);
     * ``gemv``: the projections' GEMV path (None: chosen by the token count; False: always GEMMs);
     * ``from_start``: every pass starts at position 0, so attention may keep its scores whole;
+    * ``batch_invariant``: each sequence's values are summed in the same order whatever the batch
+      around it (generation's prompt pass: a prompt's tokens are the same alone and in a batch):
+      kept attention's sums are not split (``policy.sum_splits`` splits them by the grid's size; the
+      plan also keeps float projections on one path, ``gemv`` False);
     * ``dropout``: the pass's LoRA dropout state (``kernels.dropout``), None for none.
     """
 
@@ -143,7 +147,7 @@ class PassShape:
     codes: Buffer | None  # u32 [rows, hidden64 / 4]: int8 codes of a norm's output (quantised flavours)
     ffn_codes: Buffer | None  # u32 [rows, ffn64 / 4]: those of ffn_sub_norm's
     meta: Buffer | None  # f32 [2 rows]: the codes' scales, then their sums
-    step: Buffer
+    starts: Buffer
     lengths: Buffer
     cache_length: int
     workspace: Workspace
@@ -151,6 +155,7 @@ class PassShape:
     fuse: bool = False
     gemv: bool | None = None
     from_start: bool = False
+    batch_invariant: bool = False
     dropout: Buffer | None = None
 
     @property
@@ -258,7 +263,7 @@ def emit_layer(program: Program, shape: PassShape, index: int, io: LayerIO) -> N
                              norm=(x, weight, c.rms_eps) if norm else None, rope=rope,
                              attention=attention if norm else None))
 
-    target = RopeTarget(w.rope_cos, w.rope_sin, shape.step, io.keys, io.values, c.heads, c.kv_heads, c.head_dim,
+    target = RopeTarget(w.rope_cos, w.rope_sin, shape.starts, io.keys, io.values, c.heads, c.kv_heads, c.head_dim,
                         shape.tokens)
     if io.residual_in is not None:  # copied by a kernel: a Recorder.copy would end the compute pass
         program.add(copy_launch(shape.residual, io.residual_in))
@@ -269,11 +274,12 @@ def emit_layer(program: Program, shape: PassShape, index: int, io: LayerIO) -> N
     # o_proj's GEMV that normalises its input merges attention's partials itself (no combine launch)
     partials = (decode_partials(shape.batch, shape.tokens, c.heads, c.kv_heads, c.head_dim, shape.cache_length,
                                 shape.workspace) if normalises("o", c.q_size) else None)
-    program.add(*attention_launches(io.queries, io.keys, io.values, io.attention, shape.step, shape.lengths,
+    program.add(*attention_launches(io.queries, io.keys, io.values, io.attention, shape.starts, shape.lengths,
                                     batch=shape.batch, tokens=shape.tokens, heads=c.heads, kv_heads=c.kv_heads,
                                     head_dim=c.head_dim, max_len=shape.cache_length, scale=c.head_dim ** -0.5,
                                     workspace=shape.workspace, lse=io.lse, decode=shape.decode, partials=partials,
-                                    from_start=shape.from_start, scores=io.scores))
+                                    from_start=shape.from_start, scores=io.scores,
+                                    splits=1 if shape.batch_invariant and not shape.decode else None))
     site(io.attention, layer.attn_sub_norm, "o", c.q_size, layer.o, shape.residual, "add", shape.codes,
          attention=partials, aux=io.residual_mid)  # o_proj's add keeps the residual for the backward
     site(shape.residual, layer.post_norm, "mlp", c.hidden, layer.gate_up, io.ffn, "gate_up", shape.codes,
@@ -290,14 +296,14 @@ def emit_final_norm(program: Program, shape: PassShape, x: Buffer, out: Buffer, 
 
 
 def emit_head(shape: PassShape, x: Buffer, logits: Buffer, rows: int) -> list[Launch]:
-    """The LM head over ``rows`` rows of ``x`` (the final norm's output) into ``logits`` [rows, vocab],
-    a launch per vocabulary chunk of the weights; returned for the caller to add (the training head
-    makes them indirect)."""
+    """The LM head over ``rows`` rows of ``x`` (the final norm's output) into ``logits`` [rows, at
+    least vocab], a launch per vocabulary chunk of the weights; returned for the caller to add (the
+    training head makes them indirect)."""
     w, c = shape.weights, shape.config
     launches, begin = [], 0
     for chunk, chunk_rows in zip(w.head, w.head_rows):
         launches.append(matmul_launch(x, Projection(chunk, None, chunk_rows, c.hidden), logits, tokens=rows,
-                                      out_stride=c.vocab, out_offset=begin, bf16=w.bf16, gemv=shape.gemv,
+                                      out_stride=logits.shape[-1], out_offset=begin, bf16=w.bf16, gemv=shape.gemv,
                                       device=shape.workspace.device))
         begin += chunk_rows
     return launches

@@ -110,8 +110,8 @@ class TrainPlan:
         def alloc(role: str, *shape: int, dtype: str = "f32") -> Buffer:
             return ws.alloc(role, shape, dtype)
 
-        self.step = alloc("inputs", 4, dtype="u32")
-        write(self.step, np.zeros(4, np.uint32))  # training passes start at position 0
+        self.starts = alloc("inputs", batch, dtype="u32")
+        write(self.starts, np.zeros(batch, np.uint32))  # training passes start at position 0
         self.scale = alloc("inputs", 1)
         stride = pad(n, 64)  # slot views start on 256-byte boundaries
         self.losses = alloc("loss", slots * stride)
@@ -166,7 +166,7 @@ class TrainPlan:
         self.logits = alloc("loss", self.token_chunks[0][1], c.vocab)
         for slot in self.slots:
             shape = PassShape(weights, adapters, batch, tokens, residual=self.residual, qkv=self.qkv,
-                              codes=self.codes, ffn_codes=self.ffn_codes, meta=self.meta, step=self.step,
+                              codes=self.codes, ffn_codes=self.ffn_codes, meta=self.meta, starts=self.starts,
                               lengths=slot.lengths, cache_length=tokens, workspace=ws, gemv=False,
                               from_start=True, dropout=slot.dropout)
             self._assemble(slot, shape)
@@ -254,12 +254,12 @@ class TrainPlan:
                     rmsnorm_backward_launch(self.d_xn_o, io.attention, io.o.rstd, layer.attn_sub_norm, self.d_o,
                                             tokens=self.rows, k=c.q_size, device=d),
                     *attention_backward_launches(io.queries, io.keys, io.values, io.attention, io.lse, self.d_o,
-                                                 self.d_q, self.d_k, self.d_v, self.step, slot.lengths,
+                                                 self.d_q, self.d_k, self.d_v, self.starts, slot.lengths,
                                                  batch=self.batch, tokens=self.tokens, heads=c.heads,
                                                  kv_heads=c.kv_heads, head_dim=c.head_dim, max_len=self.tokens,
                                                  scale=c.head_dim ** -0.5, workspace=self.workspace,
                                                  from_start=True, scores=io.scores),  # training passes start at 0
-                    rope_backward_launch(self.d_q, self.d_k, self.d_v, w.rope_cos, w.rope_sin, self.step, self.d_qkv,
+                    rope_backward_launch(self.d_q, self.d_k, self.d_v, w.rope_cos, w.rope_sin, self.starts, self.d_qkv,
                                          tokens=self.rows, tokens_per_seq=self.tokens, heads=c.heads,
                                          kv_heads=c.kv_heads, head_dim=c.head_dim, cache_len=self.tokens, device=d),
                     *self._adapter_grads(shape, sites["attn"], self.d_qkv, io.attn, index, "attn"))

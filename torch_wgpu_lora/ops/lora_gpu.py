@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..runtime import Buffer, Device, Kernel, Recorder, kernel, shader_checks
+from ..runtime import Buffer, Device, Kernel, Recorder, kernel
 
 __all__ = ["LoRAWeights", "Tuning", "backward", "forward", "max_rank", "max_rows", "set_tuning", "tuning"]
 
@@ -98,7 +98,7 @@ def _quads(rank: int, most: int) -> int:
 
 def _plan(device: Device, key: tuple, make):
     plans = device.owned("lora_plans", dict)
-    key = (*key, tuning(device), shader_checks())
+    key = (*key, tuning(device), device.settings.shader_checks)
     plan = plans.get(key)
     if plan is None:
         plan = plans.setdefault(key, make(tuning(device)))

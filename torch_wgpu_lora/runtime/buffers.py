@@ -61,27 +61,26 @@ def _check_size(device: Device, nbytes: int) -> None:
                          f"({device.limits['max-buffer-size']} bytes)")
 
 
-def _alive(gpu: Any) -> bool:
-    """Whether wgpu still holds the buffer. A Buffer handle and its wgpu buffer collected in one
-    reference cycle run both finalizers: ours pools the buffer, wgpu-py's releases it."""
-    return getattr(gpu, "_internal", None) is not None
-
-
-def _storage_usage() -> int:
-    import wgpu
-
+def _storage_usage(device: Device) -> int:
+    usage = device.api.BufferUsage
     # INDIRECT too: a kernel may write the grid of a later launch (sizes known only on the GPU)
-    return wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.INDIRECT
+    return usage.STORAGE | usage.COPY_SRC | usage.COPY_DST | usage.INDIRECT
 
 
 class BufferPool:
-    """Free wgpu storage buffers by size, reused before new ones are made."""
+    """Free wgpu storage buffers by size, reused before new ones are made. It keeps up to the
+    device's ``pool_bytes`` setting of them (``runtime/settings.py``: by default 1/64 of the
+    device's memory); a buffer freed past that bound is destroyed. ``Device.pooled`` counts what
+    it keeps (``device_info()["memory"]`` reports both)."""
 
-    def __init__(self, device: Device, keep_bytes: int = 1 << 30) -> None:
+    def __init__(self, device: Device) -> None:
         self.device = device
-        self.keep_bytes = keep_bytes
         self.free: dict[int, list[tuple[Any, int]]] = defaultdict(list)
         self.free_bytes = 0
+
+    def _count(self, nbytes: int) -> None:  # under the device's lock
+        self.free_bytes += nbytes
+        self.device.pooled = self.free_bytes
 
     def take(self, nbytes: int) -> tuple[Any, int]:
         size = _bucket(nbytes)
@@ -90,30 +89,48 @@ class BufferPool:
         with self.device.lock:
             bucket = self.free.get(size)
             while bucket:
-                self.free_bytes -= size
+                self._count(-size)
                 gpu, serial = bucket.pop()
-                if _alive(gpu):
+                if self.device.backend.alive(gpu):
                     return gpu, serial
                 self.device.track(-size)
         self.device.track(size)
-        return self.device.wgpu.create_buffer(size=size, usage=_storage_usage()), next(SERIALS)
+        return self.device.wgpu.create_buffer(size=size, usage=_storage_usage(self.device)), next(SERIALS)
 
     def give(self, gpu: Any, serial: int) -> None:
         with self.device.lock:
-            if self.free_bytes + gpu.size <= self.keep_bytes:
+            if self.free_bytes + gpu.size <= self.device.settings.pool_bytes:
                 self.free[gpu.size].append((gpu, serial))
-                self.free_bytes += gpu.size
+                self._count(gpu.size)
                 return
         self.device.track(-gpu.size)
         gpu.destroy()
+        self.trim()
 
+    def trim(self) -> int:
+        """Destroy pooled buffers, largest first, until the pool holds no more than its bound;
+        returns the bytes freed. A lowered bound takes effect this way when the next buffer that
+        does not fit is freed."""
+        dropped = []
+        with self.device.lock:
+            if self.free_bytes <= self.device.settings.pool_bytes:
+                return 0
+            for size in sorted(self.free, reverse=True):
+                bucket = self.free[size]
+                while bucket and self.free_bytes > self.device.settings.pool_bytes:
+                    dropped.append(bucket.pop()[0])
+                    self._count(-size)
+        for gpu in dropped:
+            self.device.track(-gpu.size)
+            gpu.destroy()
+        return sum(gpu.size for gpu in dropped)
 
     def release(self) -> int:
         """Free every pooled buffer no handle holds (as ``torch.cuda.empty_cache``); returns the bytes."""
         with self.device.lock:
             buffers = [gpu for bucket in self.free.values() for gpu, _ in bucket]
             self.free.clear()
-            self.free_bytes = 0
+            self._count(-self.free_bytes)
         for gpu in buffers:
             self.device.track(-gpu.size)
             gpu.destroy()
@@ -249,7 +266,7 @@ class Arena:
             grown = min(self.chunk_bytes, 2 * self.chunks[-1].size if self.chunks else _FIRST_CHUNK)
             size = max(grown, _padded(nbytes))
             _check_size(self.device, size)
-            self.chunks.append(self.device.wgpu.create_buffer(size=size, usage=_storage_usage()))
+            self.chunks.append(self.device.wgpu.create_buffer(size=size, usage=_storage_usage(self.device)))
             self.device.track(size)
             weakref.finalize(self, self.device.track, -size)  # the chunk goes when the arena does
             self._serial = next(SERIALS)
@@ -320,11 +337,10 @@ class StagingPool:
                 best = min(fits, key=lambda b: b.size)
                 self.free.remove(best)
                 return best
-        import wgpu
-
         size = min(1 << max(12, (nbytes - 1).bit_length()), max(nbytes, self.max_bytes))
         self.device.track(size)
-        return self.device.wgpu.create_buffer(size=size, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        usage = self.device.api.BufferUsage
+        return self.device.wgpu.create_buffer(size=size, usage=usage.MAP_READ | usage.COPY_DST)
 
     def give(self, gpu: Any) -> None:
         with self.device.lock:

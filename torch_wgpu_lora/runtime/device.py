@@ -34,19 +34,39 @@ As CUDA does, a child forked after the parent created its device gets a clear
 RuntimeError from ``get_device`` (use the ``spawn`` start method, or create the
 device only in the children); the parent's objects are never touched in the child.
 A child forked before any device existed starts its own as usual.
+
+WebGPU implementation (``TORCH_WGPU_LORA_BACKEND``): ``wgpu`` (the default: wgpu-native through
+wgpu-py), ``dawn`` (Dawn through wgpudawn, ``pip install torch_wgpu_lora[dawn]``), or ``auto``: Dawn
+where wgpudawn is installed and the adapter Dawn would use offers subgroup matrices (the GPU's
+matrix units), else wgpu-native. ``runtime/backends/`` holds what differs between the two;
+``device_info()`` says which one runs and why.
+
+Settings (shader checks, subgroups, the buffer pool's bound) belong to the device:
+``Device.configure`` changes them, environment variables give their defaults
+(``runtime/settings.py``).
+
+Under ``torch.compile`` the device is made (or found) as the compiler traces the first call that
+needs it, outside the traced graph: ``get_device`` is a constant to the compiler.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Mapping, TypeVar
+
+import torch
+
+from .backends import FEATURES, IMPLEMENTATIONS, SUBGROUP_MATRIX, Backend
+from .settings import SHADER_CHECKS_ENV, Settings, settings_from_env
 
 ADAPTER_ENV = "TORCH_WGPU_LORA_ADAPTER"
 LOCAL_RANK_ENV = "LOCAL_RANK"  # set by torchrun and accelerate launch for each process of a machine
+BACKEND_ENV = "TORCH_WGPU_LORA_BACKEND"
+BACKEND_CHOICES = ("wgpu", "dawn", "auto")
 
 INSTALL_HINT = (
     "No WebGPU adapter was found. torch_wgpu_lora needs a GPU driver with Vulkan, Metal "
@@ -56,8 +76,11 @@ INSTALL_HINT = (
 
 _TYPE_RANK = {"DiscreteGPU": 0, "IntegratedGPU": 1, "VirtualGPU": 2, "CPU": 3}
 _BACKEND_RANK = {"Vulkan": 0, "Metal": 0, "D3D12": 0, "OpenGL": 1}
-# Optional features used when the adapter has them (kernels check ``Device.features``).
-_WANTED_FEATURES = ("subgroup", "timestamp-query", "timestamp-query-inside-passes", "shader-f16")
+DAWN_NO_ADAPTER = (
+    "Dawn (wgpudawn) found no WebGPU adapter; its warnings above say why. Dawn needs more of Vulkan than "
+    "wgpu-native does: it refuses Mesa's lavapipe before Mesa 23 (Debian 12's 22.3.6; Debian bookworm-backports "
+    f"has Mesa 25). Unset {BACKEND_ENV} to use wgpu-native."
+)
 _LIMIT_NAMES = (
     "max-storage-buffer-binding-size",
     "max-buffer-size",
@@ -85,7 +108,7 @@ def _kind_name(a: Any) -> str:
     return f"{a.info.get('backend_type', '?')} {a.info.get('adapter_type', '?')}"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class AdapterChoice:
     """The adapter a process uses and why (``choose_adapter``'s answer)."""
 
@@ -160,38 +183,52 @@ def local_rank_from_env() -> int | None:
     return value
 
 
-def native() -> tuple[Any, Any, Any]:
-    """wgpu-native through cffi: (``ffi``, ``lib``, ``libf``), ``lib`` its entry points and
-    constants as they are, ``libf`` the entry points wrapped to raise WebGPU errors as
-    exceptions (wgpu-py's own). For what wgpu-py does not expose (a submission's index, a wait
-    for it, maps no poll thread waits on) and the recorder's launch fast path."""
-    from wgpu.backends.wgpu_native._api import libf
-    from wgpu.backends.wgpu_native._ffi import ffi, lib
-
-    return ffi, lib, libf
+def host_memory_bytes() -> int | None:
+    """This machine's memory: what a CPU adapter's buffers live in."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not on this platform
+        return None
 
 
 class Device:
-    """A wgpu device, the facts about it that kernels need, and the state it owns.
+    """A WebGPU device, the facts about it that kernels need, its settings and the state it owns.
 
-    Attributes: ``wgpu`` (the GPUDevice), ``queue``, ``info`` (adapter info dict),
-    ``limits`` (dict), ``features`` (set of names), ``has_subgroups``,
-    ``has_timestamps``, ``max_binding`` (bytes one storage binding may span),
-    ``max_workgroups`` (per grid dimension), ``offset_alignment`` (bytes a binding's
-    offset must be a multiple of), ``submits`` (command buffers submitted so far).
+    Attributes: ``backend`` (the WebGPU implementation: ``runtime/backends``), ``api`` (its wgpu-py
+    API module: flags and enums), ``wgpu`` (the GPUDevice), ``queue``, ``info`` (adapter info
+    dict), ``limits`` (dict), ``features`` (set of the implementation's names), ``has_subgroups``,
+    ``has_f16``, ``has_timestamps``, ``has_stamps_in_passes`` (timestamps between launches of one
+    pass), ``subgroup_matrix_configs`` (the adapter's subgroup-matrix shapes and types; empty
+    without them), ``memory_bytes`` (the device's memory where known, else None), ``max_binding``
+    (bytes one storage binding may span), ``max_workgroups`` (per grid dimension),
+    ``offset_alignment`` (bytes a binding's offset must be a multiple of), ``submits`` (command
+    buffers submitted so far), ``settings`` (``runtime/settings.py``; ``configure`` changes them).
     """
 
-    def __init__(self, adapter: Any, choice: AdapterChoice | None = None) -> None:
-        want = [f for f in _WANTED_FEATURES if f in adapter.features]
-        limits = {name: adapter.limits[name] for name in _LIMIT_NAMES if name in adapter.limits}
+    def __init__(self, adapter: Any, choice: AdapterChoice | None = None, backend: Backend | None = None,
+                 backend_reason: str = "given", settings: Settings | None = None) -> None:
+        self.backend = backend or IMPLEMENTATIONS["wgpu"]()
+        self.backend_reason = backend_reason
+        self.api = self.backend.api
         self.adapter = adapter
         self.info = dict(adapter.info)
-        self.wgpu = adapter.request_device_sync(required_features=want, required_limits=limits)
+        self.is_cpu = self.info.get("adapter_type") == "CPU"
+        self.memory_bytes = self.backend.memory_bytes(adapter) or (host_memory_bytes() if self.is_cpu else None)
+        self.settings = settings or settings_from_env(self.memory_bytes)
+        named = [self.backend.feature(f) for f in FEATURES]
+        want = [f for f in named if f is not None and f in adapter.features]
+        limits = {name: adapter.limits[name] for name in _LIMIT_NAMES if name in adapter.limits}
+        self.created_checks = self.settings.shader_checks
+        self.wgpu = self.backend.request_device(adapter, want, limits, self.created_checks)
         self.queue = self.wgpu.queue
         self.limits = dict(self.wgpu.limits)
         self.features = set(self.wgpu.features)
-        self.has_subgroups = "subgroup" in self.features
-        self.has_timestamps = "timestamp-query" in self.features
+        self.has_subgroups = self.has("subgroups")
+        self.has_f16 = self.has("shader-f16")
+        self.has_timestamps = self.has("timestamp-query")
+        self.has_stamps_in_passes = self.has("timestamp-query-inside-passes")
+        matrices = self.has("subgroup-matrix")
+        self.subgroup_matrix_configs = self.backend.subgroup_matrix_configs(adapter) if matrices else []
         self.max_binding = int(self.limits["max-storage-buffer-binding-size"])
         self.max_workgroups = int(self.limits["max-compute-workgroups-per-dimension"])
         self.offset_alignment = max(16, int(self.limits["min-storage-buffer-offset-alignment"]))
@@ -200,8 +237,33 @@ class Device:
         self.submits = 0
         self.allocated = 0  # bytes of storage and staging buffers the runtime holds (pooled ones included)
         self.peak_allocated = 0
+        self.pooled = 0  # bytes of freed storage buffers kept for reuse (the pool's holdings)
         self.forked = False  # set in a forked child: this device belongs to the parent
         self.choice = choice or AdapterChoice(adapter, 0, 1, None, "given")
+
+    def has(self, feature: str) -> bool:
+        """Whether the device has ``feature`` (WebGPU's name, one of ``runtime.backends.FEATURES``) on."""
+        name = self.backend.feature(feature)
+        return name is not None and name in self.features
+
+    def configure(self, settings: Settings | None = None, **changes: Any) -> Settings:
+        """Change settings (``runtime/settings.py``), by name or as a whole ``Settings``; returns
+        the settings as they were, so that ``configure(previous)`` restores them. Checked first:
+        a bad value raises and changes nothing.
+
+        >>> dev = get_device()
+        >>> previous = dev.configure(subgroups=False)
+        >>> dev.settings.subgroups, dev.configure(previous).subgroups
+        (False, False)
+        """
+        new = dataclasses.replace(settings or self.settings, **changes)
+        if not self.backend.CHECKS_PER_MODULE and (new.shader_checks == "none") != (self.created_checks == "none"):
+            raise ValueError(f"{self.backend.name} sets its bounds checks when the device is made (this one: "
+                             f"shader checks {self.created_checks!r}), not per kernel: choose 'none' or another "
+                             f"mode with {SHADER_CHECKS_ENV} before the first WebGPU use")
+        with self.lock:
+            previous, self.settings = self.settings, new
+        return previous
 
     def owned(self, name: str, make: Callable[[], T]) -> T:
         """The device's ``name`` state, made by ``make()`` on first use (thread-safe)."""
@@ -231,46 +293,45 @@ class Device:
         with self.lock:
             self.peak_allocated = self.allocated
 
-    def submit(self, command_buffers: list[Any]) -> int:
+    def submit(self, command_buffers: list[Any]) -> Any:
         """``queue.submit``, counted (tests check how many submits a step makes); returns the
-        submission's index, for ``wait_for``."""
-        ffi, _, libf = native()
-        handles = ffi.new("WGPUCommandBuffer[]", [cb._internal for cb in command_buffers])
-        index = int(libf.wgpuQueueSubmitForIndex(self.queue._internal, len(command_buffers), handles))
+        submission's ticket, for ``wait_for``."""
+        ticket = self.backend.submit(self.wgpu, command_buffers)
         with self.lock:
             self.submits += 1
-        return index
+        return ticket
 
-    def wait_for(self, index: int) -> None:
-        """Block until submission ``index`` has finished on the GPU (later ones may still run).
-
-        wgpu-py's ``map_async`` waits differently: its poll thread waits for *every* submitted
-        command buffer (``wgpuDevicePoll`` with wait), and a ``queue.submit`` made meanwhile does
-        not return before that poll does (on the H200, a decode batch's submit took 5.6-7.5 ms
-        while the batch before's readback was pending, 0.1 ms once the runtime mapped this way).
-        A generation that submits batch N + 1 and then waits for batch N's readback would leave
-        the GPU idle until each submit returned. So the runtime waits for the one submission,
-        then maps."""
-        ffi, _, libf = native()
-        libf.wgpuDevicePoll(self.wgpu._internal, True, ffi.new("uint64_t *", index))
+    def wait_for(self, ticket: Any) -> None:
+        """Block until the submission of ``ticket`` has finished on the GPU (later ones may still
+        run): a readback waits for its own work, not for what was submitted after it
+        (``runtime/backends/wgpu_native.py`` says why that matters)."""
+        self.backend.wait_for(self.wgpu, ticket)
 
     @property
     def name(self) -> str:
         return _adapter_name(self.info)
 
-    @property
-    def is_cpu(self) -> bool:
-        return self.info.get("adapter_type") == "CPU"
-
     def describe(self) -> dict[str, Any]:
-        """Adapter name, backend, type, limits and features, as plain data."""
+        """Adapter name, backend, type, limits and features, the WebGPU implementation and why,
+        subgroup matrices, settings and memory, as plain data."""
+        with self.lock:
+            memory = {"allocated_bytes": self.allocated, "peak_allocated_bytes": self.peak_allocated,
+                      "pooled_bytes": self.pooled, "pool_bound_bytes": self.settings.pool_bytes,
+                      "device_memory_bytes": self.memory_bytes}
         return {
             "adapter": self.name,
             "vendor": self.info.get("vendor", ""),
             "backend": self.info.get("backend_type", ""),
             "adapter_type": self.info.get("adapter_type", ""),
+            "webgpu": self.backend.name,  # the WebGPU implementation: wgpu-native or dawn
+            "webgpu_version": self.backend.version(),
+            "webgpu_choice": self.backend_reason,
+            "subgroup_matrices": self.has("subgroup-matrix"),
+            "subgroup_matrix_configs": self.subgroup_matrix_configs,
             "limits": {k: int(v) for k, v in sorted(self.limits.items())},
             "features": sorted(self.features),
+            "settings": dataclasses.asdict(self.settings),
+            "memory": memory,
             "local_rank": self.choice.local_rank,  # LOCAL_RANK of this process, None when unset
             "adapter_index": self.choice.index,  # among the adapters of its kind
             "adapters_of_kind": self.choice.of_kind,
@@ -278,7 +339,7 @@ class Device:
         }
 
     def __repr__(self) -> str:
-        return f"Device({self.name!r}, {self.info.get('backend_type', '')})"
+        return f"Device({self.name!r}, {self.info.get('backend_type', '')}, {self.backend.name})"
 
 
 @contextlib.contextmanager
@@ -322,8 +383,69 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_device_after_fork)
 
 
+def _adapters(backend: Backend) -> list[Any]:
+    with _quiet_mesa():
+        try:
+            return backend.enumerate_adapters()
+        except Exception as e:  # the native loader itself can fail without drivers
+            raise RuntimeError(f"{INSTALL_HINT} ({backend.name} said: {e})") from e
+
+
+def choose_backend(wanted: str | None, pick: Callable[[list[Any]], AdapterChoice],
+                   implementations: Mapping[str, Callable[[], Backend]] = IMPLEMENTATIONS
+                   ) -> tuple[Backend, AdapterChoice, str]:
+    """The WebGPU implementation to use, its adapter (``pick`` chooses among its adapters) and why.
+
+    ``wanted`` is ``TORCH_WGPU_LORA_BACKEND``'s value: ``wgpu`` (also when None or empty), ``dawn``
+    (an error, never another backend, when Dawn cannot be had), or ``auto`` (Dawn where wgpudawn is
+    installed and the adapter ``pick`` takes among Dawn's offers subgroup matrices, else wgpu-native).
+    ``implementations`` maps ``wgpu`` and ``dawn`` to their backends' constructors.
+    """
+    text = (wanted or "").strip().lower()
+    if text and text not in BACKEND_CHOICES:
+        raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(BACKEND_CHOICES)}, got {wanted!r}")
+    if text in ("", "wgpu"):
+        backend = implementations["wgpu"]()
+        said = f"{BACKEND_ENV}=wgpu" if text else f"{BACKEND_ENV} unset"
+        return backend, pick(_adapters(backend)), f"{said}: wgpu-native, the default"
+    try:
+        dawn = implementations["dawn"]()
+    except ImportError as e:
+        if text == "dawn":
+            raise RuntimeError(f"{BACKEND_ENV}=dawn needs wgpudawn, which is not installed ({e}): "
+                               "pip install 'torch_wgpu_lora[dawn]'") from e
+        why = "wgpudawn is not installed"
+    else:
+        adapters = _adapters(dawn)
+        if text == "dawn":
+            if not adapters:
+                raise RuntimeError(DAWN_NO_ADAPTER)
+            return dawn, pick(adapters), f"{BACKEND_ENV}=dawn"
+        try:
+            choice = pick(adapters) if adapters else None
+        except RuntimeError as e:  # e.g. TORCH_WGPU_LORA_ADAPTER names no adapter of Dawn's
+            choice, why = None, f"Dawn's adapters do not fit ({e})"
+        else:
+            why = "Dawn found no adapter"
+        if choice is not None:
+            name = _adapter_name(choice.adapter.info)
+            if SUBGROUP_MATRIX in choice.adapter.features:
+                return dawn, choice, f"{BACKEND_ENV}=auto: Dawn, whose adapter {name} offers subgroup matrices"
+            why = f"Dawn's adapter {name} offers no subgroup matrices"
+    backend = implementations["wgpu"]()
+    return backend, pick(_adapters(backend)), f"{BACKEND_ENV}=auto: wgpu-native, as {why}"
+
+
+def _pick(adapters: list[Any]) -> AdapterChoice:
+    return choose_adapter(adapters, os.environ.get(ADAPTER_ENV), local_rank_from_env())
+
+
+@torch.compiler.assume_constant_result
 def get_device() -> Device:
-    """The process-wide device, created on first call (see the module docstring for fork)."""
+    """The process-wide device, created on first call (see the module docstring for fork).
+
+    The compiler calls it as it traces and keeps the device as a constant (a device is made once per
+    process), so ``torch.compile(fullgraph=True)`` works when its first call is the first WebGPU use."""
     global _device
     device = _device
     if device is None:
@@ -331,17 +453,9 @@ def get_device() -> Device:
             raise RuntimeError(FORKED_ERROR)
         with _lock:
             if _device is None:
-                try:
-                    import wgpu
-                except ImportError as e:  # pragma: no cover - wgpu is a hard dependency
-                    raise RuntimeError(f"wgpu-py is not installed ({e}); pip install wgpu") from e
+                backend, choice, why = choose_backend(os.environ.get(BACKEND_ENV), _pick)
                 with _quiet_mesa():
-                    try:
-                        adapters = wgpu.gpu.enumerate_adapters_sync()
-                    except Exception as e:  # the native loader itself can fail without drivers
-                        raise RuntimeError(f"{INSTALL_HINT} (wgpu said: {e})") from e
-                    choice = choose_adapter(adapters, os.environ.get(ADAPTER_ENV), local_rank_from_env())
-                    _device = Device(choice.adapter, choice)
+                    _device = Device(choice.adapter, choice, backend, why)
             device = _device
     return device
 
@@ -349,10 +463,13 @@ def get_device() -> Device:
 def device_info() -> dict[str, Any]:
     """Adapter name, backend, limits and features of the device in use, and how it was chosen:
     ``local_rank`` (None outside a multi-process launch), ``adapter_index`` among the
-    ``adapters_of_kind`` adapters of its kind, ``choice`` (why, in words).
+    ``adapters_of_kind`` adapters of its kind, ``choice`` (why, in words); the WebGPU implementation
+    (``webgpu``: ``wgpu-native`` or ``dawn``; ``webgpu_choice``: why), whether the adapter offers
+    subgroup matrices and their configurations, the settings, and the memory the runtime holds
+    (``memory``: allocated, peak, what the buffer pool keeps and its bound).
 
     >>> info = device_info()
-    >>> info["backend"] in ("Vulkan", "Metal", "D3D12", "OpenGL")
-    True
+    >>> info["backend"] in ("Vulkan", "Metal", "D3D12", "OpenGL"), info["webgpu"] in ("wgpu-native", "dawn")
+    (True, True)
     """
     return get_device().describe()

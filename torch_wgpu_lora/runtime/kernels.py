@@ -4,7 +4,7 @@ Each ``.wgsl`` file in ``wgsl/`` is a kernel family; parts shared by several fam
 ``wgsl/_*.wgsl`` and are pulled in by a line ``// @include _part.wgsl``. Tuning knobs are WGSL
 ``override`` declarations (``override ROWS: u32 = 4u;``); ``kernel(file, entry, ROWS=8)``
 sets them when the pipeline is created, so the source is never rewritten. Pipelines
-are cached on the device by (file, entry, constants, shader checks).
+are cached on the device by (file, entry, constants, and the shader-checks and subgroups settings).
 
 Binding convention, shared by every kernel: ``@binding(0)`` is a uniform block
 ``struct Params`` of 32-bit scalars (u32, i32, f32), ``@binding(1..)`` are storage
@@ -13,37 +13,40 @@ points each use some of its bindings). The layout of ``Params`` is declared once
 in the WGSL file: the host reads the field names and types from it and packs values
 given by position or by name.
 
-Runtime checks (``TORCH_WGPU_LORA_SHADER_CHECKS``): ``bounds``, the default, compiles the kernels
-as wgpu-native trusted modules that keep wgpu's bounds check on every buffer access but not its
-counter in every loop; ``full`` adds the counters (what wgpu does for untrusted shaders, so that
-one that never ends cannot hang the GPU); ``none`` drops the bounds checks too. Every loop here
-is bounded by override constants or by parameters the launch functions validate, so the counters
-guard nothing, and they cost: on the H200 one decode-shaped RMSNorm launch takes 11.6 µs with
-them and 5.4 µs without, and the engine's decode, prefill and training gain 1.1-1.5×.
+Runtime checks (the device's ``shader_checks`` setting; ``TORCH_WGPU_LORA_SHADER_CHECKS`` gives its
+default): ``bounds``, the default, keeps a bounds check on every buffer access but no counter in
+every loop (wgpu-native: a trusted module); ``full`` adds the counters (what wgpu-native does for
+untrusted shaders, so that one that never ends cannot hang the GPU; Tint adds none, so on Dawn
+``full`` is ``bounds``); ``none`` drops the bounds checks too (on Dawn, for the whole device, chosen
+when it is made). Every loop here is bounded by override constants or by parameters the launch
+functions validate, so the counters guard nothing, and they cost: on the H200 one decode-shaped
+RMSNorm launch takes 11.6 µs with them and 5.4 µs without, and the engine's decode, prefill and
+training gain 1.1-1.5×.
+
+Sources are the same for every WebGPU implementation but for the ``enable`` lines, which the
+runtime writes from what a kernel uses (f16, subgroup operations, subgroup matrices) as its
+compiler needs them: Tint (Dawn) wants ``enable subgroups;``, naga (wgpu-native) refuses it. A kernel
+that uses what the device lacks is refused with an error naming both. A kernel that uses subgroup
+matrices picks its shapes from ``Device.subgroup_matrix_configs``.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import struct
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .backends import EXTENSION_FEATURES, wgsl_extensions
 from .buffers import SERIALS, Buffer
 from .device import Device, get_device
+from .settings import DEFAULT_SHADER_CHECKS
 
 _HERE = Path(__file__).resolve()
 # Installed wheels carry the shaders as package data in torch_wgpu_lora/wgsl;
 # a source checkout keeps them in the top-level wgsl/ folder.
 WGSL_DIRS = (_HERE.parents[1] / "wgsl", _HERE.parents[2] / "wgsl")
-
-SHADER_CHECKS = ("full", "bounds", "none")
-DEFAULT_SHADER_CHECKS = "bounds"
-SHADER_CHECKS_ENV = "TORCH_WGPU_LORA_SHADER_CHECKS"
-_checks_override: str | None = None
-_subgroups_override: bool | None = None
 
 
 def wgsl_path(name: str) -> Path:
@@ -76,58 +79,9 @@ def wgsl_source(name: str, subgroups: bool = False) -> str:
 
 
 def use_subgroups(device: Device) -> bool:
-    """Whether kernels compiled now use subgroup operations: where the adapter has them, unless
-    ``set_subgroups(False)``."""
-    return device.has_subgroups and _subgroups_override is not False
-
-
-def set_subgroups(enabled: bool | None) -> None:
-    """``False``: kernels compiled from now on use the barrier-only parts even where the adapter
-    has subgroups (for tests and comparisons); ``None``: back to the adapter's capability."""
-    global _subgroups_override
-    _subgroups_override = enabled
-
-
-def shader_checks() -> str:
-    """The runtime-check mode kernels compile with now: ``set_shader_checks``'s value, else
-    ``TORCH_WGPU_LORA_SHADER_CHECKS``, else ``bounds``."""
-    if _checks_override is not None:
-        return _checks_override
-    mode = os.environ.get(SHADER_CHECKS_ENV, DEFAULT_SHADER_CHECKS)
-    if mode not in SHADER_CHECKS:
-        raise ValueError(f"{SHADER_CHECKS_ENV} must be one of {', '.join(SHADER_CHECKS)}, got {mode!r}")
-    return mode
-
-
-def set_shader_checks(mode: str | None) -> None:
-    """Choose the runtime checks for kernels used from now on (see module docstring);
-    ``None`` goes back to the environment variable."""
-    global _checks_override
-    if mode is not None and mode not in SHADER_CHECKS:
-        raise ValueError(f"shader checks must be one of {SHADER_CHECKS}, got {mode!r}")
-    _checks_override = mode
-
-
-def _shader_module(device: Device, source: str, label: str, checks: str) -> Any:
-    if checks == "full":
-        return device.wgpu.create_shader_module(code=source, label=label)
-    # wgpu-py does not wrap wgpuDeviceCreateShaderModuleTrusted; build the same descriptor it builds.
-    from wgpu.backends.wgpu_native import _api
-    from wgpu.backends.wgpu_native._ffi import ffi, lib
-
-    source_struct = _api.new_struct_p("WGPUShaderSourceWGSL *", code=_api.to_c_string_view(source))
-    source_struct[0].chain.next = ffi.NULL
-    source_struct[0].chain.sType = lib.WGPUSType_ShaderSourceWGSL
-    descriptor = _api.new_struct_p(
-        "WGPUShaderModuleDescriptor *",
-        nextInChain=ffi.cast("WGPUChainedStruct *", source_struct),
-        label=_api.to_c_string_view(label),
-    )
-    flags = lib.WGPUShaderRuntimeChecks_BoundsChecks if checks == "bounds" else lib.WGPUShaderRuntimeChecks_None
-    handle = lib.wgpuDeviceCreateShaderModuleTrusted(device.wgpu._internal, descriptor, flags)
-    if handle == ffi.NULL:
-        raise RuntimeError("shader module creation failed")
-    return _api.GPUShaderModule(label, handle, device.wgpu)
+    """Whether kernels compiled now use subgroup operations: where the adapter has them, unless the
+    device's ``subgroups`` setting is off."""
+    return device.has_subgroups and device.settings.subgroups
 
 
 _COMMENT = re.compile(r"//[^\n]*")
@@ -154,6 +108,19 @@ def params_layout(source: str) -> tuple[tuple[str, ...], str]:
     return tuple(names), "<" + "".join(letters)
 
 
+def compiled_source(device: Device, file: str, subgroups: bool) -> str:
+    """What the device's compiler is given for ``file``: its source (``wgsl_source``) after the
+    ``enable`` lines the source needs there. ValueError naming the file where it uses what the
+    device lacks."""
+    source = wgsl_source(file, subgroups)
+    extensions = wgsl_extensions(source)
+    missing = sorted(e for e in extensions if not device.has(EXTENSION_FEATURES[e]))
+    if missing:
+        raise ValueError(f"{file} uses {', '.join(missing)}, which this device lacks ({device.backend.name} on "
+                         f"{device.name}; its features: {', '.join(sorted(device.features)) or 'none'})")
+    return device.backend.enable_lines(extensions) + source
+
+
 class Kernel:
     """One compiled entry point of one WGSL file, with its override constants set.
 
@@ -162,20 +129,17 @@ class Kernel:
 
     def __init__(self, device: Device, file: str, entry: str, constants: Mapping[str, Any],
                  checks: str = DEFAULT_SHADER_CHECKS, subgroups: bool = False) -> None:
-        import wgpu
-
         self.device = device
         self.name = f"{file}:{entry}"
         self.constants = dict(constants)
-        source = wgsl_source(file, subgroups)
+        source = compiled_source(device, file, subgroups)
         self.params, self._format = params_layout(source)
         try:
-            module = _shader_module(device, source, self.name, checks)
+            module = device.backend.shader_module(device.wgpu, source, self.name, checks)
             stage: dict[str, Any] = {"module": module, "entry_point": entry}
             if constants:
                 stage["constants"] = {k: float(v) for k, v in constants.items()}
-            self.pipeline = device.wgpu.create_compute_pipeline(layout=wgpu.AutoLayoutMode.auto, compute=stage,
-                                                                label=self.name)
+            self.pipeline = device.wgpu.create_compute_pipeline(layout="auto", compute=stage, label=self.name)
         except Exception as e:
             raise RuntimeError(f"compiling {self.name} with {dict(constants)} failed: {e}") from e
         self.layout = self.pipeline.get_bind_group_layout(0)
@@ -252,12 +216,10 @@ class Uniform:
     """
 
     def __init__(self, kernel: Kernel) -> None:
-        import wgpu
-
         self.kernel = kernel
         size = len(kernel.pack([0] * len(kernel.params)))
-        self.gpu = kernel.device.wgpu.create_buffer(size=size, usage=wgpu.BufferUsage.UNIFORM |
-                                                    wgpu.BufferUsage.COPY_DST)
+        usage = kernel.device.api.BufferUsage
+        self.gpu = kernel.device.wgpu.create_buffer(size=size, usage=usage.UNIFORM | usage.COPY_DST)
 
     def write(self, params: Sequence[Any] | Mapping[str, Any]) -> None:
         """Queue new values (by position or field name) for the next submit."""
@@ -273,7 +235,7 @@ def kernel(file: str, entry: str, device: Device | None = None, **constants: Any
     ('reduce.wgsl:reduce_partials', ('len4', 'stride4'))
     """
     device = device or get_device()
-    checks, subgroups = shader_checks(), use_subgroups(device)
+    checks, subgroups = device.settings.shader_checks, use_subgroups(device)
     key = (file, entry, tuple(sorted(constants.items())), checks, subgroups)
     cache = device.owned("kernels", dict)
     k = cache.get(key)
@@ -297,9 +259,7 @@ def params_buffer(device: Device, data: bytes) -> tuple[Any, int]:
         if buf is not None:
             cache.move_to_end(data)
             return buf
-    import wgpu
-
-    buf = (device.wgpu.create_buffer_with_data(data=data, usage=wgpu.BufferUsage.UNIFORM), next(SERIALS))
+    buf = (device.wgpu.create_buffer_with_data(data=data, usage=device.api.BufferUsage.UNIFORM), next(SERIALS))
     with device.lock:
         buf = cache.setdefault(data, buf)
         if len(cache) > 4096:

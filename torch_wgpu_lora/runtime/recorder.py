@@ -27,15 +27,13 @@ submits in flight never share one. A Recorder itself belongs to one thread.
 
 from __future__ import annotations
 
-import functools
-import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from .buffers import DTYPES, Buffer, staging_for
-from .device import Device, get_device, native
+from .device import Device, get_device
 from .kernels import Kernel, Uniform, kernel
 
 _QUERIES_PER_SET = 4096  # WebGPU's largest query set
@@ -44,17 +42,18 @@ _QUERIES_PER_SET = 4096  # WebGPU's largest query set
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch with its bind group built once (by a plan): record it any number of
-    times with ``Recorder.launch``. ``keep`` holds the buffers the bind group refers to."""
+    times with ``Recorder.launch``. ``keep`` holds the buffers the bind group refers to;
+    ``handles`` are the native pipeline and bind group handles, what the fast path passes to C."""
 
     kernel: Kernel
     bind_group: Any
     grid: tuple[int, int, int]
     keep: tuple[Buffer, ...] = ()
+    handles: tuple[Any, Any] = field(init=False, repr=False, compare=False)
 
-    @property
-    def handles(self) -> tuple[Any, Any]:
-        """The native pipeline and bind group handles: what the fast path passes to wgpu-native."""
-        return self.kernel.pipeline._internal, self.bind_group._internal
+    def __post_init__(self) -> None:
+        backend = self.kernel.device.backend
+        object.__setattr__(self, "handles", (backend.handle(self.kernel.pipeline), backend.handle(self.bind_group)))
 
     @classmethod
     def build(cls, kernel: Kernel, grid: tuple[int, int, int], buffers: Sequence[Buffer] | Mapping[int, Buffer],
@@ -101,74 +100,13 @@ def _give_back(device: Device, staging: list[Any]) -> None:
         pool.give(gpu)
 
 
-class _Mapper:
-    """Maps staging buffers for reading once their submission has finished (``Device.wait_for``),
-    by wgpu-native's calls rather than wgpu-py's ``map_async`` (whose poll thread would wait for
-    all submitted work and hold up other submits meanwhile: ``Device.wait_for`` says why). One
-    callback for all maps; each map's ticket, passed as its user data, keys its status."""
-
-    def __init__(self) -> None:
-        ffi = native()[0]
-        self.status: dict[int, int] = {}
-        self.tickets = itertools.count(1)
-
-        def mapped(status: int, _message: Any, ticket: Any, _unused: Any) -> None:
-            self.status[int(ffi.cast("intptr_t", ticket))] = int(status)
-
-        self.callback = ffi.callback("void(WGPUMapAsyncStatus, WGPUStringView, void *, void *)", mapped)
-
-    def map(self, device: Device, staging: list[Any]) -> None:
-        """Map every buffer of ``staging`` for reading; their submission has finished. On an
-        error none stays mapped."""
-        ffi, lib, libf = native()
-        tickets: list[int] = []
-        try:
-            for gpu in staging:
-                ticket = next(self.tickets)
-                info = ffi.new("WGPUBufferMapCallbackInfo *")
-                info.mode = lib.WGPUCallbackMode_AllowProcessEvents
-                info.callback = self.callback
-                info.userdata1 = ffi.cast("void *", ticket)
-                tickets.append(ticket)
-                libf.wgpuBufferMapAsync(gpu._internal, lib.WGPUMapMode_Read, 0, gpu.size, info[0])
-            # the work is done, so one poll completes the maps (a blocking one if a second is needed)
-            block = False
-            while any(t not in self.status for t in tickets):
-                libf.wgpuDevicePoll(device.wgpu._internal, block, ffi.NULL)
-                block = True
-            statuses = [self.status.pop(t) for t in tickets]
-            if any(status != lib.WGPUMapAsyncStatus_Success for status in statuses):
-                raise RuntimeError(f"mapping a readback's staging buffers failed (WGPUMapAsyncStatus {statuses})")
-        except BaseException:
-            for gpu in staging[:len(tickets)]:
-                lib.wgpuBufferUnmap(gpu._internal)  # unchecked: a pending map is cancelled, a failed one left
-            for t in tickets:
-                self.status.pop(t, None)
-            raise
-
-
-@functools.cache
-def _mapper() -> _Mapper:
-    return _Mapper()
-
-
-def _mapped(gpu: Any, offset: int, nbytes: int) -> memoryview:
-    """``nbytes`` of a mapped staging buffer from ``offset``: valid until it is unmapped."""
-    ffi, _, libf = native()
-    return memoryview(ffi.buffer(libf.wgpuBufferGetConstMappedRange(gpu._internal, offset, nbytes), nbytes))
-
-
-def _unmap(gpu: Any) -> None:
-    native()[2].wgpuBufferUnmap(gpu._internal)
-
-
 class Pending:
     """A submitted recording whose readbacks have not been collected yet."""
 
     def __init__(self, device: Device, staging: list[Any], reads: list[_Read], keep: list[Any],
-                 times: "_Timestamps | None", index: int) -> None:
+                 times: "_Timestamps | None", ticket: Any) -> None:
         self.device, self._staging, self._reads, self._keep, self._times = device, staging, reads, keep, times
-        self.index = index  # the submission's, for Device.wait_for
+        self.ticket = ticket  # the submission's, for Device.wait_for
         self.done = False
         self.seconds: float | None = None
         self.kernel_times: list[tuple[str, float]] = []
@@ -178,10 +116,11 @@ class Pending:
         if self.done:
             return self.seconds
         mapped: list[Any] = []
+        backend = self.device.backend
         try:
             if self._staging:
-                self.device.wait_for(self.index)
-                _mapper().map(self.device, self._staging)
+                self.device.wait_for(self.ticket)
+                backend.map_read(self.device.wgpu, self._staging)
                 mapped = self._staging
             for read in self._reads:
                 read.sink(self._view(read))
@@ -189,7 +128,7 @@ class Pending:
                 self.seconds, self.kernel_times = self._times.collect(self._view(self._times.read))
         finally:
             for gpu in mapped:
-                _unmap(gpu)
+                backend.unmap(gpu)
             _give_back(self.device, self._staging)
             self._staging, self._keep, self.done = [], [], True
         return self.seconds
@@ -200,29 +139,15 @@ class Pending:
             return np.empty(read.buf.shape, np_dtype)
         if len(read.pieces) == 1:
             index, offset, nbytes = read.pieces[0]
-            raw = _mapped(self._staging[index], offset, nbytes)
+            raw = self.device.backend.mapped(self._staging[index], offset, nbytes)
             return np.frombuffer(raw, dtype=np_dtype, count=read.buf.numel).reshape(read.buf.shape)
         whole = np.empty(sum(n for _, _, n in read.pieces), np.uint8)  # a readback past one staging buffer
         at = 0
         for index, offset, nbytes in read.pieces:
-            whole[at:at + nbytes] = np.frombuffer(_mapped(self._staging[index], offset, nbytes), np.uint8)
+            whole[at:at + nbytes] = np.frombuffer(self.device.backend.mapped(self._staging[index], offset, nbytes),
+                                                  np.uint8)
             at += nbytes
         return whole.view(np_dtype)[: read.buf.numel].reshape(read.buf.shape)
-
-
-_NULL: list[Any] = []
-
-
-def _lib() -> Any:
-    """wgpu-native's raw entry points (cffi), for the launch fast path."""
-    global _lib_cached
-    if _lib_cached is None:
-        ffi, _lib_cached, _ = native()
-        _NULL.append(ffi.NULL)
-    return _lib_cached
-
-
-_lib_cached: Any = None
 
 
 class _Timestamps:
@@ -236,22 +161,18 @@ class _Timestamps:
         self.read: _Read | None = None
 
     def next(self) -> tuple[Any, int]:
-        import wgpu
-
         if self.count == len(self.sets) * _QUERIES_PER_SET:
-            self.sets.append(self.device.wgpu.create_query_set(type=wgpu.QueryType.timestamp, count=_QUERIES_PER_SET))
+            self.sets.append(self.device.wgpu.create_query_set(type="timestamp", count=_QUERIES_PER_SET))
         index = self.count
         self.count += 1
         return self.sets[index // _QUERIES_PER_SET], index % _QUERIES_PER_SET
 
     def resolve(self, encoder: Any, keep: list[Any]) -> Buffer:
-        import wgpu
-
         out = Buffer((2 * self.count,), "u32", self.device)
+        usage = self.device.api.BufferUsage
         for i, query_set in enumerate(self.sets):
             n = min(_QUERIES_PER_SET, self.count - i * _QUERIES_PER_SET)
-            resolve = self.device.wgpu.create_buffer(size=8 * n, usage=wgpu.BufferUsage.QUERY_RESOLVE |
-                                                     wgpu.BufferUsage.COPY_SRC)
+            resolve = self.device.wgpu.create_buffer(size=8 * n, usage=usage.QUERY_RESOLVE | usage.COPY_SRC)
             encoder.resolve_query_set(query_set, 0, n, resolve, 0)
             encoder.copy_buffer_to_buffer(resolve, 0, out.gpu, 8 * i * _QUERIES_PER_SET, 8 * n)
             keep.append(resolve)
@@ -284,8 +205,8 @@ class Recording:
             raise RuntimeError("this recording was already submitted or discarded")
         self.device.check_usable()
         command_buffer, self._command_buffer = self._command_buffer, None
-        index = self.device.submit([command_buffer])
-        return Pending(self.device, self._staging, self._reads, self._keep, self._times, index)
+        ticket = self.device.submit([command_buffer])
+        return Pending(self.device, self._staging, self._reads, self._keep, self._times, ticket)
 
     def discard(self) -> None:
         """Drop it unsubmitted."""
@@ -309,6 +230,7 @@ class Recorder:
     def __init__(self, device: Device | None = None, timestamps: bool = False, per_dispatch: bool = False) -> None:
         self.device = device or get_device()
         self.device.check_usable()
+        self.backend = self.device.backend
         self.encoder = self.device.wgpu.create_command_encoder()
         self.pass_: Any = None
         self._pass_handle: Any = None
@@ -319,7 +241,7 @@ class Recorder:
         timed = (timestamps or per_dispatch) and self.device.has_timestamps
         self._times = _Timestamps(self.device) if timed else None
         self.per_dispatch = per_dispatch and timed
-        self._in_pass_stamps = self.per_dispatch and "timestamp-query-inside-passes" in self.device.features
+        self._in_pass_stamps = self.per_dispatch and self.device.has_stamps_in_passes
         self.kernel_times: list[tuple[str, float]] = []
 
     # -- recording ---------------------------------------------------------------
@@ -333,10 +255,10 @@ class Recorder:
                 kwargs["timestamp_writes"] = {"query_set": query_set, "beginning_of_pass_write_index": begin,
                                               "end_of_pass_write_index": end}
             self.pass_ = self.encoder.begin_compute_pass(**kwargs)
-            self._pass_handle = self.pass_._internal
+            self._pass_handle = self.backend.handle(self.pass_)
             self._pipeline = None
             if self._in_pass_stamps and self._times.count == 0:
-                self.pass_._write_timestamp(*self._times.next())
+                self.backend.write_timestamp(self.pass_, *self._times.next())
         return self.pass_
 
     def _end_pass(self) -> None:
@@ -355,7 +277,7 @@ class Recorder:
         if self.per_dispatch:
             self._times.names.append(kernel.name)
             if self._in_pass_stamps:
-                self.pass_._write_timestamp(*self._times.next())
+                self.backend.write_timestamp(self.pass_, *self._times.next())
             else:
                 self._end_pass()
 
@@ -369,7 +291,7 @@ class Recorder:
         group = kernel.bind_group(params, buffers)
         cpass = self._compute_pass()
         cpass.set_pipeline(kernel.pipeline)
-        self._pipeline = kernel.pipeline._internal
+        self._pipeline = self.backend.handle(kernel.pipeline)
         cpass.set_bind_group(0, group)
         cpass.dispatch_workgroups(*grid)
         self.keep.append(tuple(buffers))
@@ -377,16 +299,17 @@ class Recorder:
 
     def launch(self, launch: Launch) -> None:
         """Record a prebuilt ``Launch``. The hot path of a model step (hundreds of launches): three
-        calls straight into wgpu-native, the pipeline set only when it changes. (Encoding errors
-        are reported when the command buffer is finished, as with wgpu-py's own calls.)"""
-        native = self._native_pass()
+        calls straight into the WebGPU implementation's C API, the pipeline set only when it
+        changes. (Encoding errors are reported when the command buffer is finished, as with
+        wgpu-py's own calls.)"""
+        native, lib = self._native_pass(), self.backend.lib
         pipeline, group = launch.handles
         if pipeline != self._pipeline:
-            _lib().wgpuComputePassEncoderSetPipeline(native, pipeline)
+            lib.wgpuComputePassEncoderSetPipeline(native, pipeline)
             self._pipeline = pipeline
-        _lib().wgpuComputePassEncoderSetBindGroup(native, 0, group, 0, _NULL[0])
+        lib.wgpuComputePassEncoderSetBindGroup(native, 0, group, 0, self.backend.null)
         x, y, z = launch.grid
-        _lib().wgpuComputePassEncoderDispatchWorkgroups(native, x, y, z)
+        lib.wgpuComputePassEncoderDispatchWorkgroups(native, x, y, z)
         self.keep.append(launch)
         self._launched(launch.kernel)
 
@@ -395,7 +318,7 @@ class Recorder:
         ``offset``): for grids that depend on values the GPU computed (a KV length)."""
         cpass = self._compute_pass()
         cpass.set_pipeline(launch.kernel.pipeline)
-        self._pipeline = launch.kernel.pipeline._internal
+        self._pipeline = self.backend.handle(launch.kernel.pipeline)
         cpass.set_bind_group(0, launch.bind_group)
         cpass.dispatch_workgroups_indirect(args.gpu, args.offset + offset)
         self.keep.append(args)

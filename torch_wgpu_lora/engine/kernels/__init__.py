@@ -13,15 +13,13 @@ Conventions shared by every family:
 * Values that change from step to step (positions, lengths, token ids) are never baked
   into uniforms: kernels read them from small storage buffers the plan writes once per
   step, or that other kernels update on the GPU (decoding several tokens per submit).
-* The step buffer (``u32``, see ``STEP_FIELDS``) holds the absolute position of the first
-  token of this pass at ``STEP_POS``; the lengths buffer (``u32 [batch]``) holds, per
-  sequence, how many key positions are valid (cache included).
+* The starts buffer (``u32 [batch]``) holds, per sequence, the absolute position of its first
+  token in this pass (token ``i`` of sequence ``b`` is at ``starts[b] + i``: sequences of
+  different lengths decode together); the lengths buffer (``u32 [batch]``) holds, per
+  sequence, how many key positions are valid (cache included). A training pass's starts are 0.
 """
 
 from ...runtime import Buffer, Device
-
-STEP_FIELDS = ("pos", "seed", "token_count", "reserved")
-STEP_POS, STEP_SEED, STEP_TOKEN_COUNT = 0, 1, 2
 
 
 def dummy(device: Device, slot: str = "read") -> Buffer:

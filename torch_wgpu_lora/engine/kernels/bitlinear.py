@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ...runtime import Buffer, Device, Launch, get_device, kernel
+from ...runtime import Buffer, Device, Launch, Recorder, get_device, kernel
 from ..weights import Projection
 from ..workspace import Workspace
 from . import dummy
@@ -47,7 +47,7 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
                      aux: Buffer | None = None, gemv: bool | None = None, lanes: int | None = None,
                      norm: tuple[Buffer, Buffer, float] | None = None, rope: RopeTarget | None = None,
                      attention: DecodePartials | None = None, tile_tokens: int | None = None,
-                     device: Device | None = None) -> Launch:
+                     mma: bool | None = None, device: Device | None = None) -> Launch:
     """One launch computing ``proj`` over ``tokens`` rows of activation codes into ``out``.
 
     ``codes``: u32 [tokens, k_words · 4] (``norm.rmsnorm_launch`` writes them), ``meta``: f32 [2 · tokens]
@@ -56,6 +56,8 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     epilogue also keeps, f32 [tokens, ≥ rows]: the raw gate/up pairs (``"gate_up"``), or the sums of
     an ``"add"`` (the residual stream after it). ``lanes``: threads a weight row in ``gemv`` (default ``gemv_lanes``);
     ``tile_tokens``: tokens a ``gemm`` workgroup holds, 32 or 64 (default ``gemm_tile_tokens``).
+    ``mma``: run the GEMM on the GPU's matrix units (``bitlinear_mma.wgsl``: the same integers, the same
+    epilogue); default ``matrix_units_win``, False where the device has no int8 subgroup matrices.
 
     Decoding's fusions (``gemv`` only): ``norm`` = (x, weight, eps) normalises x's rows (f32 [tokens, ≥ k])
     with RMSNorm and quantises them inside the launch, writing ``codes`` and ``meta`` rather than
@@ -82,10 +84,21 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     if attention and (not norm or attention.heads * attention.head_dim != proj.k or attention.head_dim % 4):
         raise ValueError(f"attention partials of {attention.heads} heads of {attention.head_dim} feed a GEMV that "
                          f"normalises rows of {proj.k} features (norm=...)")
+    if attention and rope:
+        raise ValueError("attention partials feed o_proj and mode 'rope' is the q/k/v projection's: not one launch")
     pad = dummy(device)
-    buffers = {1: codes, 2: meta, 4: proj.scale, 5: out, 6: h or pad, 7: lora or pad, 8: lora_b or pad,
-               9: aux or dummy(device, "aux")}
+    buffers = {4: proj.scale, 5: out, 6: h or pad, 7: lora or pad, 8: lora_b or pad, 9: aux or dummy(device, "aux")}
+    entry = "gemv" if gemv else "gemm"
     constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=aux is not None)
+    if not gemv and (matrix_units_win(device, tokens, proj) if mma is None else mma):
+        if not has_int8_matrix_units(device):
+            raise ValueError(f"mma=True needs int8 subgroup matrices of {MMA_SHAPE} with subgroups of 32; this "
+                             f"device ({device.name}) offers {device.subgroup_matrix_configs or 'none'}")
+        buffers.update({1: codes, 2: meta, 3: proj.weight})
+        return Launch.build(kernel("bitlinear_mma.wgsl", "gemm", device, **constants),
+                            (-(-proj.rows // 128), -(-tokens // 128), 1), buffers,
+                            (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank, segments,
+                             aux.shape[-1] if aux is not None else 0))
     x_stride, cache_len, tokens_per_seq = 0, 0, 1
     if gemv:  # the weights bound as vec4 words (binding 10); K is padded to 64, so rows are whole vec4s
         fewest = -(-k_words // (4 * _ROW_LOADS_MAX))
@@ -94,35 +107,79 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
             raise ValueError(f"gemv: rows of {proj.k} features take at least {fewest} lanes, not {lanes}")
         constants.update(ROWS=128 // lanes, LANES=lanes, ROW_VECS=k_words // 4)
         grid = (-(-proj.rows // (128 // lanes)), tokens, 1)
-        buffers.update({10: proj.weight, 11: pad, 12: pad, 13: dummy(device, "codes"), 14: dummy(device, "meta"),
-                        15: pad, 16: pad, 17: pad, 18: dummy(device, "keys"), 19: dummy(device, "values"),
-                        20: pad, 21: pad})
+        buffers[10] = proj.weight  # each gemv entry point binds only what it uses (bitlinear.wgsl)
+        if not norm:
+            buffers.update({1: codes, 2: meta})
     else:
         tile_tokens = tile_tokens or gemm_tile_tokens(device)
         if tile_tokens not in (32, 64):
             raise ValueError(f"gemm tiles hold 32 or 64 tokens, not {tile_tokens}")
         constants.update(TILE_TOKENS=tile_tokens)
-        grid, buffers[3] = (-(-proj.rows // 64), -(-tokens // tile_tokens), 1), proj.weight
+        grid = (-(-proj.rows // 64), -(-tokens // tile_tokens), 1)
+        buffers.update({1: codes, 2: meta, 3: proj.weight})
     if norm:
         x, weight, eps = norm
-        constants.update(NORM=True, K=proj.k, EPS=eps)
-        buffers.update({1: pad, 2: pad, 11: x, 12: weight, 13: codes, 14: meta})
+        constants.update(K=proj.k, EPS=eps)
+        buffers.update({12: weight, 13: codes, 14: meta})
         x_stride = x.shape[-1]
         if attention:
-            constants.update(COMBINE=True, SPLITS=attention.splits, HEADS=attention.heads,
-                             HEAD_DIM=attention.head_dim)
-            buffers.update({11: pad, 20: attention.o, 21: attention.ml})
+            entry = "gemv_combine"
+            constants.update(SPLITS=attention.splits, HEADS=attention.heads, HEAD_DIM=attention.head_dim)
+            buffers.update({20: attention.o, 21: attention.ml})
+        else:
+            entry = "gemv_norm"
+            buffers[11] = x
     if rope:
         if proj.rows != (rope.heads + 2 * rope.kv_heads) * rope.head_dim:
             raise ValueError(f"mode 'rope' takes the fused q/k/v rows: {proj.rows} rows for {rope.heads} + 2 × "
                              f"{rope.kv_heads} heads of {rope.head_dim}")
         constants.update(HEADS=rope.heads, KV_HEADS=rope.kv_heads, HEAD_DIM=rope.head_dim)
-        buffers.update({15: rope.cos, 16: rope.sin, 17: rope.step, 18: rope.keys, 19: rope.values})
+        buffers.update({15: rope.cos, 16: rope.sin, 17: rope.starts, 18: rope.keys, 19: rope.values})
+        del buffers[9]  # its epilogue keeps no gate/up pairs
         cache_len, tokens_per_seq = rope.cache_len, rope.tokens_per_seq
-    kern = kernel("bitlinear.wgsl", "gemv" if gemv else "gemm", device, **constants)
+        entry += "_rope"
+    kern = kernel("bitlinear.wgsl", entry, device, **constants)
     return Launch.build(kern, grid, buffers, (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank,
                                               segments, aux.shape[-1] if aux is not None else 0, x_stride, cache_len,
                                               tokens_per_seq))
+
+
+MMA_SHAPE = (16, 16, 32)  # M, N, K of the int8 subgroup matrices bitlinear_mma.wgsl multiplies
+
+
+def has_int8_matrix_units(device: Device) -> bool:
+    """Whether ``bitlinear_mma.wgsl`` runs on ``device``: int8 × int8 → i32 subgroup matrices of
+    ``MMA_SHAPE`` in subgroups of 32 invocations (NVIDIA's through Dawn)."""
+    return any(c["component_type"] == "i8" and c["result_component_type"] == "i32"
+               and (c["m"], c["n"], c["k"]) == MMA_SHAPE and c["min_subgroup_size"] <= 32 <= c["max_subgroup_size"]
+               for c in device.subgroup_matrix_configs)
+
+
+def matrix_units_win(device: Device, tokens: int, proj: Projection) -> bool:
+    """Whether ``proj`` over ``tokens`` rows runs faster on the matrix units than as the ``gemm``
+    kernel: measured once per shape on the device itself (each launch three times, timestamps; kept
+    in the device's state), since which wins turns on the shape (a grid of few 128 × 128 blocks
+    leaves the GPU idle) and on the device. Both give the same values, so the choice changes only
+    the time. False without int8 subgroup matrices or timestamps."""
+    if not has_int8_matrix_units(device) or not device.has_timestamps:
+        return False
+    key = (tokens, proj.rows, proj.weight.shape[1])
+    choices = device.owned("bitlinear_mma_wins", dict)
+    if key not in choices:
+        codes = Buffer((tokens, 4 * proj.weight.shape[1]), "u32", device)
+        meta, out = Buffer((2 * tokens,), device=device), Buffer((tokens, proj.rows), device=device)
+        seconds = {}
+        for mma in (True, False):
+            launch = bitlinear_launch(codes, meta, proj, out, tokens=tokens, out_stride=proj.rows, gemv=False,
+                                      mma=mma, device=device)
+            times = []
+            for _ in range(3):
+                rec = Recorder(device, timestamps=True)
+                rec.launch(launch)
+                times.append(rec.submit())
+            seconds[mma] = min(times)
+        choices[key] = seconds[True] < seconds[False]
+    return choices[key]
 
 
 def gemm_tile_tokens(device: Device) -> int:

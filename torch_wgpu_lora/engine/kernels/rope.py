@@ -1,13 +1,15 @@
 """Rotary position embedding and the KV-cache write (``rope.wgsl``, or the epilogue of a
 decoding q/k/v GEMV in ``bitlinear.wgsl``), and the torch reference.
 
->>> # target = RopeTarget(weights.rope_cos, weights.rope_sin, step, k_cache, v_cache, heads=20, kv_heads=5, head_dim=128)
+>>> # target = RopeTarget(weights.rope_cos, weights.rope_sin, starts, k_cache, v_cache, heads=20, kv_heads=5,
+>>> #                     head_dim=128)
 >>> # rec.launch(rope_launch(qkv, q_rot, target, tokens=n))
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -19,13 +21,13 @@ _WG = 128  # rope.wgsl's invocations per workgroup
 @dataclass(frozen=True)
 class RopeTarget:
     """Where the fused q/k/v projection's output goes once rotated: transformers' cos/sin tables
-    (f32 [positions, head_dim / 2]), the step buffer (the pass's first position) and the key and
-    value caches (f32 [batch, kv_heads, cache_len, head_dim]); token n of a pass is position
-    step + n % tokens_per_seq of sequence n // tokens_per_seq."""
+    (f32 [positions, head_dim / 2]), the starts buffer (u32 [batch]: each sequence's first position
+    in the pass) and the key and value caches (f32 [batch, kv_heads, cache_len, head_dim]); token n
+    of a pass is position starts[b] + n % tokens_per_seq of sequence b = n // tokens_per_seq."""
 
     cos: Buffer
     sin: Buffer
-    step: Buffer
+    starts: Buffer
     keys: Buffer
     values: Buffer
     heads: int
@@ -45,7 +47,7 @@ def rope_launch(qkv: Buffer, q_rot: Buffer, target: RopeTarget, *, tokens: int, 
     t = target
     kern = kernel("rope.wgsl", "rope", device, WG=_WG)
     chunks = -(-max((t.heads + t.kv_heads) * t.head_dim // 2, t.kv_heads * t.head_dim) // _WG)
-    return Launch.build(kern, (tokens, chunks, 1), (qkv, t.cos, t.sin, t.step, q_rot, t.keys, t.values),
+    return Launch.build(kern, (tokens, chunks, 1), (qkv, t.cos, t.sin, t.starts, q_rot, t.keys, t.values),
                         (t.tokens_per_seq, t.heads, t.kv_heads, t.head_dim, t.cache_len, qkv.shape[-1]))
 
 
@@ -58,21 +60,26 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def rope_backward_reference(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                            sin: torch.Tensor, pos: int, tokens_per_seq: int, heads: int, kv_heads: int) -> torch.Tensor:
+                            sin: torch.Tensor, starts: Sequence[int], tokens_per_seq: int, heads: int,
+                            kv_heads: int) -> torch.Tensor:
     """The gradient of the fused q/k/v rows [N, (heads + 2·kv_heads)·D] that ``rope_launch`` rotated
-    at positions ``pos``.. of each sequence, from dQ (token-major [N, heads·D]) and the caches'
-    dK, dV ([batch, kv_heads, S, D]); ``cos``/``sin`` [S, D] (both halves). Float64 autograd
-    through ``rope_reference``."""
+    at positions ``starts[b]``.. of each sequence b, from dQ (token-major [N, heads·D]) and the
+    caches' dK, dV ([batch, kv_heads, S, D]); ``cos``/``sin`` [S, D] (both halves). Float64
+    autograd through ``rope_reference``."""
     batch, _, _, d = dk.shape
     t = tokens_per_seq
-    positions = slice(pos, pos + t)
-    c, s = cos[positions].double(), sin[positions].double()
+    positions = torch.tensor([list(range(start, start + t)) for start in starts])  # [B, T]
+    c, s = cos[positions].double()[:, None], sin[positions].double()[:, None]  # [B, 1, T, D]
     q = torch.zeros(batch, t, heads, d, dtype=torch.float64, requires_grad=True)
     k = torch.zeros(batch, kv_heads, t, d, dtype=torch.float64, requires_grad=True)
     rq, rk = rope_reference(q.transpose(1, 2), c, s), rope_reference(k, c, s)
+
+    def at_positions(cache: torch.Tensor) -> torch.Tensor:  # [B, KVH, S, D] -> [B, KVH, T, D]
+        return torch.stack([cache[b, :, positions[b]] for b in range(batch)]).double()
+
     dq_in, dk_in = torch.autograd.grad((rq, rk), (q, k), (dq.double().reshape(batch, t, heads, d).transpose(1, 2),
-                                                          dk[:, :, positions].double()))
-    dv_in = dv[:, :, positions].double()  # values are stored as they are: their gradient passes through
+                                                          at_positions(dk)))
+    dv_in = at_positions(dv)  # values are stored as they are: their gradient passes through
 
     def per_token(x: torch.Tensor) -> torch.Tensor:  # [B, KVH, T, D] -> [B*T, KVH*D]
         return x.transpose(1, 2).reshape(batch * t, -1)
@@ -80,12 +87,12 @@ def rope_backward_reference(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
     return torch.cat((dq_in.reshape(batch * t, -1), per_token(dk_in), per_token(dv_in)), dim=1)
 
 
-def rope_backward_launch(dq: Buffer, dk: Buffer, dv: Buffer, cos: Buffer, sin: Buffer, step: Buffer, dqkv: Buffer, *,
+def rope_backward_launch(dq: Buffer, dk: Buffer, dv: Buffer, cos: Buffer, sin: Buffer, starts: Buffer, dqkv: Buffer, *,
                          tokens: int, tokens_per_seq: int, heads: int, kv_heads: int, head_dim: int, cache_len: int,
                          device: Device | None = None) -> Launch:
     """RoPE's transpose (``rope_backward.wgsl``): the q/k/v projection's output gradient from the
     attention's dQ (token-major) and dK, dV (cache layout)."""
     device = device or get_device()
     kern = kernel("rope_backward.wgsl", "rope_backward", device)
-    return Launch.build(kern, (tokens, 1, 1), (dq, dk, dv, cos, sin, step, dqkv),
+    return Launch.build(kern, (tokens, 1, 1), (dq, dk, dv, cos, sin, starts, dqkv),
                         (tokens_per_seq, heads, kv_heads, head_dim, cache_len, dqkv.shape[-1]))

@@ -2,8 +2,8 @@
 module each, chosen here per call.
 
 The math is transformers' ``eager_attention_forward`` with ``repeat_kv``, in float32: for
-sequence ``b``, query token ``i`` at absolute position ``p = pos + i`` (``pos`` read from the
-step buffer at ``STEP_POS``) and query head ``h`` (KV head ``g = h // (heads // kv_heads)``)::
+sequence ``b``, query token ``i`` at absolute position ``p = starts[b] + i`` (the sequence's
+first position in this pass) and query head ``h`` (KV head ``g = h // (heads // kv_heads)``)::
 
     lim    = min(p, lengths[b] - 1)                       # the last key the query sees
     s_j    = scale * q[b, i, h] · K[b, g, j]              for j in 0..lim
@@ -11,7 +11,7 @@ step buffer at ``STEP_POS``) and query head ``h`` (KV head ``g = h // (heads // 
 
 ``lengths[b]`` counts the valid key positions of sequence ``b``, cache included: with right
 padding it is the real length, and a padded query then attends to every real key (HF's causal +
-padding mask); when decoding it is ``pos + 1``. The kernels read it clamped to ``1..max_len``, so
+padding mask); when decoding it is ``starts[b] + 1``. The kernels read it clamped to ``1..max_len``, so
 no read leaves the sequence's cache rows; cache rows past a sequence's length are never read, so
 stale or NaN cache contents there cannot leak into the results. Scores are kept in the log2
 domain (q is scaled by ``scale * log2(e)`` as it is loaded) and masked probabilities are forced
@@ -19,10 +19,9 @@ to 0 with ``select``. No subgroup operations: the portable path is the only one.
 
 Layouts (float32): ``q`` and ``out`` ``[batch*tokens, heads*head_dim]`` (``q.view(B, T, H, D)``);
 ``k_cache`` and ``v_cache`` ``[batch, kv_heads, max_len, head_dim]``; ``lse``
-``[batch*tokens, heads]``; ``step`` u32 (``STEP_FIELDS``), ``lengths`` u32 ``[batch]``.
-``head_dim`` must be a multiple of 4 (kernels load vec4s). Positions and lengths reach the
-kernels only through the step and lengths buffers, so a plan records the same ``Launch``
-objects at every step.
+``[batch*tokens, heads]``; ``starts`` and ``lengths`` u32 ``[batch]``. ``head_dim`` must be a
+multiple of 4 (kernels load vec4s). Positions and lengths reach the kernels only through the
+starts and lengths buffers, so a plan records the same ``Launch`` objects at every step.
 
 The algorithms:
 
@@ -34,7 +33,7 @@ The algorithms:
 
 ``reference`` holds the torch references of the forward and the backward.
 
->>> # launches = attention_launches(q, k_cache, v_cache, out, step, lengths, batch=B, tokens=T, heads=20,
+>>> # launches = attention_launches(q, k_cache, v_cache, out, starts, lengths, batch=B, tokens=T, heads=20,
 >>> #                               kv_heads=5, head_dim=128, max_len=S, scale=128 ** -0.5, workspace=ws)
 >>> # for launch in launches: rec.launch(launch)      # every step, after writing step/lengths
 """
@@ -79,7 +78,7 @@ def _check_scores(scores: Buffer | None, kept_path: bool, batch: int, heads: int
     _check_size("scores", scores, kept_scores_bytes(batch, heads, tokens) // 4)
 
 
-def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, step: Buffer, lengths: Buffer, *,
+def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, starts: Buffer, lengths: Buffer, *,
                        batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int, scale: float,
                        workspace: Workspace, lse: Buffer | None = None, decode: bool = False,
                        tile: PrefillTile | None = None, splits: int | None = None,
@@ -88,7 +87,7 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
     """The launches of one attention call, to record in order at every step.
 
     ``q``/``out`` f32 ``[batch*tokens, heads*head_dim]``; ``k_cache``/``v_cache`` f32
-    ``[batch, kv_heads, max_len, head_dim]``; ``step`` u32 (position at ``STEP_POS``);
+    ``[batch, kv_heads, max_len, head_dim]``; ``starts`` (each sequence's first position) and
     ``lengths`` u32 ``[batch]``; ``lse`` (optional) f32 ``[batch*tokens, heads]``. The
     caches must hold keys 0..lengths[b]-1 of every sequence when the launches run. Scratch and
     the buffers the launches need of their own come from ``workspace``.
@@ -121,16 +120,16 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
     if kept_path:
         scores_of = kept.KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, workspace, scores)
         lse_rows = lse if lse is not None else workspace.scratch("attention lse", (batch * tokens * heads,))
-        return kept.forward_launches(scores_of, q, k_cache, v_cache, out, step, lengths, lse_rows)
+        return kept.forward_launches(scores_of, q, k_cache, v_cache, out, starts, lengths, lse_rows)
     if decode:
-        return decoding.decode_launches(q, k_cache, v_cache, out, step, lengths, lse, splits=splits, partials=partials,
-                                      workspace=workspace, **shape)
-    return [flash.prefill_launch(q, k_cache, v_cache, out, step, lengths, lse, tile=tile, device=workspace.device,
+        return decoding.decode_launches(q, k_cache, v_cache, out, starts, lengths, lse, splits=splits,
+                                        partials=partials, workspace=workspace, **shape)
+    return [flash.prefill_launch(q, k_cache, v_cache, out, starts, lengths, lse, tile=tile, device=workspace.device,
                                  **shape)]
 
 
 def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, lse: Buffer, d_out: Buffer,
-                                d_q: Buffer, d_k: Buffer, d_v: Buffer, step: Buffer, lengths: Buffer, *, batch: int,
+                                d_q: Buffer, d_k: Buffer, d_v: Buffer, starts: Buffer, lengths: Buffer, *, batch: int,
                                 tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int, scale: float,
                                 workspace: Workspace, tile: BackwardTile | None = None, splits: int | None = None,
                                 from_start: bool = False, scores: Buffer | None = None) -> list[Launch]:
@@ -138,14 +137,14 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
 
     Inputs in the forward's layouts: ``q``, ``out`` (the forward's output) and ``d_out`` f32
     ``[batch*tokens, heads*head_dim]``; ``k_cache``/``v_cache`` f32 ``[batch, kv_heads, max_len,
-    head_dim]``; ``lse`` f32 ``[batch*tokens, heads]`` (the forward's, natural log); ``step``
-    u32 (position at ``STEP_POS``); ``lengths`` u32 ``[batch]``. Same masking as the forward.
+    head_dim]``; ``lse`` f32 ``[batch*tokens, heads]`` (the forward's, natural log); ``starts``
+    and ``lengths`` u32 ``[batch]``. Same masking as the forward.
 
     Outputs: ``d_q`` ``[batch*tokens, heads*head_dim]``, every row written; ``d_k``/``d_v``
-    ``[batch, kv_heads, max_len, head_dim]``, written at key positions ``pos .. pos+tokens-1``
-    (below ``max_len``) of every sequence, the sums over the group's query heads and every
-    query of the pass (zero where no query attends, e.g. positions >= lengths[b]). Gradients of
-    cache keys before ``pos`` are not computed.
+    ``[batch, kv_heads, max_len, head_dim]``, written at key positions ``starts[b] ..
+    starts[b]+tokens-1`` (below ``max_len``) of every sequence ``b``, the sums over the group's
+    query heads and every query of the pass (zero where no query attends, e.g. positions >=
+    lengths[b]). Gradients of cache keys before ``starts[b]`` are not computed.
 
     ``row_dot`` first, then the flash backward (``dq``, ``dkdv``; ``tile`` and ``splits`` override
     its choices, ``splits`` also the GEMMs'), or, for a pass ``from_start`` whose P fits
@@ -167,7 +166,7 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
     row_dot, rd = flash.row_dot_launch(out, d_out, workspace=workspace, **shape)
     if kept_path:
         scores_of = kept.KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, workspace, scores)
-        return [row_dot, *kept.backward_launches(scores_of, q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v, step,
+        return [row_dot, *kept.backward_launches(scores_of, q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v, starts,
                                                  lengths, rd, splits)]
-    return [row_dot, *flash.backward_launches(q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v, step, lengths, rd,
+    return [row_dot, *flash.backward_launches(q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v, starts, lengths, rd,
                                               tile=tile, splits=splits, workspace=workspace, **shape)]

@@ -16,6 +16,12 @@ keys the row block sees). So every split takes a share of the current length, in
 slices of ``max_len`` where all but the first few workgroups would exit at short lengths, and no
 indirect dispatch is needed. Workgroups whose span starts past ``n`` write neutral partials (zero
 sums, max −1e30: weight 0) and exit, so a merge reads every span.
+
+The split count is chosen for one sequence, whatever the batch, so that a sequence's keys are cut
+into the same spans, and summed in the same order, alone and in a batch of any size (with
+``max_len`` at least the sequence's own: a count capped by ``max_len`` gives 64-key spans, which
+any larger count gives too). A sequence's generated tokens then do not depend on the batch it is
+decoded in (``engine.generate``).
 """
 
 from __future__ import annotations
@@ -32,12 +38,12 @@ FILE = "attention.wgsl"
 _DECODE_KEYS = 64  # decode_partial's key tile (DBK): spans are rounded up to it
 
 
-def decode_splits(batch: int, kv_heads: int, row_blocks: int, max_len: int, device: Device | None = None) -> int:
+def decode_splits(kv_heads: int, row_blocks: int, max_len: int, device: Device | None = None) -> int:
     """Key spans per decode row block: enough workgroups to fill the adapter (about 512 on a
-    GPU, a few on a CPU adapter), at most one 64-key tile of ``max_len`` each."""
+    GPU, a few on a CPU adapter) with one sequence, at most one 64-key tile of ``max_len`` each."""
     device = device or get_device()
     target = 4 if device.is_cpu else 512
-    want = -(-target // max(1, batch * kv_heads * row_blocks))
+    want = -(-target // max(1, kv_heads * row_blocks))
     return max(1, min(want, -(-max_len // _DECODE_KEYS)))
 
 
@@ -58,8 +64,7 @@ def decode_partials(batch: int, tokens: int, heads: int, kv_heads: int, head_dim
                     workspace: Workspace, splits: int | None = None) -> DecodePartials:
     """The partials' buffers of a decode pass (the workspace's scratch: the layers of a pass run one
     after another), with the split count ``decode_splits`` chooses."""
-    splits = splits or decode_splits(batch, kv_heads, -(-tokens * (heads // kv_heads) // 4), max_len,
-                                     workspace.device)
+    splits = splits or decode_splits(kv_heads, -(-tokens * (heads // kv_heads) // 4), max_len, workspace.device)
     rows = batch * tokens * heads
     return DecodePartials(workspace.scratch("attention decode partial sums", (splits, rows, head_dim)),
                           workspace.scratch("attention decode partial maxima", (splits, rows, 2)),
@@ -76,7 +81,7 @@ def _decode_shape(d4: int) -> dict[str, int]:
     return {"DNT": threads, "LPK": lanes, "DBK": _DECODE_KEYS, "DKL": min(threads // d4, _DECODE_KEYS)}
 
 
-def decode_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, step: Buffer, lengths: Buffer,
+def decode_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, starts: Buffer, lengths: Buffer,
                     lse: Buffer | None, *, batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int,
                     max_len: int, scale: float, splits: int | None, partials: DecodePartials | None,
                     workspace: Workspace) -> list[Launch]:
@@ -95,7 +100,7 @@ def decode_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, st
     params = (batch, tokens, kv_heads, max_len, splits, int(lse is not None), float(scale))
     part = kernel(FILE, "decode_partial", device, D4=d4, R=group, **_decode_shape(d4))
     launches = [Launch.build(part, (splits, kv_heads * -(-tokens * group // 4), batch),
-                             (step, lengths, q, k_cache, v_cache, partials.o, partials.ml), params)]
+                             (starts, lengths, q, k_cache, v_cache, partials.o, partials.ml), params)]
     if merged:
         cwg = max(64, 1 << (d4 - 1).bit_length())
         combine = kernel(FILE, "decode_combine", device, D4=d4, R=group, CWG=cwg, CL=cwg // d4)

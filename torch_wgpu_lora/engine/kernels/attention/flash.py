@@ -143,7 +143,7 @@ def backward_tile(head_dim: int, device: Device | None = None) -> BackwardTile:
     return _first(backward_tiles(head_dim, device), "attention backward", head_dim)
 
 
-def prefill_launch(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, step: Buffer, lengths: Buffer,
+def prefill_launch(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, starts: Buffer, lengths: Buffer,
                    lse: Buffer | None, *, batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int,
                    max_len: int, scale: float, tile: PrefillTile | None, device: Device) -> Launch:
     """The flash forward over ``tokens`` queries of each sequence (any position, any length)."""
@@ -155,7 +155,7 @@ def prefill_launch(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, ste
                   KL=tile.key_lanes, BK=tile.key_tile)
     params = (batch, tokens, kv_heads, max_len, 1, int(lse is not None), float(scale))
     grid = (-(-tokens * group // (4 * tile.row_quads)), kv_heads, batch)
-    return Launch.build(kern, grid, (step, lengths, q, k_cache, v_cache, out, lse or dummy(device, "lse")), params)
+    return Launch.build(kern, grid, (starts, lengths, q, k_cache, v_cache, out, lse or dummy(device, "lse")), params)
 
 
 def _grid(workgroups: int, device: Device) -> tuple[int, int, int]:
@@ -179,7 +179,7 @@ def row_dot_launch(out: Buffer, d_out: Buffer, *, batch: int, tokens: int, heads
 
 
 def backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, lse: Buffer, d_out: Buffer, d_q: Buffer,
-                      d_k: Buffer, d_v: Buffer, step: Buffer, lengths: Buffer, rd: Buffer, *, batch: int, tokens: int,
+                      d_k: Buffer, d_v: Buffer, starts: Buffer, lengths: Buffer, rd: Buffer, *, batch: int, tokens: int,
                       heads: int, kv_heads: int, head_dim: int, max_len: int, scale: float,
                       tile: BackwardTile | None, splits: int | None, workspace: Workspace) -> list[Launch]:
     """``dq`` and ``dkdv`` after ``row_dot`` (``rd``), and ``dkdv_sum`` where the sums are split (their
@@ -195,7 +195,7 @@ def backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, lse: Buffer, 
     shape = dict(D4=d4, R=group, KL=tile.lanes, CT=tile.column_threads(head_dim), NT=tile.threads(head_dim))
     dq = kernel(BACKWARD_FILE, "dq", device, BQ=tile.fixed, BK=tile.looped, **shape)
     dkdv = kernel(BACKWARD_FILE, "dkdv", device, BQ=tile.looped, BK=tile.fixed, SPLITS=splits, **shape)
-    common = {1: step, 2: lengths, 3: q, 4: k_cache, 5: v_cache, 6: d_out, 7: lse, 8: rd}
+    common = {1: starts, 2: lengths, 3: q, 4: k_cache, 5: v_cache, 6: d_out, 7: lse, 8: rd}
     launches = [Launch.build(dq, (-(-tokens * group // tile.fixed), kv_heads, batch), {**common, 9: d_q}, params)]
     if splits == 1:
         return launches + [Launch.build(dkdv, (key_blocks, kv_heads, batch), {**common, 10: d_k, 11: d_v}, params)]
@@ -206,5 +206,5 @@ def backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, lse: Buffer, 
     return launches + [
         Launch.build(dkdv, (key_blocks, kv_heads, batch * splits), {**common, 10: parts[0], 11: parts[1]}, params),
         Launch.build(total, _grid(-(-size // (4 * 256)), device),
-                     {1: step, 10: d_k, 11: d_v, 14: parts[0], 15: parts[1]}, params),
+                     {1: starts, 10: d_k, 11: d_v, 14: parts[0], 15: parts[1]}, params),
     ]

@@ -66,17 +66,17 @@ class KeptScores:
         return Launch.build(kernel("attention_scores.wgsl", "gemm_tiled", self.device, MODE=mode), grid,
                             (lengths, a, cache, sc, ds, lse, rd), params)
 
-    def softmax(self, step: Buffer, lengths: Buffer, lse: Buffer) -> Launch:
+    def softmax(self, starts: Buffer, lengths: Buffer, lse: Buffer) -> Launch:
         """``attention_softmax.wgsl``: S into P in place, and the rows' lse."""
         params = dict(seq=self.tokens, heads=self.heads, padded=self.padded, max_len=self.max_len,
                       scale=float(self.scale))
         return Launch.build(kernel("attention_softmax.wgsl", "rows", self.device),
-                            (self.tokens, self.batch * self.heads, 1), (step, lengths, self.scratch(), lse), params)
+                            (self.tokens, self.batch * self.heads, 1), (starts, lengths, self.scratch(), lse), params)
 
     def gemm(self, file: str, rows: int, buffers: tuple[Buffer, ...], params: dict,
              splits: int | None) -> list[Launch]:
         """``file``'s GEMM over ``rows`` output rows, its sums split where that fills a GPU;
-        ``buffers``: (step, lengths, the kept P or dS, the other operand, the output)."""
+        ``buffers``: (starts, lengths, the kept P or dS, the other operand, the output)."""
         grid = (-(-self.head_dim // 64), rows // 64)
         count = splits or sum_splits(grid[0] * grid[1], self.device)
         part = dummy(self.device, "part")
@@ -89,40 +89,40 @@ class KeptScores:
             limit = self.device.max_workgroups
             out.append(Launch.build(kernel(file, "split_sum", self.device, SPLITS=count),
                                     (min(groups, limit), -(-groups // limit), 1),
-                                    {1: buffers[0], 5: buffers[4], 6: part}, params))  # step, the output
+                                    {1: buffers[0], 5: buffers[4], 6: part}, params))  # starts, the output
         return out
 
-    def apply(self, scores: Buffer, cache: Buffer, out: Buffer, step: Buffer, lengths: Buffer, scale: float,
+    def apply(self, scores: Buffer, cache: Buffer, out: Buffer, starts: Buffer, lengths: Buffer, scale: float,
               splits: int | None) -> list[Launch]:
         """``attention_apply.wgsl``: out = scale · scores·cache (O = P·V, dQ = scale · dS·K)."""
         rows = self.batch * self.heads * self.padded
-        return self.gemm("attention_apply.wgsl", rows, (step, lengths, scores, cache, out),
+        return self.gemm("attention_apply.wgsl", rows, (starts, lengths, scores, cache, out),
                          dict(tokens=rows, rows=self.tokens, a_stride=self.padded, padded=self.padded,
                               heads=self.heads, kv_heads=self.kv_heads, max_len=self.max_len,
                               head_dim=self.head_dim, scale=float(scale)), splits)
 
-    def kv_grad(self, scores: Buffer, x: Buffer, out: Buffer, step: Buffer, lengths: Buffer, scale: float,
+    def kv_grad(self, scores: Buffer, x: Buffer, out: Buffer, starts: Buffer, lengths: Buffer, scale: float,
                 splits: int | None) -> list[Launch]:
         """``attention_kv_grad.wgsl``: out = scale · scoresᵀ·x (dV = Pᵀ dO, dK = scale · dSᵀ q)."""
         rows = self.batch * self.kv_heads * self.padded
-        return self.gemm("attention_kv_grad.wgsl", rows, (step, lengths, scores, x, out),
+        return self.gemm("attention_kv_grad.wgsl", rows, (starts, lengths, scores, x, out),
                          dict(tokens=rows, rows=self.tokens * (self.heads // self.kv_heads), a_stride=self.padded,
                               padded=self.padded, seq=self.tokens, heads=self.heads, kv_heads=self.kv_heads,
                               max_len=self.max_len, head_dim=self.head_dim, scale=float(scale)), splits)
 
 
 def forward_launches(kept: KeptScores, q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
-                              step: Buffer, lengths: Buffer, lse: Buffer) -> list[Launch]:
+                              starts: Buffer, lengths: Buffer, lse: Buffer) -> list[Launch]:
     """S = q·Kᵀ kept whole, its rows' softmax in place (P, and lse), then O = P·V: a GEMM, a row
     kernel and a GEMM on the shared 8 × 8 tile where the flash kernel runs at about 13% of the
     float32 rate."""
     unused = dummy(kept.device)
-    return [kept.scores(0, q, k_cache, lengths, unused, unused), kept.softmax(step, lengths, lse),
-            *kept.apply(kept.scratch(), v_cache, out, step, lengths, 1.0, None)]
+    return [kept.scores(0, q, k_cache, lengths, unused, unused), kept.softmax(starts, lengths, lse),
+            *kept.apply(kept.scratch(), v_cache, out, starts, lengths, 1.0, None)]
 
 
 def backward_launches(kept: KeptScores, q: Buffer, k_cache: Buffer, v_cache: Buffer, lse: Buffer,
-                               d_out: Buffer, d_q: Buffer, d_k: Buffer, d_v: Buffer, step: Buffer, lengths: Buffer,
+                               d_out: Buffer, d_q: Buffer, d_k: Buffer, d_v: Buffer, starts: Buffer, lengths: Buffer,
                                rd: Buffer, splits: int | None) -> list[Launch]:
     """After row_dot: P and dS of every causal pair kept whole (two launches of
     ``attention_scores.wgsl``: S again, then P and dS; one, dS, where ``kept.probabilities`` holds the
@@ -135,6 +135,6 @@ def backward_launches(kept: KeptScores, q: Buffer, k_cache: Buffer, v_cache: Buf
     else:
         scores = [kept.scores(0, q, k_cache, lengths, lse, rd), kept.scores(1, d_out, v_cache, lengths, lse, rd)]
     return [*scores,
-            *kept.kv_grad(sc, d_out, d_v, step, lengths, 1.0, splits),
-            *kept.kv_grad(ds, q, d_k, step, lengths, kept.scale, splits),
-            *kept.apply(ds, k_cache, d_q, step, lengths, kept.scale, splits)]
+            *kept.kv_grad(sc, d_out, d_v, starts, lengths, 1.0, splits),
+            *kept.kv_grad(ds, q, d_k, starts, lengths, kept.scale, splits),
+            *kept.apply(ds, k_cache, d_q, starts, lengths, kept.scale, splits)]

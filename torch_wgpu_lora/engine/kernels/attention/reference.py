@@ -11,12 +11,13 @@ import torch
 __all__ = ["attention_backward_reference", "attention_reference"]
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: int | Sequence[int],
                         lengths: torch.Tensor | Sequence[int], heads: int, kv_heads: int,
                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch attention in the kernels' layouts and masking, in ``q``'s dtype (float64
-    for tests): ``q`` ``[B*T, H*D]``, ``k``/``v`` ``[B, KVH, S, D]`` (S >= the longest length);
-    returns ``out`` ``[B*T, H*D]`` and ``lse`` ``[B*T, H]``.
+    for tests): ``q`` ``[B*T, H*D]``, ``k``/``v`` ``[B, KVH, S, D]`` (S >= the longest length),
+    query ``i`` of sequence ``b`` at position ``starts[b] + i`` (``starts`` one int: the same for
+    every sequence); returns ``out`` ``[B*T, H*D]`` and ``lse`` ``[B*T, H]``.
 
     Written as matmul + mask + softmax, independently of the kernels.
 
@@ -28,11 +29,12 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: 
     batch, _, keys, dim = k.shape
     tokens = q.shape[0] // batch
     lengths = torch.as_tensor(lengths, dtype=torch.long).reshape(batch)
+    first = _starts(starts, batch)
     qh = q.reshape(batch, tokens, heads, dim).transpose(1, 2)  # [B, H, T, D]
     kh = k.repeat_interleave(heads // kv_heads, dim=1)  # [B, H, S, D]
     vh = v.repeat_interleave(heads // kv_heads, dim=1)
     scores = (qh @ kh.transpose(-1, -2)) * scale  # [B, H, T, S]
-    last = torch.minimum(pos + torch.arange(tokens).view(1, tokens, 1), (lengths - 1).view(batch, 1, 1))
+    last = torch.minimum(first + torch.arange(tokens).view(1, tokens, 1), (lengths - 1).view(batch, 1, 1))
     allowed = torch.arange(keys).view(1, 1, keys) <= last  # [B, T, S]
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]
@@ -42,7 +44,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: 
 
 
 def attention_backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                                 lse: torch.Tensor, d_out: torch.Tensor, pos: int,
+                                 lse: torch.Tensor, d_out: torch.Tensor, starts: int | Sequence[int],
                                  lengths: torch.Tensor | Sequence[int], heads: int, kv_heads: int,
                                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The attention backward from explicit formulas, in the kernels' layouts and ``q``'s dtype:
@@ -62,6 +64,7 @@ def attention_backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     batch, _, keys, dim = k.shape
     tokens, group = q.shape[0] // batch, heads // kv_heads
     lengths = torch.as_tensor(lengths, dtype=torch.long).reshape(batch)
+    first = _starts(starts, batch)
 
     def heads_first(x: torch.Tensor) -> torch.Tensor:  # [B*T, H*D] -> [B, H, T, D]
         return x.reshape(batch, tokens, heads, dim).transpose(1, 2)
@@ -69,7 +72,7 @@ def attention_backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     qh, oh, doh = heads_first(q), heads_first(out), heads_first(d_out)
     kh = k.repeat_interleave(group, dim=1)  # [B, H, S, D]
     vh = v.repeat_interleave(group, dim=1)
-    last = torch.minimum(pos + torch.arange(tokens).view(1, tokens, 1), (lengths - 1).view(batch, 1, 1))
+    last = torch.minimum(first + torch.arange(tokens).view(1, tokens, 1), (lengths - 1).view(batch, 1, 1))
     allowed = (torch.arange(keys).view(1, 1, keys) <= last)[:, None]  # [B, 1, T, S]
     lse_h = lse.reshape(batch, tokens, heads).transpose(1, 2)[..., None]  # [B, H, T, 1]
     probs = torch.where(allowed, torch.exp(qh @ kh.transpose(-1, -2) * scale - lse_h), 0.0)
@@ -81,3 +84,10 @@ def attention_backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     d_k = d_k.reshape(batch, kv_heads, group, keys, dim).sum(2)
     d_v = d_v.reshape(batch, kv_heads, group, keys, dim).sum(2)
     return d_q.transpose(1, 2).reshape(batch * tokens, heads * dim), d_k, d_v
+
+
+def _starts(starts: int | Sequence[int], batch: int) -> torch.Tensor:
+    """Each sequence's first position, [B, 1, 1]."""
+    if isinstance(starts, int):
+        starts = [starts] * batch
+    return torch.as_tensor(list(starts), dtype=torch.long).reshape(batch, 1, 1)

@@ -1,0 +1,136 @@
+"""Generation for every record of a JSONL file of prompts, in batches, into a JSONL file of results
+(``torch-wgpu-lora generate --prompts-file IN.jsonl --output OUT.jsonl``).
+
+Each record of IN is a JSON object with one of:
+
+* ``"instruction"`` (and optionally ``"input"``): an Alpaca record, always in the template;
+* ``"prompt"``: text, in the template unless ``use_template=False`` (``--no-template``);
+* ``"messages"``: chat messages (``{"role", "content"}`` objects), in the tokenizer's chat template.
+
+Its other fields ride along: record i of OUT is record i of IN with ``"generated_text"`` added.
+OUT is rewritten whole after each batch (temp + rename, ``files.write_atomic``), so however a run
+ends, OUT holds whole records; a later run with the same IN and OUT continues after them (each
+line checked against its record first). Record i draws with ``seed + i``, so a resumed run gives
+what an uninterrupted one gives (greedy: whatever the seed; ``engine.generate``: a prompt's tokens
+do not depend on its batch).
+
+>>> # done, new = generate_file(engine, tokenizer, "prompts.jsonl", "out.jsonl", batch_size=16, max_new_tokens=64)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .files import write_atomic
+from .generation import Prompt, generate
+from .limits import SEED_LIMIT, check_seed
+
+__all__ = ["OUTPUT_FIELD", "PROMPT_FIELDS", "generate_file", "read_prompt_records"]
+
+OUTPUT_FIELD = "generated_text"
+PROMPT_FIELDS = ("instruction", "prompt", "messages")
+
+
+def read_prompt_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of the JSONL file ``path`` (blank lines skipped), each checked to hold one prompt;
+    ValueError naming the file and line of a bad one."""
+    records = []
+    text = Path(path).read_text(encoding="utf-8")
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}: line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where} is not JSON: {err.msg}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where} is not a JSON object")
+        kinds = [field for field in PROMPT_FIELDS if field in record]
+        if len(kinds) != 1:
+            raise ValueError(f"{where} needs exactly one of {', '.join(PROMPT_FIELDS)}; it has "
+                             f"{', '.join(kinds) or 'none'}")
+        if OUTPUT_FIELD in record:
+            raise ValueError(f"{where} already has a {OUTPUT_FIELD!r} field, which the output adds")
+        _check_prompt(record, kinds[0], where)
+        records.append(record)
+    if not records:
+        raise ValueError(f"{path} holds no records")
+    return records
+
+
+def _check_prompt(record: dict[str, Any], kind: str, where: str) -> None:
+    """ValueError naming ``where`` unless the record's prompt has the right types."""
+    value = record[kind]
+    if kind == "messages":
+        if not isinstance(value, list) or not value or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in value):
+            raise ValueError(f"{where}: messages must be a non-empty list of objects with string 'role' and "
+                             "'content'")
+        return
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where}: {kind} must be a non-empty string")
+    if kind == "instruction" and not isinstance(record.get("input", ""), str):
+        raise ValueError(f"{where}: input must be a string")
+
+
+def _prompt(record: dict[str, Any]) -> Prompt:
+    """What ``generation.generate`` takes for a record (it checks the values)."""
+    if "instruction" in record:
+        return {key: record[key] for key in ("instruction", "input") if key in record}
+    return record["prompt"] if "prompt" in record else record["messages"]
+
+
+def _done(output: Path, prompts: Path, records: list[dict[str, Any]]) -> str:
+    """What an earlier run left in ``output``: its lines, each the result of the record of its number."""
+    if not output.exists():
+        return ""
+    text = output.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    if len(lines) > len(records):
+        raise ValueError(f"{output} holds {len(lines)} records, more than the {len(records)} of {prompts}: it is the "
+                         "output of other prompts; choose another --output, or remove it to start over")
+    for number, (line, record) in enumerate(zip(lines, records), 1):
+        try:
+            result = json.loads(line) if line.endswith("\n") else None
+        except json.JSONDecodeError:
+            result = None
+        if not isinstance(result, dict) or OUTPUT_FIELD not in result or \
+                {k: v for k, v in result.items() if k != OUTPUT_FIELD} != record:
+            raise ValueError(f"{output}: line {number} is not the result of record {number} of {prompts}: it is the "
+                             "output of other prompts; choose another --output, or remove it to start over")
+    return text
+
+
+def generate_file(model: Any, tokenizer: Any, prompts: str | os.PathLike, output: str | os.PathLike, *,
+                  batch_size: int = 8, progress: bool = True, seed: int | None = None,
+                  **options: Any) -> tuple[int, int]:
+    """Generate for every record of ``prompts`` not yet in ``output`` (the module docstring),
+    ``batch_size`` records a ``generation.generate`` call (``options``: its settings); returns
+    (records in ``output``, records generated by this call). ``progress``: a progress bar on
+    stderr."""
+    from tqdm.auto import tqdm
+
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    check_seed(seed)
+    prompts, output = Path(prompts), Path(output)
+    records = read_prompt_records(prompts)
+    text = _done(output, prompts, records)
+    first = len(text.splitlines())
+    base = int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64)) if seed is None else seed
+    with tqdm(total=len(records), initial=first, desc="generating", unit="record", disable=not progress) as bar:
+        for start in range(first, len(records), batch_size):
+            batch = records[start:start + batch_size]
+            texts = generate(model, tokenizer, [_prompt(r) for r in batch], seed=(base + start) % SEED_LIMIT,
+                             **options)
+            text += "".join(json.dumps({**r, OUTPUT_FIELD: t}, ensure_ascii=False) + "\n" for r, t in zip(batch, texts))
+            write_atomic(output, text.encode("utf-8"))
+            bar.update(len(batch))
+    return len(records), len(records) - first
