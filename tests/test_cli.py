@@ -163,6 +163,9 @@ def test_train_refuses_an_earlier_run_without_resume(capsys, tiny, tmp_path):
 def test_train_bad_option_value(capsys, tiny, tmp_path):
     fails_with(capsys, ["train", "--model", str(tiny["dense"]), "--data", str(tiny["data"]),
                         "--output", str(tmp_path / "run"), "--batch-size", "0"], "batch_size must be an integer >= 1")
+    fails_with(capsys, ["train", "--model", str(tiny["dense"]), "--data", str(tiny["data"]), "--output",
+                        str(tmp_path / "run"), "--ddp-bucket-cap-mb", "0"],
+               "ddp_bucket_cap_mb must be a number of MiB > 0, got 0.0")
 
 
 def test_generate_missing_adapter(capsys, tiny, tmp_path):

@@ -248,7 +248,7 @@ def _train(args: argparse.Namespace) -> int:
                       early_stopping_patience=args.early_stopping_patience,
                       early_stopping_threshold=args.early_stopping_threshold, save_best=args.save_best,
                       report_to=args.report_to, progress=not args.no_progress, overwrite=args.overwrite,
-                      long_examples=args.long_examples)
+                      long_examples=args.long_examples, ddp_bucket_cap_mb=args.ddp_bucket_cap_mb)
     result = trainer.train(resume_from=args.resume)
     if parallel is not None and not parallel.is_main:
         return EXIT_OK  # rank 0 reports
@@ -501,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="several processes (torchrun, accelerate launch): how long a process waits for the others "
                    "in a collective before the run stops with an error (default: $TORCH_WGPU_LORA_DIST_TIMEOUT "
                    "or 300)")
+    p.add_argument("--ddp-bucket-cap-mb", type=float, default=trainer["ddp_bucket_cap_mb"], metavar="MIB",
+                   help="several processes: MiB of adapter gradients per all-reduce bucket; each bucket leaves the "
+                   "GPU as soon as the backward has produced it, the last layers' first (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_train)
     # train's options by option string, for --config (argparse has no public list of a parser's actions).

@@ -218,6 +218,27 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
     assert all(0 < r["share_of_ceiling"] for r in rates.values())
 
 
+def test_distributed_benchmark_times_each_buckets_exchange(tmp_path):
+    from torch_wgpu_lora.benchmarks import distributed
+
+    # one process on the exchange's path (an all-reduce that changes nothing), a bucket per layer
+    assert distributed.main(["--small", "--layers", "2", "--seq", "16", "--steps", "2", "--bucket-mb", "1e-6",
+                             "--fake-exchange", "--out", str(tmp_path / "split.json")]) == 0
+    result = json.loads((tmp_path / "split.json").read_text())
+    assert result["world_size"] == 1 and result["fake_exchange"] and result["buckets"] == 2
+    assert result["loss"] is not None and len(result["step_walls_s"]) == 2
+    assert 0 <= result["gradient_all_reduce_s"] and 0 < result["exchange_exposed_s"] < result["step_s"]
+    assert result["exposed_share"] == pytest.approx(result["exchange_exposed_s"] / result["step_s"])
+    # a step's timeline: two buckets' all-reduces (0.4 s and 0.5 s), then 0.7 s from the last readback
+    # to the sums written back
+    events = [("submitted", 0, 0.0), ("submitted", 1, 1.0), ("read", 0, 1.5), ("reduce", 0, 1.6),
+              ("reduced", 0, 2.0), ("read", 1, 3.0), ("reduce", 1, 3.1), ("reduced", 1, 3.6), ("written", -1, 3.7),
+              ("updated", -1, 4.0)]
+    assert distributed.exchange_times(events) == pytest.approx((0.9, 0.7))
+    with pytest.raises(SystemExit):
+        distributed.main(["--small", "--bucket-mb", "0", "--out", str(tmp_path / "x.json")])
+
+
 def test_kernel_work_counts_the_projections_and_head_as_torch_counts_them():
     """kernel_work's GEMM operations against torch's FLOP counter on the dense model (the same
     shapes): the layers' linear projections, and the LM head of every position (training)."""

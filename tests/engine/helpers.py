@@ -155,23 +155,37 @@ def micro_batches(model: torch.nn.Module, seed: int) -> list[dict[str, torch.Ten
     return [labelled_batch(model, lengths, seed=seed + i) for i, lengths in enumerate(([9, 5], [7, 7, 3]))]
 
 
-def torch_step(twin: torch.nn.Module, micro: list[dict], optimizer: torch.optim.Optimizer,
-               max_norm: float = 1.0) -> None:
-    """The torch path's step over ``micro``: the loss weighted per labelled token, clipping, AdamW."""
+def torch_grads(twin: torch.nn.Module, micro: list[dict]) -> tuple[dict[str, torch.Tensor], float]:
+    """The torch path's backward of a step over ``micro`` (the loss per labelled token of the whole
+    step) into the adapters' ``.grad``; returns those gradients by parameter name, and the step's
+    summed loss."""
     tokens = sum(labelled_tokens(b["labels"]) for b in micro)
+    loss_sum = 0.0
     for b in micro:
-        (twin(**b).loss * labelled_tokens(b["labels"]) / tokens).backward()
+        out = twin(**b)
+        n = labelled_tokens(b["labels"])
+        (out.loss * n / tokens).backward()
+        loss_sum += out.loss.item() * n
+    return {name: p.grad.clone() for name, p in twin.named_parameters() if "lora_" in name}, loss_sum
+
+
+def torch_step(twin: torch.nn.Module, micro: list[dict], optimizer: torch.optim.Optimizer,
+               max_norm: float = 1.0) -> float:
+    """The torch path's step over ``micro``: the loss weighted per labelled token, clipping, AdamW;
+    returns the step's summed loss."""
+    loss_sum = torch_grads(twin, micro)[1]
     torch.nn.utils.clip_grad_norm_(lora_parameters(twin), max_norm)
     optimizer.step()
     optimizer.zero_grad()
+    return loss_sum
 
 
-def twins(seed: int, dropout: float = 0.0) -> tuple:
-    """A model with adapters, its deep copy, the engine on the first and the two optimizers
-    (WgpuAdamW on the engine's, torch.optim.AdamW on the copy's) with the same settings. eps
-    comparable to the gradients (not 1e-7): the update is then proportional to the gradient rather
-    than its sign, so a comparison sees the gradient's size too."""
-    model = tiny_model("dense", adapters=True, seed=seed)
+def twins(seed: int, dropout: float = 0.0, **config) -> tuple:
+    """A model with adapters (``config``: tiny_model's overrides), its deep copy, the engine on the
+    first and the two optimizers (WgpuAdamW on the engine's, torch.optim.AdamW on the copy's) with
+    the same settings. eps comparable to the gradients (not 1e-7): the update is then proportional
+    to the gradient rather than its sign, so a comparison sees the gradient's size too."""
+    model = tiny_model("dense", adapters=True, seed=seed, **config)
     randomize_lora_B(model, seed=seed + 1)
     twin = copy.deepcopy(model)
     ours = WgpuAdamW(lora_parameters(model), lr=5e-3, eps=1e-3)

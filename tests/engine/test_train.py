@@ -33,7 +33,7 @@ from torch_wgpu_lora.runtime import Recorder, get_device
 
 from ..concurrency import in_forked_child
 from .helpers import (CONFIGS, LOGIT_RTOL, LOSS_RTOL, TWIN_RTOL, assert_close, assert_twins_agree, batch,
-                      labelled_batch, micro_batches, tiny_model, torch_step, twins)
+                      labelled_batch, micro_batches, tiny_model, torch_grads, torch_step, twins)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -179,12 +179,7 @@ def test_one_optimizer_step_is_one_submit_and_matches_the_torch_path():
     # the torch path, step by step, on the twin
     params = lora_parameters(twin)
     tokens = sum(labelled_tokens(b["labels"]) for b in micro)
-    loss_sum = 0.0
-    for b in micro:
-        out = twin(**b)
-        n = labelled_tokens(b["labels"])
-        (out.loss * n / tokens).backward()
-        loss_sum += out.loss.item() * n
+    _, loss_sum = torch_grads(twin, micro)
     norm = torch.nn.utils.clip_grad_norm_(params, 0.05)
     assert abs(done["loss"] - loss_sum / tokens) <= 1e-5 * loss_sum / tokens
     assert abs(done["grad_norm"] - norm.item()) <= 1e-4 * norm.item() and done["tokens"] == tokens

@@ -2,7 +2,9 @@
 process a fresh interpreter with its own WebGPU device, here all on lavapipe) against one process.
 
 Reference: the same Trainer in this (single) process with the global batch, i.e. batch 2b on one
-rank for batch b on each of two ranks. Every step must see the same examples, the same global
+rank for batch b on each of two ranks; also with the engine's gradients exchanged a layer at a
+time, and for the command line under one torchrun and under two (two "nodes" meeting at a c10d
+rendezvous on the loopback address). Every step must see the same examples, the same global
 loss, token count and gradient norm, and end with the same adapters.
 
 Tolerance: ``TOLERANCE`` = 1e-5 of each adapter tensor's largest magnitude after 4 steps, and
@@ -135,8 +137,10 @@ def _run(run: dict, rank: int, tokenizer, folder: Path, model_path: str) -> dict
         distributed._cpu_backend = cpu_backend
     save_file({k: v.contiguous() for k, v in lora_state_dict(model).items()},
               str(folder / f"{run['name']}-rank{rank}.safetensors"))
+    events = [] if trainer.engine is None else trainer.engine.optimizer_step.exchange_events
     return {"steps": result.steps, "loss": result.loss, "eval_loss": result.eval_loss,
-            "own_group": trainer.dist.group is not None}
+            "own_group": trainer.dist.group is not None,
+            "buckets": sum(what == "reduce" for what, _, _ in events)}  # of the last step
 
 
 # -- launching ----------------------------------------------------------------------------------------
@@ -227,6 +231,8 @@ def two_ranks(tiny, tmp_path_factory):
         {"name": "resumed", "output": "resume", "options": engine, "resume": True},
         {"name": "diverged", "output": "diverged", "options": dict(engine, check_every=1), "perturb_at": 1},
         {"name": "disagree", "output": "disagree", "options": engine, "rank1": {"lr": 1e-3}},
+        {"name": "buckets", "output": "buckets", "options": dict(engine, ddp_bucket_cap_mb=1e-6)},  # a layer each
+        {"name": "bucket_sizes", "output": "bucket-sizes", "options": engine, "rank1": {"ddp_bucket_cap_mb": 0.5}},
         {"name": "refused", "output": "engine", "options": engine},  # a fresh run over rank 0's earlier one
         {"name": "from_one", "output": "single", "options": engine, "resume": True},
         {"name": "beside", "output": "beside", "options": engine, "eval": True, "beside": True},
@@ -384,6 +390,21 @@ def test_a_two_rank_checkpoint_resumes_bit_identically_and_only_with_two_ranks(t
         trainer.train(resume_from=True)
 
 
+def test_gradients_exchanged_a_layer_at_a_time_train_the_adapters_one_rank_trains_with_the_global_batch(
+        tiny, two_ranks, tmp_path):
+    # A bucket per layer (the tiny model has two): each all-reduced while the backward runs on.
+    folder, results = two_ranks
+    assert [r["buckets"]["buckets"] for r in results] == [2, 2]
+    assert [r["engine"]["buckets"] for r in results] == [1, 1]  # the default size holds the tiny model's whole
+    adapter, metrics, result = reference(tiny, tmp_path, "engine")
+    ours = load(folder, "buckets", 0)
+    assert_close_adapters(ours, adapter)
+    for key, value in load(folder, "buckets", 1).items():
+        assert torch.equal(value, ours[key]), key
+    assert_same_steps(read_metrics(folder / "buckets-rank0"), metrics)
+    assert abs(results[0]["buckets"]["loss"] - result.loss) <= 1e-5 * result.loss
+
+
 def test_a_gloo_group_beside_a_default_group_that_takes_no_cpu_tensors_trains_the_same(two_ranks):
     # What runs under an NCCL default group (CPU builds have none, so the test forces that branch):
     # the same collectives over a gloo group of its own, the same steps, the same adapters.
@@ -412,12 +433,15 @@ def test_diverged_adapters_stop_every_rank_naming_the_rank(two_ranks):
         assert "after step 1 the adapters of rank 1 differ from rank 0's" in diverged["message"]
 
 
-def test_ranks_given_other_settings_are_refused_before_training(two_ranks):
+@pytest.mark.parametrize("run, differ", [
+    ("disagree", "lr: rank 0 0.005, rank 1 0.001"),
+    ("bucket_sizes", "ddp_bucket_cap_mb: rank 0 1.0, rank 1 0.5"),  # each bucket's all-reduce would pair other sizes
+])
+def test_ranks_given_other_settings_are_refused_before_training(two_ranks, run, differ):
     _, results = two_ranks
     for result in results:
-        assert result["disagree"]["error"] == "DistributedError"
-        assert ("the processes were given different training settings (lr: rank 0 0.005, rank 1 0.001)"
-                in result["disagree"]["message"])
+        assert result[run]["error"] == "DistributedError"
+        assert f"the processes were given different training settings ({differ})" in result[run]["message"]
 
 
 def test_rank_0_decides_about_the_output_folder_for_every_rank(two_ranks):
@@ -458,23 +482,63 @@ def test_a_killed_or_hung_rank_ends_the_other_with_a_clear_error_within_the_time
         assert status[1] == 0 and results[1][failure]["error"] == "RankLost"  # rank 1 woke to a dead run
 
 
-def test_torchrun_runs_the_command_line_on_two_processes(tiny, tmp_path):
-    data = tmp_path / "data.json"
+@pytest.fixture(scope="module")
+def command_line(tiny, tmp_path_factory):
+    """The command line's training options (a data file of RECORDS), and their run in this one process
+    with the global batch (4 examples a step): its metrics records."""
+    folder = tmp_path_factory.mktemp("command-line")
+    data = folder / "data.json"
     data.write_text(json.dumps(RECORDS))
     args = ["train", "--model", tiny["model"], "--data", str(data), "--max-steps", "2", "--no-progress",
             "--lr", "5e-3", "--dist-timeout", "60"]
+    from torch_wgpu_lora.cli import main
+
+    assert main([*args, "--output", str(folder / "one"), "--batch-size", "4"]) == 0
+    return args, read_metrics(folder / "one")
+
+
+def assert_same_command_line_steps(ours: list[dict], theirs: list[dict]):
+    assert len(ours) == len(theirs) == 2
+    for a, b in zip(ours, theirs):
+        assert a["tokens"] == b["tokens"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"]
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"]
+
+
+def test_torchrun_runs_the_command_line_on_two_processes(command_line, tmp_path):
+    args, one = command_line
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", **ranks_env()}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "torch_wgpu_lora", *args, "--output", str(tmp_path / "two"), "--batch-size", "2"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("trained 2 steps") == 1  # rank 0 alone prints
-    from torch_wgpu_lora.cli import main
+    assert_same_command_line_steps(read_metrics(tmp_path / "two"), one)
 
-    assert main([*args, "--output", str(tmp_path / "one"), "--batch-size", "4"]) == 0
-    two, one = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
-    for a, b in zip(two, one):
-        assert a["tokens"] == b["tokens"]
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"]
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"]
-    assert len(two) == len(one) == 2
+
+def test_torchrun_on_two_nodes_meeting_at_a_c10d_rendezvous_trains_as_one_process(command_line, tmp_path):
+    # Two machines as one machine can stand for them: two torchrun launches of one process each
+    # (each its node's LOCAL_RANK 0, as on separate machines), meeting at the c10d rendezvous on
+    # the loopback address, the gradients exchanged a layer at a time.
+    args, one = command_line
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", **ranks_env()}
+    nodes = []
+    for node in range(2):
+        with open(tmp_path / f"node{node}.txt", "w") as log:  # files, not pipes: a full pipe would block
+            nodes.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+                 "-m", "torch_wgpu_lora", *args, "--output", str(tmp_path / "two"), "--batch-size", "2",
+                 "--ddp-bucket-cap-mb", "1e-6"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        status = [p.wait(timeout=180) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = [(tmp_path / f"node{node}.txt").read_text(errors="replace") for node in range(2)]
+    assert status == [0, 0], [log[-3000:] for log in logs]
+    assert sum(log.count("trained 2 steps") for log in logs) == 1  # rank 0 alone prints, on one node
+    assert_same_command_line_steps(read_metrics(tmp_path / "two"), one)

@@ -352,6 +352,9 @@ def test_bad_setups_are_refused_with_reasons(base, tmp_path):
     assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be an integer >= 1, got 0"):
         Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path, gradient_accumulation_steps=0))
+    for cap in (0, -1.0, math.nan, math.inf, True, "25"):
+        with pytest.raises(ValueError, match=rf"ddp_bucket_cap_mb must be a number of MiB > 0, got {cap!r}"):
+            Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path, ddp_bucket_cap_mb=cap))
     with pytest.raises(FileNotFoundError, match="resume_from=True, but .* holds no checkpoint"):
         train(fresh_model(base), base[1], RECORDS, resume_from=True, **options(tmp_path))
     train(fresh_model(base), base[1], RECORDS, **options(tmp_path, max_steps=1))

@@ -42,7 +42,7 @@ from .config import EngineConfig
 from .generate import DecodeSession
 from .generate_api import engine_transformers_generate
 from .plan import ForwardPlan, KVCache
-from .step import OptimizerStep
+from .step import DEFAULT_BUCKET_BYTES, OptimizerStep, check_bucket_bytes
 from .train_plan import TrainPlan
 from .weights import EngineWeights, upload_weights
 from .workspace import MemoryReport, MemoryRow, Workspace
@@ -267,11 +267,11 @@ class BitNetEngine(nn.Module):
         return engine_transformers_generate(self, input_ids, attention_mask, generation_config, streamer, tokenizer,
                                             **kwargs)
 
-    # -- the fast path: a whole optimizer step in one submit -------------------------------------
+    # -- the fast path: a whole optimizer step in one submit (a few with a gradient exchange) ---------
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], optimizer: Any, max_grad_norm: float, *,
                    all_reduce: Callable[[torch.Tensor], Any] | None = None,
-                   labelled_total: int | None = None) -> dict[str, Any]:
+                   labelled_total: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, Any]:
         """One optimizer step in one command buffer: every micro-batch's forward, loss and
         backward (gradients accumulated, the loss weighted per labelled token over the whole
         step, as ``training.trainer.accumulate_gradients``), the global-norm clip, and the
@@ -284,16 +284,20 @@ class BitNetEngine(nn.Module):
         all_reduce``), and ``labelled_total``, the step's labelled tokens summed over the
         processes (all-reduced before this call: every process scales its loss gradient by
         1 / ``labelled_total``, so the sum of their gradients is the one-process gradient of
-        the whole global batch). The step is then two submits:
+        the whole global batch). The gradients are then exchanged while the backward runs, as
+        DDP's buckets are (``engine.step``):
 
-        1. every micro-batch's forward, loss and backward; the flat gradient buffer (laid out
-           like ``adapters.params``, a few MB) and the per-token losses are read back;
-        2. after ``all_reduce`` of [gradients..., loss sum] (one tensor) on the CPU, the summed
-           gradients are written back over the GPU's, and the global-norm clip and AdamW run
-           on them, as in the one-submit path.
+        1. the backward goes to the GPU in parts, one per bucket of layers of about
+           ``bucket_bytes`` of gradients (the last layers first), each part reading its bucket
+           back (the flat gradient buffer is laid out like ``adapters.params``, a few MB);
+        2. while the GPU runs the next part, a thread of the step's own calls ``all_reduce`` on
+           the bucket (one tensor each; the last one carries the loss sum too);
+        3. once the last bucket is summed, the sums are written back over the GPU's gradients and
+           the global-norm clip and AdamW run on them, as in the one-submit path.
 
-        Every process then applies the same update to the same numbers. Without ``all_reduce``
-        the step is the one submit above (``labelled_total``, if given, still sets the scale).
+        Every process then applies the same update to the same numbers; every process must pass
+        the same ``bucket_bytes``, so that their buckets match. Without ``all_reduce`` the step is
+        the one submit above (``labelled_total``, if given, still sets the scale).
 
         While the GPU runs a step, the host encodes the next one's command buffer (same shape,
         micro-batch count and ``max_grad_norm``; none of the step's values are in it: inputs,
@@ -303,6 +307,7 @@ class BitNetEngine(nn.Module):
         Micro-batches are padded to one shape. Returns {"loss", "tokens", "grad_norm", "skipped"}
         ("loss" and "tokens" over every process when ``all_reduce`` is given).
         """
+        check_bucket_bytes(bucket_bytes)
         with self.lock:
             self._follow_adapters()
             self.optimizer_step.check_optimizer(optimizer)
@@ -325,7 +330,8 @@ class BitNetEngine(nn.Module):
                 labelled = labelled_total
             if labelled == 0:
                 raise ValueError("the micro-batches hold no labelled token: nothing to compute a loss on")
-            return self.optimizer_step.run(plan, len(micro_batches), labelled, optimizer, max_grad_norm, all_reduce=all_reduce)
+            return self.optimizer_step.run(plan, len(micro_batches), labelled, optimizer, max_grad_norm,
+                                           all_reduce=all_reduce, bucket_bytes=bucket_bytes)
 
     # -- memory -----------------------------------------------------------------------------------
 

@@ -29,7 +29,9 @@ BitNet-2B with Q/V adapters: 7 launches a layer rather than 11.
 
 A ``Program`` is the launches in order, with the points where activations are quantised marked,
 so that ``record(capture=...)`` can copy the int8 codes a pass chose (tests feed them to the
-torch model).
+torch model), and named points (``mark``) where a caller may split it over several command
+buffers (``record(start=..., stop=...)``: a training step's gradient exchange sends each bucket of
+layers as soon as the backward has passed them).
 
 >>> # program = Program(); emit_embedding(program, shape, ids)
 >>> # for i in range(config.layers): emit_layer(program, shape, i, io[i])
@@ -37,6 +39,7 @@ torch model).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,9 +77,14 @@ class Program:
     def __init__(self) -> None:
         self.steps: list[Launch | Indirect] = []
         self._quantised: dict[int, tuple[tuple[int, str], Buffer, Buffer]] = {}  # step index -> (key, codes, meta)
+        self.marks: dict[Hashable, int] = {}  # name -> the index of the step added after it was marked
 
     def add(self, *steps: Launch | Indirect) -> None:
         self.steps.extend(steps)
+
+    def mark(self, name: Hashable) -> None:
+        """Name the point before the next step added: ``marks[name]`` is that step's index."""
+        self.marks[name] = len(self.steps)
 
     def quantises(self, key: tuple[int, str], codes: Buffer, meta: Buffer) -> None:
         """The next step added quantises the activations of ``key`` = (layer, site) into ``codes`` and
@@ -91,10 +99,15 @@ class Program:
     def __len__(self) -> int:
         return len(self.steps)
 
-    def record(self, rec: Recorder, capture: dict | None = None) -> None:
-        """Record every step into ``rec``. ``capture``, a dict, receives a copy of each activation
-        quantisation: ``capture[(layer, site)] = (codes, meta)`` buffers (``read_codes`` reads them)."""
-        for index, step in enumerate(self.steps):
+    def record(self, rec: Recorder, capture: dict | None = None, start: int = 0, stop: int | None = None) -> None:
+        """Record steps ``start`` to ``stop`` (default: every step) into ``rec``. ``capture``, a dict,
+        receives a copy of each activation quantisation: ``capture[(layer, site)] = (codes, meta)``
+        buffers (``read_codes`` reads them)."""
+        stop = len(self.steps) if stop is None else stop
+        if not 0 <= start <= stop <= len(self.steps):
+            raise ValueError(f"steps {start} to {stop} of a program of {len(self.steps)}")
+        for index in range(start, stop):
+            step = self.steps[index]
             if isinstance(step, Indirect):
                 rec.launch_indirect(step.launch, step.grids, 4 * step.at)
             else:

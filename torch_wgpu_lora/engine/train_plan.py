@@ -236,6 +236,7 @@ class TrainPlan:
                                         self.d_resid, tokens=self.rows, k=c.hidden, device=d))
         for index in reversed(range(c.layers)):
             layer, sites, io = w.layers[index], a.sites[index], self.layers[index]
+            out.mark(("backward", index))
             out.add(*self._adapter_grads(shape, sites["down"], self.d_resid, io.down, index, "down"),
                     *self._project_t(shape, layer.down, self.d_resid, self.d_ffn_xn, c.intermediate, sites["down"],
                                      index, "down"),
@@ -311,10 +312,20 @@ class TrainPlan:
         """The loss gradient's factor per labelled token (1 / the step's labelled tokens)."""
         write(self.scale, np.array([scale], np.float32))
 
-    def record(self, rec: Recorder, slot: int, capture: dict | None = None) -> None:
-        """Forward, loss and backward of micro-batch ``slot`` (gradients add into ``grads``).
-        ``capture`` as ``Program.record``'s."""
-        self.slots[slot].program.record(rec, capture)
+    def record(self, rec: Recorder, slot: int, capture: dict | None = None, start: int = 0,
+               stop: int | None = None) -> None:
+        """Forward, loss and backward of micro-batch ``slot`` (gradients add into ``grads``), or its
+        steps ``start`` to ``stop`` (``backward_done``). ``capture`` as ``Program.record``'s."""
+        self.slots[slot].program.record(rec, capture, start, stop)
+
+    def backward_done(self, layer: int) -> int:
+        """The index of the step, in every slot's program, after which the backward has passed
+        decoder layer ``layer``: its adapters' gradients are complete (the next layer down's
+        backward starts there; the program ends after layer 0's)."""
+        program = self.slots[0].program
+        if not 0 <= layer < self.config.layers:
+            raise ValueError(f"layer {layer} of a model of {self.config.layers} layers")
+        return program.marks[("backward", layer - 1)] if layer > 0 else len(program)
 
     def loss_and_grads(self, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int],
                        dropout: tuple[int, float] | None = None,

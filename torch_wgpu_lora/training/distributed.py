@@ -10,8 +10,10 @@ What the processes ("ranks") share, and how (``Trainer`` calls these; see its do
   every rank starts from rank 0's adapters whatever each one was initialised with;
 * each optimizer step: the step's labelled-token and token counts (one all-reduce, before the
   forward, so that every rank scales its loss by the global count), then the flattened LoRA
-  gradients with the rank's loss sum appended (one all-reduce of a few MB, float32); every
-  rank then clips and applies the same AdamW update to the same numbers;
+  gradients with the rank's loss sum appended (float32, a few MB: on the engine one
+  all-reduce per bucket of layers, from a thread of the step's own while the backward goes
+  on, ``engine.step``; on the torch path one all-reduce); every rank then clips and applies the
+  same AdamW update to the same numbers;
 * every ``check_every`` steps and before every checkpoint: a CRC-32 of the adapters' bytes
   from every rank (one all-gather); ranks that differ from rank 0 stop the run
   (``RanksDiverged``, naming them);

@@ -41,7 +41,8 @@ adapter over all of them; ``training.distributed`` says what they exchange. Each
 seeded order is dealt out among the ranks as ``DistributedSampler`` deals it (``data.shard``),
 so with ``batch_size`` b on each of W ranks, each step covers the examples one process with
 batch W·b would. Each step all-reduces the labelled-token count first and scales every rank's
-loss by the global count, then all-reduces the flattened adapter gradients (with the loss):
+loss by the global count, then all-reduces the flattened adapter gradients (with the loss; on
+the engine in buckets of ``ddp_bucket_cap_mb`` while the backward runs, as DDP's buckets):
 the loss, the gradient, the clip and the AdamW update are those of one process with the
 whole batch, up to float32 summation order, and every rank applies the same update (a
 checksum all-gather every ``check_every`` steps and before each checkpoint proves it).
@@ -68,6 +69,7 @@ import numpy as np
 import torch
 
 from ..engine import choose_engine
+from ..engine.step import DEFAULT_BUCKET_BYTES
 from ..integrations.adapters import load_adapter, save_adapter
 from ..integrations.bitnet import lora_parameters
 from ..integrations.peft import from_peft, peft_layers
@@ -291,7 +293,9 @@ class Trainer:
     streams (rank 0 takes ``seed`` itself), ``callback`` runs on every rank with the global
     record, the progress bar and every file belong to rank 0, and ``check_every`` (steps, 0 =
     only at checkpoints) says how often the ranks compare checksums of their adapters. The
-    engine's step is then two submits (``BitNetEngine.train_step``'s ``all_reduce``).
+    engine exchanges the gradients in buckets of ``ddp_bucket_cap_mb`` MiB (the same on every
+    rank) while the backward runs: each bucket, a run of layers, is all-reduced as soon as the
+    backward has passed those layers (``BitNetEngine.train_step``'s ``all_reduce``).
 
     >>> # trainer = Trainer(model, tokenizer, "train.jsonl", eval_data="val.jsonl", max_steps=200)
     >>> # result = trainer.train()             # or trainer.train(resume_from=True) after a stop
@@ -309,7 +313,8 @@ class Trainer:
                  load_best_at_end: bool = False, report_to: str | Sequence[str] = (), progress: bool = True,
                  plot: bool = True, overwrite: bool = False,
                  callback: TrainerCallback | Callable[[dict[str, Any]], None] | None = None,
-                 engine: str = "auto", check_every: int = 50, long_examples: str = "refuse") -> None:
+                 engine: str = "auto", check_every: int = 50, long_examples: str = "refuse",
+                 ddp_bucket_cap_mb: float = DEFAULT_BUCKET_BYTES / 2**20) -> None:
         if peft_layers(model):  # a PeftModel: trained through our adapters sharing its Parameters
             model = from_peft(model)
         self.params = lora_parameters(model)
@@ -325,6 +330,10 @@ class Trainer:
         self.save_total_limit = _positive_int("save_total_limit", save_total_limit)
         self.max_bad_steps = _positive_int("max_bad_steps", max_bad_steps)
         self.check_every = _positive_int("check_every", check_every, allow_zero=True)
+        if isinstance(ddp_bucket_cap_mb, bool) or not isinstance(ddp_bucket_cap_mb, (int, float)) \
+                or not 0 < ddp_bucket_cap_mb < math.inf:
+            raise ValueError(f"ddp_bucket_cap_mb must be a number of MiB > 0, got {ddp_bucket_cap_mb!r}")
+        self.bucket_bytes = max(1, round(ddp_bucket_cap_mb * 2**20))
         self.max_grad_norm = max_grad_norm
         clip_grad_norm([], max_grad_norm)  # checks the value now rather than at the first step
         if callback is not None and not isinstance(callback, TrainerCallback) and not callable(callback):
@@ -523,6 +532,7 @@ class Trainer:
                               "eval_data": None if self.eval_examples is None else _fingerprint(self.eval_examples),
                               "eval_every": self.eval_every, "save_every": self.save_every,
                               "check_every": self.check_every, "resume_from": bool(resume_from),
+                              "ddp_bucket_cap_mb": self.bucket_bytes / 2**20,
                               "adapters": [list(p.shape) for p in self.params]}, "training settings")
 
         def prepare() -> dict[str, Any]:  # rank 0: the files; what it read goes to every rank
@@ -646,11 +656,12 @@ class Trainer:
         tokens = int(sum(b["attention_mask"].sum() for b in micro_batches))
         if self.dist is not None:  # global counts first: every rank divides its loss by the global count
             labelled, tokens = self.dist.sum_ints([labelled, tokens], f"the token-count all-reduce of step {step}")
-        if self.engine is not None:  # the whole step in one submit (two when data-parallel)
+        if self.engine is not None:  # the whole step in one submit (a few when data-parallel)
             reduce = None if self.dist is None else (
                 lambda flat: self.dist.all_reduce_(flat, f"the gradient all-reduce of step {step}"))
             done = self.engine.train_step(micro_batches, self.optimizer, self.max_grad_norm, all_reduce=reduce,
-                                          labelled_total=None if self.dist is None else labelled)
+                                          labelled_total=None if self.dist is None else labelled,
+                                          bucket_bytes=self.bucket_bytes)
             loss = math.nan if done["skipped"] else done["loss"]
             grad_norm, skipped = done["grad_norm"], done["skipped"]
         else:
