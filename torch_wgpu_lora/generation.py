@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .engine import BitNetEngine
+from .engine.generate import engine_generate_batch
 from .limits import SEED_LIMIT, check_context, check_seed, model_context
 from .logits import check_processing, process_logits
 from .prompts import check_unicode, format_prompt
@@ -204,8 +206,6 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
         raise ValueError("no prompts to generate for: the list is empty")
     if streamer is not None and len(prompts) != 1:
         raise ValueError(f"a streamer prints one generation; {len(prompts)} prompts were given")
-    from .engine import BitNetEngine
-
     engine = model if isinstance(model, BitNetEngine) else None
     eos = _eos_ids(eos_token_id, tokenizer, engine.model if engine is not None else model)
     prompt_ids = [_prompt_ids(p, tokenizer, use_template) for p in prompts]
@@ -218,8 +218,6 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
     if streamer is not None:
         streamer.put(torch.tensor([prompt_ids[0]]))
     if engine is not None:
-        from .engine.generate import engine_generate_batch
-
         def stream(row: int, token: int) -> bool:
             streamer.put(torch.tensor([token]))
             return False  # the streamer ends nothing

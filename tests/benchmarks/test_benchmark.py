@@ -186,8 +186,10 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
 
     engine.main(["--small", "--layers", "1", "--no-hf", "--out", str(tmp_path), "--prefill", "16", "--prompt", "4",
                  "--new-tokens", "4", "--repeats", "1", "--train", "16", "--train-steps", "1", "--drop-in", "8",
-                 "--drop-in-steps", "2", "--batched", "1x16,3x16"])
+                 "--drop-in-steps", "2", "--batched", "1x16,3x16", "--decode-batches", "3"])
     result = json.loads((tmp_path / "engine.json").read_text())
+    decoded = result["decode_batches"]["3"]  # three prompts decoded at once: every row's tokens counted
+    assert decoded["tok_per_s"] == pytest.approx(3 * 4 / decoded["wall_s"]) and decoded["new_tokens"] == 4
     batched = result["batched"]["engine"]  # training steps and prefill passes of several sequences a step
     assert set(batched) == {"1x16", "3x16"} and all(b["train_tok_per_s"] > 0 and b["prefill_tok_per_s"] > 0
                                                     for b in batched.values())

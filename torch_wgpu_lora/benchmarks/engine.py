@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..engine import BitNetEngine
-from ..engine.generate import engine_generate
+from ..engine.generate import engine_generate, engine_generate_batch
 from ..engine.kernels.attention import keeps_probabilities, scores_kept_whole
 from ..integrations.bitnet import (PROJECTIONS, apply_lora, lora_modules, lora_parameters, projection, set_backend,
                                    swapped_dropout)
@@ -605,6 +605,28 @@ def measure_batched(engine: Any, config: Any, shapes: list[tuple[int, int]], ste
     return out
 
 
+def measure_decode_batches(engine: Any, batches: list[int], prompt: int, new_tokens: int, repeats: int,
+                           tokens_per_submit: int, log: Log) -> dict[str, Any]:
+    """Greedy decoding of ``batch`` prompts of ``prompt`` random tokens at once, ``new_tokens``
+    each, for each of ``batches``: one unmeasured generation, then the median wall time of
+    ``repeats``; tok/s counts every row's new tokens. Keys: the batch sizes."""
+    g = torch.Generator().manual_seed(5)
+    out: dict[str, Any] = {}
+    for batch in batches:
+        prompts = torch.randint(0, engine.engine_config.vocab, (batch, prompt), generator=g).tolist()
+
+        def generation() -> None:
+            engine_generate_batch(engine, prompts, new_tokens, set(), tokens_per_submit=tokens_per_submit)
+
+        wall = _median_wall(generation, 1, repeats)
+        out[str(batch)] = {"prompt": prompt, "new_tokens": new_tokens, "wall_s": wall,
+                           "tok_per_s": batch * new_tokens / wall}
+        log(f"decode, {batch} prompts at once: {out[str(batch)]}")
+        engine.release_plans()
+        gc.collect()
+    return out
+
+
 def _measure_hf_batched(config: Any, shapes: list[tuple[int, int]], steps: int, log: Log,
                         g: torch.Generator) -> dict[str, Any]:
     """``measure_batched``'s HF + PEFT part."""
@@ -694,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batched", default="", metavar="SHAPES",
                         help=f"also training and prefill at these SEQUENCESxTOKENS a step (e.g. {BATCHED}), beside "
                         "HF + PEFT (sdpa) eager and compiled")
+    parser.add_argument("--decode-batches", default="", metavar="SIZES",
+                        help="also greedy decoding of this many prompts at once, comma-separated (e.g. 16,64)")
     parser.add_argument("--checks", default=DEFAULT_SHADER_CHECKS, help="shader-check modes to measure the engine "
                         "in, e.g. bounds,full (TORCH_WGPU_LORA_SHADER_CHECKS); results of modes other than the default "
                         "are keyed with a suffix")
@@ -753,6 +777,11 @@ def main(argv: list[str] | None = None) -> int:
                 result["hf_peft_training"] = theirs
             save()
     engine.device.configure(default_settings)
+    decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
+    if decode_batches:
+        result["decode_batches"] = measure_decode_batches(engine, decode_batches, args.prompt, args.new_tokens,
+                                                          max(1, args.repeats // 2), args.tokens_per_submit, log)
+        save()
     shapes = batched_shapes(args.batched)
     if shapes:
         result["batched"] = measure_batched(engine, config, shapes, args.train_steps, log, hf=False)

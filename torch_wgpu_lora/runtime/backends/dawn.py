@@ -16,6 +16,9 @@ from wgpu-native, and how this backend handles it:
 * WGSL: Tint needs ``enable subgroups;`` for subgroup operations and
   ``enable chromium_experimental_subgroup_matrix;`` for subgroup matrices; the runtime writes
   those lines.
+* Timestamps: Dawn rounds them down to steps of 65.536 µs by default (a browser's guard against
+  timing attacks); per-dispatch profiles of kernels that take a few µs need the full resolution,
+  so the device is made without ``timestamp_quantization``.
 * Waits and maps: the ticket of a submit is the queue's work-done future taken right after it
   (Dawn completes it once the work submitted so far has finished); maps go through wgpudawn's
   ``map_async``, whose synchronous wait blocks on that one map's future.
@@ -67,7 +70,8 @@ class Dawn(Backend):
                                "which threads cannot share its device")
         toggles = ["disable_robustness"] if checks == "none" else []
         return self._extras.request_device_sync(adapter, required_features=[*features, THREADS_FEATURE],
-                                                required_limits=limits, enable_toggles=toggles)
+                                                required_limits=limits, enable_toggles=toggles,
+                                                disable_toggles=["timestamp_quantization"])
 
     def subgroup_matrix_configs(self, adapter: Any) -> list[dict[str, Any]]:
         if SUBGROUP_MATRIX not in adapter.features:
