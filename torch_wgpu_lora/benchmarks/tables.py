@@ -42,6 +42,7 @@ BITNET_2B = {"layers": 30, "hidden": 2560, "vocab": 128256}  # the shapes the ta
 # The engine's targets at BitNet-2B shapes, batch 1 unless named (tok/s, or a share)
 PREFILL_TOK_S, PREFILL_TOKENS = 40_000, 512
 DECODE_TOK_S = 1_000
+DECODE_BATCH_TOK_S = {16: 6_000, 64: 15_000}  # every row's tokens, so many prompts decoded at once
 TRAINING_TOK_S, TRAINING_SEQ = 10_000, 512
 BATCHED_SEQS, BATCHED_OVER_BEST = 8, 2.0  # training 8 × 512 a step: 2× the best HF + PEFT configuration
 MEMORY_SHARE = 0.6  # peak GPU memory training seq 512, of HF + PEFT's
@@ -413,11 +414,27 @@ def render_gemm_rates(run: Run) -> str:
                    "target"], rows)
 
 
+def render_decode_batches(run: Run) -> str:
+    """Greedy decoding of one prompt and of several at once (``benchmarks.engine
+    --decode-batches``): every row's new tokens a second, and each row's."""
+    data = run.data
+    targets = all(data.get(k) == v for k, v in BITNET_2B.items())
+    one = data["engine"]["decode"]
+    figures = {1: one, **{int(batch): d for batch, d in data.get("decode_batches", {}).items()}}
+    rows = []
+    for batch, d in sorted(figures.items()):
+        goal = DECODE_TOK_S if batch == 1 else DECODE_BATCH_TOK_S.get(batch)
+        rows.append([f"{batch} prompt{'s' if batch > 1 else ''} of {d['prompt']} tokens, {d['new_tokens']} new each",
+                     f"{rate(d['tok_per_s'])} tok/s", f"{rate(d['tok_per_s'] / batch)} tok/s",
+                     f"≥ {goal:,} tok/s: {_status(d['tok_per_s'] >= goal)}" if targets and goal else ""])
+    return _table(["greedy decoding", "all rows", "a row", "target"], rows)
+
+
 RENDERERS: dict[str, Callable[[Run], str]] = {
     "engine": render_engine, "engine-summary": render_engine_summary, "kernel-rates": render_kernel_rates,
     "training-bound": render_training_bound, "decode-chain": render_decode_chain,
     "decode-bound": render_decode_bound, "drop-in": render_drop_in, "batched": render_batched,
-    "gemm-rates": render_gemm_rates,
+    "gemm-rates": render_gemm_rates, "decode-batches": render_decode_batches,
 }
 
 
