@@ -60,16 +60,14 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import torch
 
 from ...logits import check_processing, process_logits
 from ...runtime import Buffer, Device, Launch, kernel, write
 from ..workspace import Workspace
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["EOS", "ROW_COUNT", "ROW_SEED", "SEARCH_PASSES", "SEEN", "inverse_cdf", "plan_shape", "sample_reference",
            "sampling_launches", "uniform"]
@@ -111,8 +109,6 @@ def inverse_cdf(probabilities: "torch.Tensor", u: float) -> int:
     >>> inverse_cdf(torch.tensor([0.25, 0.0, 0.75]), 0.3)
     2
     """
-    import torch
-
     cdf = probabilities.double().cumsum(-1)
     index = int(torch.searchsorted(cdf, torch.tensor([float(u)], dtype=torch.float64), right=True)[0])
     positive = torch.nonzero(probabilities > 0).flatten()
@@ -133,8 +129,6 @@ def sample_reference(logits: "torch.Tensor", seen_ids: "torch.Tensor", strategy:
     >>> sample_reference(torch.tensor([1.0, 3.0, 2.0]), torch.tensor([1]), "greedy", 1.0, 40, 0.9, 2.0, 0, 0)
     2
     """
-    import torch
-
     processed = process_logits(logits, seen_ids, strategy=strategy, temperature=temperature, top_k=top_k,
                                top_p=top_p, repetition_penalty=repetition_penalty, banned_ids=banned_ids)
     if strategy == "greedy":
