@@ -10,13 +10,16 @@
 // the sums); 3 (gemv)
 // rope: the fused q/k/v rows rotated and written where attention reads them (below).
 //
-// Two kinds of entry point. gemv (a decoded token: a stream of the weights at memory bandwidth):
-// one token per workgroup row of the grid, ROWS weight rows a workgroup, LANES threads a row, each
-// reading 16 bytes (64 weights) at a time through W4 (the same weights as W), the row's length
-// a pipeline constant so that every load of a thread is issued at once; one barrier, then one
-// thread a row sums its lanes. gemm: 32 (or 64) tokens × 64 rows a workgroup, 4 × 4 a thread, K in
-// steps of 64 through workgroup memory; weights decoded once per step with one shift and
-// mask per four of them.
+// Two kinds of entry point. gemv (decoding: a stream of the weights at memory bandwidth): ROWS
+// weight rows a workgroup, LANES threads a row, each reading 16 bytes (64 weights) at a time
+// through W4 (the same weights as W), the row's length a pipeline constant so that every load of
+// a thread is issued at once. The thread holds its share of the row in registers and serves
+// GROUP tokens from it, one after another (the grid's y is the launch's tokens in groups of
+// GROUP): it stages a token's codes, dots them with the held weights, one barrier, then one thread
+// a row sums its lanes and runs the epilogue. Every token's values are those of a launch of that
+// token alone: integer dots, and the same float operations per token. gemm: 32 (or 64) tokens ×
+// 64 rows a workgroup, 4 × 4 a thread, K in steps of 64 through workgroup memory; weights decoded
+// once per step with one shift and mask per four of them.
 //
 // XQ holds each token's codes as vec4<u32> (16 codes), K padded to a multiple of 64 with
 // zero codes; XM holds the per-token scales s[n] at [0, N) and code sums (as i32 bits) at
@@ -28,9 +31,9 @@
 // µs when a token's whole work is a few hundred of them), one entry point per fusion, each binding
 // only what it reads and writes (WebGPU counts a binding an entry point's code names, taken or
 // not, against the 16 storage buffers a stage may have on Dawn):
-// * gemv_norm, gemv_norm_rope: each workgroup makes its token's codes itself, from the float rows X
+// * gemv_norm, gemv_norm_rope: each workgroup makes its tokens' codes itself, from the float rows X
 //   (x_stride apart) and the norm's weight G: norm.wgsl's RMSNorm and quantisation, the same
-//   operations in the same order, into workgroup memory; the first workgroup of each token also
+//   operations in the same order, into workgroup memory; the first workgroup of each group also
 //   writes them, and the meta, to XQW and XMW (as norm.wgsl writes XQ and XM: captures and tests
 //   read them). gemv_combine: so, from attention's output, merged from its decode partials PO, PML
 //   as they are read (o_proj: no combine launch).
@@ -85,6 +88,8 @@ override ROWS: u32 = 16u;   // gemv: weight rows per workgroup, 128 / LANES (eve
 override LANES: u32 = 8u;   // gemv: threads per row (gemv_lanes picks them per projection)
 override ROW_VECS: u32 = 4u;  // gemv: vec4 words per weight row (k_words / 4)
 override WG: u32 = ROWS * LANES;  // gemv's invocations (a multiple of 32)
+override GROUP: u32 = 1u;     // gemv: tokens a workgroup serves from one read of its weights
+override SPREAD: bool = false;  // gemv: the weights held decoded (signed bytes), not as 2-bit words (below)
 override K: u32 = 64u;        // gemv_norm*, gemv_combine: the row's features (at most 4 · NORM_WORDS · WG)
 override EPS: f32 = 1e-5;     // gemv_norm*, gemv_combine
 override SPLITS: u32 = 1u;    // gemv_combine: key spans of the partials
@@ -134,6 +139,24 @@ var<workgroup> xq: array<vec4<u32>, ROW_VECS * 4u>;
 
 fn xq_at(c: u32) -> u32 { return (c % 4u) * ROW_VECS + c / 4u; }
 
+// gemv: the invocation that holds lane `lane` of the workgroup's row r. One token (GROUP 1): a row's
+// lanes are neighbours, so that a warp reads long runs of one row's weights. A group: they are
+// ROWS apart, so that a warp spans several rows and each of its reads of xq (a token's codes, read
+// once per token where the weights are read once per group) serves them all.
+fn gemv_slot(r: u32, lane: u32) -> u32 {
+  if (GROUP == 1u) { return r * LANES + lane; }
+  return lane * ROWS + r;
+}
+
+// gemv: token i of the workgroup's group; the group's tokens (the last group may be short: a
+// uniform count, barriers follow); whether token n, the group's i-th, has a next one in the group.
+fn group_token(wg: vec3<u32>, i: u32) -> u32 { return wg.y * GROUP + i; }
+fn group_size(wg: vec3<u32>) -> u32 {
+  if (GROUP == 1u) { return 1u; }
+  return min(GROUP, p.tokens - wg.y * GROUP);
+}
+fn has_next(i: u32, n: u32) -> bool { return i + 1u < GROUP && n + 1u < p.tokens; }
+
 const NORM_WORDS: u32 = 8u;  // gemv_norm*, gemv_combine: 4-feature words an invocation holds
 
 // gemv_combine: features 4w.. of token n's row of attention's output (one head's), its key spans'
@@ -156,51 +179,44 @@ fn attention_out(n: u32, w: u32) -> vec4<f32> {
   return acc / l;
 }
 
-// gemv_norm*: token n's codes into xq (and XQW, XMW from the token's first workgroup), as rmsnorm
-// in norm.wgsl makes them; returns s. The norm's weights are loaded with the row, so the prologue
-// waits on memory once.
-fn normalise(t: u32, n: u32, first: bool) -> f32 {
-  let row = n * p.x_stride;
+fn norm_words() -> u32 { return (ROW_VECS * 16u + WG - 1u) / WG; }  // the 4-feature words an invocation holds
+
+// gemv_norm*: the invocation's words of token n's row of X (fetched before they are normalised:
+// a group issues the next token's loads while it works on this one).
+fn fetch_row(t: u32, n: u32) -> array<vec4<f32>, NORM_WORDS> {
   var y: array<vec4<f32>, NORM_WORDS>;
-  var g: array<vec4<f32>, NORM_WORDS>;
-  var ss = 0.0;
-  for (var i = 0u; i < norm_words(); i++) {
-    let k = 4u * (t + WG * i);
-    let v = row_features(row, k);
-    y[i] = v;
-    g[i] = norm_weights(k);
-    ss += dot(v, v);
-  }
-  return quantise_row(t, n, first, &y, &g, ss);
+  for (var i = 0u; i < norm_words(); i++) { y[i] = row_features(n * p.x_stride, 4u * (t + WG * i)); }
+  return y;
 }
 
-// gemv_combine: normalise's work on attention's output, merged from its decode partials as read.
-fn normalise_attention(t: u32, n: u32, first: bool) -> f32 {
+// gemv_combine: the same of attention's output, merged from its decode partials as read.
+fn fetch_attention(t: u32, n: u32) -> array<vec4<f32>, NORM_WORDS> {
   var y: array<vec4<f32>, NORM_WORDS>;
-  var g: array<vec4<f32>, NORM_WORDS>;
-  var ss = 0.0;
   for (var i = 0u; i < norm_words(); i++) {
     let k = 4u * (t + WG * i);
     var v = vec4<f32>(0.0);
     if (k < K) { v = attention_out(n, k / 4u); }  // K = HEADS · HEAD_DIM: whole words
     y[i] = v;
-    g[i] = norm_weights(k);
-    ss += dot(v, v);
   }
-  return quantise_row(t, n, first, &y, &g, ss);
+  return y;
 }
 
-fn norm_words() -> u32 { return (ROW_VECS * 16u + WG - 1u) / WG; }  // the 4-feature words an invocation holds
-
-// The rest of the norm (y, g and Σ y² loaded): scale by the weights, quantise into xq, XQW and XMW.
-fn quantise_row(t: u32, n: u32, first: bool, y: ptr<function, array<vec4<f32>, NORM_WORDS>>,
-                g: ptr<function, array<vec4<f32>, NORM_WORDS>>, ss: f32) -> f32 {
+// gemv_norm*, gemv_combine: token n's codes into xq (and XQW, XMW from its group's first
+// workgroup), from its fetched row y, as rmsnorm in norm.wgsl makes them; returns s. y is
+// consumed (it holds the normalised row after).
+fn normalise(t: u32, n: u32, first: bool, y: ptr<function, array<vec4<f32>, NORM_WORDS>>) -> f32 {
+  var g: array<vec4<f32>, NORM_WORDS>;
+  var ss = 0.0;
+  for (var i = 0u; i < norm_words(); i++) {
+    g[i] = norm_weights(4u * (t + WG * i));
+    ss += dot((*y)[i], (*y)[i]);
+  }
   let row_words = ROW_VECS * 16u;  // 4-feature words of the padded row
   let words = norm_words();
   let r = inverseSqrt(sum_all(t, ss) / f32(K) + EPS);
   var m = 0.0;
   for (var i = 0u; i < words; i++) {
-    let v = (*g)[i] * ((*y)[i] * r);
+    let v = g[i] * ((*y)[i] * r);
     (*y)[i] = v;
     m = max(m, absmax4(v));
   }
@@ -227,10 +243,43 @@ fn quantise_row(t: u32, n: u32, first: bool, y: ptr<function, array<vec4<f32>, N
   return s;
 }
 
-// Token n's codes into xq, from XQ (the rows a norm launch wrote).
-fn load_codes(t: u32, n: u32) {
-  for (var c = t; c < ROW_VECS * 4u; c += WG) { xq[xq_at(c)] = XQ[n * p.k_words + c]; }
+// Token n (the group's i-th) normalised from its fetched row y (X's, or attention's), the next
+// token's row fetched into y; returns n's scale.
+fn stage_row(t: u32, i: u32, n: u32, first: bool, y: ptr<function, array<vec4<f32>, NORM_WORDS>>) -> f32 {
+  let s = normalise(t, n, first, y);
+  if (has_next(i, n)) { *y = fetch_row(t, n + 1u); }
+  return s;
+}
+
+fn stage_attention(t: u32, i: u32, n: u32, first: bool, y: ptr<function, array<vec4<f32>, NORM_WORDS>>) -> f32 {
+  let s = normalise(t, n, first, y);
+  if (has_next(i, n)) { *y = fetch_attention(t, n + 1u); }
+  return s;
+}
+
+const CODE_LOADS_MAX: u32 = 8u;  // gemv: vec4s of a token's codes an invocation stages (4 · ROW_VECS ≤ 8 · WG)
+
+fn code_loads() -> u32 { return (4u * ROW_VECS + WG - 1u) / WG; }
+
+// gemv, gemv_rope: the invocation's vec4s of token n's codes (XQ: the rows a norm launch wrote),
+// fetched ahead as fetch_row's words are; stage_codes puts them into xq.
+fn fetch_codes(t: u32, n: u32) -> array<vec4<u32>, CODE_LOADS_MAX> {
+  var c: array<vec4<u32>, CODE_LOADS_MAX>;
+  for (var i = 0u; i < code_loads(); i++) { c[i] = XQ[n * p.k_words + min(t + WG * i, 4u * ROW_VECS - 1u)]; }
+  return c;
+}
+
+// Token n (the group's i-th) staged from its fetched codes c, the next token's fetched into c;
+// returns n's scale.
+fn stage_codes(t: u32, i: u32, n: u32, c: ptr<function, array<vec4<u32>, CODE_LOADS_MAX>>) -> f32 {
+  let s = XM[n];
+  for (var l = 0u; l < code_loads(); l++) {
+    let v = t + WG * l;
+    if (v < 4u * ROW_VECS) { xq[xq_at(v)] = (*c)[l]; }
+  }
   workgroupBarrier();
+  if (has_next(i, n)) { *c = fetch_codes(t, n + 1u); }
+  return s;
 }
 
 // MODE 3: the grid's row g → its weight row; rotation partners d, d + D/2 of a head at g, g + 1.
@@ -271,58 +320,81 @@ fn put_rotated(n: u32, g: u32, a: f32, b: f32) {
   }
 }
 
-fn lanes_sum(first: u32) -> i32 {
+fn lanes_sum(r: u32) -> i32 {  // row r's lanes' dots, in lane order
   var s = 0i;
-  for (var i = 0u; i < LANES; i++) { s += partial[first + i]; }
+  for (var i = 0u; i < LANES; i++) { s += partial[gemv_slot(r, i)]; }
   return s;
 }
 
-const ROW_LOADS_MAX: u32 = 16u;  // vec4 words of a row a thread loads: ROW_VECS ≤ 16 · LANES
+// gemv: what a thread holds of its row: ROW_LOADS_MAX vec4s, the row's 2-bit words (up to 16 of
+// them: ROW_VECS ≤ 16 · LANES) or with SPREAD four words decoded to signed bytes (ROW_VECS ≤ 4 ·
+// LANES), each word decoded once for a group's tokens rather than once per token (bitlinear.py's
+// gemv_spread says when). The same registers either way, whatever GROUP.
+const ROW_LOADS_MAX: u32 = 16u;
 
-// A gemv invocation's row (g in the grid, j and the next j2 among the weights) of token n, and what
-// its epilogue adds: the rows' scales and LoRA terms.
+fn row_loads() -> u32 { return (ROW_VECS + LANES - 1u) / LANES; }  // weight words a thread reads
+
+// A gemv invocation's row (g in the grid, j and the next grid row's j2 among the weights) and the
+// rows' scales.
 struct GemvRow {
   t: u32,
   lane: u32,
   r: u32,
-  n: u32,
   g: u32,
   j: u32,
+  j2: u32,
   ws: vec2<f32>,
-  extra: vec2<f32>,
 }
 
 // The thread's share of the weights first, into wv (the loop's trip count is a pipeline constant:
-// unrolled, every load in flight at once); then the epilogue's loads (row scales, LoRA terms of this
-// row and, for pairs, the next), so that they and the codes' staging or the norm prologue which the
-// entry point does next overlap the stream.
+// unrolled, every load in flight at once); then the rows' scales, so that they and the codes'
+// staging or the norm prologue which the entry point does next overlap the stream.
 fn gemv_row(t: u32, wg: vec3<u32>, wv: ptr<function, array<vec4<u32>, ROW_LOADS_MAX>>) -> GemvRow {
-  let lane = t % LANES;
-  let r = t / LANES;
-  let n = wg.y;
+  var lane = t % LANES;
+  var r = t / LANES;
+  if (GROUP > 1u) {  // gemv_slot's order
+    lane = t / ROWS;
+    r = t % ROWS;
+  }
   let g = wg.x * ROWS + r;  // the grid's row (MODE 3 reorders the weight rows)
   let j = qkv_row(min(g, p.rows - 1u));  // rows past the edge repeat the last one; not stored
   let row = j * ROW_VECS;
-  for (var i = 0u; i < (ROW_VECS + LANES - 1u) / LANES; i++) {
-    (*wv)[i] = W4[row + min(lane + LANES * i, ROW_VECS - 1u)];
+  for (var i = 0u; i < row_loads(); i++) {
+    let w = W4[row + min(lane + LANES * i, ROW_VECS - 1u)];
+    if (SPREAD) {
+      (*wv)[4u * i] = spread_signed(w.x);
+      (*wv)[4u * i + 1u] = spread_signed(w.y);
+      (*wv)[4u * i + 2u] = spread_signed(w.z);
+      (*wv)[4u * i + 3u] = spread_signed(w.w);
+    } else {
+      (*wv)[i] = w;
+    }
   }
   let j2 = qkv_row(min(g + 1u, p.rows - 1u));
-  let ws = vec2<f32>(WS[j], WS[j2]);
-  var extra = vec2<f32>(0.0);
-  if (p.segments > 0u && lane == 0u) { extra = vec2<f32>(lora(n, j), select(0.0, lora(n, j2), MODE >= 2u)); }
-  return GemvRow(t, lane, r, n, g, j, ws, extra);
+  return GemvRow(t, lane, r, g, j, j2, vec2<f32>(WS[j], WS[j2]));
+}
+
+// What the epilogue adds for token n: the LoRA terms of the row and, for pairs, the next.
+fn gemv_extra(row: GemvRow, n: u32) -> vec2<f32> {
+  if (p.segments == 0u || row.lane != 0u) { return vec2<f32>(0.0); }
+  return vec2<f32>(lora(n, row.j), select(0.0, lora(n, row.j2), MODE >= 2u));
 }
 
 // The row's lanes' dots with the codes in xq, into partial; true for the invocation that stores
 // the row (its first lane, a row of the projection).
 fn gemv_dot(row: GemvRow, wv: ptr<function, array<vec4<u32>, ROW_LOADS_MAX>>) -> bool {
   var acc = 0i;
-  for (var i = 0u; i < (ROW_VECS + LANES - 1u) / LANES; i++) {
+  for (var i = 0u; i < row_loads(); i++) {
     let u = row.lane + LANES * i;
     if (u < ROW_VECS) {
-      let w = (*wv)[i];
-      acc += dot16(xq[u], spread_signed(w.x)) + dot16(xq[ROW_VECS + u], spread_signed(w.y))
-           + dot16(xq[2u * ROW_VECS + u], spread_signed(w.z)) + dot16(xq[3u * ROW_VECS + u], spread_signed(w.w));
+      if (SPREAD) {
+        acc += dot16(xq[u], (*wv)[4u * i]) + dot16(xq[ROW_VECS + u], (*wv)[4u * i + 1u])
+             + dot16(xq[2u * ROW_VECS + u], (*wv)[4u * i + 2u]) + dot16(xq[3u * ROW_VECS + u], (*wv)[4u * i + 3u]);
+      } else {
+        let w = (*wv)[i];
+        acc += dot16(xq[u], spread_signed(w.x)) + dot16(xq[ROW_VECS + u], spread_signed(w.y))
+             + dot16(xq[2u * ROW_VECS + u], spread_signed(w.z)) + dot16(xq[3u * ROW_VECS + u], spread_signed(w.w));
+      }
     }
   }
   partial[row.t] = acc;
@@ -330,39 +402,46 @@ fn gemv_dot(row: GemvRow, wv: ptr<function, array<vec4<u32>, ROW_LOADS_MAX>>) ->
   return row.lane == 0u && row.g < p.rows;
 }
 
-// The row's values: its own (x) and, for pairs (MODE ≥ 2, held by the even row's thread), the next (y).
-fn gemv_values(row: GemvRow, s: f32) -> vec2<f32> {
-  let a = scaled(lanes_sum(row.t), s, row.ws.x) + row.extra.x;
+// The row's values for a token of scale s: its own (x) and, for pairs (MODE ≥ 2, held by the even
+// row's thread), the next (y).
+fn gemv_values(row: GemvRow, s: f32, extra: vec2<f32>) -> vec2<f32> {
+  let a = scaled(lanes_sum(row.r), s, row.ws.x) + extra.x;
   if (MODE < 2u || row.r % 2u != 0u) { return vec2<f32>(a, 0.0); }
-  return vec2<f32>(a, scaled(lanes_sum(row.t + LANES), s, row.ws.y) + row.extra.y);
+  return vec2<f32>(a, scaled(lanes_sum(row.r + 1u), s, row.ws.y) + extra.y);
 }
 
-// The epilogue of MODE 0-2.
-fn gemv_put(row: GemvRow, s: f32) {
-  let v = gemv_values(row, s);
+// The epilogue of MODE 0-2 for token n.
+fn gemv_put(row: GemvRow, n: u32, s: f32, extra: vec2<f32>) {
+  let v = gemv_values(row, s, extra);
   if (MODE < 2u) {
-    put(row.n, row.j, v.x);
+    put(n, row.j, v.x);
   } else if (row.r % 2u == 0u) {
-    put_pair(row.n, row.j / 2u, v.x, v.y);
+    put_pair(n, row.j / 2u, v.x, v.y);
   }
 }
 
 // The epilogue of MODE 3: rotated pairs.
-fn gemv_put_rotated(row: GemvRow, s: f32) {
+fn gemv_put_rotated(row: GemvRow, n: u32, s: f32, extra: vec2<f32>) {
   if (row.r % 2u == 0u) {
-    let v = gemv_values(row, s);
-    put_rotated(row.n, row.g, v.x, v.y);
+    let v = gemv_values(row, s, extra);
+    put_rotated(n, row.g, v.x, v.y);
   }
 }
 
+// The entry points: each token of the group staged (from XQ, or normalised from X or attention's
+// partials) while the next one's loads are issued, then its dots and epilogue.
 @compute @workgroup_size(WG)
 fn gemv(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   enter(inv);
   var wv: array<vec4<u32>, ROW_LOADS_MAX>;
   let row = gemv_row(inv.t, wg, &wv);
-  let s = XM[row.n];
-  load_codes(inv.t, row.n);
-  if (gemv_dot(row, &wv)) { gemv_put(row, s); }
+  var codes = fetch_codes(inv.t, group_token(wg, 0u));
+  for (var i = 0u; i < group_size(wg); i++) {
+    let n = group_token(wg, i);
+    let extra = gemv_extra(row, n);
+    let s = stage_codes(inv.t, i, n, &codes);
+    if (gemv_dot(row, &wv)) { gemv_put(row, n, s, extra); }
+  }
 }
 
 @compute @workgroup_size(WG)
@@ -370,9 +449,13 @@ fn gemv_rope(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   enter(inv);
   var wv: array<vec4<u32>, ROW_LOADS_MAX>;
   let row = gemv_row(inv.t, wg, &wv);
-  let s = XM[row.n];
-  load_codes(inv.t, row.n);
-  if (gemv_dot(row, &wv)) { gemv_put_rotated(row, s); }
+  var codes = fetch_codes(inv.t, group_token(wg, 0u));
+  for (var i = 0u; i < group_size(wg); i++) {
+    let n = group_token(wg, i);
+    let extra = gemv_extra(row, n);
+    let s = stage_codes(inv.t, i, n, &codes);
+    if (gemv_dot(row, &wv)) { gemv_put_rotated(row, n, s, extra); }
+  }
 }
 
 @compute @workgroup_size(WG)
@@ -380,8 +463,13 @@ fn gemv_norm(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   enter(inv);
   var wv: array<vec4<u32>, ROW_LOADS_MAX>;
   let row = gemv_row(inv.t, wg, &wv);
-  let s = normalise(inv.t, row.n, wg.x == 0u);
-  if (gemv_dot(row, &wv)) { gemv_put(row, s); }
+  var y = fetch_row(inv.t, group_token(wg, 0u));
+  for (var i = 0u; i < group_size(wg); i++) {
+    let n = group_token(wg, i);
+    let extra = gemv_extra(row, n);
+    let s = stage_row(inv.t, i, n, wg.x == 0u, &y);
+    if (gemv_dot(row, &wv)) { gemv_put(row, n, s, extra); }
+  }
 }
 
 @compute @workgroup_size(WG)
@@ -389,8 +477,13 @@ fn gemv_norm_rope(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   enter(inv);
   var wv: array<vec4<u32>, ROW_LOADS_MAX>;
   let row = gemv_row(inv.t, wg, &wv);
-  let s = normalise(inv.t, row.n, wg.x == 0u);
-  if (gemv_dot(row, &wv)) { gemv_put_rotated(row, s); }
+  var y = fetch_row(inv.t, group_token(wg, 0u));
+  for (var i = 0u; i < group_size(wg); i++) {
+    let n = group_token(wg, i);
+    let extra = gemv_extra(row, n);
+    let s = stage_row(inv.t, i, n, wg.x == 0u, &y);
+    if (gemv_dot(row, &wv)) { gemv_put_rotated(row, n, s, extra); }
+  }
 }
 
 @compute @workgroup_size(WG)
@@ -398,8 +491,13 @@ fn gemv_combine(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   enter(inv);
   var wv: array<vec4<u32>, ROW_LOADS_MAX>;
   let row = gemv_row(inv.t, wg, &wv);
-  let s = normalise_attention(inv.t, row.n, wg.x == 0u);
-  if (gemv_dot(row, &wv)) { gemv_put(row, s); }
+  var y = fetch_attention(inv.t, group_token(wg, 0u));
+  for (var i = 0u; i < group_size(wg); i++) {
+    let n = group_token(wg, i);
+    let extra = gemv_extra(row, n);
+    let s = stage_attention(inv.t, i, n, wg.x == 0u, &y);
+    if (gemv_dot(row, &wv)) { gemv_put(row, n, s, extra); }
+  }
 }
 
 // gemm: TILE_TOKENS (32 or 64) tokens × 64 rows a workgroup of 4·TILE_TOKENS threads; thread

@@ -7,8 +7,11 @@
 // K padded likewise, as vec4<u32> words: float32 bits, or with BF16 the raw bfloat16 bits
 // two to a u32 (element 2i in the low half), widened exactly in registers.
 //
-// gemv: one token per grid row, ROWS rows a workgroup, LANES threads a row striding over its
-// vec4 words (coalesced), one barrier, then a thread a row sums its lanes. gemm_tiled
+// gemv: ROWS rows a workgroup, LANES threads a row striding over its vec4 words (coalesced), each
+// thread reading a weight word once for GROUP tokens (the grid's y is the tokens in groups of
+// GROUP: the LM head, larger than a GPU's L2, is read from memory once for all of them) with a
+// sum of its own for each; then a token at a time, one barrier and a thread a row sums its lanes.
+// Each token's sums run in the order of a launch of that token alone. gemm_tiled
 // (_gemm_t_tile.wgsl): 64 tokens × 64 output rows a workgroup of 128 threads, 8 × 8 a thread, K
 // in steps of 32 through workgroup memory; each weight row's K values are read along the row
 // (coalesced) and transposed as they are staged into the tile.
@@ -43,6 +46,8 @@ override SAVE: bool = false;
 override ROWS: u32 = 8u;
 override LANES: u32 = 32u;
 override GEMV_WG: u32 = ROWS * LANES;
+override GROUP: u32 = 1u;     // gemv: tokens a workgroup serves from one read of its weights
+const GROUP_MAX: u32 = 64u;   // gemv: GROUP's largest (a sum a token, each thread's own)
 
 fn lo(w: u32) -> f32 { return bitcast<f32>(w << 16u); }
 fn hi(w: u32) -> f32 { return bitcast<f32>(w & 0xffff0000u); }
@@ -56,38 +61,62 @@ fn value(n: u32, j: u32, acc: f32) -> f32 {
 
 var<workgroup> partial: array<f32, GEMV_WG>;
 
-fn lanes_sum(first: u32) -> f32 {
+// gemv: the invocation that holds lane `lane` of the workgroup's row r. One token (GROUP 1): a
+// row's lanes are neighbours (a warp reads a long run of one row). A group: they are ROWS apart,
+// so that a warp spans several rows and each of its reads of a token's X serves them all.
+fn gemv_slot(r: u32, lane: u32) -> u32 {
+  if (GROUP == 1u) { return r * LANES + lane; }
+  return lane * ROWS + r;
+}
+
+fn lanes_sum(r: u32) -> f32 {  // row r's lanes' sums, in lane order
   var s = 0.0;
-  for (var i = 0u; i < LANES; i++) { s += partial[first + i]; }
+  for (var i = 0u; i < LANES; i++) { s += partial[gemv_slot(r, i)]; }
   return s;
 }
 
 @compute @workgroup_size(GEMV_WG)
 fn gemv(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
-  let lane = t % LANES;
-  let r = t / LANES;
-  let n = wg.y;
+  var lane = t % LANES;
+  var r = t / LANES;
+  if (GROUP > 1u) {  // gemv_slot's order
+    lane = t / ROWS;
+    r = t % ROWS;
+  }
   let j = wg.x * ROWS + r;
   let row = min(j, p.features - 1u) * p.w_words;  // rows past the edge repeat the last one; not stored
-  let x = n * p.x_words;
-  var acc = 0.0;
+  let n0 = wg.y * GROUP;
+  var acc: array<f32, GROUP_MAX>;
   for (var u = lane; u < p.w_words; u += LANES) {
     let w = W[row + u];
+    var wa = bitcast<vec4<f32>>(w);  // float32: four weights; BF16: eight, widened once for the group
+    var wb = wa;
     if (BF16) {
-      let a = X[x + 2u * u];
-      let b = X[x + 2u * u + 1u];
-      acc += dot(a, vec4<f32>(lo(w.x), hi(w.x), lo(w.y), hi(w.y))) + dot(b, vec4<f32>(lo(w.z), hi(w.z), lo(w.w), hi(w.w)));
-    } else {
-      acc += dot(X[x + u], bitcast<vec4<f32>>(w));
+      wa = vec4<f32>(lo(w.x), hi(w.x), lo(w.y), hi(w.y));
+      wb = vec4<f32>(lo(w.z), hi(w.z), lo(w.w), hi(w.w));
+    }
+    for (var i = 0u; i < GROUP; i++) {
+      let x = min(n0 + i, p.tokens - 1u) * p.x_words;  // a short group's last tokens: computed, not stored
+      if (BF16) {
+        acc[i] += dot(X[x + 2u * u], wa) + dot(X[x + 2u * u + 1u], wb);
+      } else {
+        acc[i] += dot(X[x + u], wa);
+      }
     }
   }
-  partial[t] = acc;
-  workgroupBarrier();  // then one thread a row sums its lanes: one barrier, not log2(LANES)
-  if (lane != 0u || j >= p.features) { return; }
-  if (MODE == 2u) {
-    if (r % 2u == 0u) { put_pair(n, j / 2u, value(n, j, lanes_sum(t)), value(n, j + 1u, lanes_sum(t + LANES))); }
-  } else {
-    put(n, j, value(n, j, lanes_sum(t)));
+  for (var i = 0u; i < GROUP; i++) {
+    let n = n0 + i;
+    if (GROUP > 1u && n >= p.tokens) { break; }  // uniform: the last group may be short
+    partial[t] = acc[i];
+    workgroupBarrier();  // then one thread a row sums its lanes: one barrier, not log2(LANES)
+    if (lane == 0u && j < p.features) {
+      if (MODE == 2u) {
+        if (r % 2u == 0u) { put_pair(n, j / 2u, value(n, j, lanes_sum(r)), value(n, j + 1u, lanes_sum(r + 1u))); }
+      } else {
+        put(n, j, value(n, j, lanes_sum(r)));
+      }
+    }
+    if (i + 1u < GROUP) { workgroupBarrier(); }  // the sums read before the next token's are written
   }
 }
 

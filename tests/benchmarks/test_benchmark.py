@@ -293,17 +293,30 @@ def test_kernel_work_counts_the_projections_and_head_as_torch_counts_them():
 def test_launch_benchmark_times_every_kernel_shape(tmp_path):
     from torch_wgpu_lora.benchmarks import launches
     from torch_wgpu_lora.engine.kernels.attention import backward_tiles, prefill_tiles
-    from torch_wgpu_lora.engine.kernels.bitlinear import gemm_tile_tokens
-    from torch_wgpu_lora.engine.kernels.projection import input_grad_splits
+    from torch_wgpu_lora.engine.kernels.bitlinear import gemm_tile_tokens, gemv_group
+    from torch_wgpu_lora.engine.kernels.projection import gemv_max_tokens, input_grad_splits
 
     launches.main(["--small", "--out", str(tmp_path), "--repeats", "2"])
     result = json.loads((tmp_path / "launches.json").read_text())["bounds"]
     assert {"copy", "norm_qv_lora_subgroups", "norm_qv_lora_barriers", "gemv_down_lanes32"} <= set(result)
     # one chosen split count per decode attention length; for the attention backward one split
     # count and one tile, for its forward one tile, among every tile that fits this adapter
-    # and for each projection's forward GEMM one tile and input-gradient GEMM one split count
-    assert sum(key.endswith("_chosen") for key in result) == len(launches.SHAPES["small"][-1]) + 3 + 4 + 4
+    # and for each projection's forward GEMM one tile and input-gradient GEMM one split count; at
+    # each step of several tokens one path (a GEMV group or the GEMM) for each projection and the head
+    steps = launches.BATCH_TOKENS["small"]
+    assert sum(key.endswith("_chosen") for key in result) == (len(launches.SHAPES["small"][-1]) + 3 + 4 + 4
+                                                              + 5 * len(steps))
     device = get_device()
+    for tokens in steps:  # the GEMV of each projection at each group up to the step's tokens (and the GEMM)
+        group = gemv_group(tokens, device)
+        for name in ("qkv", "o", "gate_up", "down", "head"):
+            timed = {key for key in result if key.startswith(f"batch_{tokens}_{name}_")}
+            chosen = [key for key in timed if key.endswith("_chosen")]
+            assert chosen == [f"batch_{tokens}_{name}_group{tokens if name == 'head' else group}_chosen"
+                              if tokens <= gemv_max_tokens(device) else f"batch_{tokens}_{name}_gemm_chosen"]
+            if name != "head":
+                assert {f"batch_{tokens}_{name}_group{g}" for g in (1, 2, 4) if g <= tokens} <= {
+                    key.removesuffix("_chosen") for key in timed}
     assert sum(key.startswith("gemm_") for key in result) == 8
     assert f"gemm_o_64_tile{gemm_tile_tokens(device)}_chosen" in result
     # each projection's input gradient at split counts 1, 2, 4, 8 and the one input_grad_splits picks

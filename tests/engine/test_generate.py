@@ -188,7 +188,9 @@ def test_a_batch_generates_each_prompts_tokens_alone_on_every_flavour(flavour):
     # repetition penalty: each row's greedy tokens are the ones it gets alone, exactly (its sums do
     # not depend on the batch: engine.generate's docstring). Then with an EOS token that ends some
     # rows early and not others: those rows end there, the others run on, and a finished row's
-    # length on the GPU is 0 (attention reads one key of it, the sampler skips it).
+    # length on the GPU is 0 (attention reads one key of it, the sampler skips it). The batch's
+    # projections and LM head run as GEMVs whose workgroups serve groups of its rows (here two
+    # groups of 2 in each ternary GEMV, the 4 in one in each float one), alone as one row a launch.
     model = tiny_model(flavour, adapters=True, seed=3)
     engine = BitNetEngine(model)
     prompts = mixed_prompts(model.config.vocab_size)
@@ -202,10 +204,15 @@ def test_a_batch_generates_each_prompts_tokens_alone_on_every_flavour(flavour):
     assert engine_generate_batch(engine, prompts, 20, eos, repetition_penalty=1.1) == alone
     lengths = np.zeros(len(prompts), np.uint32)
     rec = Recorder()
-    rec.read(engine.decode_session(len(prompts), 13, 20, repetition_penalty=1.1).cache.lengths, lengths)
+    session = engine.decode_session(len(prompts), 13, 20, repetition_penalty=1.1)
+    rec.read(session.cache.lengths, lengths)
     rec.submit()
     for length, prompt, (tokens, by_eos) in zip(lengths, prompts, alone):
         assert length == (0 if by_eos else len(prompt) + len(tokens))
+    projections = [launch for launch in session.decode.launches
+                   if launch.kernel.name.split(":")[0] in ("bitlinear.wgsl", "matmul.wgsl")]
+    assert projections and all(":gemv" in launch.kernel.name and launch.kernel.constants["GROUP"] > 1
+                               for launch in projections)
 
 
 def test_seeded_sampling_in_a_batch_draws_each_rows_tokens_alone():

@@ -326,6 +326,132 @@ def test_gemv_normalises_attention_partials_merged_as_it_reads_them(length):
                          gemv=True, attention=partials)
 
 
+# -- the GEMV's token groups: each token's values are the one-token GEMV's, bit for bit ----------
+
+GROUPED_TOKENS, GROUPED_K = 11, 640  # groups of 3 or 8 leave a short last one; 10 weight words a row
+
+
+def _grouped_case(kind: str):
+    """A GEMV launch of ``kind`` (an entry point and epilogue) over GROUPED_TOKENS tokens, inputs
+    fixed: returns make(**shape) -> the launch's outputs (fresh poisoned buffers each call), for
+    ``shape`` = bitlinear_launch's gemv options (lanes, group, spread)."""
+    from torch_wgpu_lora.engine.kernels.attention import DecodePartials
+
+    g = torch.Generator().manual_seed(len(kind))
+    tokens, k = GROUPED_TOKENS, GROUPED_K
+    codes, scales, xq, xm = _codes(tokens, k, g)
+    heads, kv_heads, d = 4, 2, 16  # rope: 128 fused rows
+    rows = {"gate_up": 40, "rope": 128, "norm_rope": 128}.get(kind, 37)  # 37: past the workgroups' edge
+    projection = _projection(torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8),
+                             torch.rand(rows, generator=g) + 0.5, kind != "add")
+    h = upload(torch.randn(tokens, 6, generator=g).numpy())
+    b = upload(torch.randn(rows * 6, generator=g).numpy())
+    # two adapters' segments: every other row (gate or up) from 0, and a span past the first workgroup
+    table = upload(lora_table([(0, rows, 2, 0, 0.5, 0, 4), (rows - 13, rows, 1, 4, 1.5, 4 * rows, 2)]))
+    lora = dict(h=h, lora_rank=6, lora=table, lora_b=b, segments=2)
+    width = rows // 2 if kind == "gate_up" else rows
+    residual = torch.randn(tokens, width, generator=g).numpy()
+    x = upload((torch.randn(tokens, k + 5, generator=g) * 3).numpy())
+    weight = upload((torch.rand(k, generator=g) + 0.5).numpy())
+    cos, sin = (upload(torch.randn(12, d // 2, generator=g).numpy()) for _ in range(2))
+    starts = upload(torch.randint(0, 12, (tokens,), generator=g).numpy().astype(np.uint32))  # a token a sequence
+    splits = 3  # combine: attention's partials over 3 key spans of 5 heads of 128 (K = 640), the last span empty
+    ml = torch.stack([torch.randn(splits, tokens * 5, generator=g) * 4, torch.rand(splits, tokens * 5, generator=g) + 0.5], -1)
+    ml[-1] = torch.tensor([-1e30, 0.0])
+    po = torch.randn(splits, tokens * 5, 128, generator=g)
+    po[-1] = 0.0
+    partials = DecodePartials(upload(po.numpy()), upload(ml.numpy()), splits, 5, 128)
+
+    def make(**shape) -> list[torch.Tensor]:
+        out = upload(residual.copy()) if kind in ("add", "norm_add") else poisoned((tokens, width + 3))
+        reads, options = [out], dict(shape, gemv=True)
+        if kind in ("add", "gate_up"):
+            options["aux"] = poisoned((tokens, rows + 5))
+            reads.append(options["aux"])
+        if kind in ("rope", "norm_rope"):
+            caches = [upload(np.zeros((tokens, kv_heads, 12, d), np.float32)) for _ in range(2)]
+            options.update(mode="rope", rope=RopeTarget(cos, sin, starts, *caches, heads, kv_heads, d))
+            reads += caches
+        else:
+            options["mode"] = {"gate_up": "gate_up", "add": "add", "norm_add": "add"}.get(kind, "store")
+        launch_codes, launch_meta = xq, xm
+        if kind.startswith("norm") or kind == "combine":
+            launch_codes, launch_meta = poisoned((tokens, k // 4), "u32"), poisoned((2 * tokens,))
+            options["norm"] = (x, weight, 1e-5)
+            options["attention"] = partials if kind == "combine" else None
+            reads += [launch_codes, launch_meta]
+        return run([bitlinear_launch(launch_codes, launch_meta, projection, out, tokens=tokens,
+                                     out_stride=out.shape[1], **options, **lora)], *reads)
+
+    return make
+
+
+@pytest.mark.parametrize("kind", ["store", "add", "gate_up", "rope", "norm_store", "norm_add", "norm_rope", "combine"])
+def test_gemv_token_groups_give_each_token_the_one_token_gemvs_values(kind):
+    # A workgroup serving a group of tokens from one read of its weights (held as 2-bit words or
+    # decoded): every output of every token, bit for bit, that of the one-token GEMV (group 1: a
+    # workgroup a token, the batch-1 decode's kernel): the stores, kept sums and pairs, LoRA
+    # segments, rotated rows and caches, and the codes and meta a normalising GEMV writes. 11
+    # tokens (short last groups), rows past the workgroups' edge, 1 to 3 weight words a lane.
+    # The values themselves: the tests above, against the references.
+    make = _grouped_case(kind)
+    alone = make(group=1, spread=False, lanes=4)
+    for shape in (dict(group=3, spread=True, lanes=4), dict(group=8, spread=False, lanes=4),
+                  dict(group=8, spread=True, lanes=32), {}):  # {}: the rules' choice
+        for ours, theirs in zip(make(**shape), alone):
+            assert torch.equal(ours.isnan(), theirs.isnan()), (kind, shape)  # NaN: unwritten in both
+            assert torch.equal(ours.nan_to_num(), theirs.nan_to_num()), (kind, shape)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("mode", ["store", "add", "gate_up"])
+def test_float_gemv_token_groups_sum_each_token_as_alone(bf16, mode):
+    # The float GEMV (the LM head's) reading each weight word once for a group of tokens: each
+    # token's sums in the order of the one-token GEMV, so its outputs are bit for bit that
+    # GEMV's (11 tokens, groups of 3 with a short last one and of all 11, rows past the edge,
+    # LoRA segments, kept sums or pairs); against float64 torch in test_matmul_matches_float64.
+    g = torch.Generator().manual_seed(bf16 + len(mode))
+    tokens, k, rows = 11, 320, 38
+    x = upload(torch.randn(tokens, k, generator=g).numpy())
+    weight = torch.randn(rows, k, generator=g)
+    proj = Projection(upload(float_rows(weight.bfloat16() if bf16 else weight, bf16)), None, rows, k)
+    table = upload(lora_table([(0, rows, 2, 0, 0.5, 0, 3), (5, rows, 1, 3, 2.0, 3 * rows, 2)]))
+    lora = dict(h=upload(torch.randn(tokens, 5, generator=g).numpy()), lora_rank=5, lora=table,
+                lora_b=upload(torch.randn(5 * rows, generator=g).numpy()), segments=2)
+    width = rows // 2 if mode == "gate_up" else rows
+    residual = torch.randn(tokens, width, generator=g).numpy()
+
+    def outputs(group: int | None) -> list[torch.Tensor]:
+        out = upload(residual.copy()) if mode == "add" else poisoned((tokens, width))
+        aux = poisoned((tokens, rows + 2))
+        launch = matmul_launch(x, proj, out, tokens=tokens, out_stride=width, mode=mode, bf16=bf16,
+                               aux=None if mode == "store" else aux, gemv=True, group=group, **lora)
+        return run([launch], out, aux)
+
+    alone = outputs(1)
+    for group in (3, None):  # None: the rule's choice, all 11 in one group
+        for ours, theirs in zip(outputs(group), alone):
+            assert torch.equal(ours.isnan(), theirs.isnan()) and torch.equal(ours.nan_to_num(), theirs.nan_to_num())
+
+
+def test_gemv_shapes_are_checked():
+    g = torch.Generator().manual_seed(10)
+    codes, scales, xq, xm = _codes(2, 640, g)
+    proj = _projection(torch.randint(-1, 2, (8, 640), generator=g, dtype=torch.int8), torch.ones(8), True)
+    out = poisoned((2, 8))
+    with pytest.raises(ValueError, match="lanes must be a power of two from 1 to 64, not 6"):
+        bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, gemv=True, lanes=6)
+    with pytest.raises(ValueError, match="640 features take at least 4 lanes with spread weights, not 2"):
+        bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, gemv=True, lanes=2, spread=True)
+    bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, gemv=True, lanes=2, spread=False)  # 2-bit words fit
+    with pytest.raises(ValueError, match="at least one token, not group=0"):
+        bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, gemv=True, group=0)
+    x = upload(np.zeros((2, 64), np.float32))
+    with pytest.raises(ValueError, match="1 to 64 tokens, not group=65"):
+        matmul_launch(x, Projection(upload(float_rows(torch.zeros(8, 64), False)), None, 8, 64), out, tokens=2,
+                      out_stride=8, gemv=True, group=65)
+
+
 def test_gemv_fusions_refuse_what_they_cannot_do():
     g = torch.Generator().manual_seed(9)
     codes, scales, xq, xm = _codes(2, 64, g)

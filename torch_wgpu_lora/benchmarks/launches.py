@@ -20,6 +20,12 @@ engine's kernel choices.
   tile that fits (``prefill_tile`` picks the first);
 * ``gemm_*``: the forward ternary GEMM of each projection over that many tokens, with 64- and
   32-token tiles (``gemm_tile_tokens`` picks one);
+* ``batch_<tokens>_*``: a step of 1, 16 or 64 tokens (a batch's decode step; the small shapes: 1
+  or 4), for each projection its GEMV at each count of tokens a workgroup serves up to the
+  step's (``_group<G>``; ``gemv_group`` picks one), its weights held decoded (past one token,
+  ``gemv_spread``) and as 2-bit words (``_packed``), normalising its own input where it can
+  (``_norm``), against its GEMM (``gemv_max_tokens`` picks the path: ``_chosen``); and the bf16
+  LM head's GEMV per group and GEMM;
 * ``input_grad_*``: the input gradient through each projection's ternary weights over that many
   tokens (a training step's ``bitlinear_t``, its largest kernel), per count of ranges its sum is
   split into, the split-sum launch included (``input_grad_splits`` picks one).
@@ -38,9 +44,11 @@ import numpy as np
 
 from ..engine.kernels.attention import (attention_backward_launches, attention_launches, backward_tile,
                                        backward_tiles, decode_splits, sum_splits, prefill_tile, prefill_tiles)
-from ..engine.kernels.bitlinear import bitlinear_launch, bitlinear_t_launch, gemm_tile_tokens, gemv_normalises
+from ..engine.kernels.bitlinear import (bitlinear_launch, bitlinear_t_launch, gemm_tile_tokens, gemv_group,
+                                       gemv_normalises)
+from ..engine.kernels.matmul import gemv_group as float_gemv_group, matmul_launch
 from ..engine.kernels.norm import rmsnorm_launch
-from ..engine.kernels.projection import input_grad_splits
+from ..engine.kernels.projection import gemv_max_tokens, input_grad_splits
 from ..engine.kernels.rope import RopeTarget, rope_launch
 from ..engine.weights import Projection
 from ..engine.workspace import Workspace
@@ -48,9 +56,11 @@ from ..runtime import Buffer, Launch, Recorder, get_device, kernel, upload
 from ..runtime.settings import DEFAULT_SHADER_CHECKS
 from .report import write_json
 
-# (hidden, ffn, heads, kv heads, head dim, rank of the Q/V site, cache lengths)
-SHAPES = {"bitnet-2b": (2560, 6912, 20, 5, 128, 16, (144, 512, 2048)),
-          "small": (256, 512, 4, 1, 64, 16, (32, 96))}
+# (hidden, ffn, heads, kv heads, head dim, rank of the Q/V site, vocabulary, cache lengths)
+SHAPES = {"bitnet-2b": (2560, 6912, 20, 5, 128, 16, 128256, (144, 512, 2048)),
+          "small": (256, 512, 4, 1, 64, 16, 4096, (32, 96))}
+BATCH_TOKENS = {"bitnet-2b": (1, 16, 64), "small": (1, 4)}  # batch_*: the tokens of a step
+BATCH_GROUPS = (1, 2, 4, 8, 16)  # batch_*: tokens a GEMV workgroup serves
 
 
 def per_launch_us(launches: list[Launch], repeats: int = 100) -> float:
@@ -74,7 +84,7 @@ def per_launch_us(launches: list[Launch], repeats: int = 100) -> float:
 
 
 def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
-    hidden, ffn, heads, kv_heads, head_dim, rank, lengths = SHAPES[shape]
+    hidden, ffn, heads, kv_heads, head_dim, rank, vocab, lengths = SHAPES[shape]
     device, rng = get_device(), np.random.default_rng(seed)
     workspace = Workspace(device)
 
@@ -195,6 +205,66 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
             launches = bitlinear_t_launch(dy, proj, dx, tokens=seq, k=k, splits=splits, workspace=workspace)
             out[f"input_grad_{name}_{seq}_splits{splits}" + ("_chosen" if splits == chosen_splits else "")] = timed(
                 launches, max(1, repeats // 10))
+    out.update(measure_batches(weights, projections, hidden, vocab, BATCH_TOKENS[shape], rng, timed, repeats))
+    return out
+
+
+def measure_batches(weights: dict[str, Projection], projections: tuple, hidden: int, vocab: int,
+                    steps: tuple[int, ...], rng: np.random.Generator, timed: Any, repeats: int) -> dict[str, float]:
+    """The ``batch_*`` entries (the module's docstring) of ``measure``'s projections, timed by its ``timed``."""
+    device = get_device()
+    out: dict[str, float] = {}
+
+    def floats(*dims: int) -> Buffer:
+        return upload(rng.standard_normal(dims).astype(np.float32))
+
+    def words(*dims: int) -> Buffer:
+        return upload(rng.integers(0, 2 ** 32, dims, dtype=np.uint32))
+
+    for tokens in steps:
+        gemv_path = tokens <= gemv_max_tokens(device)
+        chosen = gemv_group(tokens, device)
+        groups = sorted({chosen, *(g for g in BATCH_GROUPS if g <= tokens)})
+        for name, rows, k, mode in projections:
+            proj = weights[name]
+            codes, meta = words(tokens, k // 4), upload(np.ones(2 * tokens, np.float32))
+            result = Buffer((tokens, rows // 2 if mode == "gate_up" else rows), device=device)
+            options = dict(tokens=tokens, out_stride=result.shape[1], mode=mode)
+            for group in groups:
+                mark = "_chosen" if gemv_path and group == chosen else ""
+                out[f"batch_{tokens}_{name}_group{group}{mark}"] = timed(
+                    [bitlinear_launch(codes, meta, proj, result, gemv=True, group=group, **options)])
+            if tokens > 1:
+                out[f"batch_{tokens}_{name}_group{chosen}_packed"] = timed(
+                    [bitlinear_launch(codes, meta, proj, result, gemv=True, group=chosen, spread=False, **options)])
+                out[f"batch_{tokens}_{name}_gemm" + ("" if gemv_path else "_chosen")] = timed(
+                    [bitlinear_launch(codes, meta, proj, result, gemv=False, **options)])
+            if gemv_normalises(k):  # the GEMV normalising its input, as a decode step runs it
+                norm = (floats(tokens, k), upload(rng.random(k).astype(np.float32) + 0.5), 1e-5)
+                for group in sorted({1, chosen}):
+                    out[f"batch_{tokens}_{name}_norm_group{group}"] = timed(
+                        [bitlinear_launch(codes, meta, proj, result, gemv=True, group=group, norm=norm, **options)])
+                if tokens > 1:  # decoded weights take more lanes: more workgroups normalising each token
+                    out[f"batch_{tokens}_{name}_norm_group{chosen}_packed"] = timed([bitlinear_launch(
+                        codes, meta, proj, result, gemv=True, group=chosen, spread=False, norm=norm, **options)])
+    # the bf16 LM head (as many rows as one binding holds): a weight word read once for a group of
+    # tokens, all of a step's (float_gemv_group), or once a token; and the GEMM
+    rows = min(vocab, device.max_binding // (2 * hidden))
+    bf16_pairs = rng.integers(0, 2 ** 32, (rows, hidden // 2), dtype=np.uint32) & np.uint32(0xBFFFBFFF)  # |w| < 2
+    head = Projection(upload(bf16_pairs), None, rows, hidden)
+    for tokens in steps:
+        x, logits = floats(tokens, hidden), Buffer((tokens, rows), device=device)
+        gemv_path = tokens <= gemv_max_tokens(device)
+        chosen = float_gemv_group(tokens)
+        for group in sorted({1, chosen}):
+            mark = "_chosen" if gemv_path and group == chosen else ""
+            out[f"batch_{tokens}_head_group{group}{mark}"] = timed(
+                [matmul_launch(x, head, logits, tokens=tokens, out_stride=rows, bf16=True, gemv=True, group=group)],
+                max(1, repeats // 10))
+        if tokens > 1:
+            out[f"batch_{tokens}_head_gemm" + ("" if gemv_path else "_chosen")] = timed(
+                [matmul_launch(x, head, logits, tokens=tokens, out_stride=rows, bf16=True, gemv=False)],
+                max(1, repeats // 10))
     return out
 
 

@@ -49,10 +49,11 @@ from ..runtime import Buffer, Launch, Recorder, copy_launch
 from .adapters import EngineAdapters, Site
 from .config import EngineConfig
 from .kernels.attention import DecodePartials, attention_launches, decode_partials
-from .kernels.bitlinear import bitlinear_launch, gemv_max_tokens, gemv_normalises
+from .kernels.bitlinear import bitlinear_launch, gemv_normalises
 from .kernels.embedding import embedding_launches
 from .kernels.matmul import matmul_launch
 from .kernels.norm import rmsnorm_launch
+from .kernels.projection import gemv_max_tokens
 from .kernels.rope import RopeTarget, rope_launch
 from .weights import EngineWeights, Projection
 from .workspace import Workspace

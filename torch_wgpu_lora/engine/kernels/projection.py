@@ -1,6 +1,7 @@
 """What the two projection families share (``bitlinear``: ternary weights × int8 codes; ``matmul``:
-float weights): the epilogue modes, the LoRA segment table their epilogues read, and the
-input-gradient GEMMs' launch shape (a split over the rows' sum where that fills a GPU).
+float weights): the epilogue modes, the LoRA segment table their epilogues read, the token count
+up to which a projection runs as a GEMV, and the input-gradient GEMMs' launch shape (a split over
+the rows' sum where that fills a GPU).
 
 Measurements behind ``input_grad_splits``: ``benchmarks/results/h200/kernel_tuning.md``.
 """
@@ -40,6 +41,18 @@ def check_vec4_rows(out: Buffer, lora_a: Buffer | None) -> None:
     for name, buf in (("out", out), ("lora_a", lora_a)):
         if buf is not None and buf.shape[-1] % 4:
             raise ValueError(f"{name}'s rows must be padded to a multiple of 4 floats, got {buf.shape[-1]}")
+
+
+def gemv_max_tokens(device: Device) -> int:
+    """Up to this many tokens a projection, ternary (``bitlinear``) or float (``matmul``: the LM
+    head), runs as a GEMV, whose workgroups hold their rows' weights and serve a group of tokens
+    from one read of them, rather than as a GEMM tiled for hundreds of tokens: 64 on GPUs; 4 on a
+    CPU adapter, the GEMV path's share of the tests (past a few tokens the GEMM is the faster
+    there). Both paths of a projection give a token the same values but for a float
+    projection's order of sums, so a decoded sequence's tokens are the same alone and in a batch
+    of up to this many (``engine.generate``). Measurements and reasoning behind the numbers:
+    ``benchmarks/results/h200/kernel_tuning.md``."""
+    return 4 if device.is_cpu else 64
 
 
 INPUT_GRAD_WORKGROUPS = 1024  # input-gradient GEMMs: workgroups a launch aims at (split-K below that)
