@@ -24,7 +24,7 @@ from torch_wgpu_lora.engine.kernels.rope import rope_backward_launch, rope_backw
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary
 from torch_wgpu_lora.runtime import Buffer, upload
 
-from .helpers import assert_close, kernel_workspace, padded, poisoned, run
+from .helpers import PACKED_ROWS, assert_close, kernel_workspace, packed_positions, padded, poisoned, run
 
 RTOL = 1e-5
 
@@ -160,6 +160,36 @@ def test_rope_backward_is_the_transpose_of_rope():
     assert_close(got[:, : (heads + kv_heads) * d], ref[:, : (heads + kv_heads) * d], 1e-6, "dq, dk")
     # the values' gradient is copied as it is: bit for bit
     assert torch.equal(got[:, (heads + kv_heads) * d:].double(), ref[:, (heads + kv_heads) * d:])
+
+
+def test_packed_rope_backward_is_the_transpose_of_packed_rope():
+    # a packed pass: each token rotated at its own position id, stored at its row of the pass
+    from transformers import BitNetConfig
+    from transformers.models.bitnet.modeling_bitnet import BitNetRotaryEmbedding
+
+    g = torch.Generator().manual_seed(4)
+    positions = packed_positions(PACKED_ROWS["short"])
+    (batch, T), heads, kv_heads, d, context = positions.shape, 4, 2, 8, 12
+    cos, sin = BitNetRotaryEmbedding(BitNetConfig(hidden_size=heads * d, num_attention_heads=heads,
+                                                  max_position_embeddings=context))(torch.zeros(1),
+                                                                                    torch.arange(context)[None])
+    cos, sin = cos[0], sin[0]
+    dq = torch.randn(batch * T, heads * d, generator=g)
+    dk = torch.randn(batch, kv_heads, T, d, generator=g)
+    dv = torch.randn(batch, kv_heads, T, d, generator=g)
+    out = poisoned((batch * T, (heads + 2 * kv_heads) * d))
+    launch = rope_backward_launch(upload(dq.numpy()), upload(dk.numpy()), upload(dv.numpy()),
+                                  upload(cos[:, : d // 2].contiguous().numpy()),
+                                  upload(sin[:, : d // 2].contiguous().numpy()), upload(np.zeros(batch, np.uint32)),
+                                  out, tokens=batch * T, tokens_per_seq=T, heads=heads, kv_heads=kv_heads, head_dim=d,
+                                  cache_len=T, positions=upload(positions.numpy().astype(np.uint32).reshape(-1)))
+    (got,) = run([launch], out)
+    ref = rope_backward_reference(dq, dk, dv, cos, sin, [0] * batch, T, heads, kv_heads, positions)
+    rotated = (heads + kv_heads) * d
+    assert_close(got[:, :rotated], ref[:, :rotated], 1e-6, "dq, dk")  # as the unpacked test's
+    assert torch.equal(got[:, rotated:].double(), ref[:, rotated:])
+    unpacked = rope_backward_reference(dq, dk, dv, cos, sin, [0] * batch, T, heads, kv_heads)
+    assert (unpacked - ref).abs().max() > 0.1  # the position ids matter
 
 
 def test_cross_entropy_rows_loss_and_gradient_in_place(reductions):
