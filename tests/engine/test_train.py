@@ -32,8 +32,9 @@ from torch_wgpu_lora.ops.optimizer import adamw_reference
 from torch_wgpu_lora.runtime import Recorder, get_device
 
 from ..concurrency import in_forked_child
-from .helpers import (CONFIGS, LOGIT_RTOL, LOSS_RTOL, TWIN_RTOL, assert_close, assert_twins_agree, batch,
-                      labelled_batch, micro_batches, tiny_model, torch_grads, torch_step, twins)
+from .helpers import (CONFIGS, LOGIT_RTOL, LOSS_RTOL, TWIN_RTOL, PackedEngine, Packing, assert_close,
+                      assert_twins_agree, batch, labelled_batch, micro_batches, packed_micro_batches, tiny_model,
+                      torch_grads, torch_step, twins)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -47,6 +48,53 @@ def test_every_adapter_gradient_matches_autograd(flavour, config):
     report = parity.report
     assert all(not row.reference_zero for row in report.rows), "a row compares nothing"
     assert len(report.rows) == 2 * len(lora_modules(model))
+    assert report.rms_rel_error <= parity.tolerance, str(parity)
+    assert report.loss_difference <= LOSS_RTOL * abs(report.loss_torch)
+    if flavour != "dense":
+        assert report.codes > 0 and report.flips <= FLIP_SHARE * report.codes
+    assert parity.passed
+
+
+# Seven examples (of 1 to 9 tokens) packed into three rows of 9: one, two and three examples a row,
+# examples of one token, and a row ending in padding (one more example, unlabelled).
+PACKING = Packing([5, 1, 3, 9, 2, 2, 1], [[0, 1, 2], [3], [4, 5, 6]], tokens=9)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_packed_rows_adapter_gradients_match_autograd(flavour, config):
+    # transformers' own model on the same packed rows (position ids, no attention mask, no cache),
+    # in float64: the loss and every adapter gradient, with the same criteria as unpacked rows
+    model = tiny_model(flavour, adapters=True, seed=1, **CONFIGS[config])
+    randomize_lora_B(model, seed=2)
+    engine = BitNetEngine(model)
+    data = PACKING.batch(labelled_batch(model, PACKING.lengths))
+    parity = check_parity(model, data, engine=engine)
+    report = parity.report
+    assert all(not row.reference_zero for row in report.rows), "a row compares nothing"
+    assert report.rms_rel_error <= parity.tolerance, str(parity)
+    assert report.loss_difference <= LOSS_RTOL * abs(report.loss_torch)
+    if flavour != "dense":
+        assert report.codes > 0 and report.flips <= FLIP_SHARE * report.codes
+    assert parity.passed
+    # and through the autograd node: the loss and .grad of model(**batch).loss.backward()
+    out = engine(**data)
+    out.loss.backward()
+    loss, grads = engine.loss_and_grads(data["input_ids"], data["labels"], [9] * 3, positions=data["position_ids"])
+    assert out.loss.item() == loss.item() and all(torch.equal(p.grad, grads[p]) for p in lora_parameters(model))
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_packed_row_trains_as_its_examples_alone(flavour):
+    # the engine's loss and gradients from the packed rows against transformers' float64 autograd
+    # over the examples as separate rows (right-padded, with an attention mask): the same criteria,
+    # the packed pass's int8 codes fed to torch's separate rows at each real token
+    model = tiny_model(flavour, adapters=True, seed=3, **CONFIGS["gqa-tied"])
+    randomize_lora_B(model, seed=4)
+    separate = labelled_batch(model, PACKING.lengths, seed=5)
+    parity = check_parity(model, separate, engine=PackedEngine(BitNetEngine(model), PACKING))
+    report = parity.report
+    assert all(not row.reference_zero for row in report.rows), "a row compares nothing"
     assert report.rms_rel_error <= parity.tolerance, str(parity)
     assert report.loss_difference <= LOSS_RTOL * abs(report.loss_torch)
     if flavour != "dense":
@@ -90,6 +138,24 @@ def test_adapter_gradients_with_p_kept_from_the_forward_or_computed_again(keep, 
     scores = launched(plan).count("attention_scores.wgsl:gemm_tiled")
     assert scores == (2 if keep else 3) * model.config.num_hidden_layers
     assert all((layer.scores is not None) == keep for layer in plan.layers)
+
+
+@pytest.mark.parametrize("path", ["S again", "flash"])
+def test_packed_rows_adapter_gradients_past_the_kept_scores(path, monkeypatch):
+    # packed rows where a layer's P is not kept for the backward (which computes S again, masked to
+    # each example), and where S is not kept whole at all (the flash kernels, masked alike)
+    monkeypatch.setattr(policy, "KEPT_PROBABILITIES_BYTES", 0)
+    if path == "flash":
+        monkeypatch.setattr(policy, "SCORES_SCRATCH_BYTES", 0)
+    model = tiny_model("packed", adapters=True, seed=1)
+    randomize_lora_B(model, seed=2)
+    engine = BitNetEngine(model)
+    parity = check_parity(model, PACKING.batch(labelled_batch(model, PACKING.lengths)), engine=engine)
+    assert parity.report.rms_rel_error <= parity.tolerance, str(parity)
+    assert parity.passed
+    kernels = launched(engine.train_plan(3, 9, packed=True))
+    assert ("attention_backward.wgsl:dq" in kernels) == (path == "flash")
+    assert kernels.count("attention_scores.wgsl:gemm_tiled") == (0 if path == "flash" else 3 * len(model.model.layers))
 
 
 @pytest.mark.parametrize("labelled", [5, 70])
@@ -204,6 +270,32 @@ def test_twenty_engine_steps_match_twenty_torch_steps():
     for i, p in enumerate(lora_parameters(twin)):
         assert state[i]["step"].item() == 20
         assert_close(state[i]["exp_avg"], theirs.state[p]["exp_avg"], TWIN_RTOL, f"exp_avg {i}")
+
+
+def test_twenty_engine_steps_on_packed_rows_match_twenty_torch_steps():
+    """Packed micro-batches of two shapes (the first padded to the second's in the step: its added
+    columns one more example, its added row one example), against the torch path on the same
+    packed rows (transformers' packing: position ids, no attention mask, no cache). Tolerance as in
+    the twenty-step test."""
+    model, twin, engine, ours, theirs = twins(9)
+    for step in range(20):
+        micro = packed_micro_batches(model, seed=600 + step)
+        assert [b["input_ids"].shape for b in micro] == [(2, 9), (1, 11)] and micro[0]["attention_mask"][1, -1] == 0
+        done = engine.train_step(micro, ours, max_grad_norm=1.0)
+        loss_sum = torch_step(twin, micro, theirs)
+        assert_close(done["loss"], loss_sum / done["tokens"], LOSS_RTOL, f"loss of step {step}")
+    assert_twins_agree(engine, model, twin)
+
+
+def test_a_step_of_packed_and_unpacked_micro_batches_is_refused():
+    model, _, engine, ours, _ = twins(10)
+    micro = [packed_micro_batches(model, seed=700)[0], micro_batches(model, seed=701)[0]]
+    with pytest.raises(ValueError, match="1 of the 2 micro-batches hold packed rows .position_ids.: a step's "
+                                         "micro-batches are all packed or none"):
+        engine.train_step(micro, ours, max_grad_norm=1.0)
+    bad = {**micro[0], "position_ids": micro[0]["position_ids"] + 1}
+    with pytest.raises(ValueError, match="position_ids row 0 starts at 1"):
+        engine.train_step([bad], ours, max_grad_norm=1.0)
 
 
 def test_steps_in_a_row_keep_the_gpu_values_and_an_edit_in_torch_between_them_wins():
