@@ -15,8 +15,8 @@ from torch_wgpu_lora import BitNetEngine, WgpuAdamW
 from torch_wgpu_lora.demo import demo_records
 from torch_wgpu_lora.engine.workspace import Workspace
 from torch_wgpu_lora.integrations.bitnet import apply_lora, lora_parameters, load_bitnet
-from torch_wgpu_lora.integrations.gradcheck import randomize_lora_B
-from torch_wgpu_lora.integrations.quantisation import FeedStats, feeding_codes
+from torch_wgpu_lora.integrations.gradcheck import ParityCheck, randomize_lora_B
+from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE, FeedStats, feeding_codes
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
 from torch_wgpu_lora.logits import process_logits
 from torch_wgpu_lora.loss import IGNORE_INDEX, labelled_tokens
@@ -173,6 +173,19 @@ def forward_with_codes(engine: BitNetEngine, ids: torch.Tensor, lengths: list[in
     codes: dict = {}
     logits = engine.plan(*ids.shape, packed=positions is not None).run(ids, lengths, codes=codes, positions=positions)
     return logits, codes
+
+
+def assert_parity(parity: ParityCheck, flavour: str) -> None:
+    """An engine's ``check_parity`` passed on every count: each row compares something, the adapter
+    gradients within the tolerance, the loss within LOSS_RTOL, and (quantised flavours) codes fed
+    with few flips."""
+    report = parity.report
+    assert all(not row.reference_zero for row in report.rows), "a row compares nothing"
+    assert report.rms_rel_error <= parity.tolerance, str(parity)
+    assert report.loss_difference <= LOSS_RTOL * abs(report.loss_torch)
+    if flavour != "dense":
+        assert report.codes > 0 and report.flips <= FLIP_SHARE * report.codes
+    assert parity.passed
 
 
 def assert_close(got, ref, rtol: float, what: str, terms: float = 0.0) -> float:

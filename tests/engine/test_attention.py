@@ -153,10 +153,12 @@ def test_prefill_every_tile_that_fits_the_adapter():
     # the tiles smaller devices get (16 KiB of workgroup memory) must be right too
     limit = get_device().limits["max-compute-workgroup-storage-size"]
     chosen = prefill_tile(64)
+    positions = packed_positions(PACKED_ROWS["long"])  # and packed rows
     for tile in PREFILL_TILES + (PrefillTile(2, 16, 4),):  # and 4 key lanes (odd D4: one lane idle)
         for head_dim in (64, 20):
             if tile.workgroup_bytes(head_dim) <= limit:
                 check_once(2, 45, 8, 2, head_dim, 3, [48, 7], tile=tile)
+                check_once(*positions.shape, 8, 2, head_dim, 0, [70] * 4, positions=positions, tile=tile)
     assert chosen.workgroup_bytes(64) <= limit
     assert PREFILL_TILES[0].workgroup_bytes(128) <= 48 * 1024  # NVIDIA's limit: the big tile for BitNet
     assert any(t.workgroup_bytes(128) <= 16 * 1024 for t in PREFILL_TILES)  # WebGPU's default limit
@@ -240,15 +242,6 @@ def test_packed_queries_attend_within_their_own_example(rows, heads, kv_heads, h
     batch, tokens = positions.shape
     check_once(batch, tokens, heads, kv_heads, head_dim, 0, [tokens] * batch, positions=positions,
                from_start=from_start, seed=head_dim)
-
-
-def test_packed_queries_in_every_prefill_tile_that_fits_the_adapter():
-    limit = get_device().limits["max-compute-workgroup-storage-size"]
-    positions = packed_positions(PACKED_ROWS["long"])
-    for tile in PREFILL_TILES:
-        if tile.workgroup_bytes(64) <= limit:
-            check_once(*positions.shape, 8, 2, 64, 0, [positions.shape[1]] * positions.shape[0], positions=positions,
-                       tile=tile)
 
 
 def test_position_ids_are_refused_when_decoding():

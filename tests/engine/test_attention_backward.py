@@ -237,15 +237,6 @@ def test_packed_gradients_stay_within_each_example(rows, heads, kv_heads, head_d
                splits=3 if path.endswith("split") else None)
 
 
-def test_packed_gradients_in_every_backward_tile_that_fits_the_adapter():
-    limit = get_device().limits["max-compute-workgroup-storage-size"]
-    positions = packed_positions(PACKED_ROWS["long"])
-    for tile in BACKWARD_TILES:
-        if tile.workgroup_bytes(64) <= limit:
-            check_once(*positions.shape, 8, 2, 64, 0, [positions.shape[1]] * positions.shape[0], positions=positions,
-                       tile=tile)
-
-
 def test_a_scores_buffer_is_refused_where_it_would_not_be_used(monkeypatch):
     args = Backward(2, 8, 4, 2, 8, 8, from_start=True)
     shape = dict(batch=2, tokens=8, heads=4, kv_heads=2, head_dim=8, max_len=8)
@@ -297,10 +288,12 @@ def test_sum_splits_fill_a_gpu_and_leave_a_cpu_alone():
 def test_every_tile_that_fits_the_adapter():
     # the tiles smaller devices get (WebGPU's default 16 KiB) must be right too, and odd lane counts
     limit = get_device().limits["max-compute-workgroup-storage-size"]
+    positions = packed_positions(PACKED_ROWS["long"])  # and packed rows
     for tile in BACKWARD_TILES + (BackwardTile(12, 8, 3), BackwardTile(4, 12, 1)):
         for head_dim, heads, kv_heads in ((64, 8, 2), (20, 3, 3)):
             if tile.workgroup_bytes(head_dim) <= limit:
                 check_once(2, 45, heads, kv_heads, head_dim, 0, [45, 7], tile=tile, seed=tile.fixed)
+                check_once(*positions.shape, heads, kv_heads, head_dim, 0, [70] * 4, positions=positions, tile=tile)
     assert backward_tile(128).workgroup_bytes(128) <= limit
     assert BACKWARD_TILES[0].workgroup_bytes(128) <= 48 * 1024  # NVIDIA's limit: the big tile for BitNet
     assert any(t.workgroup_bytes(128) <= 16 * 1024 for t in BACKWARD_TILES)  # WebGPU's default limit

@@ -23,7 +23,6 @@ import torch
 from torch_wgpu_lora import BitNetEngine, WgpuAdamW
 from torch_wgpu_lora.integrations.bitnet import lora_modules, lora_parameters
 from torch_wgpu_lora.integrations.gradcheck import check_parity, randomize_lora_B
-from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE
 from torch_wgpu_lora.integrations.tiny import FLAVOURS
 from torch_wgpu_lora.engine.kernels.attention import policy
 from torch_wgpu_lora.engine.kernels import projection
@@ -33,26 +32,8 @@ from torch_wgpu_lora.runtime import Recorder, get_device
 
 from ..concurrency import in_forked_child
 from .helpers import (CONFIGS, LOGIT_RTOL, LOSS_RTOL, TWIN_RTOL, PackedEngine, Packing, assert_close,
-                      assert_twins_agree, batch, labelled_batch, micro_batches, packed_micro_batches, tiny_model,
+                      assert_parity, assert_twins_agree, batch, labelled_batch, micro_batches, packed_micro_batches, tiny_model,
                       torch_grads, torch_step, twins)
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("flavour", FLAVOURS)
-def test_every_adapter_gradient_matches_autograd(flavour, config):
-    model = tiny_model(flavour, adapters=True, seed=1, **CONFIGS[config])
-    randomize_lora_B(model, seed=2)
-    engine = BitNetEngine(model)
-    data = labelled_batch(model, [11, 6, 9])
-    parity = check_parity(model, data, engine=engine)
-    report = parity.report
-    assert all(not row.reference_zero for row in report.rows), "a row compares nothing"
-    assert len(report.rows) == 2 * len(lora_modules(model))
-    assert report.rms_rel_error <= parity.tolerance, str(parity)
-    assert report.loss_difference <= LOSS_RTOL * abs(report.loss_torch)
-    if flavour != "dense":
-        assert report.codes > 0 and report.flips <= FLIP_SHARE * report.codes
-    assert parity.passed
 
 
 # Seven examples (of 1 to 9 tokens) packed into three rows of 9: one, two and three examples a row,
@@ -60,28 +41,24 @@ def test_every_adapter_gradient_matches_autograd(flavour, config):
 PACKING = Packing([5, 1, 3, 9, 2, 2, 1], [[0, 1, 2], [3], [4, 5, 6]], tokens=9)
 
 
+def rows_of(model: torch.nn.Module, rows: str) -> dict[str, torch.Tensor]:
+    """A labelled batch of right-padded rows, or of packed rows as transformers takes them (position
+    ids, no attention mask; the torch passes run without a cache)."""
+    if rows == "packed":
+        return PACKING.batch(labelled_batch(model, PACKING.lengths))
+    return labelled_batch(model, [11, 6, 9])
+
+
+@pytest.mark.parametrize("rows", ["padded", "packed"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_packed_rows_adapter_gradients_match_autograd(flavour, config):
-    # transformers' own model on the same packed rows (position ids, no attention mask, no cache),
-    # in float64: the loss and every adapter gradient, with the same criteria as unpacked rows
+def test_every_adapter_gradient_matches_autograd(flavour, config, rows):
     model = tiny_model(flavour, adapters=True, seed=1, **CONFIGS[config])
     randomize_lora_B(model, seed=2)
     engine = BitNetEngine(model)
-    data = PACKING.batch(labelled_batch(model, PACKING.lengths))
-    parity = check_parity(model, data, engine=engine)
-    report = parity.report
-    assert all(not row.reference_zero for row in report.rows), "a row compares nothing"
-    assert report.rms_rel_error <= parity.tolerance, str(parity)
-    assert report.loss_difference <= LOSS_RTOL * abs(report.loss_torch)
-    if flavour != "dense":
-        assert report.codes > 0 and report.flips <= FLIP_SHARE * report.codes
-    assert parity.passed
-    # and through the autograd node: the loss and .grad of model(**batch).loss.backward()
-    out = engine(**data)
-    out.loss.backward()
-    loss, grads = engine.loss_and_grads(data["input_ids"], data["labels"], [9] * 3, positions=data["position_ids"])
-    assert out.loss.item() == loss.item() and all(torch.equal(p.grad, grads[p]) for p in lora_parameters(model))
+    parity = check_parity(model, rows_of(model, rows), engine=engine)
+    assert len(parity.report.rows) == 2 * len(lora_modules(model))
+    assert_parity(parity, flavour)
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
@@ -93,13 +70,7 @@ def test_a_packed_row_trains_as_its_examples_alone(flavour):
     randomize_lora_B(model, seed=4)
     separate = labelled_batch(model, PACKING.lengths, seed=5)
     parity = check_parity(model, separate, engine=PackedEngine(BitNetEngine(model), PACKING))
-    report = parity.report
-    assert all(not row.reference_zero for row in report.rows), "a row compares nothing"
-    assert report.rms_rel_error <= parity.tolerance, str(parity)
-    assert report.loss_difference <= LOSS_RTOL * abs(report.loss_torch)
-    if flavour != "dense":
-        assert report.codes > 0 and report.flips <= FLIP_SHARE * report.codes
-    assert parity.passed
+    assert_parity(parity, flavour)
 
 
 def checked_train_plan(flavour: str) -> tuple:
@@ -150,7 +121,7 @@ def test_packed_rows_adapter_gradients_past_the_kept_scores(path, monkeypatch):
     model = tiny_model("packed", adapters=True, seed=1)
     randomize_lora_B(model, seed=2)
     engine = BitNetEngine(model)
-    parity = check_parity(model, PACKING.batch(labelled_batch(model, PACKING.lengths)), engine=engine)
+    parity = check_parity(model, rows_of(model, "packed"), engine=engine)
     assert parity.report.rms_rel_error <= parity.tolerance, str(parity)
     assert parity.passed
     kernels = launched(engine.train_plan(3, 9, packed=True))
@@ -185,20 +156,22 @@ def test_the_lm_head_runs_over_the_labelled_rows_only(labelled):
     assert {int(y) for y in grids.reshape(-1, 3)[:, 1]} == {-(-labelled // 64)}
 
 
-def test_loss_backward_fills_grad_through_the_autograd_node():
+@pytest.mark.parametrize("rows", ["padded", "packed"])
+def test_loss_backward_fills_grad_through_the_autograd_node(rows):
     model = tiny_model("packed", adapters=True, seed=3)
     randomize_lora_B(model, seed=4)
     engine = BitNetEngine(model)
-    data = labelled_batch(model, [10, 8])
+    data = rows_of(model, rows)
     seen = []
     params = lora_parameters(model)
     params[0].register_hook(lambda g: seen.append(g.clone()))  # gradient hooks run
     out = engine(**data)
     assert out.logits is None and out.loss.requires_grad
     (2.0 * out.loss).backward()
+    ids, lengths, positions = engine.check_inputs(data["input_ids"], data.get("attention_mask"), data["labels"],
+                                                  data.get("position_ids"))
     codes: dict = {}
-    loss, grads = engine.loss_and_grads(data["input_ids"], data["labels"], data["attention_mask"].sum(1).tolist(),
-                                        codes=codes)
+    loss, grads = engine.loss_and_grads(ids, data["labels"], lengths, codes=codes, positions=positions)
     assert abs(out.loss.item() - loss.item()) == 0
     for p in params:
         assert torch.equal(p.grad, 2.0 * grads[p])  # the incoming gradient scales them
