@@ -263,9 +263,14 @@ def test_packed_rows_logits_match_transformers(config, adapters):
     model = tiny_model("dense", adapters, **CONFIGS[config])
     positions = packed_positions(PACKED)
     ids, _ = batch(model.config.vocab_size, [positions.shape[1]] * positions.shape[0], seed=3)
-    out = BitNetEngine(model)(ids, position_ids=positions)
+    labels = ids.clone()
+    labels[positions == 0] = -100  # no example predicts its first token from the one before
+    with torch.no_grad():
+        out = BitNetEngine(model)(ids, position_ids=positions, labels=labels)
+        ref_loss = model(input_ids=ids, position_ids=positions, labels=labels, use_cache=False).loss
     ref = torch_logits(model, ids, None, positions)
     assert_close(out.logits, ref, LOGIT_RTOL, "logits")
+    assert_close(out.loss, ref_loss, LOSS_RTOL, "loss")
     unpacked = torch_logits(model, ids, None)
     assert (unpacked - ref).abs().max() > 100 * LOGIT_RTOL * ref.abs().max()  # the packing matters
 
