@@ -2,6 +2,8 @@
 //   for sequence b, query token i at position pos + i, query head h, KV head g = h / R:
 //   out[b,i,h,:] = softmax_j(scale * q[b,i,h,:]·K[b,g,j,:]) · V[b,g,j,:]
 //   over keys j <= lim = min(pos + i, len_b - 1)   (pos = STARTS[b], len_b = LENS[b] in 1..S)
+//   and, in a packed pass (prefill with PACKED: several examples in a row), j >= pos + i - POS[b*T + i]
+//   (the first key of the query's own example)
 //   lse[b,i,h] = log(sum_j exp(scale * q·K_j))      (natural log; for a backward pass)
 // Layouts (vec4 arrays, D4 = head_dim / 4): Q and OUT [B*T, H, D4] (token-major, heads inside a
 // token), K and V caches [B, KVH, S, D4], LSE [B*T, H]. R = H / KVH query heads share a KV head.
@@ -11,16 +13,19 @@
 // block and the R heads of the group alike.
 //
 // Scores live in the log2 domain: q is multiplied by scale*log2(e) once, so exp() is exp2().
-// Masked scores never enter a sum: their probabilities are set to 0 by select(). Key 0 is
-// valid for every row, so a row's running max is finite after its first tile.
+// Masked scores never enter a sum: their probabilities are set to 0 by select(). Every row sees
+// at least its own key; until a tile holds one of its keys, its running max stays MASKED and its
+// sums 0 (the rescale exp2(MASKED - MASKED) = 1 scales zeros, and the first real max's
+// exp2(MASKED - max) = 0 drops them).
 //
 // Bindings: the entry points alias binding numbers (each pipeline's auto layout holds only the
 // variables its entry point uses), so each takes its buffers at bindings 1.. in order.
 //
 // Entry points:
 //   prefill         one workgroup per (block of 4*RG rows, KV head, batch); a loop over
-//                   key tiles with an online (flash-attention) softmax. Blocks launch
-//                   last-first: the causal tail (most tiles) starts early.
+//                   key tiles with an online (flash-attention) softmax, from the tile of the
+//                   block's first key (0, or packed, its first row's example's first key) to
+//                   its last. Blocks launch last-first: the causal tail (most tiles) starts early.
 //   decode_partial  flash-decoding: one workgroup per (key split, 4-row block x KV head,
 //                   batch). The key range 0..n-1 of a block is cut into `splits` spans of
 //                   ceil(n / splits) keys (rounded up to a tile); a workgroup whose span
@@ -48,6 +53,7 @@ struct Params {
 @group(0) @binding(5) var<storage, read> V: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read_write> O: array<vec4<f32>>;   // decode_partial: partial sums
 @group(0) @binding(7) var<storage, read_write> LSE: array<f32>;       // decode_partial: (max, sum) pairs
+@group(0) @binding(8) var<storage, read> POS: array<u32>;            // prefill, PACKED: [B*T] position ids
 // decode_combine
 @group(0) @binding(3) var<storage, read> PO: array<vec4<f32>>;       // [splits, B*T*H, D4]
 @group(0) @binding(4) var<storage, read> PML: array<vec2<f32>>;      // [splits, B*T*H]: (max, sum)
@@ -56,6 +62,7 @@ struct Params {
 
 override D4: u32 = 32u;  // head_dim / 4
 override R: u32 = 1u;    // query heads per KV head
+override PACKED: bool = false;  // prefill: queries see their own example's keys only (POS)
 
 const LOG2E: f32 = 1.4426950408889634;
 const LN2: f32 = 0.6931471805599453;
@@ -65,6 +72,11 @@ const MASKED: f32 = -1.0e30;
 // the sequence's cache rows).
 fn seq_len(b: u32) -> u32 {
   return clamp(LENS[b], 1u, p.max_len);
+}
+
+// The first key query i of sequence b (at pos + i) sees in a packed pass: its example's first.
+fn example_first(b: u32, i: u32, pos: u32) -> u32 {
+  return pos + i - min(POS[b * p.tokens + i], pos + i);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -175,7 +187,9 @@ fn prefill(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: v
   var a30 = vec4<f32>(0.0); var a31 = vec4<f32>(0.0); var a32 = vec4<f32>(0.0); var a33 = vec4<f32>(0.0);
 
   let ntiles = maxlim / BK + 1u;
-  for (var tile = 0u; tile < ntiles; tile++) {
+  var tile0 = 0u;  // the tile of the block's first key
+  if (PACKED) { tile0 = example_first(b, row0 / R, pos) / BK; }
+  for (var tile = tile0; tile < ntiles; tile++) {
     let k0 = tile * BK;
     for (var idx = t; idx < TILE; idx += 4u * NT) {
       let i1 = min(idx + NT, TILE - 1u);
@@ -215,19 +229,22 @@ fn prefill(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: v
     workgroupBarrier();
 
     for (var m = t; m < 4u * RG; m += NT) {  // softmax of row m (one thread per row when NT >= M)
-      let lim = min(pos + min(row0 + m, rows - 1u) / R, len - 1u);
+      let i = min(row0 + m, rows - 1u) / R;
+      let lim = min(pos + i, len - 1u);
+      var first = 0u;
+      if (PACKED) { first = example_first(b, i, pos); }
       let quad = m / 4u;
       let comp = m % 4u;
       var tmax = MASKED;
       for (var j = 0u; j < BK; j++) {
-        tmax = max(tmax, select(MASKED, score(j, quad, comp), k0 + j <= lim));
+        tmax = max(tmax, select(MASKED, score(j, quad, comp), k0 + j <= lim && k0 + j >= first));
       }
       let m_old = Mrun[m];
       let m_new = max(m_old, tmax);
       let alpha = exp2(m_old - m_new);
       var lsum = 0.0;
       for (var j = 0u; j < BK; j++) {
-        let pr = select(0.0, exp2(score(j, quad, comp) - m_new), k0 + j <= lim);
+        let pr = select(0.0, exp2(score(j, quad, comp) - m_new), k0 + j <= lim && k0 + j >= first);
         Ps[j * RG + quad][comp] = pr;
         lsum += pr;
       }

@@ -1,7 +1,9 @@
 // Backward of the causal grouped-query attention of attention.wgsl, float32, flash-attention-2
 // style: the probabilities are recomputed from the forward's lse, never stored.
 //   for sequence b, query token i at position pos + i, query head h, KV head g = h / R, keys
-//   j <= lim = min(pos + i, len_b - 1)   (pos = STARTS[b], len_b = LENS[b] clamped to 1..S):
+//   j <= lim = min(pos + i, len_b - 1)   (pos = STARTS[b], len_b = LENS[b] clamped to 1..S) and, in
+//   a packed pass (dq, dkdv with PACKED: several examples in a row), j >= pos + i - POS[b*T + i]
+//   (the first key of the query's own example):
 //   P_ij  = exp(scale * q_i·k_j - lse_i)          D_i  = dO_i·O_i            (row_dot)
 //   dP_ij = dO_i·v_j                               dS_ij = P_ij (dP_ij - D_i)
 //   dQ_i  = scale * sum_j dS_ij k_j                                           (dq)
@@ -14,7 +16,8 @@
 // Entry points (no binding aliases: each uses a subset of the bindings below):
 //   row_dot  D_i = dO_i·O_i for every row: RL lanes per row, RW threads a workgroup.
 //   dq       one workgroup per (block of BQ rows, KV head, sequence); loops over key tiles of
-//            BK keys up to the block's last key (heaviest blocks launch first).
+//            BK keys from the block's first key (0, or packed, its first row's example's first)
+//            up to its last key (heaviest blocks launch first).
 //   dkdv     one workgroup per (block of BK keys starting at pos, KV head, sequence, split);
 //            loops over tiles of BQ rows: every query of the pass that sees the block (queries
 //            from the block's first key on), all R heads of the group, cut into SPLITS
@@ -27,7 +30,8 @@
 //
 // Both tile kernels share the tile step. Workgroup memory holds BQ rows of q and dO and BK rows
 // of k and v (rows padded to D4+1 vec4s against bank conflicts). Per tile:
-//   1. load the looped operand (dq: k/v tile; dkdv: q/dO tile, lse, D, row limits); barrier
+//   1. load the looped operand (dq: k/v tile; dkdv: q/dO tile, lse, D, row limits, first keys);
+//      barrier
 //   2. scores: a unit computes a 4-row x 4-key block of S = q·k and dP = dO·v (rows rq + RB*n,
 //      keys kq + KB*n) over one of KL lane slices of the head dim -> SP; barrier
 //   3. per (row, key quad): sum the lanes, P = exp2(S * scale*log2e - lse*log2e), dS, masked
@@ -61,15 +65,22 @@ struct Params {
 @group(0) @binding(13) var<storage, read_write> DR_OUT: array<f32>;
 @group(0) @binding(14) var<storage, read> DK_PART: array<vec4<f32>>;
 @group(0) @binding(15) var<storage, read> DV_PART: array<vec4<f32>>;
+@group(0) @binding(16) var<storage, read> POS: array<u32>;  // dq, dkdv with PACKED: [B*T] position ids
 
 override D4: u32 = 32u;  // head_dim / 4
 override R: u32 = 1u;    // query heads per KV head
 override SPLITS: u32 = 1u;  // dkdv, dkdv_sum: ranges of query tiles a key block's work is cut into
+override PACKED: bool = false;  // dq, dkdv: queries see their own example's keys only (POS)
 
 const LOG2E: f32 = 1.4426950408889634;
 
 fn seq_len(b: u32) -> u32 {
   return clamp(LENS[b], 1u, p.max_len);
+}
+
+// The first key query i of sequence b (at pos + i) sees in a packed pass: its example's first.
+fn example_first(b: u32, i: u32, pos: u32) -> u32 {
+  return pos + i - min(POS[b * p.tokens + i], pos + i);
 }
 
 // Index of (b, row m of KV head g) in the [B*T, H] row layouts.
@@ -128,6 +139,7 @@ var<workgroup> dSm: array<vec4<f32>, BQ * (BK / 4u)>;           // dkdv: as Pm; 
 var<workgroup> RowL: array<f32, BQ>;  // lse * log2(e)
 var<workgroup> RowD: array<f32, BQ>;  // D
 var<workgroup> RowN: array<u32, BQ>;  // the row sees keys j < RowN (0 for rows past the end)
+var<workgroup> RowF: array<u32, BQ>;  // PACKED: and keys j >= RowF
 
 // Rows row0 .. row0+BQ-1 of (b, g): q, dO, lse, D and key limits into workgroup memory.
 fn load_rows(t: u32, b: u32, g: u32, row0: u32, rows: u32, pos: u32, len: u32) {
@@ -146,6 +158,7 @@ fn load_rows(t: u32, b: u32, g: u32, row0: u32, rows: u32, pos: u32, len: u32) {
     RowL[r] = LSE[id] * LOG2E;
     RowD[r] = DR[id];
     RowN[r] = select(0u, min(pos + m / R, len - 1u) + 1u, m < rows);
+    if (PACKED) { RowF[r] = example_first(b, min(m, rows - 1u) / R, pos); }
   }
 }
 
@@ -215,7 +228,9 @@ fn tile_pds(e: u32, k0: u32) -> PD {
   }
   let r = e / KB;
   let j = k0 + e % KB;
-  let ok = vec4<u32>(j, j + KB, j + 2u * KB, j + 3u * KB) < vec4<u32>(RowN[r]);
+  let keys = vec4<u32>(j, j + KB, j + 2u * KB, j + 3u * KB);
+  var ok = keys < vec4<u32>(RowN[r]);
+  if (PACKED) { ok = ok & (keys >= vec4<u32>(RowF[r])); }
   let pr = select(vec4<f32>(0.0), exp2(s * (p.scale * LOG2E) - RowL[r]), ok);
   return PD(pr, select(vec4<f32>(0.0), pr * (dp - RowD[r]), ok));
 }
@@ -243,7 +258,9 @@ fn dq(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u
   var b0 = vec4<f32>(0.0); var b1 = vec4<f32>(0.0); var b2 = vec4<f32>(0.0); var b3 = vec4<f32>(0.0);
 
   let ntiles = maxlim / BK + 1u;
-  for (var tile = 0u; tile < ntiles; tile++) {
+  var tile0 = 0u;  // the tile of the block's first key
+  if (PACKED) { tile0 = example_first(b, row0 / R, pos) / BK; }
+  for (var tile = tile0; tile < ntiles; tile++) {
     let k0 = tile * BK;
     load_keys(t, kvbase, k0, maxlim);
     workgroupBarrier();

@@ -8,10 +8,12 @@
 // key j ≤ lim = min(i, len_b − 1) (len_b = LENS[b] clamped to 1..S, as attention.wgsl has it),
 // g = h / R. Entries past a row's limit are written only where they share a vec4 with a seen key,
 // and never read (the GEMMs that read them mask them); a tile whose keys all lie past its rows'
-// limits sums nothing.
+// limits sums nothing. In a packed pass (PACKED: several examples in a row) a query sees only
+// the keys of its own example, from i − POS[b·T + i] on: MODE 1 writes P = 0 (and so dS = 0) for
+// the keys before (MODE 2's P, the forward's softmax, is 0 there already).
 // Layouts: A = Q or dO [B·T, H, D]; K or V [B, KVH, S, D4] vec4; SC, DS [B·H·TP, TP] as vec4s (rows
 // padded like the heads', so that every row starts on a vec4); LSE (the forward's, natural log)
-// and DR (D = rowsum(dO ∘ O), row_dot's) [B·T, H].
+// and DR (D = rowsum(dO ∘ O), row_dot's) [B·T, H]; POS [B·T].
 //
 // Tiling (_gemm_t_tile.wgsl): 64 rows × 64 keys a workgroup of 128 threads, the head dim in
 // steps of 32 through workgroup memory.
@@ -36,8 +38,10 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> DS: array<vec4<f32>>;  // MODES 1, 2
 @group(0) @binding(6) var<storage, read> LSE: array<f32>;        // MODE 1
 @group(0) @binding(7) var<storage, read> DR: array<f32>;         // MODES 1, 2
+@group(0) @binding(8) var<storage, read> POS: array<u32>;        // PACKED: each token's position id
 
 override MODE: u32 = 0u;
+override PACKED: bool = false;
 
 const LOG2E: f32 = 1.4426950408889634;
 
@@ -118,6 +122,10 @@ fn store(n: u32, k: u32, v: vec4<f32>) {
   var pr = SC[at];
   if (MODE == 1u) {
     pr = exp2(pr * (p.scale * LOG2E) - LSE[row] * LOG2E);
+    if (PACKED) {
+      let first = i - min(POS[b * p.seq + i], i);  // the query's example's first key
+      pr = select(pr, vec4<f32>(0.0), vec4<u32>(k) + vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(first));
+    }
     SC[at] = pr;
   }
   DS[at] = pr * (v - DR[row]);

@@ -6,7 +6,9 @@
 // table (COS, SIN: [positions, D/2]; the second half of each row repeats the first):
 //   out[d]       = x[d] · cos − x[d + D/2] · sin
 //   out[d + D/2] = x[d + D/2] · cos + x[d] · sin          (d < D/2)
-// Token n is position STARTS[b] + n % T of sequence b = n / T (T tokens per sequence in this pass).
+// Token n of sequence b = n / T (T tokens per sequence in this pass) is cache row STARTS[b] + n % T,
+// rotated at that position; in a packed pass (PACKED) it is rotated at its own position id POS[n]
+// instead (several examples in a row, each numbered from 0), still stored at row STARTS[b] + n % T.
 
 struct Params {
   tokens_per_seq: u32,
@@ -25,15 +27,19 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> QR: array<f32>;
 @group(0) @binding(6) var<storage, read_write> KC: array<f32>;
 @group(0) @binding(7) var<storage, read_write> VC: array<f32>;
+@group(0) @binding(8) var<storage, read> POS: array<u32>;  // PACKED: [tokens]: each token's position id
 
 override WG: u32 = 128u;
+override PACKED: bool = false;
 
 @compute @workgroup_size(WG)
 fn rope(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let n = wg.x;
   let i = wg.y * WG + t;
   let b = n / p.tokens_per_seq;
-  let pos = STARTS[b] + n % p.tokens_per_seq;
+  let slot = STARTS[b] + n % p.tokens_per_seq;  // the cache row
+  var pos = slot;  // the rotation's position
+  if (PACKED) { pos = POS[n]; }
   let half = p.head_dim / 2u;
   let row = n * p.qkv_stride;
   let q_size = p.heads * p.head_dim;
@@ -53,13 +59,13 @@ fn rope(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
       QR[dst] = r1;
       QR[dst + half] = r2;
     } else {
-      let dst = ((b * p.kv_heads + head - p.heads) * p.cache_len + pos) * p.head_dim + d;
+      let dst = ((b * p.kv_heads + head - p.heads) * p.cache_len + slot) * p.head_dim + d;
       KC[dst] = r1;
       KC[dst + half] = r2;
     }
   }
   if (i < kv_size) {
     let g = i / p.head_dim;
-    VC[((b * p.kv_heads + g) * p.cache_len + pos) * p.head_dim + i % p.head_dim] = QKV[row + q_size + kv_size + i];
+    VC[((b * p.kv_heads + g) * p.cache_len + slot) * p.head_dim + i % p.head_dim] = QKV[row + q_size + kv_size + i];
   }
 }

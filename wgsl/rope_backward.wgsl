@@ -2,7 +2,8 @@
 // the transpose of the rotation, forward  r1 = x1·c − x2·s,  r2 = x2·c + x1·s,  gives
 //   dx1 = dr1·c + dr2·s,   dx2 = −dr1·s + dr2·c
 // for the queries (DQ [tokens, heads·D]) and the keys (DK [batch, kv_heads, S, D]); the values'
-// gradient (DV, the same layout) is copied through. Token n is position STARTS[n / T] + n % T.
+// gradient (DV, the same layout) is copied through. Token n is cache row STARTS[n / T] + n % T,
+// rotated at that position, or in a packed pass (PACKED) at its own position id POS[n] (rope.wgsl).
 
 struct Params {
   tokens_per_seq: u32,
@@ -21,14 +22,18 @@ struct Params {
 @group(0) @binding(5) var<storage, read> SIN: array<f32>;
 @group(0) @binding(6) var<storage, read> STARTS: array<u32>;
 @group(0) @binding(7) var<storage, read_write> DQKV: array<f32>;
+@group(0) @binding(8) var<storage, read> POS: array<u32>;  // PACKED: [tokens]: each token's position id
 
 override WG: u32 = 128u;
+override PACKED: bool = false;
 
 @compute @workgroup_size(WG)
 fn rope_backward(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3<u32>) {
   let n = wg.x;
   let b = n / p.tokens_per_seq;
-  let pos = STARTS[b] + n % p.tokens_per_seq;
+  let slot = STARTS[b] + n % p.tokens_per_seq;  // the cache row
+  var pos = slot;  // the rotation's position
+  if (PACKED) { pos = POS[n]; }
   let half = p.head_dim / 2u;
   let row = n * p.qkv_stride;
   let q_size = p.heads * p.head_dim;
@@ -46,7 +51,7 @@ fn rope_backward(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id)
       r1 = DQ[src];
       r2 = DQ[src + half];
     } else {
-      src = ((b * p.kv_heads + head - p.heads) * p.cache_len + pos) * p.head_dim + d;
+      src = ((b * p.kv_heads + head - p.heads) * p.cache_len + slot) * p.head_dim + d;
       r1 = DK[src];
       r2 = DK[src + half];
     }
@@ -56,6 +61,6 @@ fn rope_backward(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id)
   }
   for (var i = t; i < kv_size; i += WG) {
     let g = i / p.head_dim;
-    DQKV[row + q_size + kv_size + i] = DV[((b * p.kv_heads + g) * p.cache_len + pos) * p.head_dim + i % p.head_dim];
+    DQKV[row + q_size + kv_size + i] = DV[((b * p.kv_heads + g) * p.cache_len + slot) * p.head_dim + i % p.head_dim];
   }
 }

@@ -15,12 +15,13 @@ from torch_wgpu_lora import BitNetEngine, WgpuAdamW
 from torch_wgpu_lora.demo import demo_records
 from torch_wgpu_lora.engine.workspace import Workspace
 from torch_wgpu_lora.integrations.bitnet import apply_lora, lora_parameters, load_bitnet
-from torch_wgpu_lora.integrations.gradcheck import randomize_lora_B
-from torch_wgpu_lora.integrations.quantisation import FeedStats, feeding_codes
+from torch_wgpu_lora.integrations.gradcheck import ParityCheck, randomize_lora_B
+from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE, FeedStats, feeding_codes
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
 from torch_wgpu_lora.logits import process_logits
 from torch_wgpu_lora.loss import IGNORE_INDEX, labelled_tokens
 from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, write
+from torch_wgpu_lora.training.data import Example, collate, pack
 
 # Logits of the engine against transformers': within 1e-4 of the largest |logit| (float32 on both
 # sides, sums in other orders: errors ~1e-6 of the scale, so 100× margin; an indexing bug gives O(1)).
@@ -69,17 +70,122 @@ def labelled_batch(model: torch.nn.Module, lengths: list[int], seed: int = 0) ->
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def torch_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """transformers' own logits of the model, eagerly."""
+def packed_positions(runs: list[list[int]]) -> torch.Tensor:
+    """Position ids [rows, tokens] of packed rows, each a list of its examples' lengths (the last may
+    be the padding, which continues as one more example), every row of the same total."""
+    rows = [[i for n in row for i in range(n)] for row in runs]
+    if len({len(r) for r in rows}) != 1:
+        raise ValueError(f"packed rows of different lengths: {runs}")
+    return torch.tensor(rows)
+
+
+class Packing:
+    """Examples, the rows of a right-padded batch (``lengths`` real tokens each), packed in order into
+    rows of ``tokens``: ``rows[r]`` lists packed row r's examples; what is left of a row is padding,
+    one more example."""
+
+    def __init__(self, lengths: list[int], rows: list[list[int]], tokens: int) -> None:
+        assert sorted(e for row in rows for e in row) == list(range(len(lengths)))
+        assert all(sum(lengths[e] for e in row) <= tokens for row in rows)
+        self.lengths, self.rows, self.tokens = lengths, rows, tokens
+        # where each example's tokens go: (example, token) -> (packed row, column)
+        src, dst = [], []
+        for r, row in enumerate(rows):
+            column = 0
+            for e in row:
+                src += [(e, j) for j in range(lengths[e])]
+                dst += [(r, column + j) for j in range(lengths[e])]
+                column += lengths[e]
+        self.src, self.dst = torch.tensor(src).T, torch.tensor(dst).T
+
+    @property
+    def runs(self) -> list[list[int]]:
+        """Each packed row's examples' lengths, the padding last where there is some."""
+        out = []
+        for row in self.rows:
+            used = [self.lengths[e] for e in row]
+            out.append(used + ([self.tokens - sum(used)] if sum(used) < self.tokens else []))
+        return out
+
+    def pack(self, x: torch.Tensor, fill: float | int) -> torch.Tensor:
+        """``x`` [examples, longest, ...] laid out as the packed rows [rows, tokens, ...], ``fill`` elsewhere."""
+        out = torch.full((len(self.rows), self.tokens, *x.shape[2:]), fill, dtype=x.dtype)
+        out[self.dst[0], self.dst[1]] = x[self.src[0], self.src[1]]
+        return out
+
+    def batch(self, separate: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A batch of the examples' rows (``labelled_batch``'s) as packed rows: ids, labels (none on
+        the padding) and position ids, no attention mask (as transformers takes packed rows)."""
+        return {"input_ids": self.pack(separate["input_ids"], 0), "labels": self.pack(separate["labels"], IGNORE_INDEX),
+                "position_ids": packed_positions(self.runs)}
+
+
+class PackedEngine:
+    """An engine running a batch of separate rows by running them as packed rows (``packing``): what
+    ``integrations.gradcheck`` asks of it (``loss_and_grads``) on the rows, the engine computes
+    packed. The int8 codes it hands back are the packed pass's at every real token; the rows'
+    padding, which packing drops, takes the codes of a pass over the rows as they are."""
+
+    def __init__(self, engine: BitNetEngine, packing: Packing) -> None:
+        self.engine, self.packing = engine, packing
+
+    def loss_and_grads(self, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int], codes: dict | None = None,
+                       dropout_seed: int | None = None, positions: torch.Tensor | None = None) -> tuple:
+        assert positions is None and dropout_seed is None and lengths == self.packing.lengths
+        packed = self.packing.batch({"input_ids": ids, "labels": labels})
+        rows, tokens = packed["input_ids"].shape
+        if codes is not None:
+            self.engine.loss_and_grads(ids, labels, lengths, codes=codes)  # every token's, the padding's kept
+        ours: dict | None = {} if codes is not None else None
+        loss, grads = self.engine.loss_and_grads(packed["input_ids"], packed["labels"], [tokens] * rows, codes=ours,
+                                                 positions=packed["position_ids"])
+        p = self.packing
+        for key, (values, scales) in (ours or {}).items():
+            kept, kept_scales = codes[key]
+            kept[p.src[0], p.src[1]] = values[p.dst[0], p.dst[1]]
+            width = kept.shape[1]
+            kept_scales[p.src[0] * width + p.src[1]] = scales[p.dst[0] * tokens + p.dst[1]]
+        return loss, grads
+
+
+# Packed rows for the kernels' tests: one, two and three examples a row, examples of one token,
+# a last run of padding (one more example to the kernels), runs across 64-key tiles.
+PACKED_ROWS = {
+    "short": [[9], [4, 5], [1, 7, 1]],
+    "long": [[70], [30, 1, 39], [64, 6], [1, 1, 68]],
+}
+
+
+def torch_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' own logits of the model, eagerly (packed rows: ``position_ids``, no mask and no
+    cache, which is when transformers keeps packed examples apart)."""
     with torch.compiler.set_stance("force_eager"), torch.no_grad():
+        if position_ids is not None:
+            return model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
         return model(input_ids=ids, attention_mask=mask).logits
 
 
-def forward_with_codes(engine: BitNetEngine, ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, dict]:
-    """The engine's logits [batch, tokens, vocab] and the int8 codes of every quantisation point."""
+def forward_with_codes(engine: BitNetEngine, ids: torch.Tensor, lengths: list[int],
+                       positions: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """The engine's logits [batch, tokens, vocab] and the int8 codes of every quantisation point
+    (packed rows: their ``positions``, over whole rows)."""
     codes: dict = {}
-    logits = engine.plan(*ids.shape).run(ids, lengths, codes=codes)
+    logits = engine.plan(*ids.shape, packed=positions is not None).run(ids, lengths, codes=codes, positions=positions)
     return logits, codes
+
+
+def assert_parity(parity: ParityCheck, flavour: str) -> None:
+    """An engine's ``check_parity`` passed on every count: each row compares something, the adapter
+    gradients within the tolerance, the loss within LOSS_RTOL, and (quantised flavours) codes fed
+    with few flips."""
+    report = parity.report
+    assert all(not row.reference_zero for row in report.rows), "a row compares nothing"
+    assert report.rms_rel_error <= parity.tolerance, str(parity)
+    assert report.loss_difference <= LOSS_RTOL * abs(report.loss_torch)
+    if flavour != "dense":
+        assert report.codes > 0 and report.flips <= FLIP_SHARE * report.codes
+    assert parity.passed
 
 
 def assert_close(got, ref, rtol: float, what: str, terms: float = 0.0) -> float:
@@ -155,6 +261,19 @@ def micro_batches(model: torch.nn.Module, seed: int) -> list[dict[str, torch.Ten
     return [labelled_batch(model, lengths, seed=seed + i) for i, lengths in enumerate(([9, 5], [7, 7, 3]))]
 
 
+def packed_micro_batches(model: torch.nn.Module, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Two micro-batches of packed rows of different shapes, as the Trainer's collator makes them
+    (``training.data``): [2, 9], the second row ending in padding, and [1, 11]."""
+    g = torch.Generator().manual_seed(seed)
+
+    def example(n: int) -> Example:
+        ids = torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()
+        return Example(input_ids=ids, labels=[IGNORE_INDEX, *ids[1:]])
+
+    return [collate(pack([example(n) for n in (5, 1, 3, 7, 1)], 9), pad_token_id=2),
+            collate(pack([example(n) for n in (6, 4, 1)], 11), pad_token_id=2)]
+
+
 def torch_grads(twin: torch.nn.Module, micro: list[dict]) -> tuple[dict[str, torch.Tensor], float]:
     """The torch path's backward of a step over ``micro`` (the loss per labelled token of the whole
     step) into the adapters' ``.grad``; returns those gradients by parameter name, and the step's
@@ -162,7 +281,10 @@ def torch_grads(twin: torch.nn.Module, micro: list[dict]) -> tuple[dict[str, tor
     tokens = sum(labelled_tokens(b["labels"]) for b in micro)
     loss_sum = 0.0
     for b in micro:
-        out = twin(**b)
+        if "position_ids" in b:  # packed rows, as transformers keeps their examples apart: no mask, no cache
+            out = twin(input_ids=b["input_ids"], position_ids=b["position_ids"], labels=b["labels"], use_cache=False)
+        else:
+            out = twin(**b)
         n = labelled_tokens(b["labels"])
         (out.loss * n / tokens).backward()
         loss_sum += out.loss.item() * n

@@ -23,7 +23,7 @@ from torch_wgpu_lora.engine.kernels.attention import (PrefillTile, attention_lau
 from torch_wgpu_lora.engine.kernels.attention.flash import PREFILL_TILES
 from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, write
 
-from .helpers import assert_close, kernel_workspace, nan_fill, nan_past
+from .helpers import PACKED_ROWS, assert_close, kernel_workspace, nan_fill, nan_past, packed_positions
 
 RTOL = 1e-4  # of the reference's max magnitude; see module docstring
 
@@ -39,7 +39,8 @@ def random_case(batch, tokens, heads, kv_heads, head_dim, max_len, seed):
 class Attention:
     """Buffers and launches of one attention plan; ``run`` writes inputs, records, reads back."""
 
-    def __init__(self, batch, tokens, heads, kv_heads, head_dim, max_len, *, decode=False, lse=True, **kw):
+    def __init__(self, batch, tokens, heads, kv_heads, head_dim, max_len, *, decode=False, lse=True, packed=False,
+                 **kw):
         self.shape = dict(batch=batch, tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                           max_len=max_len)
         self.q = Buffer((batch * tokens, heads * head_dim))
@@ -49,20 +50,24 @@ class Attention:
         self.lse = Buffer((batch * tokens, heads)) if lse else None
         self.starts = Buffer((batch,), "u32")
         self.lengths = Buffer((batch,), "u32")
+        self.positions = Buffer((batch * tokens,), "u32") if packed else None
         self.launches = attention_launches(self.q, self.k, self.v, self.out, self.starts, self.lengths,
                                            scale=head_dim ** -0.5, lse=self.lse, decode=decode,
-                                           workspace=kernel_workspace(), **self.shape, **kw)
+                                           positions=self.positions, workspace=kernel_workspace(), **self.shape, **kw)
 
     def set_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, poison_from) -> None:
         write(self.q, np.ascontiguousarray(q.float().numpy()))
         write(self.k, nan_past(k, poison_from))
         write(self.v, nan_past(v, poison_from))
 
-    def run(self, starts, lengths) -> tuple[np.ndarray, np.ndarray | None]:
-        """One pass, its sequences at ``starts`` (one int: all of them) with ``lengths`` valid keys."""
+    def run(self, starts, lengths, positions=None) -> tuple[np.ndarray, np.ndarray | None]:
+        """One pass, its sequences at ``starts`` (one int: all of them) with ``lengths`` valid keys
+        (and a packed plan's position ids [batch, tokens])."""
         starts = [starts] * self.shape["batch"] if isinstance(starts, int) else starts
         write(self.starts, np.asarray(starts, np.uint32))
         write(self.lengths, np.asarray(lengths, np.uint32))
+        if self.positions is not None:
+            write(self.positions, positions.numpy().astype(np.uint32).reshape(-1))
         nan_fill(self.out)
         out = np.zeros(self.out.shape, np.float32)
         lse = None
@@ -78,15 +83,19 @@ class Attention:
         return out, lse
 
 
-def check_once(batch, tokens, heads, kv_heads, head_dim, pos, lengths, *, decode=False, seed=0, max_len=None, **kw):
-    """The kernels against the reference, the sequences at ``pos`` (one int, or one per sequence)."""
+def check_once(batch, tokens, heads, kv_heads, head_dim, pos, lengths, *, decode=False, seed=0, max_len=None,
+               positions=None, **kw):
+    """The kernels against the reference, the sequences at ``pos`` (one int, or one per sequence);
+    ``positions``: a packed pass's position ids [batch, tokens]."""
     max_len = max_len or max(np.max(pos) + tokens, max(lengths))
     q, k, v = random_case(batch, tokens, heads, kv_heads, head_dim, max_len, seed)
-    attn = Attention(batch, tokens, heads, kv_heads, head_dim, max_len, decode=decode, **kw)
+    attn = Attention(batch, tokens, heads, kv_heads, head_dim, max_len, decode=decode,
+                     packed=positions is not None, **kw)
     attn.set_inputs(q, k, v, lengths)
-    out, lse = attn.run(pos, lengths)
-    ref_out, ref_lse = attention_reference(q, k, v, pos, lengths, heads, kv_heads, head_dim ** -0.5)
-    tag = f"B={batch} T={tokens} H={heads}/{kv_heads} D={head_dim} pos={pos} lengths={lengths} decode={decode} {kw}"
+    out, lse = attn.run(pos, lengths, positions)
+    ref_out, ref_lse = attention_reference(q, k, v, pos, lengths, heads, kv_heads, head_dim ** -0.5, positions)
+    tag = (f"B={batch} T={tokens} H={heads}/{kv_heads} D={head_dim} pos={pos} lengths={lengths} decode={decode} "
+           f"positions={None if positions is None else positions.tolist()} {kw}")
     return assert_close(out, ref_out, RTOL, f"out {tag}"), assert_close(lse, ref_lse, RTOL, f"lse {tag}")
 
 
@@ -144,10 +153,12 @@ def test_prefill_every_tile_that_fits_the_adapter():
     # the tiles smaller devices get (16 KiB of workgroup memory) must be right too
     limit = get_device().limits["max-compute-workgroup-storage-size"]
     chosen = prefill_tile(64)
+    positions = packed_positions(PACKED_ROWS["long"])  # and packed rows
     for tile in PREFILL_TILES + (PrefillTile(2, 16, 4),):  # and 4 key lanes (odd D4: one lane idle)
         for head_dim in (64, 20):
             if tile.workgroup_bytes(head_dim) <= limit:
                 check_once(2, 45, 8, 2, head_dim, 3, [48, 7], tile=tile)
+                check_once(*positions.shape, 8, 2, head_dim, 0, [70] * 4, positions=positions, tile=tile)
     assert chosen.workgroup_bytes(64) <= limit
     assert PREFILL_TILES[0].workgroup_bytes(128) <= 48 * 1024  # NVIDIA's limit: the big tile for BitNet
     assert any(t.workgroup_bytes(128) <= 16 * 1024 for t in PREFILL_TILES)  # WebGPU's default limit
@@ -191,6 +202,51 @@ def test_prefill_without_lse_and_rows_not_filling_a_block():
         assert lse is None
         assert_close(out, attention_reference(q, k, v, 0, [3, 2], 3, 3, 0.25)[0], RTOL,
                      f"out from_start={from_start}")
+
+
+# ---- packed passes ---------------------------------------------------------------------------
+
+def test_the_reference_keeps_packed_examples_apart_as_transformers_masks_do():
+    # transformers' own mask for packed position ids (no attention mask): each query sees the
+    # causal keys of its own example; the reference's lse is the log of that softmax's denominator
+    from transformers import BitNetConfig
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.bitnet.modeling_bitnet import eager_attention_forward
+
+    heads, kv_heads, dim = 4, 2, 8
+    positions = packed_positions(PACKED_ROWS["short"])
+    batch, tokens = positions.shape
+    q, k, v = random_case(batch, tokens, heads, kv_heads, dim, tokens, seed=11)
+    config = BitNetConfig(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    config._attn_implementation = "eager"
+    mask = create_causal_mask(config=config, inputs_embeds=torch.zeros(batch, tokens, 1, dtype=torch.float64),
+                              attention_mask=None, cache=None, position_ids=positions)
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups = heads // kv_heads
+    query = q.view(batch, tokens, heads, dim).transpose(1, 2)
+    hf_out, _ = eager_attention_forward(module, query, k, v, mask, scaling=dim ** -0.5)
+    ref_out, _ = attention_reference(q, k, v, 0, [tokens] * batch, heads, kv_heads, dim ** -0.5, positions)
+    # HF's softmax runs in float32 whatever the input dtype: agreement to float32 rounding
+    assert (hf_out.reshape(batch * tokens, heads * dim) - ref_out).abs().max() <= 1e-6 * ref_out.abs().max()
+    unpacked, _ = attention_reference(q, k, v, 0, [tokens] * batch, heads, kv_heads, dim ** -0.5)
+    assert (unpacked - ref_out).abs().max() > 0.1  # attention across the examples would differ
+
+
+@pytest.mark.parametrize("from_start", [False, True])  # the flash kernel; the scores kept whole
+@pytest.mark.parametrize("rows,heads,kv_heads,head_dim", [("short", 4, 2, 20), ("short", 2, 2, 8),
+                                                          ("long", 8, 2, 64), ("long", 20, 5, 128)])
+def test_packed_queries_attend_within_their_own_example(rows, heads, kv_heads, head_dim, from_start):
+    # several examples a row, each numbered from 0: a query sees the causal keys of its own example
+    # only; the rows run over their whole length (the padding is one more example)
+    positions = packed_positions(PACKED_ROWS[rows])
+    batch, tokens = positions.shape
+    check_once(batch, tokens, heads, kv_heads, head_dim, 0, [tokens] * batch, positions=positions,
+               from_start=from_start, seed=head_dim)
+
+
+def test_position_ids_are_refused_when_decoding():
+    with pytest.raises(ValueError, match="position_ids .packed passes. are a prompt's or a training pass's"):
+        Attention(1, 1, 4, 2, 8, 8, decode=True, packed=True)
 
 
 # ---- decode --------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from torch_wgpu_lora.engine.kernels.attention import (BackwardTile, attention_ba
 from torch_wgpu_lora.engine.kernels.attention.flash import BACKWARD_TILES
 from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, write
 
-from .helpers import assert_close, kernel_workspace, nan_fill, nan_past
+from .helpers import PACKED_ROWS, assert_close, kernel_workspace, nan_fill, nan_past, packed_positions
 
 RTOL = 1e-4  # of the reference's max magnitude; see module docstring
 
@@ -47,10 +47,10 @@ def random_case(batch, tokens, heads, kv_heads, head_dim, max_len, seed):
     return f32(q), f32(k), f32(v), f32(d_out)
 
 
-def autograd_reference(q, k, v, d_out, pos, lengths, heads, kv_heads, scale):
+def autograd_reference(q, k, v, d_out, pos, lengths, heads, kv_heads, scale, positions=None):
     """(d_q, d_k, d_v) by float64 autograd through the forward reference."""
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
-    out, _ = attention_reference(q, k, v, pos, lengths, heads, kv_heads, scale)
+    out, _ = attention_reference(q, k, v, pos, lengths, heads, kv_heads, scale, positions)
     out.backward(d_out)
     return q.grad, k.grad, v.grad
 
@@ -59,7 +59,7 @@ class Backward:
     """One plan: the forward (prefill, with lse) then the backward, recorded together."""
 
     def __init__(self, batch, tokens, heads, kv_heads, head_dim, max_len, tile=None, splits=None, from_start=False,
-                 keep_p=False):
+                 keep_p=False, packed=False):
         self.shape = dict(batch=batch, tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                           max_len=max_len)
         scores = Buffer((kept_scores_bytes(batch, heads, tokens) // 4,)) if keep_p else None
@@ -69,21 +69,25 @@ class Backward:
         self.lse = Buffer((batch * tokens, heads))
         self.starts = Buffer((batch,), "u32")
         self.lengths = Buffer((batch,), "u32")
+        self.positions = Buffer((batch * tokens,), "u32") if packed else None
         scale, workspace = head_dim ** -0.5, kernel_workspace()
         self.launches = attention_launches(self.q, self.k, self.v, self.out, self.starts, self.lengths, scale=scale,
                                            lse=self.lse, from_start=from_start, scores=scores, workspace=workspace,
-                                           **self.shape)
+                                           positions=self.positions, **self.shape)
         self.launches += attention_backward_launches(self.q, self.k, self.v, self.out, self.lse, self.d_out, self.d_q,
                                                      self.d_k, self.d_v, self.starts, self.lengths, scale=scale,
                                                      tile=tile, splits=splits, from_start=from_start, scores=scores,
-                                                     workspace=workspace, **self.shape)
+                                                     workspace=workspace, positions=self.positions, **self.shape)
         self.kernels = [launch.kernel.name for launch in self.launches]
         # P and dS kept whole (from_start), poisoned too: entries past a row's limit must not be read
         self.saved = [buf for launch in self.launches if launch.kernel.name.startswith("attention_scores")
                       for buf in launch.keep[3:5]]
 
-    def run(self, q, k, v, d_out, pos, lengths):
-        """One pass, its sequences at ``pos`` (one int: all of them) with ``lengths`` valid keys."""
+    def run(self, q, k, v, d_out, pos, lengths, positions=None):
+        """One pass, its sequences at ``pos`` (one int: all of them) with ``lengths`` valid keys (and
+        a packed plan's position ids [batch, tokens])."""
+        if self.positions is not None:
+            write(self.positions, positions.numpy().astype(np.uint32).reshape(-1))
         write(self.q, np.ascontiguousarray(q.float().numpy()))
         write(self.d_out, np.ascontiguousarray(d_out.float().numpy()))
         write(self.k, nan_past(k, lengths))
@@ -108,14 +112,16 @@ def starts_of(pos, batch: int) -> list[int]:
     return [pos] * batch if isinstance(pos, int) else list(pos)
 
 
-def check(plan: Backward, pos, lengths, seed=0) -> float:
+def check(plan: Backward, pos, lengths, seed=0, positions=None) -> float:
     """Runs ``plan`` on random inputs; checks every gradient; returns the worst relative error."""
     s = plan.shape
     batch, tokens, heads, kv_heads, head_dim = (s[n] for n in ("batch", "tokens", "heads", "kv_heads", "head_dim"))
     q, k, v, d_out = random_case(batch, tokens, heads, kv_heads, head_dim, s["max_len"], seed)
-    d_q, d_k, d_v = plan.run(q, k, v, d_out, pos, lengths)
-    ref_q, ref_k, ref_v = autograd_reference(q, k, v, d_out, pos, lengths, heads, kv_heads, head_dim ** -0.5)
-    tag = f"B={batch} T={tokens} H={heads}/{kv_heads} D={head_dim} pos={pos} lengths={lengths}"
+    d_q, d_k, d_v = plan.run(q, k, v, d_out, pos, lengths, positions)
+    ref_q, ref_k, ref_v = autograd_reference(q, k, v, d_out, pos, lengths, heads, kv_heads, head_dim ** -0.5,
+                                             positions)
+    tag = (f"B={batch} T={tokens} H={heads}/{kv_heads} D={head_dim} pos={pos} lengths={lengths} "
+           f"positions={None if positions is None else positions.tolist()}")
     # dQ and dK are sums of scale·dS·k (·q) with dS = P(dO·v − dO·O): all zero when every row sees
     # one key (O = v), a cancellation float32 meets only to its rounding when the two dots are
     # summed in different orders (the GEMM path). Their scale is then that of the terms.
@@ -135,13 +141,12 @@ def check(plan: Backward, pos, lengths, seed=0) -> float:
 
 
 def check_once(batch, tokens, heads, kv_heads, head_dim, pos, lengths, *, seed=0, max_len=None, tile=None,
-               splits=None, from_start=False) -> float:
+               splits=None, from_start=False, positions=None, keep_p=False) -> float:
     plan = Backward(batch, tokens, heads, kv_heads, head_dim, max_len or max(starts_of(pos, batch)) + tokens,
-                    tile=tile, splits=splits,
-                    from_start=from_start)
+                    tile=tile, splits=splits, from_start=from_start, keep_p=keep_p, packed=positions is not None)
     assert ("attention_apply.wgsl:gemm_tiled" in plan.kernels) == from_start
     assert ("attention_backward.wgsl:dq" in plan.kernels) != from_start
-    return check(plan, pos, lengths, seed)
+    return check(plan, pos, lengths, seed, positions)
 
 
 # ---- the reference ----------------------------------------------------------------------------
@@ -155,6 +160,18 @@ def test_reference_matches_autograd(heads, kv_heads, pos, lengths):
     ours = attention_backward_reference(q, k, v, out, lse, d_out, pos, lengths, heads, kv_heads, scale)
     for mine, ref in zip(ours, autograd_reference(q, k, v, d_out, pos, lengths, heads, kv_heads, scale)):
         assert mine.shape == ref.shape
+        assert (mine - ref).abs().max() <= 1e-12 * ref.abs().max()
+
+
+def test_reference_of_packed_rows_matches_autograd():
+    dim, heads, kv_heads, scale = 12, 4, 2, 12 ** -0.5
+    positions = packed_positions(PACKED_ROWS["short"])
+    batch, tokens = positions.shape
+    q, k, v, d_out = random_case(batch, tokens, heads, kv_heads, dim, tokens, seed=5)
+    lengths = [tokens] * batch
+    out, lse = attention_reference(q, k, v, 0, lengths, heads, kv_heads, scale, positions)
+    ours = attention_backward_reference(q, k, v, out, lse, d_out, 0, lengths, heads, kv_heads, scale, positions)
+    for mine, ref in zip(ours, autograd_reference(q, k, v, d_out, 0, lengths, heads, kv_heads, scale, positions)):
         assert (mine - ref).abs().max() <= 1e-12 * ref.abs().max()
 
 
@@ -205,6 +222,19 @@ def test_gradients_over_p_kept_from_the_forward(case, splits):
     plan = Backward(*CASES[case][:5], CASES[case][5] + CASES[case][1], splits=splits, from_start=True, keep_p=True)
     assert plan.kernels.count("attention_scores.wgsl:gemm_tiled") == 2  # the forward's S, the backward's dS
     check(plan, 0, CASES[case][6])
+
+
+@pytest.mark.parametrize("path", ["flash", "flash, dK/dV split", "kept", "kept, P from the forward"])
+@pytest.mark.parametrize("rows,heads,kv_heads,head_dim", [("short", 4, 2, 12), ("short", 2, 2, 8),
+                                                          ("long", 8, 2, 64), ("long", 20, 5, 128)])
+def test_packed_gradients_stay_within_each_example(rows, heads, kv_heads, head_dim, path):
+    # several examples a row, each numbered from 0 (one, two and three a row, of one token, and the
+    # padding as one more): every query's P is zero outside its example, so no gradient crosses
+    positions = packed_positions(PACKED_ROWS[rows])
+    batch, tokens = positions.shape
+    check_once(batch, tokens, heads, kv_heads, head_dim, 0, [tokens] * batch, positions=positions, seed=head_dim,
+               from_start=path.startswith("kept"), keep_p=path.endswith("forward"),
+               splits=3 if path.endswith("split") else None)
 
 
 def test_a_scores_buffer_is_refused_where_it_would_not_be_used(monkeypatch):
@@ -258,10 +288,12 @@ def test_sum_splits_fill_a_gpu_and_leave_a_cpu_alone():
 def test_every_tile_that_fits_the_adapter():
     # the tiles smaller devices get (WebGPU's default 16 KiB) must be right too, and odd lane counts
     limit = get_device().limits["max-compute-workgroup-storage-size"]
+    positions = packed_positions(PACKED_ROWS["long"])  # and packed rows
     for tile in BACKWARD_TILES + (BackwardTile(12, 8, 3), BackwardTile(4, 12, 1)):
         for head_dim, heads, kv_heads in ((64, 8, 2), (20, 3, 3)):
             if tile.workgroup_bytes(head_dim) <= limit:
                 check_once(2, 45, heads, kv_heads, head_dim, 0, [45, 7], tile=tile, seed=tile.fixed)
+                check_once(*positions.shape, heads, kv_heads, head_dim, 0, [70] * 4, positions=positions, tile=tile)
     assert backward_tile(128).workgroup_bytes(128) <= limit
     assert BACKWARD_TILES[0].workgroup_bytes(128) <= 48 * 1024  # NVIDIA's limit: the big tile for BitNet
     assert any(t.workgroup_bytes(128) <= 16 * 1024 for t in BACKWARD_TILES)  # WebGPU's default limit

@@ -24,7 +24,7 @@ from torch_wgpu_lora.engine.kernels.rope import rope_backward_launch, rope_backw
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary
 from torch_wgpu_lora.runtime import Buffer, upload
 
-from .helpers import assert_close, kernel_workspace, padded, poisoned, run
+from .helpers import PACKED_ROWS, assert_close, kernel_workspace, packed_positions, padded, poisoned, run
 
 RTOL = 1e-5
 
@@ -136,14 +136,24 @@ def test_relu2_backward():
     assert_close(got, ref, RTOL, "d gate/up")
 
 
-def test_rope_backward_is_the_transpose_of_rope():
+@pytest.mark.parametrize("packed", [False, True], ids=["rows at their own starts", "packed rows"])
+def test_rope_backward_is_the_transpose_of_rope(packed):
+    # each sequence at its own start and rotated there, or a packed pass: each token rotated at its
+    # own position id (restarting at each example) and stored at its row of the pass
     from transformers import BitNetConfig
     from transformers.models.bitnet.modeling_bitnet import BitNetRotaryEmbedding
 
     g = torch.Generator().manual_seed(3)
-    batch, T, heads, kv_heads, d, S, starts = 2, 4, 4, 2, 8, 10, [2, 5]  # each sequence at its own start
+    heads, kv_heads, d, context = 4, 2, 8, 12
+    if packed:
+        positions = packed_positions(PACKED_ROWS["short"])
+        (batch, T), starts = positions.shape, [0] * positions.shape[0]
+        S = T
+    else:
+        positions, batch, T, S, starts = None, 2, 4, 10, [2, 5]
     cos, sin = BitNetRotaryEmbedding(BitNetConfig(hidden_size=heads * d, num_attention_heads=heads,
-                                                  max_position_embeddings=S))(torch.zeros(1), torch.arange(S)[None])
+                                                  max_position_embeddings=context))(torch.zeros(1),
+                                                                                    torch.arange(context)[None])
     cos, sin = cos[0], sin[0]
     dq = torch.randn(batch * T, heads * d, generator=g)
     dk = torch.randn(batch, kv_heads, S, d, generator=g)
@@ -153,13 +163,17 @@ def test_rope_backward_is_the_transpose_of_rope():
                                   upload(cos[:, : d // 2].contiguous().numpy()),
                                   upload(sin[:, : d // 2].contiguous().numpy()), upload(np.array(starts, np.uint32)),
                                   out, tokens=batch * T, tokens_per_seq=T, heads=heads, kv_heads=kv_heads, head_dim=d,
-                                  cache_len=S)
+                                  cache_len=S,
+                                  positions=None if positions is None else upload(positions.numpy().astype(np.uint32)))
     (got,) = run([launch], out)
-    ref = rope_backward_reference(dq, dk, dv, cos, sin, starts, T, heads, kv_heads)
+    ref = rope_backward_reference(dq, dk, dv, cos, sin, starts, T, heads, kv_heads, positions)
+    rotated = (heads + kv_heads) * d
     # a rotation's transpose: sums of two float32 products against float64
-    assert_close(got[:, : (heads + kv_heads) * d], ref[:, : (heads + kv_heads) * d], 1e-6, "dq, dk")
+    assert_close(got[:, :rotated], ref[:, :rotated], 1e-6, "dq, dk")
     # the values' gradient is copied as it is: bit for bit
-    assert torch.equal(got[:, (heads + kv_heads) * d:].double(), ref[:, (heads + kv_heads) * d:])
+    assert torch.equal(got[:, rotated:].double(), ref[:, rotated:])
+    if packed:  # the position ids matter
+        assert (rope_backward_reference(dq, dk, dv, cos, sin, starts, T, heads, kv_heads) - ref).abs().max() > 0.1
 
 
 def test_cross_entropy_rows_loss_and_gradient_in_place(reductions):

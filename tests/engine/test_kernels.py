@@ -27,7 +27,7 @@ from torch_wgpu_lora.engine.kernels.rope import RopeTarget, rope_launch, rope_re
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary, unpack_hf, unpack_ternary
 from torch_wgpu_lora.runtime import upload
 
-from .helpers import assert_close, kernel_workspace, nan_fill, poisoned, run
+from .helpers import PACKED_ROWS, assert_close, kernel_workspace, nan_fill, packed_positions, poisoned, run
 
 FLOAT_RTOL = 1e-5  # see module docstring
 INT_RTOL = 2e-6
@@ -636,6 +636,41 @@ def test_rope_matches_transformers_and_fills_the_caches():
         assert torch.equal(got_v[b, :, positions], v[b])
         assert not got_k[b, :, :pos].any() and not got_k[b, :, pos + T:].any()  # nothing outside its positions
         assert_close(rope_reference(q[b], cos[0, positions], sin[0, positions]), q_ref[0], 1e-7, "reference")
+
+
+def test_packed_rope_rotates_each_token_at_its_position_id_and_stores_it_at_its_row():
+    # a packed pass: tokens rotated at their own position ids (restarting at each example, as
+    # transformers rotates packed rows), keys and values stored at their rows of the pass
+    from transformers import BitNetConfig
+    from transformers.models.bitnet.modeling_bitnet import BitNetRotaryEmbedding, apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(9)
+    positions = packed_positions(PACKED_ROWS["short"])
+    (batch, T), heads, kv_heads, d, context = positions.shape, 4, 2, 16, 12
+    config = BitNetConfig(hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          max_position_embeddings=context)
+    cos, sin = BitNetRotaryEmbedding(config)(torch.zeros(1), positions)  # [batch, T, d]
+    table_cos, table_sin = BitNetRotaryEmbedding(config)(torch.zeros(1), torch.arange(context)[None])
+    q_size, kv_size = heads * d, kv_heads * d
+    qkv = torch.randn(batch * T, q_size + 2 * kv_size, generator=g)
+    q_rot = poisoned((batch * T, q_size))
+    k_cache, v_cache = poisoned((batch, kv_heads, T, d)), poisoned((batch, kv_heads, T, d))
+    target = RopeTarget(upload(table_cos[0, :, : d // 2].contiguous().numpy()),
+                        upload(table_sin[0, :, : d // 2].contiguous().numpy()),
+                        upload(np.zeros(batch, np.uint32)), k_cache, v_cache, heads, kv_heads, d, T,
+                        positions=upload(positions.numpy().astype(np.uint32).reshape(-1)))
+    got_q, got_k, got_v = run([rope_launch(upload(qkv.numpy()), q_rot, target, tokens=batch * T)], q_rot, k_cache,
+                              v_cache)
+    q = qkv[:, :q_size].reshape(batch, T, heads, d).transpose(1, 2)
+    k = qkv[:, q_size:q_size + kv_size].reshape(batch, T, kv_heads, d).transpose(1, 2)
+    v = qkv[:, q_size + kv_size:].reshape(batch, T, kv_heads, d).transpose(1, 2)
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    assert_close(got_q.reshape(batch, T, heads, d).transpose(1, 2), q_ref, 1e-6, "q")
+    assert_close(got_k, k_ref, 1e-6, "k")
+    assert torch.equal(got_v, v)
+    with pytest.raises(ValueError, match="a packed pass's position ids are rope_launch's"):
+        bitlinear_launch(poisoned((2, 4), "u32"), poisoned((4,)), Projection(poisoned((8, 1), "u32"), poisoned((1,)), 8,
+                         16), q_rot, tokens=2, out_stride=8, mode="rope", rope=target, gemv=True)
 
 
 # -- BitLinear on the matrix units (devices with int8 subgroup matrices: `pytest -m matrix_units`) -----

@@ -23,7 +23,8 @@ from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE, FeedStats, fee
 from torch_wgpu_lora.integrations.tiny import FLAVOURS
 
 from ..concurrency import in_forked_child, in_threads
-from .helpers import CONFIGS, LOGIT_RTOL, LOSS_RTOL, assert_close, batch, forward_with_codes, tiny_model, torch_logits
+from .helpers import (CONFIGS, LOGIT_RTOL, LOSS_RTOL, assert_close, batch, forward_with_codes, packed_positions,
+                      tiny_model, torch_logits)
 
 @pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora"])
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -247,14 +248,99 @@ def test_double_backward_through_the_engine_loss_is_refused_clearly():
     assert torch.isfinite(grad).all()
 
 
-def test_position_ids_are_refused_rather_than_ignored():
-    # Packed sequences restart their positions; the engine numbers every row 0, 1, ... and attends
-    # across it, so taking position_ids silently would give another model's logits.
+# -- packed rows ---------------------------------------------------------------------------------------
+
+# Rows of one, two and three examples, examples of one token, a last run of padding (one more
+# example, as the collator makes it): lengths of each row's examples.
+PACKED = [[5, 1, 3], [9], [2, 2, 1, 4]]
+
+
+@pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_packed_rows_logits_match_transformers(config, adapters):
+    # transformers' own model on the same packed rows (position ids, no attention mask): RoPE at
+    # each token's position id, each example attending to itself only
+    model = tiny_model("dense", adapters, **CONFIGS[config])
+    positions = packed_positions(PACKED)
+    ids, _ = batch(model.config.vocab_size, [positions.shape[1]] * positions.shape[0], seed=3)
+    labels = ids.clone()
+    labels[positions == 0] = -100  # no example predicts its first token from the one before
+    with torch.no_grad():
+        out = BitNetEngine(model)(ids, position_ids=positions, labels=labels)
+        ref_loss = model(input_ids=ids, position_ids=positions, labels=labels, use_cache=False).loss
+    ref = torch_logits(model, ids, None, positions)
+    assert_close(out.logits, ref, LOGIT_RTOL, "logits")
+    assert_close(out.loss, ref_loss, LOSS_RTOL, "loss")
+    unpacked = torch_logits(model, ids, None)
+    assert (unpacked - ref).abs().max() > 100 * LOGIT_RTOL * ref.abs().max()  # the packing matters
+
+
+@pytest.mark.parametrize("flavour", [f for f in FLAVOURS if f != "dense"])
+def test_packed_rows_quantised_logits_match_transformers_fed_the_engines_codes(flavour):
+    model = tiny_model(flavour, True, **CONFIGS["gqa-tied"])
+    positions = packed_positions(PACKED)
+    batch_size, tokens = positions.shape
+    ids, _ = batch(model.config.vocab_size, [tokens] * batch_size, seed=4)
+    engine = BitNetEngine(model)
+    logits, codes = forward_with_codes(engine, ids, [tokens] * batch_size, positions)
+    stats = FeedStats()
+    with feeding_codes(model, codes, stats):
+        ref = torch_logits(model, ids, None, positions)
+    assert stats.calls == 7 * model.config.num_hidden_layers and stats.nonzero > stats.codes // 2
+    assert stats.flips <= FLIP_SHARE * stats.codes, f"{stats.flips} flips in {stats.codes} codes"
+    assert_close(logits, ref, LOGIT_RTOL, "logits")
+    assert torch.equal(engine(ids, position_ids=positions).logits, logits)  # the public forward: this pass
+
+
+def test_a_packed_row_may_be_longer_than_the_context_while_its_examples_fit():
+    # as transformers numbers packed rows: two examples of 200 tokens make a row of 400 positions
+    # numbered up to 199, within the context of 256; an example of 300 is refused as 300 tokens are
+    model = tiny_model("dense", True)
+    assert model.config.max_position_embeddings == 256
+    engine = BitNetEngine(model)
+    positions = packed_positions([[200, 200]])
+    ids, _ = batch(model.config.vocab_size, [400], seed=5)
+    assert_close(engine(ids, position_ids=positions).logits, torch_logits(model, ids, None, positions), LOGIT_RTOL,
+                 "logits")
+    assert any(row.owner == "forward 1×400, packed" for row in engine.memory_report().rows)
+    with pytest.raises(ValueError) as unpacked:
+        engine(torch.zeros(1, 300, dtype=torch.long))
+    with pytest.raises(ValueError) as packed:
+        engine(ids, position_ids=packed_positions([[300, 100]]))
+    assert str(packed.value) == str(unpacked.value) == "300 tokens exceed the model's context of 256 positions " \
+                                                         "(max_position_embeddings)"
+
+
+def test_position_ids_that_are_not_packed_rows_are_refused_naming_what_is_wrong():
     model = tiny_model("dense", False)
-    ids, mask = batch(model.config.vocab_size, [6])
-    with pytest.raises(ValueError, match="BitNetEngine numbers positions 0, 1, ... in each row and attends across "
-                                         "the whole row; it does not take position_ids"):
-        BitNetEngine(model)(ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    engine = BitNetEngine(model)
+    ids, mask = batch(model.config.vocab_size, [6, 6])
+    good = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]])
+    cases = {  # what is wrong: (position_ids, the error)
+        "a row not starting at 0": (torch.tensor([[0, 1, 2, 0, 1, 2], [1, 2, 3, 4, 5, 6]]),
+                                    r"position_ids row 1 starts at 1: a packed row's position ids count 0, 1, \.\.\. "
+                                    r"within each example, from its first token"),
+        "a gap": (torch.tensor([[0, 1, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5]]),
+                  r"position_ids row 0, column 2: jumps from 1 to 3; a packed row's position ids count 0, 1, \.\.\. "
+                  r"within each example and restart at 0 where the next example starts"),
+        "going back mid-run": (torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 1, 2, 3]]),
+                               r"position_ids row 1, column 3: goes from 2 back to 1, not to 0"),
+        "a left-padded row": (torch.tensor([[0, 1, 2, 3, 4, 5], [0, 0, 0, 0, 1, 2]]), None),  # 0, 0: single tokens
+    }
+    for what, (positions, error) in cases.items():
+        if error is None:  # several examples of one token are packed rows too
+            engine(ids, position_ids=positions)
+            continue
+        with pytest.raises(ValueError, match=error):
+            engine(ids, position_ids=positions)
+    with pytest.raises(ValueError, match=r"position_ids must be shaped like input_ids \(2, 6\), got \(2, 5\)"):
+        engine(ids, position_ids=good[:, :5])
+    with pytest.raises(TypeError, match="position_ids must hold integers, got dtype torch.float32"):
+        engine(ids, position_ids=good.float())
+    with pytest.raises(ValueError, match="with position_ids and no attention_mask .* drop the attention_mask"):
+        engine(ids, attention_mask=mask, position_ids=good)
+    # (1, tokens) serves every row, as transformers broadcasts it
+    assert torch.equal(engine(ids, position_ids=good[:1]).logits, engine(ids, position_ids=good[[0, 0]]).logits)
 
 
 # -- memory ------------------------------------------------------------------------------------------

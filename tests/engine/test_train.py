@@ -23,7 +23,6 @@ import torch
 from torch_wgpu_lora import BitNetEngine, WgpuAdamW
 from torch_wgpu_lora.integrations.bitnet import lora_modules, lora_parameters
 from torch_wgpu_lora.integrations.gradcheck import check_parity, randomize_lora_B
-from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE
 from torch_wgpu_lora.integrations.tiny import FLAVOURS
 from torch_wgpu_lora.engine.kernels.attention import policy
 from torch_wgpu_lora.engine.kernels import projection
@@ -32,26 +31,46 @@ from torch_wgpu_lora.ops.optimizer import adamw_reference
 from torch_wgpu_lora.runtime import Recorder, get_device
 
 from ..concurrency import in_forked_child
-from .helpers import (CONFIGS, LOGIT_RTOL, LOSS_RTOL, TWIN_RTOL, assert_close, assert_twins_agree, batch,
-                      labelled_batch, micro_batches, tiny_model, torch_grads, torch_step, twins)
+from .helpers import (CONFIGS, LOGIT_RTOL, LOSS_RTOL, TWIN_RTOL, PackedEngine, Packing, assert_close,
+                      assert_parity, assert_twins_agree, batch, labelled_batch, micro_batches, packed_micro_batches, tiny_model,
+                      torch_grads, torch_step, twins)
 
 
+# Seven examples (of 1 to 9 tokens) packed into three rows of 9: one, two and three examples a row,
+# examples of one token, and a row ending in padding (one more example, unlabelled).
+PACKING = Packing([5, 1, 3, 9, 2, 2, 1], [[0, 1, 2], [3], [4, 5, 6]], tokens=9)
+
+
+def rows_of(model: torch.nn.Module, rows: str) -> dict[str, torch.Tensor]:
+    """A labelled batch of right-padded rows, or of packed rows as transformers takes them (position
+    ids, no attention mask; the torch passes run without a cache)."""
+    if rows == "packed":
+        return PACKING.batch(labelled_batch(model, PACKING.lengths))
+    return labelled_batch(model, [11, 6, 9])
+
+
+@pytest.mark.parametrize("rows", ["padded", "packed"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_every_adapter_gradient_matches_autograd(flavour, config):
+def test_every_adapter_gradient_matches_autograd(flavour, config, rows):
     model = tiny_model(flavour, adapters=True, seed=1, **CONFIGS[config])
     randomize_lora_B(model, seed=2)
     engine = BitNetEngine(model)
-    data = labelled_batch(model, [11, 6, 9])
-    parity = check_parity(model, data, engine=engine)
-    report = parity.report
-    assert all(not row.reference_zero for row in report.rows), "a row compares nothing"
-    assert len(report.rows) == 2 * len(lora_modules(model))
-    assert report.rms_rel_error <= parity.tolerance, str(parity)
-    assert report.loss_difference <= LOSS_RTOL * abs(report.loss_torch)
-    if flavour != "dense":
-        assert report.codes > 0 and report.flips <= FLIP_SHARE * report.codes
-    assert parity.passed
+    parity = check_parity(model, rows_of(model, rows), engine=engine)
+    assert len(parity.report.rows) == 2 * len(lora_modules(model))
+    assert_parity(parity, flavour)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_packed_row_trains_as_its_examples_alone(flavour):
+    # the engine's loss and gradients from the packed rows against transformers' float64 autograd
+    # over the examples as separate rows (right-padded, with an attention mask): the same criteria,
+    # the packed pass's int8 codes fed to torch's separate rows at each real token
+    model = tiny_model(flavour, adapters=True, seed=3, **CONFIGS["gqa-tied"])
+    randomize_lora_B(model, seed=4)
+    separate = labelled_batch(model, PACKING.lengths, seed=5)
+    parity = check_parity(model, separate, engine=PackedEngine(BitNetEngine(model), PACKING))
+    assert_parity(parity, flavour)
 
 
 def checked_train_plan(flavour: str) -> tuple:
@@ -92,6 +111,24 @@ def test_adapter_gradients_with_p_kept_from_the_forward_or_computed_again(keep, 
     assert all((layer.scores is not None) == keep for layer in plan.layers)
 
 
+@pytest.mark.parametrize("path", ["S again", "flash"])
+def test_packed_rows_adapter_gradients_past_the_kept_scores(path, monkeypatch):
+    # packed rows where a layer's P is not kept for the backward (which computes S again, masked to
+    # each example), and where S is not kept whole at all (the flash kernels, masked alike)
+    monkeypatch.setattr(policy, "KEPT_PROBABILITIES_BYTES", 0)
+    if path == "flash":
+        monkeypatch.setattr(policy, "SCORES_SCRATCH_BYTES", 0)
+    model = tiny_model("packed", adapters=True, seed=1)
+    randomize_lora_B(model, seed=2)
+    engine = BitNetEngine(model)
+    parity = check_parity(model, rows_of(model, "packed"), engine=engine)
+    assert parity.report.rms_rel_error <= parity.tolerance, str(parity)
+    assert parity.passed
+    kernels = launched(engine.train_plan(3, 9, packed=True))
+    assert ("attention_backward.wgsl:dq" in kernels) == (path == "flash")
+    assert kernels.count("attention_scores.wgsl:gemm_tiled") == (0 if path == "flash" else 3 * len(model.model.layers))
+
+
 @pytest.mark.parametrize("labelled", [5, 70])
 def test_the_lm_head_runs_over_the_labelled_rows_only(labelled):
     """Instruction tuning labels the response, not the prompt, and padding has no labels: the
@@ -119,20 +156,22 @@ def test_the_lm_head_runs_over_the_labelled_rows_only(labelled):
     assert {int(y) for y in grids.reshape(-1, 3)[:, 1]} == {-(-labelled // 64)}
 
 
-def test_loss_backward_fills_grad_through_the_autograd_node():
+@pytest.mark.parametrize("rows", ["padded", "packed"])
+def test_loss_backward_fills_grad_through_the_autograd_node(rows):
     model = tiny_model("packed", adapters=True, seed=3)
     randomize_lora_B(model, seed=4)
     engine = BitNetEngine(model)
-    data = labelled_batch(model, [10, 8])
+    data = rows_of(model, rows)
     seen = []
     params = lora_parameters(model)
     params[0].register_hook(lambda g: seen.append(g.clone()))  # gradient hooks run
     out = engine(**data)
     assert out.logits is None and out.loss.requires_grad
     (2.0 * out.loss).backward()
+    ids, lengths, positions = engine.check_inputs(data["input_ids"], data.get("attention_mask"), data["labels"],
+                                                  data.get("position_ids"))
     codes: dict = {}
-    loss, grads = engine.loss_and_grads(data["input_ids"], data["labels"], data["attention_mask"].sum(1).tolist(),
-                                        codes=codes)
+    loss, grads = engine.loss_and_grads(ids, data["labels"], lengths, codes=codes, positions=positions)
     assert abs(out.loss.item() - loss.item()) == 0
     for p in params:
         assert torch.equal(p.grad, 2.0 * grads[p])  # the incoming gradient scales them
@@ -204,6 +243,32 @@ def test_twenty_engine_steps_match_twenty_torch_steps():
     for i, p in enumerate(lora_parameters(twin)):
         assert state[i]["step"].item() == 20
         assert_close(state[i]["exp_avg"], theirs.state[p]["exp_avg"], TWIN_RTOL, f"exp_avg {i}")
+
+
+def test_twenty_engine_steps_on_packed_rows_match_twenty_torch_steps():
+    """Packed micro-batches of two shapes (the first padded to the second's in the step: its added
+    columns one more example, its added row one example), against the torch path on the same
+    packed rows (transformers' packing: position ids, no attention mask, no cache). Tolerance as in
+    the twenty-step test."""
+    model, twin, engine, ours, theirs = twins(9)
+    for step in range(20):
+        micro = packed_micro_batches(model, seed=600 + step)
+        assert [b["input_ids"].shape for b in micro] == [(2, 9), (1, 11)] and micro[0]["attention_mask"][1, -1] == 0
+        done = engine.train_step(micro, ours, max_grad_norm=1.0)
+        loss_sum = torch_step(twin, micro, theirs)
+        assert_close(done["loss"], loss_sum / done["tokens"], LOSS_RTOL, f"loss of step {step}")
+    assert_twins_agree(engine, model, twin)
+
+
+def test_a_step_of_packed_and_unpacked_micro_batches_is_refused():
+    model, _, engine, ours, _ = twins(10)
+    micro = [packed_micro_batches(model, seed=700)[0], micro_batches(model, seed=701)[0]]
+    with pytest.raises(ValueError, match="1 of the 2 micro-batches hold packed rows .position_ids.: a step's "
+                                         "micro-batches are all packed or none"):
+        engine.train_step(micro, ours, max_grad_norm=1.0)
+    bad = {**micro[0], "position_ids": micro[0]["position_ids"] + 1}
+    with pytest.raises(ValueError, match="position_ids row 0 starts at 1"):
+        engine.train_step([bad], ours, max_grad_norm=1.0)
 
 
 def test_steps_in_a_row_keep_the_gpu_values_and_an_edit_in_torch_between_them_wins():

@@ -13,6 +13,14 @@ frozen base weights are read once, at construction: build a new engine after cha
 Batches are right-padded: ``attention_mask`` rows are ones then zeros. Positions are 0, 1, …
 for every sequence, as transformers numbers them without ``position_ids``.
 
+Packed rows (several examples in each row, as ``training.data.pack`` makes them) come with
+``position_ids`` and no ``attention_mask``: each row's position ids count 0, 1, … within each
+example and restart at 0 where the next starts (padding after the last is one more example).
+RoPE then rotates each token at its position id and each example attends to itself only, as
+transformers does for such rows given ``use_cache=False`` (with a cache or an attention mask it
+would attend across them); the loss is as for any batch. Rows may then be longer than the
+context, so long as each example fits it.
+
 Threads may share an engine: its GPU passes take turns (``engine.lock``), since each shape's plan
 has one set of activation buffers and KV caches.
 
@@ -98,20 +106,24 @@ class BitNetEngine(nn.Module):
         """The transformers config of the model (as ``model.config``)."""
         return self.model.config
 
-    def plan(self, batch: int, tokens: int, logits: str = "all", dropout: bool = False) -> ForwardPlan:
-        """The forward plan for ``batch`` sequences of ``tokens`` positions (built once, then reused)."""
+    def plan(self, batch: int, tokens: int, logits: str = "all", dropout: bool = False,
+             packed: bool = False) -> ForwardPlan:
+        """The forward plan for ``batch`` sequences of ``tokens`` positions (``packed``: rows of packed
+        examples), built once, then reused."""
         def make() -> ForwardPlan:
             workspace = Workspace(self.device, shared=self.scratch)
-            return ForwardPlan(self.weights, self.adapters, KVCache(self.engine_config, batch, tokens, workspace),
-                               tokens, logits=logits, dropout=dropout, from_start=True,  # passes start at 0
-                               workspace=workspace)
+            cache = KVCache(self.engine_config, batch, tokens, workspace, packed=packed)
+            return ForwardPlan(self.weights, self.adapters, cache, tokens, logits=logits, dropout=dropout,
+                               from_start=True, packed=packed, workspace=workspace)  # passes start at 0
 
-        return self._cached(("forward", batch, tokens, logits, dropout), make)
+        return self._cached(("forward", batch, tokens, logits, dropout, packed), make)
 
-    def train_plan(self, batch: int, tokens: int, slots: int = 1, dropout: bool = False) -> TrainPlan:
-        """The forward + loss + backward plan for ``slots`` micro-batches of one shape."""
-        return self._cached(("train", batch, tokens, slots, dropout),
-                            lambda: TrainPlan(self.weights, self.adapters, batch, tokens, slots, dropout,
+    def train_plan(self, batch: int, tokens: int, slots: int = 1, dropout: bool = False,
+                   packed: bool = False) -> TrainPlan:
+        """The forward + loss + backward plan for ``slots`` micro-batches of one shape (``packed``:
+        rows of packed examples)."""
+        return self._cached(("train", batch, tokens, slots, dropout, packed),
+                            lambda: TrainPlan(self.weights, self.adapters, batch, tokens, slots, dropout, packed,
                                               scratch=self.scratch))
 
     def decode_session(self, batch: int, prompt_length: int, max_new_tokens: int, **sampling: Any) -> DecodeSession:
@@ -157,8 +169,11 @@ class BitNetEngine(nn.Module):
             self._plans.move_to_end(key)
         return plan
 
-    def check_inputs(self, input_ids: Any, attention_mask: Any = None, labels: Any = None) -> tuple[torch.Tensor, list[int]]:
-        """Validate a batch; returns the ids as int64 [batch, tokens] and each sequence's length."""
+    def check_inputs(self, input_ids: Any, attention_mask: Any = None, labels: Any = None, position_ids: Any = None,
+                     ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """Validate a batch; returns the ids as int64 [batch, tokens], each sequence's length (a packed
+        batch's: the whole row, which its examples' attention covers) and the position ids of packed
+        rows (``check_position_ids``) as int64 [batch, tokens], or None."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -172,7 +187,9 @@ class BitNetEngine(nn.Module):
         ids = input_ids.detach().cpu().long()
         batch, tokens = ids.shape
         c = self.engine_config
-        check_context(c.max_positions, tokens)
+        positions = None if position_ids is None else check_position_ids(position_ids, (batch, tokens))
+        # packed rows: each example is numbered from 0, and the longest is what meets the context
+        check_context(c.max_positions, tokens if positions is None else int(positions.max()) + 1)
         bad = (ids < 0) | (ids >= c.vocab)
         if bad.any():
             where = tuple(int(i) for i in bad.nonzero()[0])
@@ -199,12 +216,16 @@ class BitNetEngine(nn.Module):
             bad = (lab != IGNORE_INDEX) & ((lab < 0) | (lab >= c.vocab))
             if bad.any():
                 raise ValueError(f"labels hold {int(lab[bad][0])}, neither -100 nor a token id in [0, {c.vocab})")
-        return ids, lengths
+        if positions is not None:
+            lengths = [tokens] * batch  # the padding is one more example: attention runs over whole rows
+        return ids, lengths, positions
 
     @torch.compiler.disable  # the engine is its own WebGPU program: torch.compile runs it as it is
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, return_logits: bool | None = None, **unused: Any) -> Any:
-        """Logits (and the loss, given labels) of a right-padded batch, computed on WebGPU.
+                labels: torch.Tensor | None = None, return_logits: bool | None = None,
+                position_ids: torch.Tensor | None = None, **unused: Any) -> Any:
+        """Logits (and the loss, given labels) of a right-padded batch, or with ``position_ids`` of
+        packed rows (the module's docstring), computed on WebGPU.
 
         With labels, while autograd records and some adapter Parameter requires grad, the loss
         is differentiable by the adapters (``loss.backward()`` fills their ``.grad``): the engine
@@ -213,43 +234,49 @@ class BitNetEngine(nn.Module):
         """
         if unused.get("use_cache") or unused.get("past_key_values") is not None or unused.get("cache") is not None:
             raise ValueError("BitNetEngine keeps its KV cache on the GPU; use torch_wgpu_lora.generate for decoding")
-        if unused.get("position_ids") is not None:
-            raise ValueError("BitNetEngine numbers positions 0, 1, ... in each row and attends across the whole row; "
-                             "it does not take position_ids (packed sequences): run those on the torch path")
-        ids, lengths = self.check_inputs(input_ids, attention_mask, labels)
+        if position_ids is not None and attention_mask is not None:
+            raise ValueError("BitNetEngine takes packed rows as transformers does, with position_ids and no "
+                             "attention_mask (transformers keeps each example to itself only without one; the "
+                             "padding after a row's last example is one more example): drop the attention_mask")
+        ids, lengths, positions = self.check_inputs(input_ids, attention_mask, labels, position_ids)
         with self.lock:
             self._follow_adapters()
         params = [p for m in self.adapters.modules for p in (m.lora_A, m.lora_B)]
         seed = _dropout_seed() if self.adapters.dropout() else None  # one pass's masks: the loss's and its logits'
         if labels is not None and torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            loss = _EngineLoss.apply(self, ids, labels.detach().cpu().long(), lengths, seed, *params)
-            logits = self._logits(ids, lengths, seed) if return_logits else None
+            loss = _EngineLoss.apply(self, ids, labels.detach().cpu().long(), lengths, seed, positions, *params)
+            logits = self._logits(ids, lengths, seed, positions) if return_logits else None
             return CausalLMOutputWithPast(loss=loss, logits=logits)
-        logits = self._logits(ids, lengths, seed)
+        logits = self._logits(ids, lengths, seed, positions)
         loss = causal_lm_loss(logits, labels.cpu().long()) if labels is not None else None
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    def _logits(self, ids: torch.Tensor, lengths: list[int], seed: int | None) -> torch.Tensor:
-        """The logits of a pass; with ``seed`` (dropout active), the adapters dropping with its masks."""
+    def _logits(self, ids: torch.Tensor, lengths: list[int], seed: int | None,
+                positions: torch.Tensor | None) -> torch.Tensor:
+        """The logits of a pass; with ``seed`` (dropout active), the adapters dropping with its masks;
+        with ``positions``, of packed rows."""
         batch, tokens = ids.shape
         with self.lock:
-            plan = self.plan(batch, tokens, dropout=seed is not None)
-            return plan.run(ids, lengths, dropout=None if seed is None else (seed, self.adapters.dropout()))
+            plan = self.plan(batch, tokens, dropout=seed is not None, packed=positions is not None)
+            return plan.run(ids, lengths, dropout=None if seed is None else (seed, self.adapters.dropout()),
+                            positions=positions)
 
     def loss_and_grads(self, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int],
                        codes: dict | None = None, dropout_seed: int | None = None,
+                       positions: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, dict[torch.Tensor, torch.Tensor]]:
         """The mean loss over labelled tokens and every adapter Parameter's gradient of it, in one
         submit (what ``loss.backward()`` hands to autograd). ``codes``, a dict, receives the
         pass's int8 activation codes (``program.read_codes``' format) for comparisons. With LoRA
         dropout active (``adapters.dropout()``), ``dropout_seed`` seeds the masks (default: one
-        drawn from torch's generator); ``adapters.dropout_masks`` gives them."""
+        drawn from torch's generator); ``adapters.dropout_masks`` gives them. ``positions``: the
+        position ids of packed rows, as ``check_inputs`` returns them (with lengths of whole rows)."""
         with self.lock:
             batch, tokens = ids.shape
             p = self.adapters.dropout()
-            plan = self.train_plan(batch, tokens, dropout=p > 0)
+            plan = self.train_plan(batch, tokens, dropout=p > 0, packed=positions is not None)
             dropout = (_dropout_seed() if dropout_seed is None else dropout_seed, p) if p else None
-            return plan.loss_and_grads(ids, labels, lengths, dropout=dropout, codes=codes)
+            return plan.loss_and_grads(ids, labels, lengths, dropout=dropout, codes=codes, positions=positions)
 
     def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  generation_config: Any = None, streamer: Any = None, tokenizer: Any = None,
@@ -304,10 +331,17 @@ class BitNetEngine(nn.Module):
         loss scale and AdamW's values are written before it is submitted), so a run of steps
         hides the encoding behind the GPU. A step of another shape discards it.
 
-        Micro-batches are padded to one shape. Returns {"loss", "tokens", "grad_norm", "skipped"}
-        ("loss" and "tokens" over every process when ``all_reduce`` is given).
+        Micro-batches are padded to one shape. Packed micro-batches (``training.data.collate``'s:
+        with ``position_ids``, every one of the step's) train as packed rows (the module's
+        docstring); their ``attention_mask`` only marks the padding, which is one more example.
+        Returns {"loss", "tokens", "grad_norm", "skipped"} ("loss" and "tokens" over every process
+        when ``all_reduce`` is given).
         """
         check_bucket_bytes(bucket_bytes)
+        packed = sum("position_ids" in b for b in micro_batches)
+        if packed not in (0, len(micro_batches)):
+            raise ValueError(f"{packed} of the {len(micro_batches)} micro-batches hold packed rows (position_ids): "
+                             "a step's micro-batches are all packed or none")
         with self.lock:
             self._follow_adapters()
             self.optimizer_step.check_optimizer(optimizer)
@@ -315,12 +349,12 @@ class BitNetEngine(nn.Module):
             self.adapters.sync(pull=False)  # the GPU's values are the newest: no readback before a step
             tokens = max(int(b["input_ids"].shape[1]) for b in micro_batches)
             batch = max(int(b["input_ids"].shape[0]) for b in micro_batches)
-            plan = self.train_plan(batch, tokens, len(micro_batches), dropout=p > 0)
+            plan = self.train_plan(batch, tokens, len(micro_batches), dropout=p > 0, packed=packed > 0)
             labelled = 0
             for slot, b in enumerate(micro_batches):
-                ids, mask, labels = _padded(b, batch, tokens)
-                ids, lengths = self.check_inputs(ids, mask, labels)
-                labelled += plan.write_inputs(slot, ids, labels, lengths)
+                ids, mask, labels, positions = _padded(b, batch, tokens)
+                ids, lengths, positions = self.check_inputs(ids, mask, labels, positions)
+                labelled += plan.write_inputs(slot, ids, labels, lengths, positions)
                 if p:
                     plan.set_dropout(slot, _dropout_seed(), p)
             if labelled_total is not None:
@@ -369,8 +403,8 @@ class _EngineLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, engine: BitNetEngine, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int],
-                seed: int | None, *params: torch.Tensor) -> torch.Tensor:
-        loss, grads = engine.loss_and_grads(ids, labels, lengths, dropout_seed=seed)
+                seed: int | None, positions: torch.Tensor | None, *params: torch.Tensor) -> torch.Tensor:
+        loss, grads = engine.loss_and_grads(ids, labels, lengths, dropout_seed=seed, positions=positions)
         ctx.grads = [grads[p] for p in params]
         ctx.save_for_backward(*params)  # autograd then refuses a backward after a Parameter changed in place
         return loss
@@ -383,7 +417,7 @@ class _EngineLoss(torch.autograd.Function):
                                "create_graph=True (double backward, a gradient penalty) is not supported; "
                                "run the model on the torch path (engine='torch') for that")
         ctx.saved_tensors  # noqa: B018 - the version check
-        return (None, None, None, None, None, *(g * grad for g in ctx.grads))
+        return (None, None, None, None, None, None, *(g * grad for g in ctx.grads))
 
 
 def _plan_name(key: tuple) -> str:
@@ -391,9 +425,9 @@ def _plan_name(key: tuple) -> str:
     kind, *shape = key
     if kind == "session":
         return f"generation {shape[0]}×({shape[1]}+{shape[2]}) tokens"
-    batch, tokens, extra, dropout = shape
+    batch, tokens, extra, dropout, packed = shape
     name = f"{kind} {batch}×{tokens}" + (f", {extra} micro-batches" if kind == "train" and extra > 1 else "")
-    return name + (", dropout" if dropout else "")
+    return name + (", packed" if packed else "") + (", dropout" if dropout else "")
 
 
 def _dropout_seed() -> int:
@@ -401,8 +435,10 @@ def _dropout_seed() -> int:
     return int(torch.randint(0, 2**32, (), dtype=torch.int64))
 
 
-def _padded(batch: dict[str, torch.Tensor], rows: int, tokens: int) -> tuple[torch.Tensor, ...]:
-    """A micro-batch right-padded to [rows, tokens]: extra rows are one padding token, unlabelled."""
+def _padded(batch: dict[str, torch.Tensor], rows: int, tokens: int) -> tuple[torch.Tensor | None, ...]:
+    """A micro-batch right-padded to [rows, tokens]: extra rows are one padding token, unlabelled.
+    Its ids, attention mask, labels and, for packed rows, position ids (the added padding one more
+    example, an added row one example)."""
     ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
     r, t = ids.shape
     out_ids = torch.zeros(rows, tokens, dtype=torch.long)
@@ -410,7 +446,47 @@ def _padded(batch: dict[str, torch.Tensor], rows: int, tokens: int) -> tuple[tor
     out_labels = torch.full((rows, tokens), IGNORE_INDEX, dtype=torch.long)
     out_ids[:r, :t], out_mask[:r, :t], out_labels[:r, :t] = ids, mask, labels
     out_mask[r:, 0] = 1  # an empty row is one (unlabelled) token
-    return out_ids, out_mask, out_labels
+    positions = batch.get("position_ids")
+    if positions is None:
+        return out_ids, out_mask, out_labels, None
+    out_positions = torch.arange(tokens).repeat(rows, 1)
+    out_positions[:r, :t] = check_position_ids(positions, (r, t))
+    out_positions[:r, t:] = torch.arange(tokens - t)
+    return out_ids, out_mask, out_labels, out_positions
+
+
+def check_position_ids(position_ids: Any, shape: tuple[int, int]) -> torch.Tensor:
+    """``position_ids`` of packed rows shaped ``shape`` = (batch, tokens) (or (1, tokens), for every
+    row, as transformers broadcasts it), as int64 [batch, tokens]: each row the position ids of its
+    examples one after another, each counting 0, 1, … ValueError naming the row and column where a
+    row is not of that form (starts past 0, jumps, or goes back to anything but 0).
+
+    >>> check_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0]]), (1, 6)).tolist()
+    [[0, 1, 2, 0, 1, 0]]
+    """
+    if not isinstance(position_ids, torch.Tensor):
+        raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
+    if position_ids.is_meta:
+        raise ValueError("position_ids is on the meta device: it has a shape but no values")
+    if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+        raise TypeError(f"position_ids must hold integers, got dtype {position_ids.dtype}")
+    if tuple(position_ids.shape) not in (shape, (1, shape[1])):
+        raise ValueError(f"position_ids must be shaped like input_ids {shape}, got {tuple(position_ids.shape)}")
+    positions = position_ids.detach().cpu().long().expand(shape)
+    starts = positions[:, 0] != 0
+    if starts.any():
+        row = int(starts.nonzero()[0])
+        raise ValueError(f"position_ids row {row} starts at {int(positions[row, 0])}: a packed row's position ids "
+                         "count 0, 1, ... within each example, from its first token")
+    before, after = positions[:, :-1], positions[:, 1:]
+    bad = (after != before + 1) & (after != 0)
+    if bad.any():
+        row, column = (int(x) for x in bad.nonzero()[0])
+        was, now = int(before[row, column]), int(after[row, column])
+        how = f"jumps from {was} to {now}" if now > was else f"goes from {was} back to {now}, not to 0"
+        raise ValueError(f"position_ids row {row}, column {column + 1}: {how}; a packed row's position ids count "
+                         "0, 1, ... within each example and restart at 0 where the next example starts")
+    return positions.contiguous()
 
 
 ENGINES = ("auto", "wgpu", "torch")

@@ -9,6 +9,10 @@ pass (its start) and valid length, the latter two owned by the cache so that a p
 decode plan of one generation share them. Activations are reused by every layer (a forward keeps
 nothing for a backward).
 
+A packed plan (``packed=True``: several examples in each row, position ids restarting at 0 at
+each, as training packs them) also binds a positions buffer the caller writes with each pass:
+RoPE rotates each token at its position id and attention keeps each example to itself.
+
 >>> # plan = ForwardPlan(weights, adapters, KVCache(config, 2, 40, ws), tokens=40, scratch=engine.scratch)
 >>> # logits = plan.run(ids, lengths)      # [2, 40, vocab] on the CPU
 """
@@ -41,10 +45,13 @@ class KVCache:
 
     It holds ``nbytes(config, batch, length)`` of GPU memory, and each layer's keys (and values)
     are one storage binding: ``batch × kv_heads × length × head_dim`` float32s must fit the
-    adapter's ``max_storage_buffer_binding_size`` (``max_batch`` says how many sequences do)."""
+    adapter's ``max_storage_buffer_binding_size`` (``max_batch`` says how many sequences do).
+    ``packed``: its rows hold packed examples, whose positions restart at each, so a row may be
+    longer than the model's context."""
 
-    def __init__(self, config: EngineConfig, batch: int, length: int, workspace: Workspace) -> None:
-        if not 1 <= length <= config.max_positions:
+    def __init__(self, config: EngineConfig, batch: int, length: int, workspace: Workspace,
+                 packed: bool = False) -> None:
+        if length < 1 or (length > config.max_positions and not packed):
             raise ValueError(f"a KV cache of {length} positions; the model takes 1 to {config.max_positions} "
                              "(max_position_embeddings)")
         most = KVCache.max_batch(config, length, workspace.device.max_binding)
@@ -98,19 +105,23 @@ class ForwardPlan:
     position 0 (a prompt, a batch's logits), so attention may keep its scores whole; such a plan
     run at another position gives NaN. ``batch_invariant``: each sequence's sums are the same
     whatever the batch (``PassShape``; a generation's prompt pass; float weights then project with
-    GEMMs whatever the row count). ``workspace``: the plan's own buffers (``scratch``, the
-    engine's workspace of scratch shared between plans, if given).
+    GEMMs whatever the row count). ``packed``: each row holds several examples, their position ids
+    (``positions``, u32 [batch·tokens]) written before each pass (``run`` takes them); not
+    decoding. ``workspace``: the plan's own buffers (``scratch``, the engine's workspace of
+    scratch shared between plans, if given).
     """
 
     def __init__(self, weights: EngineWeights, adapters: EngineAdapters, cache: KVCache, tokens: int,
                  logits: str = "all", decode: bool = False, ids: Buffer | None = None,
                  fuse: bool | None = None, dropout: bool = False, from_start: bool = False,
-                 batch_invariant: bool = False, workspace: Workspace | None = None,
+                 batch_invariant: bool = False, packed: bool = False, workspace: Workspace | None = None,
                  scratch: Workspace | None = None) -> None:
         if logits not in LOGITS:
             raise ValueError(f"logits must be one of {LOGITS}, got {logits!r}")
         if dropout and decode:
             raise ValueError("decoding plans apply no LoRA dropout")
+        if packed and decode:
+            raise ValueError("decoding plans continue one sequence a row: they take no packed rows")
         if from_start and decode:
             raise ValueError("decoding plans continue a cache: they cannot promise to start at position 0")
         config, device = weights.config, cache.device
@@ -122,6 +133,7 @@ class ForwardPlan:
         quant = config.quantised
         self.ids = ids if ids is not None else ws.alloc("inputs", (n,), "u32")
         self.dropout = ws.alloc("inputs", (4,), "u32") if dropout else None
+        self.positions = ws.alloc("inputs", (n,), "u32") if packed else None
         self.shape = PassShape(
             weights, adapters, cache.batch, tokens, residual=ws.alloc("activations", (n, H)),
             qkv=ws.alloc("activations", (n, config.q_size + 2 * config.kv_size)),
@@ -132,7 +144,7 @@ class ForwardPlan:
             # float weights: a GEMV sums in another order than a GEMM, and a sequence alone may take the
             # one its batch does not (ternary weights' integer sums are the same on both paths)
             gemv=False if batch_invariant and not quant else None,
-            from_start=from_start, batch_invariant=batch_invariant, dropout=self.dropout)
+            from_start=from_start, batch_invariant=batch_invariant, dropout=self.dropout, positions=self.positions)
         xn, h = ws.alloc("activations", (n, H)), ws.alloc("activations", (n, max(adapters.max_rank, 1)))
         site = SiteIO(xn, h)
         queries, attention = ws.alloc("activations", (n, config.q_size)), ws.alloc("activations", (n, config.q_size))
@@ -214,18 +226,24 @@ class ForwardPlan:
             rec.read(buf, lambda view, at=first: np.copyto(out[at:at + view.shape[0]], view[:, :vocab]))
 
     def run(self, ids: torch.Tensor, lengths: list[int], dropout: tuple[int, float] | None = None,
-            codes: dict | None = None) -> torch.Tensor | None:
+            codes: dict | None = None, positions: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run one pass from position 0 over ``ids`` (int64 [batch, tokens], right-padded to
         ``lengths``): the adapters synced, the inputs written, the pass recorded and submitted; returns
         its logits [batch, tokens, vocab] (CPU float32) where the plan keeps every position's, else
         None. ``dropout``: (seed, probability) of the pass's LoRA dropout. ``codes``, a dict, receives
-        the pass's int8 activation codes (``program.read_codes``' format), for comparisons."""
+        the pass's int8 activation codes (``program.read_codes``' format), for comparisons.
+        ``positions``: a packed plan's position ids (int64 [batch, tokens]: each row's examples one
+        after another, each counting 0, 1, …, with ``lengths`` the whole rows)."""
         if self.logits_mode == "last":
             raise ValueError("run reads every position's logits or none; this plan keeps the last position's")
+        if (positions is None) != (self.positions is None):
+            raise ValueError("a packed plan runs with position_ids, and only a packed plan takes them")
         batch, tokens = ids.shape
         self.adapters.sync()
         if dropout is not None:
             self.set_dropout(*dropout)
+        if positions is not None:
+            write(self.positions, positions.numpy().astype(np.uint32).reshape(-1))
         write(self.ids, ids.numpy().astype(np.uint32).reshape(-1))
         self.cache.set_position(0, lengths)
         logits = torch.empty(batch * tokens, self.config.vocab, dtype=torch.float32) if self.logits else None

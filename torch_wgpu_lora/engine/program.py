@@ -10,8 +10,8 @@ compute every h = A·x of their site, the projections add s·B·h in their epilo
 
     norm        input_layernorm (+ int8 codes, + h for q/k/v adapters)
     qkv         q, k, v projections in one launch
-    rope        rotate q and k; k and v into the cache at their positions
-    attention   causal GQA over the cache
+    rope        rotate q and k (a packed pass: at each token's position id); k and v into the cache
+    attention   causal GQA over the cache (a packed pass: each example to itself)
     norm        attn_sub_norm (+ codes, + h for o)
     o           o_proj, added into the residual stream
     norm        post_attention_layernorm (+ codes, + h for gate/up)
@@ -136,7 +136,10 @@ class PassShape:
       around it (generation's prompt pass: a prompt's tokens are the same alone and in a batch):
       kept attention's sums are not split (``policy.sum_splits`` splits them by the grid's size; the
       plan also keeps float projections on one path, ``gemv`` False);
-    * ``dropout``: the pass's LoRA dropout state (``kernels.dropout``), None for none.
+    * ``dropout``: the pass's LoRA dropout state (``kernels.dropout``), None for none;
+    * ``positions``: a packed pass's position ids (u32 [rows]: several examples in each row, each
+      numbered from 0), by which RoPE rotates and attention keeps each example to itself; None
+      for a pass whose rows are one sequence each.
     """
 
     weights: EngineWeights
@@ -158,6 +161,7 @@ class PassShape:
     from_start: bool = False
     batch_invariant: bool = False
     dropout: Buffer | None = None
+    positions: Buffer | None = None
 
     @property
     def config(self) -> EngineConfig:
@@ -265,7 +269,7 @@ def emit_layer(program: Program, shape: PassShape, index: int, io: LayerIO) -> N
                              attention=attention if norm else None))
 
     target = RopeTarget(w.rope_cos, w.rope_sin, shape.starts, io.keys, io.values, c.heads, c.kv_heads, c.head_dim,
-                        shape.tokens)
+                        shape.tokens, shape.positions)
     if io.residual_in is not None:  # copied by a kernel: a Recorder.copy would end the compute pass
         program.add(copy_launch(shape.residual, io.residual_in))
     site(shape.residual, layer.input_norm, "attn", c.hidden, layer.qkv, io.queries if fused else shape.qkv,
@@ -280,7 +284,8 @@ def emit_layer(program: Program, shape: PassShape, index: int, io: LayerIO) -> N
                                     head_dim=c.head_dim, max_len=shape.cache_length, scale=c.head_dim ** -0.5,
                                     workspace=shape.workspace, lse=io.lse, decode=shape.decode, partials=partials,
                                     from_start=shape.from_start, scores=io.scores,
-                                    splits=1 if shape.batch_invariant and not shape.decode else None))
+                                    splits=1 if shape.batch_invariant and not shape.decode else None,
+                                    positions=shape.positions))
     site(io.attention, layer.attn_sub_norm, "o", c.q_size, layer.o, shape.residual, "add", shape.codes,
          attention=partials, aux=io.residual_mid)  # o_proj's add keeps the residual for the backward
     site(shape.residual, layer.post_norm, "mlp", c.hidden, layer.gate_up, io.ffn, "gate_up", shape.codes,

@@ -15,6 +15,10 @@ and the attention probabilities P, 21 MB a layer, where every layer's fit the at
 budget (``keeps_probabilities``: a sequence of up to 640 tokens at BitNet-2B shapes; past it, each
 backward computes S again).
 
+With ``packed`` each slot's rows hold several examples (position ids restarting at 0 at each, as
+training packs them): each slot has a positions buffer (``write_inputs`` writes it), by which RoPE
+and its backward rotate, and attention, forward and backward, keeps each example to itself.
+
 With ``dropout`` the plan applies LoRA dropout: each slot has a dropout state buffer
 (``set_dropout`` writes its seed and probability before the submit) from which the norms'
 h, the gradients of A and the adapters' input gradients derive each adapter's mask.
@@ -85,23 +89,24 @@ class _Slot:
     inverse: Buffer  # u32: each position's row among the labelled ones, or 2**32 - 1
     grids: Buffer  # u32: the head GEMMs' grids over the labelled rows, three words each
     dropout: Buffer | None  # u32 [4]: the slot's dropout state (kernels.dropout.dropout_state)
+    positions: Buffer | None  # u32: packed plans: each token's position id
     program: Program = field(default_factory=Program)
     # (word in grids, grid x, grid z, first labelled row of its token chunk, the chunk's rows)
     head_grids: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
 
 class TrainPlan:
-    """Buffers and launches of a forward + loss + backward of ``slots`` micro-batch shapes.
-    ``workspace``: the plan's own buffers (``scratch``, the engine's workspace of scratch shared
-    between plans, if given)."""
+    """Buffers and launches of a forward + loss + backward of ``slots`` micro-batch shapes
+    (``packed``: of packed rows). ``workspace``: the plan's own buffers (``scratch``, the engine's
+    workspace of scratch shared between plans, if given)."""
 
     def __init__(self, weights: EngineWeights, adapters: EngineAdapters, batch: int, tokens: int,
-                 slots: int = 1, dropout: bool = False, workspace: Workspace | None = None,
+                 slots: int = 1, dropout: bool = False, packed: bool = False, workspace: Workspace | None = None,
                  scratch: Workspace | None = None) -> None:
         c, device = weights.config, adapters.device
         self.config, self.weights, self.adapters, self.device = c, weights, adapters, device
         self.batch, self.tokens, self.rows = batch, tokens, batch * tokens
-        self.dropout = dropout
+        self.dropout, self.packed = dropout, packed
         self.workspace = ws = workspace or Workspace(device, shared=scratch)
         n = self.rows
         H, F, Q = pad(c.hidden, 64), pad(c.intermediate, 64), pad(c.q_size, 64)
@@ -123,7 +128,8 @@ class TrainPlan:
                             alloc("inputs", batch, dtype="u32"), self.losses.slice(s * stride, (n,)),
                             alloc("inputs", n, dtype="u32"), alloc("inputs", n, dtype="u32"),
                             alloc("inputs", 3 * head_gemms, dtype="u32"),
-                            alloc("inputs", 4, dtype="u32") if dropout else None)
+                            alloc("inputs", 4, dtype="u32") if dropout else None,
+                            alloc("inputs", n, dtype="u32") if packed else None)
                       for s in range(slots)]
         # the forward's buffers every layer reuses
         self.residual, self.qkv = alloc("activations", n, H), alloc("activations", n, c.q_size + 2 * c.kv_size)
@@ -168,7 +174,7 @@ class TrainPlan:
             shape = PassShape(weights, adapters, batch, tokens, residual=self.residual, qkv=self.qkv,
                               codes=self.codes, ffn_codes=self.ffn_codes, meta=self.meta, starts=self.starts,
                               lengths=slot.lengths, cache_length=tokens, workspace=ws, gemv=False,
-                              from_start=True, dropout=slot.dropout)
+                              from_start=True, dropout=slot.dropout, positions=slot.positions)
             self._assemble(slot, shape)
 
     # -- the backward's pieces ---------------------------------------------------------------------
@@ -258,10 +264,12 @@ class TrainPlan:
                                                  batch=self.batch, tokens=self.tokens, heads=c.heads,
                                                  kv_heads=c.kv_heads, head_dim=c.head_dim, max_len=self.tokens,
                                                  scale=c.head_dim ** -0.5, workspace=self.workspace,
-                                                 from_start=True, scores=io.scores),  # training passes start at 0
+                                                 from_start=True, scores=io.scores,  # training passes start at 0
+                                                 positions=slot.positions),
                     rope_backward_launch(self.d_q, self.d_k, self.d_v, w.rope_cos, w.rope_sin, self.starts, self.d_qkv,
                                          tokens=self.rows, tokens_per_seq=self.tokens, heads=c.heads,
-                                         kv_heads=c.kv_heads, head_dim=c.head_dim, cache_len=self.tokens, device=d),
+                                         kv_heads=c.kv_heads, head_dim=c.head_dim, cache_len=self.tokens,
+                                         positions=slot.positions, device=d),
                     *self._adapter_grads(shape, sites["attn"], self.d_qkv, io.attn, index, "attn"))
             if index > 0:  # below layer 0 the input gradient reaches no trainable parameter
                 out.add(*self._project_t(shape, layer.qkv, self.d_qkv, self.d_xn, c.hidden, sites["attn"], index,
@@ -278,10 +286,19 @@ class TrainPlan:
 
     # -- running ----------------------------------------------------------------------------------
 
-    def write_inputs(self, slot: int, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int]) -> int:
-        """Write micro-batch ``slot``'s token ids and labels [batch, tokens]; returns its labelled
-        positions (those whose next label is not IGNORE_INDEX), the rows the LM head then runs over."""
+    def write_inputs(self, slot: int, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int],
+                     positions: torch.Tensor | None = None) -> int:
+        """Write micro-batch ``slot``'s token ids and labels [batch, tokens] (and a packed plan's
+        position ids, int64 [batch, tokens]: each row's examples one after another, each counting
+        0, 1, …, with ``lengths`` the whole rows); returns its labelled positions (those whose next
+        label is not IGNORE_INDEX), the rows the LM head then runs over."""
         s = self.slots[slot]
+        if (positions is None) != (s.positions is None):
+            raise ValueError("a packed plan runs with position_ids, and only a packed plan takes them")
+        if positions is not None:
+            if list(lengths) != [self.tokens] * self.batch:
+                raise ValueError(f"packed rows attend over their whole length ({self.tokens}), got lengths {lengths}")
+            write(s.positions, positions.numpy().astype(np.uint32).reshape(-1))
         targets = shifted_targets(labels.long()).numpy().reshape(-1)
         positions = np.flatnonzero(targets >= 0)
         count = len(positions)
@@ -328,16 +345,17 @@ class TrainPlan:
         return program.marks[("backward", layer - 1)] if layer > 0 else len(program)
 
     def loss_and_grads(self, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int],
-                       dropout: tuple[int, float] | None = None,
-                       codes: dict | None = None) -> tuple[torch.Tensor, dict[torch.Tensor, torch.Tensor]]:
+                       dropout: tuple[int, float] | None = None, codes: dict | None = None,
+                       positions: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[torch.Tensor, torch.Tensor]]:
         """One micro-batch (slot 0) in one submit: the adapters synced, the inputs written, the pass
         recorded; returns the mean loss over labelled tokens and every adapter Parameter's gradient
         of it. ``dropout``: (seed, probability) of the pass's LoRA dropout. ``codes``, a dict,
-        receives the pass's int8 activation codes (``program.read_codes``' format)."""
+        receives the pass's int8 activation codes (``program.read_codes``' format). ``positions``:
+        a packed plan's position ids (``write_inputs``)."""
         self.adapters.sync()
         if dropout is not None:
             self.set_dropout(0, *dropout)
-        count = self.write_inputs(0, ids, labels, lengths)
+        count = self.write_inputs(0, ids, labels, lengths, positions)
         if count == 0:
             raise ValueError("the labels hold no labelled token (all -100 after the shift): no loss to compute")
         self.set_scale(1.0 / count)

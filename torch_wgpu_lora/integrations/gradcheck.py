@@ -124,6 +124,12 @@ def _as_batch(batch: Mapping[str, torch.Tensor] | torch.Tensor) -> dict[str, tor
                          + (f" with keys {sorted(batch)}" if isinstance(batch, Mapping) else ""))
     batch = dict(batch)
     batch.setdefault("labels", batch["input_ids"])
+    if batch.get("position_ids") is not None:  # packed rows
+        # transformers keeps packed examples apart only without an attention mask and without a cache
+        if batch.get("attention_mask") is not None or batch.get("use_cache"):
+            raise ValueError("a batch of packed rows (position_ids) goes in without an attention_mask and with "
+                             "use_cache=False: transformers keeps packed examples apart only then")
+        batch["use_cache"] = False
     return batch
 
 
@@ -208,11 +214,11 @@ def randomize_lora_B(model: nn.Module, seed: int, std: float = 0.1) -> nn.Module
 
 def _engine_pass(engine: Any, batch: dict[str, torch.Tensor], params: list[nn.Parameter],
                  codes: dict | None, dropout_seed: int | None) -> tuple[float, list[torch.Tensor]]:
-    ids = batch["input_ids"]
-    mask = batch.get("attention_mask")
+    ids, mask, positions = batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")
     lengths = [ids.shape[1]] * ids.shape[0] if mask is None else mask.sum(1).tolist()
     loss, grads = engine.loss_and_grads(ids.cpu().long(), batch["labels"].cpu().long(), lengths, codes=codes,
-                                        dropout_seed=dropout_seed)
+                                        dropout_seed=dropout_seed,
+                                        positions=None if positions is None else positions.cpu().long())
     return loss.item(), [grads[p] for p in params]
 
 
@@ -260,10 +266,11 @@ def compare_gradients(model: nn.Module, batch: Mapping[str, torch.Tensor] | torc
     (unpacked) copy of a packed checkpoint, or a float64 copy (``check_parity``'s).
 
     ``batch`` is a tensor of input ids or a mapping of model inputs; labels default to
-    the input ids (next-token loss). The models run in eval mode (no dropout, so both
-    passes see the same function). Gradients come from ``torch.autograd.grad``, so no
-    parameter's ``.grad`` is touched; each adapter's backend and each module's
-    train/eval mode are restored afterwards, even on error.
+    the input ids (next-token loss). Packed rows come with ``position_ids`` and no attention
+    mask (transformers then runs them without a cache, keeping their examples apart). The
+    models run in eval mode (no dropout, so both passes see the same function). Gradients
+    come from ``torch.autograd.grad``, so no parameter's ``.grad`` is touched; each adapter's
+    backend and each module's train/eval mode are restored afterwards, even on error.
 
     Quantised models round activations to int8 (``round(x·127/absmax)``). The two
     passes' adapter outputs differ by float32 rounding (~1e-7), and now and then that

@@ -33,8 +33,7 @@ hold whole sequences, right-padded, with an attention mask; the order of example
 permutation per epoch (``epoch_order``), optionally grouped by length
 (``length_grouped_order``). **Packing** (``pack``) puts several examples into one sequence of
 at most ``max_length`` tokens; its ``position_ids`` restart at 0 for each example, which tells
-transformers' masks to attend within each example only (``BitNetEngine`` refuses
-``position_ids``: packed sequences train on the torch path).
+transformers' masks, and ``BitNetEngine``, to attend within each example only.
 
 Data-parallel training (several processes): every process computes the same epoch order and
 takes its ``shard`` of it, dealt out as torch's ``DistributedSampler`` deals indices.

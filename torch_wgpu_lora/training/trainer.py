@@ -153,7 +153,8 @@ class _OnLog(TrainerCallback):
 def _summed_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Cross-entropy summed over the batch's labelled positions (token t predicts t+1). A packed batch
     goes in with its ``position_ids``, no attention mask and no cache: transformers then attends within
-    each packed example only (its masks take position ids restarting at 0 as example boundaries)."""
+    each packed example only (its masks take position ids restarting at 0 as example boundaries), and
+    so does ``BitNetEngine``."""
     if "position_ids" in batch:
         # Positions restart at each packed example: the longest example is what meets the context.
         check_context(model_context(model), int(batch["position_ids"][batch["attention_mask"].bool()].max()) + 1)
@@ -249,8 +250,8 @@ class Trainer:
     ``data`` and ``eval_data``: records in any form ``training.data`` reads (chat ``messages``,
     ``prompt``/``completion``, ``text``, Alpaca), from a JSON/JSONL/Parquet/CSV path, a
     ``datasets.Dataset`` or a list of dicts. ``packing=True`` packs several examples into each
-    sequence of ``max_length`` tokens (``data.pack``; on the torch path: ``BitNetEngine`` attends
-    across whole rows); ``group_by_length=True`` batches examples of similar length together
+    sequence of ``max_length`` tokens (``data.pack``: each example attends to itself only, on
+    either path); ``group_by_length=True`` batches examples of similar length together
     (``data.length_grouped_order``).
     Training runs ``epochs`` passes over the data, or exactly ``max_steps`` optimiser steps
     (passing over the data as often as needed); give one of them, or neither for one epoch.
@@ -264,8 +265,6 @@ class Trainer:
     model's context (``max_position_embeddings``), in ``data`` or ``eval_data``, is refused
     before training starts, naming the record (``long_examples="refuse"``, the default), or
     cut to the context (``"truncate"``, warning how many were cut); on either path.
-    ``packing=True`` packs several examples into each sequence of ``max_length`` tokens (on the
-    torch path); ``group_by_length=True`` batches examples of similar length together.
     ``callback``, when given, is a ``TrainerCallback``, or a function called with each metrics
     record (a training step's or an evaluation's dict, as in ``metrics.jsonl``) right after it is
     written, e.g. to draw a live loss plot in a notebook.
@@ -381,10 +380,7 @@ class Trainer:
         if not isinstance(overwrite, bool):
             raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
         self.overwrite = overwrite
-        if packing and engine == "wgpu":
-            raise ValueError("packing=True runs on the torch path: BitNetEngine attends across a whole row "
-                             "(pass engine='torch' or 'auto')")
-        self.engine = choose_engine(model, "torch" if packing else engine)
+        self.engine = choose_engine(model, engine)
         self.optimizer = WgpuAdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         if warmup_steps is not None and warmup_ratio is not None:
             raise ValueError(f"give warmup_steps or warmup_ratio, not both (got {warmup_steps!r} and {warmup_ratio!r})")

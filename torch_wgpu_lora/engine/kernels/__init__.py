@@ -17,9 +17,25 @@ Conventions shared by every family:
   token in this pass (token ``i`` of sequence ``b`` is at ``starts[b] + i``: sequences of
   different lengths decode together); the lengths buffer (``u32 [batch]``) holds, per
   sequence, how many key positions are valid (cache included). A training pass's starts are 0.
+* A packed pass (several examples in each row, as training packs them) also has a positions
+  buffer (``u32 [batch·tokens]``): each token's position id, restarting at 0 where each example
+  starts. RoPE rotates each token at it, and attention keeps each query to the keys of its own
+  example (query ``i`` sees keys ``i - positions[i]`` to ``i``); the kernels take it as an
+  override constant's variant (``PACKED``), so that passes without it run as they are.
 """
 
 from ...runtime import Buffer, Device
+
+
+def bound_positions(positions: Buffer | None, tokens: int, device: Device) -> Buffer:
+    """The buffer a launch binds as its position ids: ``positions`` (u32, one per token of the
+    ``tokens``), or where the pass is not packed a dummy (its kernel variant reads none)."""
+    if positions is None:
+        return dummy(device)
+    if positions.dtype != "u32" or positions.numel < tokens:
+        raise ValueError(f"positions must be u32 with one per token ({tokens}), got {positions.dtype} "
+                         f"{positions.shape}")
+    return positions
 
 
 def dummy(device: Device, slot: str = "read") -> Buffer:

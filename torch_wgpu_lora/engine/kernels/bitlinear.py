@@ -101,6 +101,9 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
     if (mode == "rope") != (rope is not None):
         raise ValueError("mode 'rope' and a RopeTarget go together")
+    if rope is not None and rope.positions is not None:
+        raise ValueError("the rope epilogue rotates each token at its cache row (decoding); a packed pass's "
+                         "position ids are rope_launch's")
     k_words = proj.weight.shape[1]
     if codes.shape[-1] != 4 * k_words:
         raise ValueError(f"codes have {codes.shape[-1]} words per token; the weights need {4 * k_words}")

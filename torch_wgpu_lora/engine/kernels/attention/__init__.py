@@ -9,6 +9,10 @@ first position in this pass) and query head ``h`` (KV head ``g = h // (heads // 
     s_j    = scale * q[b, i, h] · K[b, g, j]              for j in 0..lim
     out    = softmax(s) · V[b, g, 0..lim]                 lse = logsumexp(s)  (natural log)
 
+A packed pass (``positions``, u32 ``[batch*tokens]``: each token's position id, several examples
+in a row each numbered from 0; not decoding) also keeps each query to the keys of its own
+example: ``j >= p - positions[b*T + i]``, as transformers' masks do for packed position ids.
+
 ``lengths[b]`` counts the valid key positions of sequence ``b``, cache included: with right
 padding it is the real length, and a padded query then attends to every real key (HF's causal +
 padding mask); when decoding it is ``starts[b] + 1``. The kernels read it clamped to ``1..max_len``, so
@@ -83,7 +87,7 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
                        workspace: Workspace, lse: Buffer | None = None, decode: bool = False,
                        tile: PrefillTile | None = None, splits: int | None = None,
                        partials: DecodePartials | None = None, from_start: bool = False,
-                       scores: Buffer | None = None) -> list[Launch]:
+                       scores: Buffer | None = None, positions: Buffer | None = None) -> list[Launch]:
     """The launches of one attention call, to record in order at every step.
 
     ``q``/``out`` f32 ``[batch*tokens, heads*head_dim]``; ``k_cache``/``v_cache`` f32
@@ -104,6 +108,9 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
     ``kept_scores_bytes`` of the pass): the caller's buffer for S, which then holds P, to give to
     ``attention_backward_launches`` (``keeps_probabilities`` says when a training step does);
     without it S lives in the workspace's scratch, which the next layer overwrites.
+
+    ``positions`` (u32 ``[batch*tokens]``, not decoding): a packed pass's position ids; each
+    query then attends to its own example's keys only (the module's docstring), on either path.
     """
     _check_shape("attention", heads, kv_heads, head_dim, batch, tokens, max_len)
     _check_size("q", q, batch * tokens * heads * head_dim)
@@ -113,32 +120,37 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
     _check_size("lengths", lengths, batch)
     if lse is not None:
         _check_size("lse", lse, batch * tokens * heads)
+    if positions is not None and decode:
+        raise ValueError("attention: decoding continues each sequence at its start; position_ids (packed passes) "
+                         "are a prompt's or a training pass's")
     shape = dict(batch=batch, tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len,
                  scale=scale)
     kept_path = not decode and from_start and scores_kept_whole(batch, heads, tokens)
     _check_scores(scores, kept_path, batch, heads, tokens)
     if kept_path:
-        scores_of = kept.KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, workspace, scores)
+        scores_of = kept.KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, workspace, scores,
+                                    positions)
         lse_rows = lse if lse is not None else workspace.scratch("attention lse", (batch * tokens * heads,))
         return kept.forward_launches(scores_of, q, k_cache, v_cache, out, starts, lengths, lse_rows)
     if decode:
         return decoding.decode_launches(q, k_cache, v_cache, out, starts, lengths, lse, splits=splits,
                                         partials=partials, workspace=workspace, **shape)
     return [flash.prefill_launch(q, k_cache, v_cache, out, starts, lengths, lse, tile=tile, device=workspace.device,
-                                 **shape)]
+                                 positions=positions, **shape)]
 
 
 def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, lse: Buffer, d_out: Buffer,
                                 d_q: Buffer, d_k: Buffer, d_v: Buffer, starts: Buffer, lengths: Buffer, *, batch: int,
                                 tokens: int, heads: int, kv_heads: int, head_dim: int, max_len: int, scale: float,
                                 workspace: Workspace, tile: BackwardTile | None = None, splits: int | None = None,
-                                from_start: bool = False, scores: Buffer | None = None) -> list[Launch]:
+                                from_start: bool = False, scores: Buffer | None = None,
+                                positions: Buffer | None = None) -> list[Launch]:
     """The launches of one attention backward, to record in order.
 
     Inputs in the forward's layouts: ``q``, ``out`` (the forward's output) and ``d_out`` f32
     ``[batch*tokens, heads*head_dim]``; ``k_cache``/``v_cache`` f32 ``[batch, kv_heads, max_len,
     head_dim]``; ``lse`` f32 ``[batch*tokens, heads]`` (the forward's, natural log); ``starts``
-    and ``lengths`` u32 ``[batch]``. Same masking as the forward.
+    and ``lengths`` u32 ``[batch]``; ``positions`` as the forward's. Same masking as the forward.
 
     Outputs: ``d_q`` ``[batch*tokens, heads*head_dim]``, every row written; ``d_k``/``d_v``
     ``[batch, kv_heads, max_len, head_dim]``, written at key positions ``starts[b] ..
@@ -165,8 +177,10 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
     _check_scores(scores, kept_path, batch, heads, tokens)
     row_dot, rd = flash.row_dot_launch(out, d_out, workspace=workspace, **shape)
     if kept_path:
-        scores_of = kept.KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, workspace, scores)
+        scores_of = kept.KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, workspace, scores,
+                                    positions)
         return [row_dot, *kept.backward_launches(scores_of, q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v, starts,
                                                  lengths, rd, splits)]
     return [row_dot, *flash.backward_launches(q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v, starts, lengths, rd,
-                                              tile=tile, splits=splits, workspace=workspace, **shape)]
+                                              tile=tile, splits=splits, workspace=workspace, positions=positions,
+                                              **shape)]

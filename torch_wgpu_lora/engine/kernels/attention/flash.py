@@ -21,6 +21,10 @@ query tile of the group's heads that sees it: no atomics), cut into ranges of qu
 (``policy.sum_splits``) whose partial sums ``dkdv_sum`` adds up. P is recomputed from the
 forward's lse.
 
+**Packed passes** (``positions``: several examples in a row) mask each query to the keys of its
+own example, in the forward and in ``dq`` and ``dkdv``; the forward's and ``dq``'s loops over
+key tiles start at the tile of their block's first key.
+
 The order of preference of the tiles was measured: ``benchmarks/results/h200/kernel_tuning.md``.
 """
 
@@ -31,7 +35,7 @@ from typing import Any
 
 from ....runtime import Buffer, Device, Launch, get_device, kernel
 from ...workspace import Workspace
-from .. import dummy
+from .. import bound_positions, dummy
 from .policy import sum_splits
 
 __all__ = ["BACKWARD_TILES", "PREFILL_TILES", "BackwardTile", "PrefillTile", "backward_launches", "backward_tile",
@@ -95,14 +99,14 @@ class BackwardTile:
         """Workgroup memory of ``dkdv`` (``dq``'s is a little less: no Pm)."""
         rows, keys = self.fixed, self.looped  # symmetric in rows and keys
         qst = head_dim // 4 + 1
-        return 16 * qst * 2 * (rows + keys) + 4 * rows * keys * (2 * self.lanes + 2) + 12 * max(rows, keys)
+        return 16 * qst * 2 * (rows + keys) + 4 * rows * keys * (2 * self.lanes + 2) + 16 * max(rows, keys)
 
     def valid(self) -> bool:
         return self.fixed % 4 == 0 and self.looped % 4 == 0 and self.fixed > 0 and self.looped > 0 and self.lanes > 0
 
 
-# In order of preference. Sizes at head_dim 128: 43.2 KiB (NVIDIA's 48 KiB), 29.9 KiB (lavapipe's
-# 32 KiB), 14.7 KiB (WebGPU's default 16 KiB). At head_dim 128 both kernels have 64 threads; the
+# In order of preference. Sizes at head_dim 128: 43.3 KiB (NVIDIA's 48 KiB), 30.0 KiB (lavapipe's
+# 32 KiB), 14.8 KiB (WebGPU's default 16 KiB). At head_dim 128 both kernels have 64 threads; the
 # score phase has 4×4 blocks × lanes units: 64, 32 and 16 of them.
 BACKWARD_TILES = (BackwardTile(16, 16, 4), BackwardTile(16, 8, 4), BackwardTile(8, 4, 8), BackwardTile(4, 4, 8),
                   BackwardTile(4, 4, 4))
@@ -145,17 +149,20 @@ def backward_tile(head_dim: int, device: Device | None = None) -> BackwardTile:
 
 def prefill_launch(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer, starts: Buffer, lengths: Buffer,
                    lse: Buffer | None, *, batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int,
-                   max_len: int, scale: float, tile: PrefillTile | None, device: Device) -> Launch:
-    """The flash forward over ``tokens`` queries of each sequence (any position, any length)."""
+                   max_len: int, scale: float, tile: PrefillTile | None, device: Device,
+                   positions: Buffer | None = None) -> Launch:
+    """The flash forward over ``tokens`` queries of each sequence (any position, any length;
+    ``positions``: a packed pass's position ids)."""
     tile = tile or prefill_tile(head_dim, device)
     if not tile.valid() or tile.workgroup_bytes(head_dim) > device.limits["max-compute-workgroup-storage-size"]:
         raise ValueError(f"attention: prefill tile {tile} does not fit head_dim={head_dim} on this adapter")
     group, d4 = heads // kv_heads, head_dim // 4
     kern = kernel(FILE, "prefill", device, D4=d4, R=group, RG=tile.row_quads, CT=tile.columns(head_dim),
-                  KL=tile.key_lanes, BK=tile.key_tile)
+                  KL=tile.key_lanes, BK=tile.key_tile, PACKED=positions is not None)
     params = (batch, tokens, kv_heads, max_len, 1, int(lse is not None), float(scale))
     grid = (-(-tokens * group // (4 * tile.row_quads)), kv_heads, batch)
-    return Launch.build(kern, grid, (starts, lengths, q, k_cache, v_cache, out, lse or dummy(device, "lse")), params)
+    return Launch.build(kern, grid, (starts, lengths, q, k_cache, v_cache, out, lse or dummy(device, "lse"),
+                                     bound_positions(positions, batch * tokens, device)), params)
 
 
 def _grid(workgroups: int, device: Device) -> tuple[int, int, int]:
@@ -181,9 +188,11 @@ def row_dot_launch(out: Buffer, d_out: Buffer, *, batch: int, tokens: int, heads
 def backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, lse: Buffer, d_out: Buffer, d_q: Buffer,
                       d_k: Buffer, d_v: Buffer, starts: Buffer, lengths: Buffer, rd: Buffer, *, batch: int, tokens: int,
                       heads: int, kv_heads: int, head_dim: int, max_len: int, scale: float,
-                      tile: BackwardTile | None, splits: int | None, workspace: Workspace) -> list[Launch]:
+                      tile: BackwardTile | None, splits: int | None, workspace: Workspace,
+                      positions: Buffer | None = None) -> list[Launch]:
     """``dq`` and ``dkdv`` after ``row_dot`` (``rd``), and ``dkdv_sum`` where the sums are split (their
-    partials in the workspace's scratch: the layers of a step run one after another)."""
+    partials in the workspace's scratch: the layers of a step run one after another); ``positions``:
+    a packed pass's position ids."""
     device = workspace.device
     tile = tile or backward_tile(head_dim, device)
     if not tile.valid() or tile.workgroup_bytes(head_dim) > device.limits["max-compute-workgroup-storage-size"]:
@@ -192,10 +201,12 @@ def backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, lse: Buffer, 
     params = (batch, tokens, kv_heads, max_len, float(scale))
     key_blocks = -(-tokens // tile.fixed)
     splits = splits or sum_splits(key_blocks * kv_heads * batch, device)
-    shape = dict(D4=d4, R=group, KL=tile.lanes, CT=tile.column_threads(head_dim), NT=tile.threads(head_dim))
+    shape = dict(D4=d4, R=group, KL=tile.lanes, CT=tile.column_threads(head_dim), NT=tile.threads(head_dim),
+                 PACKED=positions is not None)
     dq = kernel(BACKWARD_FILE, "dq", device, BQ=tile.fixed, BK=tile.looped, **shape)
     dkdv = kernel(BACKWARD_FILE, "dkdv", device, BQ=tile.looped, BK=tile.fixed, SPLITS=splits, **shape)
-    common = {1: starts, 2: lengths, 3: q, 4: k_cache, 5: v_cache, 6: d_out, 7: lse, 8: rd}
+    common = {1: starts, 2: lengths, 3: q, 4: k_cache, 5: v_cache, 6: d_out, 7: lse, 8: rd,
+              16: bound_positions(positions, batch * tokens, device)}
     launches = [Launch.build(dq, (-(-tokens * group // tile.fixed), kv_heads, batch), {**common, 9: d_q}, params)]
     if splits == 1:
         return launches + [Launch.build(dkdv, (key_blocks, kv_heads, batch), {**common, 10: d_k, 11: d_v}, params)]

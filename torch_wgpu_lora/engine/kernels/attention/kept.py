@@ -8,6 +8,10 @@ rows' lse (``attention_softmax.wgsl``), O = P·V (``attention_apply.wgsl``). Bac
 where the forward's P was kept), dV = Pᵀ dO and dK = scale · dSᵀ q (``attention_kv_grad.wgsl``),
 dQ = scale · dS k (``attention_apply.wgsl``), each GEMM's sum cut into ``policy.sum_splits``
 ranges added up by a ``split_sum`` launch.
+
+A packed pass (``KeptScores.positions``: several examples in a row) masks in the softmax and in
+the backward's P: each query's P is zero outside its own example, and the GEMMs, which read P
+and dS, follow from it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 
 from ....runtime import Buffer, Device, Launch, kernel
 from ...workspace import Workspace
-from .. import dummy
+from .. import bound_positions, dummy
 from .policy import kept_scores_bytes, sum_splits
 
 __all__ = ["KeptScores", "backward_launches", "forward_launches"]
@@ -28,7 +32,8 @@ class KeptScores:
     S or P, and the backward's dS, ``[batch·heads·padded, padded]`` (the workspace's scratch, shared
     by the layers of a step, which run one after another), with ``padded`` = tokens rounded up to 64.
     ``probabilities``: the caller's buffer for S and P instead, which holds P from the forward
-    until the backward (a training step's, one a layer)."""
+    until the backward (a training step's, one a layer). ``positions``: a packed pass's position
+    ids (u32 [batch·tokens]), which keep each query to the keys of its own example."""
 
     batch: int
     tokens: int
@@ -39,10 +44,19 @@ class KeptScores:
     scale: float
     workspace: Workspace
     probabilities: Buffer | None = None
+    positions: Buffer | None = None
 
     @property
     def device(self) -> Device:
         return self.workspace.device
+
+    @property
+    def packed(self) -> bool:
+        return self.positions is not None
+
+    def bound_positions(self) -> Buffer:
+        """What the launches bind as position ids (``kernels.bound_positions``)."""
+        return bound_positions(self.positions, self.batch * self.tokens, self.device)
 
     @property
     def padded(self) -> int:
@@ -57,21 +71,24 @@ class KeptScores:
 
     def scores(self, mode: int, a: Buffer, cache: Buffer, lengths: Buffer, lse: Buffer, rd: Buffer) -> Launch:
         """``attention_scores.wgsl``: S = q·Kᵀ (mode 0; dS is not written) or dP = dO·Vᵀ, turning S
-        into P and dS (mode 1) or, where the scores hold P already, into dS (mode 2)."""
+        into P and dS (mode 1) or, where the scores hold P already, into dS (mode 2). A packed pass's
+        mode 1 masks P to each query's example (the forward's softmax did, for the P mode 2 reads)."""
         sc, ds = self.scratch(), (self.scratch(grads=True) if mode else dummy(self.device, "score_grads"))
         params = dict(tokens=self.batch * self.heads * self.padded, rows=self.head_dim, a_stride=self.head_dim,
                       padded=self.padded, seq=self.tokens, heads=self.heads, kv_heads=self.kv_heads,
                       max_len=self.max_len, scale=float(self.scale))
         grid = (self.padded // 64, self.batch * self.heads * self.padded // 64, 1)
-        return Launch.build(kernel("attention_scores.wgsl", "gemm_tiled", self.device, MODE=mode), grid,
-                            (lengths, a, cache, sc, ds, lse, rd), params)
+        return Launch.build(kernel("attention_scores.wgsl", "gemm_tiled", self.device, MODE=mode,
+                                   PACKED=self.packed and mode == 1),
+                            grid, (lengths, a, cache, sc, ds, lse, rd, self.bound_positions()), params)
 
     def softmax(self, starts: Buffer, lengths: Buffer, lse: Buffer) -> Launch:
         """``attention_softmax.wgsl``: S into P in place, and the rows' lse."""
         params = dict(seq=self.tokens, heads=self.heads, padded=self.padded, max_len=self.max_len,
                       scale=float(self.scale))
-        return Launch.build(kernel("attention_softmax.wgsl", "rows", self.device),
-                            (self.tokens, self.batch * self.heads, 1), (starts, lengths, self.scratch(), lse), params)
+        return Launch.build(kernel("attention_softmax.wgsl", "rows", self.device, PACKED=self.packed),
+                            (self.tokens, self.batch * self.heads, 1),
+                            (starts, lengths, self.scratch(), lse, self.bound_positions()), params)
 
     def gemm(self, file: str, rows: int, buffers: tuple[Buffer, ...], params: dict,
              splits: int | None) -> list[Launch]:

@@ -13,11 +13,14 @@ __all__ = ["attention_backward_reference", "attention_reference"]
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: int | Sequence[int],
                         lengths: torch.Tensor | Sequence[int], heads: int, kv_heads: int,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: float, positions: torch.Tensor | Sequence[Sequence[int]] | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch attention in the kernels' layouts and masking, in ``q``'s dtype (float64
     for tests): ``q`` ``[B*T, H*D]``, ``k``/``v`` ``[B, KVH, S, D]`` (S >= the longest length),
     query ``i`` of sequence ``b`` at position ``starts[b] + i`` (``starts`` one int: the same for
-    every sequence); returns ``out`` ``[B*T, H*D]`` and ``lse`` ``[B*T, H]``.
+    every sequence); returns ``out`` ``[B*T, H*D]`` and ``lse`` ``[B*T, H]``. ``positions``
+    (int ``[B, T]``, a packed pass's position ids) keeps each query to the keys of its own
+    example: those from ``starts[b] + i - positions[b, i]`` on.
 
     Written as matmul + mask + softmax, independently of the kernels.
 
@@ -34,8 +37,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start
     kh = k.repeat_interleave(heads // kv_heads, dim=1)  # [B, H, S, D]
     vh = v.repeat_interleave(heads // kv_heads, dim=1)
     scores = (qh @ kh.transpose(-1, -2)) * scale  # [B, H, T, S]
-    last = torch.minimum(first + torch.arange(tokens).view(1, tokens, 1), (lengths - 1).view(batch, 1, 1))
-    allowed = torch.arange(keys).view(1, 1, keys) <= last  # [B, T, S]
+    allowed = _allowed(first, lengths, tokens, keys, positions)  # [B, T, S]
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]
     out = torch.softmax(scores, dim=-1) @ vh  # [B, H, T, D]
@@ -46,11 +48,13 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start
 def attention_backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                                  lse: torch.Tensor, d_out: torch.Tensor, starts: int | Sequence[int],
                                  lengths: torch.Tensor | Sequence[int], heads: int, kv_heads: int,
-                                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                 scale: float, positions: torch.Tensor | Sequence[Sequence[int]] | None = None,
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The attention backward from explicit formulas, in the kernels' layouts and ``q``'s dtype:
-    ``q``, ``out``, ``d_out`` ``[B*T, H*D]``, ``k``/``v`` ``[B, KVH, S, D]``, ``lse`` ``[B*T, H]``;
-    returns ``(d_q, d_k, d_v)``, ``d_k``/``d_v`` over all ``S`` key positions (zero where no
-    query attends). P is recomputed from ``lse``, as the kernels do::
+    ``q``, ``out``, ``d_out`` ``[B*T, H*D]``, ``k``/``v`` ``[B, KVH, S, D]``, ``lse`` ``[B*T, H]``,
+    ``positions`` as ``attention_reference``'s; returns ``(d_q, d_k, d_v)``, ``d_k``/``d_v`` over
+    all ``S`` key positions (zero where no query attends). P is recomputed from ``lse``, as the
+    kernels do::
 
         P = exp(scale q·k - lse) (masked)   dV = Pᵀ dO   dS = P ∘ (dO vᵀ - rowsum(dO ∘ O))
         dQ = scale dS k                     dK = scale dSᵀ q    (summed over each group's heads)
@@ -72,8 +76,7 @@ def attention_backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     qh, oh, doh = heads_first(q), heads_first(out), heads_first(d_out)
     kh = k.repeat_interleave(group, dim=1)  # [B, H, S, D]
     vh = v.repeat_interleave(group, dim=1)
-    last = torch.minimum(first + torch.arange(tokens).view(1, tokens, 1), (lengths - 1).view(batch, 1, 1))
-    allowed = (torch.arange(keys).view(1, 1, keys) <= last)[:, None]  # [B, 1, T, S]
+    allowed = _allowed(first, lengths, tokens, keys, positions)[:, None]  # [B, 1, T, S]
     lse_h = lse.reshape(batch, tokens, heads).transpose(1, 2)[..., None]  # [B, H, T, 1]
     probs = torch.where(allowed, torch.exp(qh @ kh.transpose(-1, -2) * scale - lse_h), 0.0)
     d_v = probs.transpose(-1, -2) @ doh  # [B, H, S, D]
@@ -84,6 +87,21 @@ def attention_backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     d_k = d_k.reshape(batch, kv_heads, group, keys, dim).sum(2)
     d_v = d_v.reshape(batch, kv_heads, group, keys, dim).sum(2)
     return d_q.transpose(1, 2).reshape(batch * tokens, heads * dim), d_k, d_v
+
+
+def _allowed(first: torch.Tensor, lengths: torch.Tensor, tokens: int, keys: int,
+             positions: torch.Tensor | Sequence[Sequence[int]] | None) -> torch.Tensor:
+    """[B, T, S]: whether query ``i`` of sequence ``b`` (at ``first[b] + i``) sees key ``j``: causal,
+    within the sequence's length, and (``positions``) within the query's own example."""
+    batch = first.shape[0]
+    at = first + torch.arange(tokens).view(1, tokens, 1)  # [B, T, 1]
+    last = torch.minimum(at, (lengths - 1).view(batch, 1, 1))
+    j = torch.arange(keys).view(1, 1, keys)
+    allowed = j <= last
+    if positions is not None:
+        own = torch.as_tensor(positions, dtype=torch.long).reshape(batch, tokens, 1)
+        allowed &= j >= at - own
+    return allowed
 
 
 def _starts(starts: int | Sequence[int], batch: int) -> torch.Tensor:
