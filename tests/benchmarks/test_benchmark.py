@@ -220,6 +220,17 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
     assert all(0 < r["share_of_ceiling"] for r in rates.values())
 
 
+def test_hf_generate_anchor_times_each_mode_and_batch():
+    from torch_wgpu_lora.benchmarks import engine
+
+    result = engine.measure_hf_generate(engine.small_config(1), [1, 3], 4, 5, lambda line: None, device="cpu")
+    assert set(result) == set(engine.HF_GENERATE_MODES)  # the dynamic cache, and the static one
+    for mode in engine.HF_GENERATE_MODES:
+        for batch in (1, 3):
+            run = result[mode][str(batch)]
+            assert run["tok_per_s"] == pytest.approx(batch * 5 / run["wall_s"]) and run["first_s"] > 0
+
+
 def test_distributed_benchmark_times_each_buckets_exchange(tmp_path):
     from torch_wgpu_lora.benchmarks import distributed
 
@@ -293,7 +304,7 @@ def test_kernel_work_counts_the_projections_and_head_as_torch_counts_them():
 def test_launch_benchmark_times_every_kernel_shape(tmp_path):
     from torch_wgpu_lora.benchmarks import launches
     from torch_wgpu_lora.engine.kernels.attention import backward_tiles, prefill_tiles
-    from torch_wgpu_lora.engine.kernels.bitlinear import gemm_tile_tokens, gemv_group
+    from torch_wgpu_lora.engine.kernels.bitlinear import GEMV_GROUP, gemm_tile_tokens
     from torch_wgpu_lora.engine.kernels.projection import gemv_max_tokens, input_grad_splits
 
     launches.main(["--small", "--out", str(tmp_path), "--repeats", "2"])
@@ -308,7 +319,7 @@ def test_launch_benchmark_times_every_kernel_shape(tmp_path):
                                                               + 5 * len(steps))
     device = get_device()
     for tokens in steps:  # the GEMV of each projection at each group up to the step's tokens (and the GEMM)
-        group = gemv_group(tokens, device)
+        group = GEMV_GROUP
         for name in ("qkv", "o", "gate_up", "down", "head"):
             timed = {key for key in result if key.startswith(f"batch_{tokens}_{name}_")}
             chosen = [key for key in timed if key.endswith("_chosen")]

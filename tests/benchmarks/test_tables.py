@@ -165,6 +165,21 @@ def test_the_decode_batches_table_counts_every_rows_tokens(tmp_path):
     assert rows["64 prompts of 16 tokens, 128 new each"] == ["12,800 tok/s", "200 tok/s", "≥ 15,000 tok/s: **missed**"]
 
 
+def test_the_decode_batches_table_puts_hf_generate_beside_ours(tmp_path):
+    result = engine_result()
+    result["decode_batches"] = {"16": {"prompt": 16, "new_tokens": 128, "tok_per_s": 2000.0}}
+    result["hf_generate"] = {"eager": {"1": {"tok_per_s": 30.0}, "16": {"tok_per_s": 400.0}},
+                             "static_compiled": {"16": {"tok_per_s": 2500.0}, "4": {"tok_per_s": 900.0}}}
+    rows = rows_of(page_of(tmp_path, "decode-batches", result))
+    assert list(rows)[3:] == ["HF + PEFT `generate`, eager: 1 prompt", "HF + PEFT `generate`, eager: 16 prompts",
+                              "HF + PEFT `generate`, static cache, compiled: 4 prompts",
+                              "HF + PEFT `generate`, static cache, compiled: 16 prompts"]
+    assert rows["HF + PEFT `generate`, eager: 1 prompt"] == ["30.0 tok/s", "30.0 tok/s", "ours 33.31×"]  # 999.4 / 30
+    assert rows["HF + PEFT `generate`, static cache, compiled: 16 prompts"] == ["2,500 tok/s", "156 tok/s",
+                                                                              "ours 0.80×"]
+    assert rows["HF + PEFT `generate`, static cache, compiled: 4 prompts"][2] == ""  # we ran no batch of 4
+
+
 def test_kernel_rates_and_the_training_bound_come_from_the_longest_step(tmp_path):
     # seq 512 at 10,000 tok/s: 51.2 ms. The float32 GEMM: 30 ms at 50% of 10 TFLOP/s (1.5e11 flops,
     # 15 ms at the ceiling); the int8 GEMM 20 ms at 50% of 20 T/s (10 ms); the rest 10 ms. At the

@@ -11,6 +11,7 @@ import torch
 
 from torch_wgpu_lora import BitNetEngine, generate
 from torch_wgpu_lora.engine.generate import engine_generate, engine_generate_batch
+from torch_wgpu_lora.engine.kernels.bitlinear import GEMV_GROUP
 from torch_wgpu_lora.engine.plan import ForwardPlan, KVCache
 from torch_wgpu_lora.engine.program import read_codes
 from torch_wgpu_lora.engine.workspace import Workspace
@@ -189,8 +190,8 @@ def test_a_batch_generates_each_prompts_tokens_alone_on_every_flavour(flavour):
     # not depend on the batch: engine.generate's docstring). Then with an EOS token that ends some
     # rows early and not others: those rows end there, the others run on, and a finished row's
     # length on the GPU is 0 (attention reads one key of it, the sampler skips it). The batch's
-    # projections and LM head run as GEMVs whose workgroups serve groups of its rows (here two
-    # groups of 2 in each ternary GEMV, the 4 in one in each float one), alone as one row a launch.
+    # projections and LM head run as GEMVs (a workgroup a row in each ternary GEMV, the 4 rows in
+    # one group in each float one), alone as one row a launch.
     model = tiny_model(flavour, adapters=True, seed=3)
     engine = BitNetEngine(model)
     prompts = mixed_prompts(model.config.vocab_size)
@@ -211,7 +212,9 @@ def test_a_batch_generates_each_prompts_tokens_alone_on_every_flavour(flavour):
         assert length == (0 if by_eos else len(prompt) + len(tokens))
     projections = [launch for launch in session.decode.launches
                    if launch.kernel.name.split(":")[0] in ("bitlinear.wgsl", "matmul.wgsl")]
-    assert projections and all(":gemv" in launch.kernel.name and launch.kernel.constants["GROUP"] > 1
+    groups = {"bitlinear.wgsl": GEMV_GROUP, "matmul.wgsl": len(prompts)}
+    assert projections and all(":gemv" in launch.kernel.name
+                               and launch.kernel.constants["GROUP"] == groups[launch.kernel.name.split(":")[0]]
                                for launch in projections)
 
 

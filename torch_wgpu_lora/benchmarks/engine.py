@@ -701,6 +701,50 @@ def measure_hf_peft(config: Any, prompt: int, new_tokens: int, prefill_tokens: i
     return out
 
 
+HF_GENERATE_MODES = ("eager", "static_compiled")  # transformers compiles the forward itself on a static cache
+
+
+def measure_hf_generate(config: Any, batches: list[int], prompt: int, new_tokens: int, log: Log,
+                        device: str = "cuda", modes: tuple[str, ...] = HF_GENERATE_MODES) -> dict[str, Any]:
+    """HF transformers + PEFT ``generate`` (bf16, r=8 Q/V adapters), greedy, ``new_tokens`` after
+    ``prompt`` random tokens, at each batch size, in each of ``modes``: ``"eager"`` (the dynamic
+    cache) and ``"static_compiled"`` (``cache_implementation="static"``, on which transformers
+    compiles the forward on CUDA). Each batch's first generation (where compilation happens) is
+    timed apart as ``first_s``; tok/s counts every row's new tokens of the second."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import BitNetForCausalLM
+
+    with torch.device(device):
+        model = BitNetForCausalLM(config).to(torch.bfloat16).eval()
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(6)
+    out: dict[str, Any] = {}
+    for mode in modes:
+        options = {"cache_implementation": "static"} if mode == "static_compiled" else {}
+        out[mode] = {}
+        for batch in batches:
+            ids = torch.randint(0, config.vocab_size, (batch, prompt), generator=g).to(device)
+            walls = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    tokens = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, **options)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                walls.append(time.perf_counter() - t0)
+            if tokens.shape != (batch, prompt + new_tokens):
+                raise RuntimeError(f"HF generate returned {tuple(tokens.shape)}, not {(batch, prompt + new_tokens)}")
+            out[mode][str(batch)] = {"prompt": prompt, "new_tokens": new_tokens, "first_s": walls[0],
+                                     "wall_s": walls[1], "tok_per_s": batch * new_tokens / walls[1]}
+            log(f"HF + PEFT generate, {mode}, {batch} prompts: {out[mode][str(batch)]}")
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/out/engine", help="folder for engine.json")
@@ -718,6 +762,9 @@ def main(argv: list[str] | None = None) -> int:
                         "HF + PEFT (sdpa) eager and compiled")
     parser.add_argument("--decode-batches", default="", metavar="SIZES",
                         help="also greedy decoding of this many prompts at once, comma-separated (e.g. 16,64)")
+    parser.add_argument("--hf-generate", default="", metavar="SIZES",
+                        help="also HF + PEFT generate at these batch sizes (e.g. 1,16), eager and on a static cache "
+                        "compiled")
     parser.add_argument("--checks", default=DEFAULT_SHADER_CHECKS, help="shader-check modes to measure the engine "
                         "in, e.g. bounds,full (TORCH_WGPU_LORA_SHADER_CHECKS); results of modes other than the default "
                         "are keyed with a suffix")
@@ -791,6 +838,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_hf:
         result["hf_peft"] = measure_hf_peft(config, args.prompt, args.new_tokens, args.prefill, args.repeats, log)
         save()
+        hf_generate = [int(x) for x in args.hf_generate.split(",") if x]
+        if hf_generate and torch.cuda.is_available():
+            result["hf_generate"] = measure_hf_generate(config, hf_generate, args.prompt, args.new_tokens, log)
+            save()
         if shapes and torch.cuda.is_available():  # last: compiling takes the longest
             result["batched"].update(_measure_hf_batched(config, shapes, args.train_steps, log,
                                                          torch.Generator().manual_seed(4)))

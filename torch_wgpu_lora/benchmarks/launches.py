@@ -22,9 +22,9 @@ engine's kernel choices.
   32-token tiles (``gemm_tile_tokens`` picks one);
 * ``batch_<tokens>_*``: a step of 1, 16 or 64 tokens (a batch's decode step; the small shapes: 1
   or 4), for each projection its GEMV at each count of tokens a workgroup serves up to the
-  step's (``_group<G>``; ``gemv_group`` picks one), its weights held decoded (past one token,
+  step's (``_group<G>``; ``GEMV_GROUP`` is the default), its weights held decoded (past one token,
   ``gemv_spread``) and as 2-bit words (``_packed``), normalising its own input where it can
-  (``_norm``), against its GEMM (``gemv_max_tokens`` picks the path: ``_chosen``); and the bf16
+  (``_norm``, its weights as 2-bit words; ``_spread``: decoded), against its GEMM (``gemv_max_tokens`` picks the path: ``_chosen``); and the bf16
   LM head's GEMV per group and GEMM;
 * ``input_grad_*``: the input gradient through each projection's ternary weights over that many
   tokens (a training step's ``bitlinear_t``, its largest kernel), per count of ranges its sum is
@@ -44,7 +44,7 @@ import numpy as np
 
 from ..engine.kernels.attention import (attention_backward_launches, attention_launches, backward_tile,
                                        backward_tiles, decode_splits, sum_splits, prefill_tile, prefill_tiles)
-from ..engine.kernels.bitlinear import (bitlinear_launch, bitlinear_t_launch, gemm_tile_tokens, gemv_group,
+from ..engine.kernels.bitlinear import (bitlinear_launch, bitlinear_t_launch, gemm_tile_tokens, GEMV_GROUP,
                                        gemv_normalises)
 from ..engine.kernels.matmul import gemv_group as float_gemv_group, matmul_launch
 from ..engine.kernels.norm import rmsnorm_launch
@@ -223,7 +223,7 @@ def measure_batches(weights: dict[str, Projection], projections: tuple, hidden: 
 
     for tokens in steps:
         gemv_path = tokens <= gemv_max_tokens(device)
-        chosen = gemv_group(tokens, device)
+        chosen, grouped = GEMV_GROUP, min(8, tokens)  # grouped: where held weights can be decoded or 2-bit words
         groups = sorted({chosen, *(g for g in BATCH_GROUPS if g <= tokens)})
         for name, rows, k, mode in projections:
             proj = weights[name]
@@ -235,18 +235,18 @@ def measure_batches(weights: dict[str, Projection], projections: tuple, hidden: 
                 out[f"batch_{tokens}_{name}_group{group}{mark}"] = timed(
                     [bitlinear_launch(codes, meta, proj, result, gemv=True, group=group, **options)])
             if tokens > 1:
-                out[f"batch_{tokens}_{name}_group{chosen}_packed"] = timed(
-                    [bitlinear_launch(codes, meta, proj, result, gemv=True, group=chosen, spread=False, **options)])
+                out[f"batch_{tokens}_{name}_group{grouped}_packed"] = timed(
+                    [bitlinear_launch(codes, meta, proj, result, gemv=True, group=grouped, spread=False, **options)])
                 out[f"batch_{tokens}_{name}_gemm" + ("" if gemv_path else "_chosen")] = timed(
                     [bitlinear_launch(codes, meta, proj, result, gemv=False, **options)])
             if gemv_normalises(k):  # the GEMV normalising its input, as a decode step runs it
                 norm = (floats(tokens, k), upload(rng.random(k).astype(np.float32) + 0.5), 1e-5)
-                for group in sorted({1, chosen}):
+                for group in sorted({chosen, grouped}):
                     out[f"batch_{tokens}_{name}_norm_group{group}"] = timed(
                         [bitlinear_launch(codes, meta, proj, result, gemv=True, group=group, norm=norm, **options)])
                 if tokens > 1:  # decoded weights take more lanes: more workgroups normalising each token
-                    out[f"batch_{tokens}_{name}_norm_group{chosen}_packed"] = timed([bitlinear_launch(
-                        codes, meta, proj, result, gemv=True, group=chosen, spread=False, norm=norm, **options)])
+                    out[f"batch_{tokens}_{name}_norm_group{grouped}_spread"] = timed([bitlinear_launch(
+                        codes, meta, proj, result, gemv=True, group=grouped, spread=True, norm=norm, **options)])
     # the bf16 LM head (as many rows as one binding holds): a weight word read once for a group of
     # tokens, all of a step's (float_gemv_group), or once a token; and the GEMM
     rows = min(vocab, device.max_binding // (2 * hidden))

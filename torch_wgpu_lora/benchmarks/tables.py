@@ -427,6 +427,13 @@ def render_decode_batches(run: Run) -> str:
         rows.append([f"{batch} prompt{'s' if batch > 1 else ''} of {d['prompt']} tokens, {d['new_tokens']} new each",
                      f"{rate(d['tok_per_s'])} tok/s", f"{rate(d['tok_per_s'] / batch)} tok/s",
                      f"≥ {goal:,} tok/s: {_status(d['tok_per_s'] >= goal)}" if targets and goal else ""])
+    labels = {"eager": "eager", "static_compiled": "static cache, compiled"}
+    for mode, runs in data.get("hf_generate", {}).items():  # the anchor, in the same process
+        for batch, d in sorted(runs.items(), key=lambda item: int(item[0])):
+            ours = figures.get(int(batch))
+            rows.append([f"HF + PEFT `generate`, {labels[mode]}: {batch} prompt{'s' if int(batch) > 1 else ''}",
+                         f"{rate(d['tok_per_s'])} tok/s", f"{rate(d['tok_per_s'] / int(batch))} tok/s",
+                         f"ours {ours['tok_per_s'] / d['tok_per_s']:.2f}×" if ours else ""])
     return _table(["greedy decoding", "all rows", "a row", "target"], rows)
 
 

@@ -4,15 +4,16 @@
 >>> # rec.launch(launch)
 
 ``gemv`` serves few tokens (decoding), ``gemm`` many (prefill, training); both give the same
-exact integer dots. A ``gemv`` workgroup holds its rows' weights in registers and serves a group
-of tokens from that one read, one token after another, each token's values those of a launch of
-that token alone (the same integer dots, the same float operations per token). The epilogue modes (``projection.MODES``): ``"store"``, ``"add"`` (into a
+exact integer dots. A ``gemv`` workgroup holds its rows' weights in registers and serves one
+token (``GEMV_GROUP``) or a group of tokens from that one read, one after another, each token's
+values those of a launch of that token alone (the same integer dots, the same float operations per
+token). The epilogue modes (``projection.MODES``): ``"store"``, ``"add"`` (into a
 residual stream), ``"gate_up"`` (interleaved gate/up rows → relu(gate)²·up, optionally saving the
 raw pair), and for ``gemv`` ``"rope"`` (the fused q/k/v rows rotated into the query buffer and the
 KV caches). The input gradient through the weights is ``bitlinear_t`` (straight-through).
 
 The launch shapes' rules (``projection.gemv_max_tokens``, ``gemm_tile_tokens``, ``gemv_lanes``,
-``gemv_group``, ``gemv_spread``, ``gemv_normalises``) and what they rest on (a measurement, or
+``GEMV_GROUP``, ``gemv_spread``, ``gemv_normalises``) and what they rest on (a measurement, or
 reasoning where none was made): ``benchmarks/results/h200/kernel_tuning.md``.
 """
 
@@ -34,37 +35,23 @@ from .rope import RopeTarget
 _ROW_LOADS_MAX = 16  # gemv: vec4 registers of a weight row one thread holds (ROW_LOADS_MAX in bitlinear.wgsl)
 GEMV_MAX_FEATURES = 16384  # gemv's longest row: its codes staged in workgroup memory (16 KiB)
 GEMV_THREADS = 65536  # gemv: threads a launch aims at
-GEMV_GROUP = 8  # gemv on GPUs: tokens a workgroup serves from one read of its weights, past one token
+# gemv: tokens a workgroup serves from one read of its weights. One: on the H200, 16 prompts
+# decoded (128 tokens each) at 2,211 tok/s with a workgroup a token, 2,164 in groups of 4, 2,109 of
+# 8 and 1,925 of 16 (benchmarks/results/h200/kernel_tuning.md); on lavapipe one was the fastest too.
+# Larger groups (``group=``) give each token the same values.
+GEMV_GROUP = 1
 
 
-def gemv_group(tokens: int, device: Device) -> int:
-    """Tokens a ``gemv`` workgroup serves (the grid's y is the tokens in groups of that many, the
-    last group short): 1 for one token (a batch-1 decode step); else ``GEMV_GROUP`` on GPUs, 2 on
-    CPU adapters. A group's tokens run one after another: a larger group reads and decodes the
-    weights fewer times but makes each workgroup's chain longer and the grid smaller (a layer's
-    ternary weights fit a GPU's L2, so a group's re-read of them costs little). On a CPU adapter
-    the GEMV path is there for the tests: groups of 2 make their batches of 3 and 4 sequences run
-    several groups and a short one, as a GPU's batches do (on lavapipe a workgroup a token is the
-    faster: ``benchmarks/results/h200/kernel_tuning.md``).
-
-    >>> from types import SimpleNamespace
-    >>> gpu, cpu = SimpleNamespace(is_cpu=False), SimpleNamespace(is_cpu=True)
-    >>> gemv_group(1, gpu), gemv_group(3, gpu), gemv_group(64, gpu), gemv_group(4, cpu)
-    (1, 8, 8, 2)
-    """
-    if tokens == 1:
-        return 1
-    return 2 if device.is_cpu else GEMV_GROUP
-
-
-def gemv_spread(group: int) -> bool:
+def gemv_spread(group: int, normalises: bool = False) -> bool:
     """Whether a ``gemv`` thread holds its weights decoded to signed bytes (four vec4 words of the
     row, each decoded once for the group's tokens) rather than as 2-bit words (up to sixteen,
     decoded again for every token): for groups of more than one token, where decoding a word
     (some sixty integer operations) would otherwise cost more than its sixteen dot products with
-    each token's codes. The same registers either way, so a row then takes four times the lanes
-    at the least."""
-    return group > 1
+    each token's codes; never in a GEMV that normalises its input. A row of decoded weights takes
+    four times the lanes at the least, so such a launch has more workgroups, and each of them
+    normalises every token of its group again: on the H200, 16 tokens in groups of 8, gate/up
+    took 393 µs decoded against 190 as 2-bit words (``benchmarks.launches``)."""
+    return group > 1 and not normalises
 
 
 def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_stride: int,
@@ -84,7 +71,7 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     an ``"add"`` (the residual stream after it). ``gemv`` (default: up to ``gemv_max_tokens`` tokens and
     rows of up to ``GEMV_MAX_FEATURES``): the GEMV path; its ``lanes``: threads a weight row, a power
     of two up to 64 (default ``gemv_lanes``, at least what the row's length takes), ``group``: tokens a
-    workgroup (default ``gemv_group``), ``spread``: the weights held decoded (default ``gemv_spread``).
+    workgroup (default ``GEMV_GROUP``), ``spread``: the weights held decoded (default ``gemv_spread``).
     ``tile_tokens``: tokens a ``gemm`` workgroup holds, 32 or 64 (default ``gemm_tile_tokens``).
     ``mma``: run the GEMM on the GPU's matrix units (``bitlinear_mma.wgsl``: the same integers, the same
     epilogue); default ``matrix_units_win``, False where the device has no int8 subgroup matrices.
@@ -134,8 +121,8 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
                              aux.shape[-1] if aux is not None else 0))
     x_stride, cache_len, tokens_per_seq = 0, 0, 1
     if gemv:  # the weights bound as vec4 words (binding 10); K is padded to 64, so rows are whole vec4s
-        group = gemv_group(tokens, device) if group is None else group
-        spread = gemv_spread(group) if spread is None else spread
+        group = GEMV_GROUP if group is None else group
+        spread = gemv_spread(group, norm is not None) if spread is None else spread
         if group < 1:
             raise ValueError(f"gemv: a workgroup serves at least one token, not group={group}")
         words = _ROW_LOADS_MAX // 4 if spread else _ROW_LOADS_MAX  # vec4 words of the row a thread holds
