@@ -272,20 +272,30 @@ def response_only(ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
+def hf_peft_model(config: Any, device: str = "cuda") -> torch.nn.Module:
+    """transformers' ``BitNetForCausalLM`` of ``config`` (random weights) in bf16 on ``device``,
+    with PEFT's r=8 LoRA (alpha 16) on q_proj and v_proj: the model every HF + PEFT figure here
+    measures.
+
+    >>> # model = hf_peft_model(bitnet_2b_config()).eval()
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import BitNetForCausalLM
+
+    with torch.device(device):
+        model = BitNetForCausalLM(config).to(torch.bfloat16)
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+
+
 class HFPeftTraining:
     """HF transformers + PEFT training on CUDA in bf16, batch 1 (r=8 LoRA on q_proj and v_proj,
     AdamW on the adapters, clipping at 1): ``set_dropout(p)`` sets the adapters' dropout,
     ``step(ids, labels)`` is one optimizer step, synchronised; ``peak_memory_bytes`` torch's peak
     since this was built."""
     def __init__(self, config: Any) -> None:
-        from peft import LoraConfig, get_peft_model
-        from transformers import BitNetForCausalLM
-
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        with torch.device("cuda"):
-            model = BitNetForCausalLM(config).to(torch.bfloat16)
-        self.model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+        self.model = hf_peft_model(config)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
@@ -524,14 +534,8 @@ class HFPeftAnchor:
     compile once), torch's advice for language models."""
 
     def __init__(self, config: Any) -> None:
-        from peft import LoraConfig, get_peft_model
-        from transformers import BitNetForCausalLM
-
         torch.cuda.empty_cache()
-        config = type(config).from_dict({**config.to_dict(), "_attn_implementation": "sdpa"})
-        with torch.device("cuda"):
-            model = BitNetForCausalLM(config).to(torch.bfloat16)
-        self.model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+        self.model = hf_peft_model(type(config).from_dict({**config.to_dict(), "_attn_implementation": "sdpa"}))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
 
@@ -664,13 +668,8 @@ def measure_hf_peft(config: Any, prompt: int, new_tokens: int, prefill_tokens: i
     """HF transformers + PEFT on torch CUDA in bf16 (dense BitNet shapes), or None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    from peft import LoraConfig, get_peft_model
-    from transformers import BitNetForCausalLM
-
     torch.cuda.reset_peak_memory_stats()
-    with torch.device("cuda"):
-        model = BitNetForCausalLM(config).to(torch.bfloat16).eval()
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    model = hf_peft_model(config).eval()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (1, prefill_tokens), generator=g).cuda()
     out: dict[str, Any] = {"device": torch.cuda.get_device_name()}
@@ -711,12 +710,7 @@ def measure_hf_generate(config: Any, batches: list[int], prompt: int, new_tokens
     cache) and ``"static_compiled"`` (``cache_implementation="static"``, on which transformers
     compiles the forward on CUDA). Each batch's first generation (where compilation happens) is
     timed apart as ``first_s``; tok/s counts every row's new tokens of the second."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import BitNetForCausalLM
-
-    with torch.device(device):
-        model = BitNetForCausalLM(config).to(torch.bfloat16).eval()
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    model = hf_peft_model(config, device).eval()
     g = torch.Generator().manual_seed(6)
     out: dict[str, Any] = {}
     for mode in modes:

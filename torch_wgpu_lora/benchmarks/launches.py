@@ -22,10 +22,11 @@ engine's kernel choices.
   32-token tiles (``gemm_tile_tokens`` picks one);
 * ``batch_<tokens>_*``: a step of 1, 16 or 64 tokens (a batch's decode step; the small shapes: 1
   or 4), for each projection its GEMV at each count of tokens a workgroup serves up to the
-  step's (``_group<G>``; ``GEMV_GROUP`` is the default), its weights held decoded (past one token,
-  ``gemv_spread``) and as 2-bit words (``_packed``), normalising its own input where it can
-  (``_norm``, its weights as 2-bit words; ``_spread``: decoded), against its GEMM (``gemv_max_tokens`` picks the path: ``_chosen``); and the bf16
-  LM head's GEMV per group and GEMM;
+  step's (``_group<G>``; ``GEMV_GROUP`` is the default), in groups of up to 8 its weights held
+  decoded (``gemv_spread``) and as 2-bit words (``_packed``), normalising its own input where it
+  can (``_norm``, its weights as 2-bit words; ``_spread``: decoded), against its GEMM
+  (``gemv_max_tokens`` picks the path: ``_chosen``); and the bf16 LM head's GEMV per group and
+  GEMM;
 * ``input_grad_*``: the input gradient through each projection's ternary weights over that many
   tokens (a training step's ``bitlinear_t``, its largest kernel), per count of ranges its sum is
   split into, the split-sum launch included (``input_grad_splits`` picks one).
@@ -44,7 +45,7 @@ import numpy as np
 
 from ..engine.kernels.attention import (attention_backward_launches, attention_launches, backward_tile,
                                        backward_tiles, decode_splits, sum_splits, prefill_tile, prefill_tiles)
-from ..engine.kernels.bitlinear import (bitlinear_launch, bitlinear_t_launch, gemm_tile_tokens, GEMV_GROUP,
+from ..engine.kernels.bitlinear import (GEMV_GROUP, bitlinear_launch, bitlinear_t_launch, gemm_tile_tokens,
                                        gemv_normalises)
 from ..engine.kernels.matmul import gemv_group as float_gemv_group, matmul_launch
 from ..engine.kernels.norm import rmsnorm_launch
@@ -223,7 +224,7 @@ def measure_batches(weights: dict[str, Projection], projections: tuple, hidden: 
 
     for tokens in steps:
         gemv_path = tokens <= gemv_max_tokens(device)
-        chosen, grouped = GEMV_GROUP, min(8, tokens)  # grouped: where held weights can be decoded or 2-bit words
+        chosen, grouped = GEMV_GROUP, min(8, tokens)  # grouped: the group where decoded and 2-bit weights are compared
         groups = sorted({chosen, *(g for g in BATCH_GROUPS if g <= tokens)})
         for name, rows, k, mode in projections:
             proj = weights[name]

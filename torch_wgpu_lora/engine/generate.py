@@ -18,9 +18,9 @@ its sums do not depend on the batch around it: the prompt pass is ``batch_invari
 attention's sums unsplit, float projections as GEMMs), decode attention cuts each sequence's keys
 into the same spans whatever the batch (``kernels.attention.decode``), and up to
 ``gemv_max_tokens`` sequences (16 on GPUs, 4 on CPU adapters) decode on the GEMV path, as one
-does: each row summed as it is alone (the ternary projections' integer dots, the float projections' and the LM
-head's sums in one order; ``kernels.bitlinear``, ``kernels.matmul``). Past either bound the sums
-are ordered otherwise, a last-bit difference that can round a
+does: each row summed as it is alone (the ternary projections' integer dots, the float
+projections' and the LM head's sums in one order; ``kernels.bitlinear``, ``kernels.matmul``).
+Past either bound the sums are ordered otherwise, a last-bit difference that can round a
 quantised model's int8 code differently, and with it change a token: a batch of more sequences
 decodes on the GEMM path (the LM head's and float weights' sums, and on GPUs unfused launches),
 and a batch whose prompt scores outgrow ``policy.SCORES_SCRATCH_BYTES`` runs its prompt pass
