@@ -96,6 +96,12 @@ override SPLITS: u32 = 1u;    // gemv_combine: key spans of the partials
 override HEADS: u32 = 1u;     // MODE 3: query heads, key/value heads, their width (gemv_combine: HEADS, HEAD_DIM)
 override KV_HEADS: u32 = 1u;
 override HEAD_DIM: u32 = 4u;  // even (rope) and whole vec4s (gemv_combine): its default compiles for both
+// Trip counts of the loops over registers, as overrides rather than functions or `let`s: Tint (Dawn)
+// puts a counter into every loop whose bound it cannot prove constant, such a loop is not unrolled,
+// and the arrays it indexes leave the registers. (naga wants them declared before any use of an override.)
+override ROW_LOADS: u32 = (ROW_VECS + LANES - 1u) / LANES;          // gemv: weight words a thread reads
+override CODE_LOADS: u32 = (4u * ROW_VECS + WG - 1u) / WG;          // gemv: vec4s of codes an invocation stages
+override NORM_WORDS_HELD: u32 = (ROW_VECS * 16u + WG - 1u) / WG;    // gemv_norm*: 4-feature words an invocation holds
 
 const M2: u32 = 0x03030303u;
 
@@ -179,20 +185,18 @@ fn attention_out(n: u32, w: u32) -> vec4<f32> {
   return acc / l;
 }
 
-fn norm_words() -> u32 { return (ROW_VECS * 16u + WG - 1u) / WG; }  // the 4-feature words an invocation holds
-
 // gemv_norm*: the invocation's words of token n's row of X (fetched before they are normalised:
 // a group issues the next token's loads while it works on this one).
 fn fetch_row(t: u32, n: u32) -> array<vec4<f32>, NORM_WORDS> {
   var y: array<vec4<f32>, NORM_WORDS>;
-  for (var i = 0u; i < norm_words(); i++) { y[i] = row_features(n * p.x_stride, 4u * (t + WG * i)); }
+  for (var i = 0u; i < NORM_WORDS_HELD; i++) { y[i] = row_features(n * p.x_stride, 4u * (t + WG * i)); }
   return y;
 }
 
 // gemv_combine: the same of attention's output, merged from its decode partials as read.
 fn fetch_attention(t: u32, n: u32) -> array<vec4<f32>, NORM_WORDS> {
   var y: array<vec4<f32>, NORM_WORDS>;
-  for (var i = 0u; i < norm_words(); i++) {
+  for (var i = 0u; i < NORM_WORDS_HELD; i++) {
     let k = 4u * (t + WG * i);
     var v = vec4<f32>(0.0);
     if (k < K) { v = attention_out(n, k / 4u); }  // K = HEADS · HEAD_DIM: whole words
@@ -207,22 +211,21 @@ fn fetch_attention(t: u32, n: u32) -> array<vec4<f32>, NORM_WORDS> {
 fn normalise(t: u32, n: u32, first: bool, y: ptr<function, array<vec4<f32>, NORM_WORDS>>) -> f32 {
   var g: array<vec4<f32>, NORM_WORDS>;
   var ss = 0.0;
-  for (var i = 0u; i < norm_words(); i++) {
+  for (var i = 0u; i < NORM_WORDS_HELD; i++) {
     g[i] = norm_weights(4u * (t + WG * i));
     ss += dot((*y)[i], (*y)[i]);
   }
   let row_words = ROW_VECS * 16u;  // 4-feature words of the padded row
-  let words = norm_words();
   let r = inverseSqrt(sum_all(t, ss) / f32(K) + EPS);
   var m = 0.0;
-  for (var i = 0u; i < words; i++) {
+  for (var i = 0u; i < NORM_WORDS_HELD; i++) {
     let v = g[i] * ((*y)[i] * r);
     (*y)[i] = v;
     m = max(m, absmax4(v));
   }
   let s = quant_scale(max_all(t, m));
   var total = 0i;
-  for (var i = 0u; i < words; i++) {
+  for (var i = 0u; i < NORM_WORDS_HELD; i++) {
     let w = t + WG * i;
     if (w < row_words) {
       let q = codes4((*y)[i], s);
@@ -259,13 +262,11 @@ fn stage_attention(t: u32, i: u32, n: u32, first: bool, y: ptr<function, array<v
 
 const CODE_LOADS_MAX: u32 = 8u;  // gemv: vec4s of a token's codes an invocation stages (4 · ROW_VECS ≤ 8 · WG)
 
-fn code_loads() -> u32 { return (4u * ROW_VECS + WG - 1u) / WG; }
-
 // gemv, gemv_rope: the invocation's vec4s of token n's codes (XQ: the rows a norm launch wrote),
 // fetched ahead as fetch_row's words are; stage_codes puts them into xq.
 fn fetch_codes(t: u32, n: u32) -> array<vec4<u32>, CODE_LOADS_MAX> {
   var c: array<vec4<u32>, CODE_LOADS_MAX>;
-  for (var i = 0u; i < code_loads(); i++) { c[i] = XQ[n * p.k_words + min(t + WG * i, 4u * ROW_VECS - 1u)]; }
+  for (var i = 0u; i < CODE_LOADS; i++) { c[i] = XQ[n * p.k_words + min(t + WG * i, 4u * ROW_VECS - 1u)]; }
   return c;
 }
 
@@ -273,7 +274,7 @@ fn fetch_codes(t: u32, n: u32) -> array<vec4<u32>, CODE_LOADS_MAX> {
 // returns n's scale.
 fn stage_codes(t: u32, i: u32, n: u32, c: ptr<function, array<vec4<u32>, CODE_LOADS_MAX>>) -> f32 {
   let s = XM[n];
-  for (var l = 0u; l < code_loads(); l++) {
+  for (var l = 0u; l < CODE_LOADS; l++) {
     let v = t + WG * l;
     if (v < 4u * ROW_VECS) { xq[xq_at(v)] = (*c)[l]; }
   }
@@ -332,8 +333,6 @@ fn lanes_sum(r: u32) -> i32 {  // row r's lanes' dots, in lane order
 // gemv_spread says when). The same registers either way, whatever GROUP.
 const ROW_LOADS_MAX: u32 = 16u;
 
-fn row_loads() -> u32 { return (ROW_VECS + LANES - 1u) / LANES; }  // weight words a thread reads
-
 // A gemv invocation's row (g in the grid, j and the next grid row's j2 among the weights) and the
 // rows' scales.
 struct GemvRow {
@@ -359,7 +358,7 @@ fn gemv_row(t: u32, wg: vec3<u32>, wv: ptr<function, array<vec4<u32>, ROW_LOADS_
   let g = wg.x * ROWS + r;  // the grid's row (MODE 3 reorders the weight rows)
   let j = qkv_row(min(g, p.rows - 1u));  // rows past the edge repeat the last one; not stored
   let row = j * ROW_VECS;
-  for (var i = 0u; i < row_loads(); i++) {
+  for (var i = 0u; i < ROW_LOADS; i++) {
     let w = W4[row + min(lane + LANES * i, ROW_VECS - 1u)];
     if (SPREAD) {
       (*wv)[4u * i] = spread_signed(w.x);
@@ -384,7 +383,7 @@ fn gemv_extra(row: GemvRow, n: u32) -> vec2<f32> {
 // the row (its first lane, a row of the projection).
 fn gemv_dot(row: GemvRow, wv: ptr<function, array<vec4<u32>, ROW_LOADS_MAX>>) -> bool {
   var acc = 0i;
-  for (var i = 0u; i < row_loads(); i++) {
+  for (var i = 0u; i < ROW_LOADS; i++) {
     let u = row.lane + LANES * i;
     if (u < ROW_VECS) {
       if (SPREAD) {

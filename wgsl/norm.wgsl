@@ -43,6 +43,10 @@ override SAVE: bool = false;
 override K: u32 = 64u;       // rmsnorm: features
 override STRIDE: u32 = 64u;  // rmsnorm: K padded to a multiple of 64
 override DROPOUT: bool = false;
+// The 4-feature words of a row an invocation holds (at most MAX_WORDS, below). An override, not a
+// `let`: Tint (Dawn) puts a counter into every loop whose bound it cannot prove constant, and a
+// loop with that counter is not unrolled, so the arrays it indexes leave the registers.
+override WORDS: u32 = (STRIDE / 4u + WG - 1u) / WG;
 
 // @include _reductions.wgsl
 // @include _quantise.wgsl
@@ -75,12 +79,11 @@ fn rmsnorm(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   let row = n * p.x_stride;
   let out = n * STRIDE;
   let row_words = STRIDE / 4u;
-  let words = (row_words + WG - 1u) / WG;
   var y: array<vec4<f32>, MAX_WORDS>;
   var g: array<vec4<f32>, MAX_WORDS>;
   var a: array<mat4x4<f32>, MAX_WORDS>;
   var ss = 0.0;
-  for (var i = 0u; i < words; i++) {
+  for (var i = 0u; i < WORDS; i++) {
     let k = 4u * (t + WG * i);
     let v = row_features(row, k);
     g[i] = norm_weights(k);
@@ -91,7 +94,7 @@ fn rmsnorm(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   let r = inverseSqrt(sum_all(t, ss) / f32(K) + p.eps);
   if (wg.y > 0u) {  // uniform: the whole workgroup computes its ranks of h and leaves
     var acc = vec4<f32>(0.0);
-    for (var i = 0u; i < words; i++) {
+    for (var i = 0u; i < WORDS; i++) {
       let w = t + WG * i;
       if (w < row_words) {
         let v = g[i] * (y[i] * r);
@@ -108,7 +111,7 @@ fn rmsnorm(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
     return;
   }
   var m = 0.0;
-  for (var i = 0u; i < words; i++) {
+  for (var i = 0u; i < WORDS; i++) {
     let w = t + WG * i;
     if (w < row_words) {
       let v = g[i] * (y[i] * r);
@@ -121,7 +124,7 @@ fn rmsnorm(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   if (QUANT) {
     let s = quant_scale(max_all(t, m));
     var total = 0i;
-    for (var i = 0u; i < words; i++) {
+    for (var i = 0u; i < WORDS; i++) {
       let w = t + WG * i;
       if (w < row_words) {
         let q = codes4(y[i], s);

@@ -16,12 +16,13 @@ given by position or by name.
 Runtime checks (the device's ``shader_checks`` setting; ``TORCH_WGPU_LORA_SHADER_CHECKS`` gives its
 default): ``bounds``, the default, keeps a bounds check on every buffer access but no counter in
 every loop (wgpu-native: a trusted module); ``full`` adds the counters (what wgpu-native does for
-untrusted shaders, so that one that never ends cannot hang the GPU; Tint adds none, so on Dawn
-``full`` is ``bounds``); ``none`` drops the bounds checks too (on Dawn, for the whole device, chosen
-when it is made). Every loop here is bounded by override constants or by parameters the launch
-functions validate, so the counters guard nothing, and they cost: on the H200 one decode-shaped
-RMSNorm launch takes 11.6 µs with them and 5.4 µs without, and the engine's decode, prefill and
-training gain 1.1-1.5×.
+untrusted shaders, so that one that never ends cannot hang the GPU; on Dawn ``full`` is ``bounds``,
+and Tint adds its own counter to each loop whose trip count it cannot prove constant, whatever the
+mode: ``runtime/backends/dawn.py``); ``none`` drops the bounds checks too (on Dawn, for the whole
+device, chosen when it is made). Every loop here is bounded by override constants or by parameters
+the launch functions validate, so the counters guard nothing, and they cost (RESULTS.md, "Shader
+checks"). A loop over a private array is bounded by a constant or override expression, never a
+``let`` or a function's result, so that neither compiler's counter keeps it from being unrolled.
 
 Sources are the same for every WebGPU implementation but for the ``enable`` lines, which the
 runtime writes from what a kernel uses (f16, subgroup operations, subgroup matrices) as its

@@ -10,9 +10,13 @@ from wgpu-native, and how this backend handles it:
   subgroup-matrix configuration).
 * Threads: Dawn's objects are not thread-safe unless the device has
   ``implicit-device-synchronization``; the runtime's threads share one device, so it is required.
-* Shader checks: Tint adds no loop counters, and its bounds checks (robustness) are a setting of
-  the whole device (the ``disable_robustness`` toggle), so ``full`` and ``bounds`` compile alike
-  and ``none`` is chosen when the device is made (``TORCH_WGPU_LORA_SHADER_CHECKS``).
+* Shader checks: Tint's bounds checks (robustness) are a setting of the whole device (the
+  ``disable_robustness`` toggle), so ``full`` and ``bounds`` compile alike and ``none`` is chosen
+  when the device is made (``TORCH_WGPU_LORA_SHADER_CHECKS``). Tint puts a 64-bit counter into every
+  loop whose trip count it cannot prove constant (a bound that is a literal, a ``const`` or an
+  ``override`` expression escapes it; a ``let`` or a function call does not), with no toggle to turn
+  it off, and the driver then does not unroll that loop: a loop over a private array must have
+  such a bound, or the array leaves the registers (``wgsl/norm.wgsl``'s ``WORDS``).
 * WGSL: Tint needs ``enable subgroups;`` for subgroup operations and
   ``enable chromium_experimental_subgroup_matrix;`` for subgroup matrices; the runtime writes
   those lines.
