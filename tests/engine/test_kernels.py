@@ -673,60 +673,21 @@ def test_packed_rope_rotates_each_token_at_its_position_id_and_stores_it_at_its_
                          16), q_rot, tokens=2, out_stride=8, mode="rope", rope=target, gemv=True)
 
 
-# -- BitLinear on the matrix units (devices with int8 subgroup matrices: `pytest -m matrix_units`) -----
-
-@pytest.mark.matrix_units
-@pytest.mark.parametrize("mode", ["store", "add", "gate_up"])
-@pytest.mark.parametrize("divide", [True, False])
-@pytest.mark.parametrize("tokens,k,rows", [(1, 64, 8), (37, 100, 130), (200, 2560, 256), (512, 2560, 13824),
-                                          (300, 6912, 2560)])
-def test_bitlinear_on_matrix_units_gives_the_gemms_integers(mode, divide, tokens, k, rows):
-    # the same exact integer dots and the same epilogue: equal to the general-core GEMM bit for bit,
-    # with LoRA segments and the kept sums or pairs; tokens, rows and K past 128-blocks included
-    from torch_wgpu_lora.engine.kernels.bitlinear import has_int8_matrix_units
-    from torch_wgpu_lora.runtime import get_device
-
-    assert has_int8_matrix_units(get_device()), "run on a device with int8 subgroup matrices"
-    g = torch.Generator().manual_seed(tokens + k + rows)
-    codes, scales, xq, xm = _codes(tokens, k, g)
-    values = torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8)
-    row_scales = torch.rand(rows, generator=g) + 0.5
-    proj = _projection(values, row_scales, divide)
-    rank = 3
-    h = torch.randn(tokens, rank, generator=g)
-    B = torch.randn(rows, rank, generator=g)
-    lb = np.concatenate([np.zeros(4, np.float32), B.numpy().ravel()])
-    table = lora_table([(0, rows, 1, 0, 0.5, 4, rank)])
-    width = rows // 2 if mode == "gate_up" else rows
-    residual = torch.randn(tokens, width, generator=g)
-    got = {}
-    for mma in (True, False):
-        out = upload(residual.numpy().copy()) if mode == "add" else poisoned((tokens, width))
-        aux = poisoned((tokens, rows + 4))
-        launch = bitlinear_launch(xq, xm, proj, out, tokens=tokens, out_stride=width, mode=mode, h=upload(h.numpy()),
-                                  lora_rank=rank, lora=upload(table), lora_b=upload(lb), segments=1, aux=aux,
-                                  gemv=False, mma=mma)
-        assert launch.kernel.name == ("bitlinear_mma.wgsl:gemm" if mma else "bitlinear.wgsl:gemm")
-        got[mma] = run([launch], out, aux)
-    for ours, theirs in zip(got[True], got[False]):
-        assert torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))  # NaN: unwritten in both
-    if mode == "store":
-        ref = bitlinear_reference(codes, scales, values, row_scales, divide) + 0.5 * h.double() @ B.double().T
-        # float32 scaling and LoRA sum beside the exact dot: the tolerance of the gemm test with LoRA
-        assert_close(got[True][0], ref, 1e-5, "bitlinear on the matrix units")
+# -- BitLinear on the matrix units: tests/engine/test_matrix_units.py; here, their refusal where there are none --
 
 
 def test_the_matrix_units_are_refused_where_the_device_has_none():
-    from torch_wgpu_lora.engine.kernels.bitlinear import has_int8_matrix_units, matrix_units_win
+    from torch_wgpu_lora.engine.kernels.bitlinear import matrix_units_win
+    from torch_wgpu_lora.engine.kernels.gemms import int8_matrix_units
     from torch_wgpu_lora.runtime import get_device
 
     device = get_device()
     g = torch.Generator().manual_seed(0)
     codes, scales, xq, xm = _codes(4, 64, g)
     proj = _projection(torch.randint(-1, 2, (8, 64), generator=g, dtype=torch.int8), torch.ones(8), True)
-    if has_int8_matrix_units(device):
+    if int8_matrix_units(device):
         assert isinstance(matrix_units_win(device, 4, proj), bool)
         return
     assert not matrix_units_win(device, 4, proj)
-    with pytest.raises(ValueError, match="mma=True needs int8 subgroup matrices"):
+    with pytest.raises(ValueError, match="the matrix units need int8 subgroup matrices"):
         bitlinear_launch(xq, xm, proj, poisoned((4, 8)), tokens=4, out_stride=8, gemv=False, mma=True)

@@ -27,8 +27,15 @@ checks"). A loop over a private array is bounded by a constant or override expre
 Sources are the same for every WebGPU implementation but for the ``enable`` lines, which the
 runtime writes from what a kernel uses (f16, subgroup operations, subgroup matrices) as its
 compiler needs them: Tint (Dawn) wants ``enable subgroups;``, naga (wgpu-native) refuses it. A kernel
-that uses what the device lacks is refused with an error naming both. A kernel that uses subgroup
-matrices picks its shapes from ``Device.subgroup_matrix_configs``.
+that uses what the device lacks is refused with an error naming both.
+
+Subgroup matrices come in shapes that differ between adapters (16 × 16 × 32 int8 on NVIDIA, 8 × 8 × 8 on
+lavapipe), and WGSL wants a matrix type's sizes as constants, not overrides. A kernel that uses them
+says which types it multiplies in a line ``// @subgroup-matrix i8 i32`` (component, result), and the
+runtime writes that configuration's sizes before its source as ``const SM_M``, ``SM_N``, ``SM_K`` and
+``SM_SUBGROUP`` (its subgroup size), and the device's workgroup memory as ``SM_STORAGE`` (matrix loads
+take arrays of a constant length): the same WGSL runs on every adapter with matrix units
+(``subgroup_matrix_config`` says which configuration is taken).
 """
 
 from __future__ import annotations
@@ -109,9 +116,31 @@ def params_layout(source: str) -> tuple[tuple[str, ...], str]:
     return tuple(names), "<" + "".join(letters)
 
 
+_MATRIX_TYPES = re.compile(r"^// @subgroup-matrix (\w+) (\w+)[ \t]*$", re.MULTILINE)
+
+
+def subgroup_matrix_config(device: Device, component: str, result: str) -> dict[str, Any] | None:
+    """The device's subgroup-matrix configuration for ``component`` × ``component`` → ``result``
+    that kernels use: among those of one fixed subgroup size, the largest (M · N · K: fewer loads and
+    multiplies a step); None where the device has none.
+
+    >>> from types import SimpleNamespace
+    >>> cfg = lambda m, n, k: dict(component_type="i8", result_component_type="i32", m=m, n=n, k=k,
+    ...                            min_subgroup_size=32, max_subgroup_size=32)
+    >>> subgroup_matrix_config(SimpleNamespace(subgroup_matrix_configs=[cfg(16, 8, 32), cfg(16, 16, 32)]),
+    ...                        "i8", "i32")["n"]
+    16
+    """
+    fits = [c for c in device.subgroup_matrix_configs
+            if c["component_type"] == component and c["result_component_type"] == result
+            and c["min_subgroup_size"] == c["max_subgroup_size"]]
+    return max(fits, key=lambda c: c["m"] * c["n"] * c["k"], default=None)
+
+
 def compiled_source(device: Device, file: str, subgroups: bool) -> str:
     """What the device's compiler is given for ``file``: its source (``wgsl_source``) after the
-    ``enable`` lines the source needs there. ValueError naming the file where it uses what the
+    ``enable`` lines the source needs there and, for a kernel on subgroup matrices, its
+    configuration's sizes (the module docstring). ValueError naming the file where it uses what the
     device lacks."""
     source = wgsl_source(file, subgroups)
     extensions = wgsl_extensions(source)
@@ -119,7 +148,16 @@ def compiled_source(device: Device, file: str, subgroups: bool) -> str:
     if missing:
         raise ValueError(f"{file} uses {', '.join(missing)}, which this device lacks ({device.backend.name} on "
                          f"{device.name}; its features: {', '.join(sorted(device.features)) or 'none'})")
-    return device.backend.enable_lines(extensions) + source
+    sizes = ""
+    for component, result in _MATRIX_TYPES.findall(source):
+        config = subgroup_matrix_config(device, component, result)
+        if config is None:
+            raise ValueError(f"{file} multiplies {component} subgroup matrices into {result}, which this device "
+                             f"does not offer ({device.name}: {device.subgroup_matrix_configs or 'none'})")
+        sizes += (f"const SM_M: u32 = {config['m']}u;\nconst SM_N: u32 = {config['n']}u;\n"
+                  f"const SM_K: u32 = {config['k']}u;\nconst SM_SUBGROUP: u32 = {config['max_subgroup_size']}u;\n"
+                  f"const SM_STORAGE: u32 = {device.limits['max-compute-workgroup-storage-size']}u;\n")
+    return device.backend.enable_lines(extensions) + sizes + source
 
 
 class Kernel:

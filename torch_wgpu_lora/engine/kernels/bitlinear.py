@@ -20,6 +20,7 @@ reasoning where none was made): ``benchmarks/results/h200/kernel_tuning.md``.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -28,8 +29,9 @@ from ..weights import Projection
 from ..workspace import Workspace
 from . import dummy
 from .attention.decode import DecodePartials
-from .dropout import SiteDropout
-from .projection import MODES, check_vec4_rows, gemv_max_tokens, input_grad_launches
+from .dropout import SiteDropout, dropout_params
+from .gemms import MmaTile, default_tile, fastest, int8_matrix_units, mma_shape
+from .projection import MODES, check_vec4_rows, gemv_max_tokens, input_grad_launches, input_grad_splits
 from .rope import RopeTarget
 
 _ROW_LOADS_MAX = 16  # gemv: vec4 registers of a weight row one thread holds (ROW_LOADS_MAX in bitlinear.wgsl)
@@ -61,7 +63,7 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
                      norm: tuple[Buffer, Buffer, float] | None = None, rope: RopeTarget | None = None,
                      attention: DecodePartials | None = None, tile_tokens: int | None = None,
                      group: int | None = None, spread: bool | None = None, mma: bool | None = None,
-                     device: Device | None = None) -> Launch:
+                     tile: MmaTile | None = None, device: Device | None = None) -> Launch:
     """One launch computing ``proj`` over ``tokens`` rows of activation codes into ``out``.
 
     ``codes``: u32 [tokens, k_words · 4] (``norm.rmsnorm_launch`` writes them), ``meta``: f32 [2 · tokens]
@@ -74,7 +76,8 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     workgroup (default ``GEMV_GROUP``), ``spread``: the weights held decoded (default ``gemv_spread``).
     ``tile_tokens``: tokens a ``gemm`` workgroup holds, 32 or 64 (default ``gemm_tile_tokens``).
     ``mma``: run the GEMM on the GPU's matrix units (``bitlinear_mma.wgsl``: the same integers, the same
-    epilogue); default ``matrix_units_win``, False where the device has no int8 subgroup matrices.
+    epilogue); default ``matrix_units_win``, False where the device has no int8 subgroup matrices;
+    ``tile``: its workgroup's shape (default ``gemms.default_tile``).
 
     Decoding's fusions (``gemv`` only): ``norm`` = (x, weight, eps) normalises x's rows (f32 [tokens, ≥ k])
     with RMSNorm and quantises them inside the launch, writing ``codes`` and ``meta`` rather than
@@ -111,14 +114,13 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     entry = "gemv" if gemv else "gemm"
     constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=aux is not None)
     if not gemv and (matrix_units_win(device, tokens, proj) if mma is None else mma):
-        if not has_int8_matrix_units(device):
-            raise ValueError(f"mma=True needs int8 subgroup matrices of {MMA_SHAPE} with subgroups of 32; this "
-                             f"device ({device.name}) offers {device.subgroup_matrix_configs or 'none'}")
+        shape = mma_shape(device, tile or default_tile("projection"), transposed=False)
         buffers.update({1: codes, 2: meta, 3: proj.weight})
-        return Launch.build(kernel("bitlinear_mma.wgsl", "gemm", device, **constants),
-                            (-(-proj.rows // 128), -(-tokens // 128), 1), buffers,
+        return Launch.build(kernel("bitlinear_mma.wgsl", "gemm", device, **constants,
+                                   **shape.tile.constants(transposed=False)),
+                            (-(-proj.rows // shape.block_n), -(-tokens // shape.block_tokens), 1), buffers,
                             (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank, segments,
-                             aux.shape[-1] if aux is not None else 0))
+                             aux.shape[-1] if aux is not None else 0, tokens, 4 * k_words, k_words))
     x_stride, cache_len, tokens_per_seq = 0, 0, 1
     if gemv:  # the weights bound as vec4 words (binding 10); K is padded to 64, so rows are whole vec4s
         group = GEMV_GROUP if group is None else group
@@ -172,42 +174,23 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
                                               tokens_per_seq))
 
 
-MMA_SHAPE = (16, 16, 32)  # M, N, K of the int8 subgroup matrices bitlinear_mma.wgsl multiplies
-
-
-def has_int8_matrix_units(device: Device) -> bool:
-    """Whether ``bitlinear_mma.wgsl`` runs on ``device``: int8 × int8 → i32 subgroup matrices of
-    ``MMA_SHAPE`` in subgroups of 32 invocations (NVIDIA's through Dawn)."""
-    return any(c["component_type"] == "i8" and c["result_component_type"] == "i32"
-               and (c["m"], c["n"], c["k"]) == MMA_SHAPE and c["min_subgroup_size"] <= 32 <= c["max_subgroup_size"]
-               for c in device.subgroup_matrix_configs)
-
-
 def matrix_units_win(device: Device, tokens: int, proj: Projection) -> bool:
     """Whether ``proj`` over ``tokens`` rows runs faster on the matrix units than as the ``gemm``
-    kernel: measured once per shape on the device itself (each launch three times, timestamps; kept
-    in the device's state), since which wins turns on the shape (a grid of few 128 × 128 blocks
-    leaves the GPU idle) and on the device. Both give the same values, so the choice changes only
-    the time. False without int8 subgroup matrices or timestamps."""
-    if not has_int8_matrix_units(device) or not device.has_timestamps:
+    kernel (``gemms.fastest``: measured once per shape on the device), since which wins turns on the
+    shape (a grid of few blocks leaves the GPU idle) and on the device. Both give the same values, so
+    the choice changes only the time. False without int8 subgroup matrices."""
+    if not int8_matrix_units(device):
         return False
-    key = (tokens, proj.rows, proj.weight.shape[1])
-    choices = device.owned("bitlinear_mma_wins", dict)
-    if key not in choices:
-        codes = Buffer((tokens, 4 * proj.weight.shape[1]), "u32", device)
-        meta, out = Buffer((2 * tokens,), device=device), Buffer((tokens, proj.rows), device=device)
-        seconds = {}
-        for mma in (True, False):
-            launch = bitlinear_launch(codes, meta, proj, out, tokens=tokens, out_stride=proj.rows, gemv=False,
-                                      mma=mma, device=device)
-            times = []
-            for _ in range(3):
-                rec = Recorder(device, timestamps=True)
-                rec.launch(launch)
-                times.append(rec.submit())
-            seconds[mma] = min(times)
-        choices[key] = seconds[True] < seconds[False]
-    return choices[key]
+    k_words = proj.weight.shape[1]
+    codes = Buffer((tokens, 4 * k_words), "u32", device)
+    meta, out = Buffer((2 * tokens,), device=device), Buffer((tokens, proj.rows), device=device)
+
+    def build(mma: bool) -> Callable[[], list[Launch]]:
+        return lambda: [bitlinear_launch(codes, meta, proj, out, tokens=tokens, out_stride=proj.rows, gemv=False,
+                                         mma=mma, device=device)]
+
+    return fastest(device, "projection", (tokens, proj.rows, proj.k),
+                   {"matrix_units": build(True), "general": build(False)}) == "matrix_units"
 
 
 def gemm_tile_tokens(device: Device) -> int:
@@ -261,23 +244,73 @@ def bitlinear_reference(codes: torch.Tensor, scales: torch.Tensor, values: torch
 
 def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k: int, accumulate: bool = False,
                        dh: Buffer | None = None, lora_a: Buffer | None = None, lora_rank: int = 0,
-                       splits: int | None = None, dropout: SiteDropout | None = None,
-                       workspace: Workspace) -> list[Launch]:
-    """The straight-through input gradient of ``proj`` (``bitlinear_t.wgsl``): ``out (+)= (dy ∘ c)·T``
-    for ``tokens`` rows of ``dy`` (f32 [tokens, ≥ rows]), plus ``dh·A`` for the adapters (``dh``
-    [tokens, ≥ lora_rank] already scaled, ``lora_a`` their stacked A [lora_rank, K64]; with
-    ``dropout``, each adapter's term masked by its dropout). ``splits``: ranges of the rows summed
-    apart (default ``projection.input_grad_splits``; their partial sums in ``workspace``'s scratch)."""
+                       splits: int | None = None, dropout: SiteDropout | None = None, mma: bool | None = None,
+                       tile: MmaTile | None = None, workspace: Workspace) -> list[Launch]:
+    """The straight-through input gradient of ``proj``: ``out (+)= (dy ∘ c)·T`` for ``tokens`` rows of
+    ``dy`` (f32 [tokens, ≥ rows]), plus ``dh·A`` for the adapters (``dh`` [tokens, ≥ lora_rank] already
+    scaled, ``lora_a`` their stacked A [lora_rank, K64]; with ``dropout``, each adapter's term masked
+    by its dropout). ``splits``: ranges of the rows summed apart (default
+    ``projection.input_grad_splits``; their partial sums in ``workspace``'s scratch). ``mma``: on the
+    matrix units from int8 digits of ``dy ∘ c`` (``bitlinear_t_mma.wgsl``; default
+    ``input_grad_on_matrix_units``), else on the general cores (``bitlinear_t.wgsl``); ``tile``: the
+    matrix units' workgroup (default ``gemms.default_tile``)."""
     device = workspace.device
     check_vec4_rows(out, lora_a)
     k_words = proj.weight.shape[1]
     unused = dummy(device)
-    return input_grad_launches("bitlinear_t.wgsl", dict(DIVIDE=proj.divide), {1: dy, 2: proj.weight, 3: proj.scale},
-                               {4: out, 5: dh or unused, 6: lora_a or unused}, 7,
-                               (tokens, proj.rows, k_words, dy.shape[-1], out.shape[-1], k, lora_rank,
-                                dh.shape[-1] if dh is not None else 0, lora_a.shape[-1] if lora_a is not None else 0,
-                                int(accumulate)),
-                               tokens, k, 16 * k_words, proj.rows, splits, dropout, workspace)
+    lora_params = (lora_rank, dh.shape[-1] if dh is not None else 0, lora_a.shape[-1] if lora_a is not None else 0,
+                   int(accumulate))
+    if mma is None:
+        mma = input_grad_on_matrix_units(device, tokens, proj, k, workspace)
+    if not mma:
+        return input_grad_launches("bitlinear_t.wgsl", dict(DIVIDE=proj.divide), {1: dy, 2: proj.weight, 3: proj.scale},
+                                   {4: out, 5: dh or unused, 6: lora_a or unused}, 7,
+                                   (tokens, proj.rows, k_words, dy.shape[-1], out.shape[-1], k, *lora_params),
+                                   tokens, k, 16 * k_words, proj.rows, splits, dropout, workspace)
+    shape = mma_shape(device, tile or default_tile("input_grad"), transposed=True)
+    if shape.tile.digits < 2:
+        raise ValueError(f"the input gradient on the matrix units takes its float32 rows in digits (sub_m ≥ 2), "
+                         f"not {shape.tile}")
+    a_words = -(-proj.rows // 16) * 4  # a digit row: the rows j as int8, padded to whole vec4s
+    planes = workspace.scratch("input-gradient digits", (shape.tile.digits * tokens * a_words,), "u32")
+    exponents = workspace.scratch("input-gradient digit scales", (tokens,), "i32")
+    constants = dict(DIVIDE=proj.divide, **shape.tile.constants(transposed=True))
+    if dropout is not None:
+        constants["DROPOUT"] = True
+    params = (tokens, proj.rows, k_words, dy.shape[-1], out.shape[-1], k, *lora_params, *dropout_params(dropout),
+              tokens, a_words)
+    tiles = (-(-k // shape.block_n), -(-tokens // shape.block_tokens))
+    splits = splits or input_grad_splits(tiles[0] * tiles[1], proj.rows, device)
+    sums = {4: out, 5: dh or unused, 6: lora_a or unused,
+            8: dropout.state if dropout is not None else dummy(device)}
+    launches = [Launch.build(kernel("bitlinear_t_mma.wgsl", "digits", device, **constants), (tokens, 1, 1),
+                             {9: dy, 10: proj.scale, 11: planes, 12: exponents}, params)]
+    part = dummy(device, "part")
+    if splits > 1:
+        part = workspace.scratch("split-K partial sums", (splits * tokens * -(-k // 4) * 4,))
+        constants["SPLITS"] = splits
+    launches.append(Launch.build(kernel("bitlinear_t_mma.wgsl", "gemm_tiled", device, **constants), (*tiles, splits),
+                                 {1: planes, 2: proj.weight, 3: exponents, 7: part, **sums}, params))
+    if splits > 1:
+        launches.append(Launch.build(kernel("bitlinear_t_mma.wgsl", "split_sum", device, **constants),
+                                     (-(-k // 1024), tokens, 1), {7: part, **sums}, params))
+    return launches
+
+
+def input_grad_on_matrix_units(device: Device, tokens: int, proj: Projection, k: int, workspace: Workspace) -> bool:
+    """Whether ``proj``'s input gradient over ``tokens`` rows runs faster on the matrix units than on
+    the general cores (``gemms.fastest``: measured once per shape); False without int8 subgroup matrices.
+    Both are within float32 accuracy of the exact sum (``bitlinear_t_mma.wgsl`` bounds the error)."""
+    if not int8_matrix_units(device):
+        return False
+    dy = Buffer((tokens, proj.rows), device=device)
+    out = Buffer((tokens, -(-k // 4) * 4), device=device)
+
+    def build(mma: bool) -> Callable[[], list[Launch]]:
+        return lambda: bitlinear_t_launch(dy, proj, out, tokens=tokens, k=k, mma=mma, workspace=workspace)
+
+    return fastest(device, "input_grad", (tokens, k, proj.rows),
+                   {"matrix_units": build(True), "general": build(False)}) == "matrix_units"
 
 
 def bitlinear_t_reference(dy: torch.Tensor, values: torch.Tensor, row_scales: torch.Tensor,

@@ -1,0 +1,171 @@
+"""The GEMMs on the matrix units (int8 subgroup matrices, through Dawn) against their torch references,
+on shapes whose tiles are cut by every edge and whose sums are not whole steps, with more than one
+workgroup shape: the kernels are generic over the adapter's matrix configuration, so these run on
+NVIDIA's 16 × 16 × 32 matrices and on lavapipe's 8 × 8 × 8 (``scripts/matrix-units-lavapipe.sh``).
+
+Marked ``matrix_units``: they need a device with int8 subgroup matrices, and fail (never skip) without.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from torch_wgpu_lora.engine.config import pad
+from torch_wgpu_lora.engine.kernels.bitlinear import (bitlinear_launch, bitlinear_reference, bitlinear_t_launch,
+                                                    bitlinear_t_reference)
+from torch_wgpu_lora.engine.kernels.gemms import MmaTile, int8_matrix_units, mma_shape
+from torch_wgpu_lora.engine.kernels.projection import lora_table
+from torch_wgpu_lora.engine.weights import Projection, pack_ternary
+from torch_wgpu_lora.runtime import get_device, upload
+
+from .helpers import assert_close, kernel_workspace, padded, poisoned, run
+from .test_kernels import _codes, _projection
+
+pytestmark = pytest.mark.matrix_units
+
+# The input gradient's tiles: the default (4 digit planes, 2 × 4 matrices a subgroup) and one of a
+# single row of matrices with a short step, so that the staging and the epilogue are checked at two shapes.
+INPUT_GRAD_TILES = {"default": None, "narrow": MmaTile(sub_m=4, digits=4, sub_n=2, tm=1, tn=4, kstep=64)}
+
+U = 2.0 ** -24  # float32's unit roundoff
+
+
+@pytest.fixture(autouse=True)
+def _matrix_units():
+    assert int8_matrix_units(get_device()), "run on a device with int8 subgroup matrices"
+
+
+def _ternary(rows: int, k: int, divide: bool, g: torch.Generator):
+    values = torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(rows, generator=g) + 0.5
+    return values, scales, Projection(upload(pack_ternary(values)), upload(scales.numpy()), rows, k, divide)
+
+
+def _float32_gemm_error(dy: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, divide: bool,
+                        ref: torch.Tensor) -> float:
+    """The error against float64 of the same input gradient as a float32 GEMM: torch's, on the same data."""
+    c = 1 / scales if divide else scales
+    return float(((dy * c[None, :]) @ values.float() - ref).abs().max())
+
+
+# The forward's tiles: the default and a small one with a short step.
+PROJECTION_TILES = {"default": None, "small": MmaTile(sub_m=2, sub_n=2, tm=1, tn=2, kstep=64)}
+# BitNet-2B's own shapes on GPUs; on a CPU adapter (lavapipe) the small ones alone.
+SHAPES = [(1, 64, 8), (37, 100, 130), (200, 2560, 256), (70, 700, 300)]
+GPU_SHAPES = [(512, 2560, 13824), (300, 6912, 2560)]
+
+
+@pytest.mark.parametrize("tile", list(PROJECTION_TILES))
+@pytest.mark.parametrize("mode", ["store", "add", "gate_up"])
+@pytest.mark.parametrize("divide", [True, False])
+@pytest.mark.parametrize("tokens,k,rows", SHAPES + GPU_SHAPES)
+def test_projection_on_the_matrix_units_gives_the_gemms_integers(mode, divide, tokens, k, rows, tile):
+    # the same exact integer dots and the same epilogue: equal to the general-core GEMM bit for bit,
+    # with LoRA segments and the kept sums or pairs; tokens, rows and K past the tiles included
+    if (tokens, k, rows) in GPU_SHAPES and get_device().is_cpu:
+        return  # minutes on a CPU adapter; the small shapes cut the same edges
+    g = torch.Generator().manual_seed(tokens + k + rows)
+    codes, scales, xq, xm = _codes(tokens, k, g)
+    values = torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8)
+    row_scales = torch.rand(rows, generator=g) + 0.5
+    proj = _projection(values, row_scales, divide)
+    rank = 3
+    h = torch.randn(tokens, rank, generator=g)
+    B = torch.randn(rows, rank, generator=g)
+    lb = np.concatenate([np.zeros(4, np.float32), B.numpy().ravel()])
+    table = lora_table([(0, rows, 1, 0, 0.5, 4, rank)])
+    width = rows // 2 if mode == "gate_up" else rows
+    residual = torch.randn(tokens, width, generator=g)
+    got = {}
+    for mma in (True, False):
+        out = upload(residual.numpy().copy()) if mode == "add" else poisoned((tokens, width))
+        aux = poisoned((tokens, rows + 4))
+        launch = bitlinear_launch(xq, xm, proj, out, tokens=tokens, out_stride=width, mode=mode, h=upload(h.numpy()),
+                                  lora_rank=rank, lora=upload(table), lora_b=upload(lb), segments=1, aux=aux,
+                                  gemv=False, mma=mma, tile=PROJECTION_TILES[tile] if mma else None)
+        assert launch.kernel.name == ("bitlinear_mma.wgsl:gemm" if mma else "bitlinear.wgsl:gemm")
+        got[mma] = run([launch], out, aux)
+    for ours, theirs in zip(got[True], got[False]):
+        assert torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))  # NaN: unwritten in both
+    if mode == "store":
+        ref = bitlinear_reference(codes, scales, values, row_scales, divide) + 0.5 * h.double() @ B.double().T
+        # float32 scaling and LoRA sum beside the exact dot: the tolerance of the gemm test with LoRA
+        assert_close(got[True][0], ref, 1e-5, "bitlinear on the matrix units")
+
+
+@pytest.mark.parametrize("tile", list(INPUT_GRAD_TILES))
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-range", "split-k"])
+@pytest.mark.parametrize("divide", [True, False])
+@pytest.mark.parametrize("tokens,rows,k", [(1, 8, 64), (37, 70, 100), (64, 96, 192), (33, 300, 130),
+                                          (130, 2560, 40), (17, 1000, 700)])
+def test_input_gradient_on_the_matrix_units_is_as_exact_as_a_float32_gemm(tokens, rows, k, divide, splits, tile):
+    # The bound: no larger than torch's float32 GEMM's error on the same data, or one float32 rounding
+    # of the result (u · max |ref|) where that GEMM happens to be exact (a short sum). The digits keep
+    # each value to 2⁻²⁷ of its row's largest and sum exactly: a float32 GEMM rounds at every step.
+    g = torch.Generator().manual_seed(tokens * 7 + rows + k)
+    dy = torch.randn(tokens, rows, generator=g) * torch.exp(2 * torch.randn(tokens, 1, generator=g))
+    values, scales, proj = _ternary(rows, k, divide, g)
+    out = poisoned((tokens, pad(k, 64)))
+    launches = bitlinear_t_launch(upload(dy.numpy()), proj, out, tokens=tokens, k=k, splits=splits, mma=True,
+                                  tile=INPUT_GRAD_TILES[tile], workspace=kernel_workspace())
+    assert launches[1].kernel.name == "bitlinear_t_mma.wgsl:gemm_tiled"
+    assert len(launches) == (3 if splits > 1 else 2)  # digits, the GEMM, the ranges' sum
+    (got,) = run(launches, out)
+    ref = bitlinear_t_reference(dy, values, scales, divide)
+    assert torch.isfinite(got[:, :k]).all(), "unwritten outputs"
+    err = float((got[:, :k].double() - ref).abs().max())
+    bound = max(_float32_gemm_error(dy, values, scales, divide, ref), U * float(ref.abs().max()))
+    assert err <= bound, f"error {err:.3g} against float64; a float32 GEMM's bound {bound:.3g}"
+
+
+@pytest.mark.parametrize("tile", list(INPUT_GRAD_TILES))
+@pytest.mark.parametrize("tokens,rows,k", [(37, 70, 100), (130, 40, 2560)])
+def test_input_gradient_on_the_matrix_units_adds_with_lora(tokens, rows, k, tile):
+    # accumulate into a residual gradient, plus the adapters' dh·A: as the general kernel's test
+    g = torch.Generator().manual_seed(tokens + rows + k)
+    dy = torch.randn(tokens, rows, generator=g)
+    values, scales, proj = _ternary(rows, k, True, g)
+    rank = 5
+    dh, A = torch.randn(tokens, rank, generator=g), torch.randn(rank, k, generator=g)
+    base = torch.randn(tokens, pad(k, 64), generator=g)
+    out = upload(base.numpy().copy())
+    launches = bitlinear_t_launch(upload(dy.numpy()), proj, out, tokens=tokens, k=k, accumulate=True,
+                                  dh=upload(dh.numpy()), lora_a=upload(padded(A, pad(k, 64))), lora_rank=rank,
+                                  mma=True, tile=INPUT_GRAD_TILES[tile], workspace=kernel_workspace())
+    (got,) = run(launches, out)
+    ref = base[:, :k].double() + bitlinear_t_reference(dy, values, scales, True) + dh.double() @ A.double()
+    assert_close(got[:, :k], ref, 1e-5, "dx")  # test_backward_kernels.py's float32 tolerance
+    assert torch.equal(got[:, k:], base[:, k:])  # padding columns untouched
+
+
+def test_input_gradient_rows_that_are_not_finite_give_nan_and_leave_the_others_alone():
+    g = torch.Generator().manual_seed(3)
+    tokens, rows, k = 6, 70, 100
+    dy = torch.randn(tokens, rows, generator=g)
+    dy[1, 5] = float("inf")
+    dy[4, 0] = float("nan")
+    dy[2] = 0.0  # an all-zero row: zeros, not NaN
+    dy[3] *= 1e-30  # a row of tiny values: scaled by 2^106 into its digits
+    values, scales, proj = _ternary(rows, k, True, g)
+    out = poisoned((tokens, pad(k, 64)))
+    (got,) = run(bitlinear_t_launch(upload(dy.numpy()), proj, out, tokens=tokens, k=k, mma=True,
+                                    workspace=kernel_workspace()), out)
+    assert torch.isnan(got[[1, 4], :k]).all()
+    assert (got[2, :k] == 0).all()
+    ok = [0, 2, 3, 5]
+    ref = bitlinear_t_reference(dy[ok], values, scales, True)
+    for row, r in zip(ok, ref):
+        # each row to float32 accuracy of its own scale (row 3's is 1e-30 of the others')
+        assert_close(got[row, :k], r, 1e-5, f"row {row}", terms=1.0)
+
+
+def test_tiles_that_do_not_fit_are_refused_with_what_they_need():
+    device = get_device()
+    with pytest.raises(ValueError, match="kstep a multiple of 64"):
+        mma_shape(device, MmaTile(kstep=96), transposed=False)
+    with pytest.raises(ValueError, match="tm · tn ≤ 16"):
+        mma_shape(device, MmaTile(tm=8, tn=4), transposed=False)
+    with pytest.raises(ValueError, match="digits 1 or sub_m"):
+        mma_shape(device, MmaTile(digits=3), transposed=True)

@@ -1,0 +1,203 @@
+"""The engine's GEMMs in one table: each kind of large matrix product a step runs, its variants
+(the GEMV, the general cores, the matrix units) with kernel file and entry point, constants, the
+check that a device can run them and the work they do; and one rule that picks a variant per shape
+and device (``fastest``: measured once per shape on the device, kept in its state).
+
+Kinds (M: tokens; the others as each kind names them):
+
+* ``projection``: a ternary projection's forward, tokens × rows × K (``bitlinear``);
+* ``input_grad``: its straight-through input gradient, tokens × K × rows (``bitlinear_t``);
+* ``lm_head``: the float weights' forward, tokens × vocabulary × hidden (``matmul``);
+* ``attention``: scores and their application, over a head's keys (``attention``).
+
+Matrix-unit variants run the same WGSL on every adapter with int8 subgroup matrices
+(``runtime.kernels.subgroup_matrix_config``): their tile is counted in the adapter's matrices
+(``MmaTile``), so 16 × 16 × 32 matrices on NVIDIA and 8 × 8 × 8 on lavapipe give tiles of the same
+form. The input gradient on the matrix units multiplies DIGITS int8 planes of its float32 input
+(``bitlinear_t_mma.wgsl`` says why that keeps float32 accuracy), so it does DIGITS times the
+integer work of one plane.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from ...runtime import Device, Launch, Recorder
+from ...runtime.kernels import subgroup_matrix_config
+
+INPUT_GRAD_DIGITS = 4  # int8 digits of the input gradient's float32 rows: 2⁻²⁷ of each row's largest value
+
+
+@dataclass(frozen=True)
+class MmaTile:
+    """A matrix-unit GEMM's workgroup (``_ternary_mma_tile.wgsl``): ``sub_m`` × ``sub_n`` subgroups,
+    each holding ``tm`` × ``tn`` result matrices; ``kstep`` of the sum staged at once, rows padded by
+    ``pad`` bytes; ``digits`` planes of A (1, or ``sub_m``)."""
+
+    sub_m: int = 4
+    sub_n: int = 2
+    tm: int = 2
+    tn: int = 4
+    kstep: int = 128
+    pad: int = 16
+    digits: int = 1
+
+    def constants(self, transposed: bool) -> dict[str, int | bool]:
+        return dict(SUB_M=self.sub_m, SUB_N=self.sub_n, TM=self.tm, TN=self.tn, KSTEP=self.kstep, PAD=self.pad,
+                    DIGITS=self.digits, W_T=transposed)
+
+
+@dataclass(frozen=True)
+class MmaShape:
+    """A tile on one device: its adapter's matrix sizes and what a workgroup covers."""
+
+    tile: MmaTile
+    m: int  # SM_M, SM_N, SM_K and the subgroup size of the adapter's int8 configuration
+    n: int
+    k: int
+    subgroup: int
+
+    @property
+    def threads(self) -> int:
+        return self.tile.sub_m * self.tile.sub_n * self.subgroup
+
+    @property
+    def block_tokens(self) -> int:  # tokens a workgroup covers
+        return self.tile.sub_m * self.tile.tm * self.m // self.tile.digits
+
+    @property
+    def block_n(self) -> int:  # columns of the product a workgroup covers
+        return self.tile.sub_n * self.tile.tn * self.n
+
+    @property
+    def results_bytes(self) -> int:  # every subgroup's result matrix staged for the epilogue (put_result)
+        return 4 * self.tile.sub_m * self.tile.sub_n * self.m * self.n
+
+    def staged_bytes(self, transposed: bool) -> tuple[int, int]:
+        """Bytes of workgroup memory a step of A and of the weights take."""
+        t = self.tile
+        rows, cols = (t.kstep, self.block_n) if transposed else (self.block_n, t.kstep)
+        return self.block_tokens * t.digits * (t.kstep + t.pad), rows * (cols + t.pad)
+
+
+def int8_matrix_units(device: Device) -> bool:
+    """Whether the device multiplies int8 subgroup matrices into i32 (in subgroups of one size)."""
+    return subgroup_matrix_config(device, "i8", "i32") is not None
+
+
+def mma_shape(device: Device, tile: MmaTile, transposed: bool) -> MmaShape:
+    """``tile`` on ``device``'s int8 configuration, checked against what the kernel and the device
+    allow (ValueError naming what does not fit)."""
+    config = subgroup_matrix_config(device, "i8", "i32")
+    if config is None:
+        raise ValueError(f"the matrix units need int8 subgroup matrices; this device ({device.name}) offers "
+                         f"{device.subgroup_matrix_configs or 'none'}")
+    shape = MmaShape(tile, config["m"], config["n"], config["k"], config["max_subgroup_size"])
+    problems = []
+    if tile.tm * tile.tn > 16 or tile.tn > 4:
+        problems.append("tm · tn ≤ 16 and tn ≤ 4 (the accumulators' registers)")
+    if tile.kstep % 64 or tile.kstep % shape.k:
+        problems.append(f"kstep a multiple of 64 and of the matrices' K ({shape.k})")
+    if tile.pad % 16:
+        problems.append("pad a multiple of 16 bytes")
+    if tile.digits not in (1, tile.sub_m):
+        problems.append("digits 1 or sub_m")
+    if transposed and shape.block_n % 64:
+        problems.append("a workgroup's columns a multiple of 64 (the weights' words run along them)")
+    threads = shape.threads
+    a_loads = -(-shape.block_tokens * tile.digits * tile.kstep // 16 // threads)
+    t_loads = -(-shape.block_n * tile.kstep // 64 // threads)
+    if a_loads > 8 or t_loads > 8:
+        problems.append("at most 8 vec4 loads a thread a step (LOADS_MAX)")
+    if threads > int(device.limits["max-compute-invocations-per-workgroup"]):
+        problems.append(f"at most {device.limits['max-compute-invocations-per-workgroup']} invocations")
+    staged_a, staged_t = shape.staged_bytes(transposed)
+    room = int(device.limits["max-compute-workgroup-storage-size"]) // 2  # _ternary_mma_tile.wgsl's STAGED_WORDS
+    if max(staged_a, staged_t, shape.results_bytes) > room:
+        problems.append(f"the staged rows ({staged_a} and {staged_t} bytes) and results ({shape.results_bytes}) "
+                        f"within {room} bytes each")
+    if problems:
+        raise ValueError(f"matrix-unit tile {tile} on {shape.m}×{shape.n}×{shape.k} matrices: needs " + "; ".join(problems))
+    return shape
+
+
+def default_tile(kind: str) -> MmaTile:
+    """The tile each matrix-unit kind runs unless told otherwise."""
+    if kind == "input_grad":
+        return MmaTile(digits=INPUT_GRAD_DIGITS, sub_m=INPUT_GRAD_DIGITS)
+    return MmaTile()
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to compute a kind of GEMM: ``file``:``entry`` with ``constants``; ``available`` says
+    whether a device can run it; ``work`` counts its integer or float operations at (m, n, k)."""
+
+    kind: str
+    name: str  # "gemv", "general" (the general cores) or "matrix_units"
+    file: str
+    entry: str
+    available: Callable[[Device], bool]
+    work: Callable[[int, int, int], int]
+    constants: dict = dataclasses.field(default_factory=dict)
+
+
+def _always(device: Device) -> bool:
+    return True
+
+
+def _macs(m: int, n: int, k: int) -> int:
+    return 2 * m * n * k
+
+
+def _digit_macs(m: int, n: int, k: int) -> int:
+    return 2 * INPUT_GRAD_DIGITS * m * n * k
+
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant("projection", "gemv", "bitlinear.wgsl", "gemv", _always, _macs),
+    Variant("projection", "general", "bitlinear.wgsl", "gemm", _always, _macs),
+    Variant("projection", "matrix_units", "bitlinear_mma.wgsl", "gemm", int8_matrix_units, _macs),
+    Variant("input_grad", "general", "bitlinear_t.wgsl", "gemm_tiled", _always, _macs),
+    Variant("input_grad", "matrix_units", "bitlinear_t_mma.wgsl", "gemm_tiled", int8_matrix_units, _digit_macs),
+    Variant("lm_head", "gemv", "matmul.wgsl", "gemv", _always, _macs),
+    Variant("lm_head", "general", "matmul.wgsl", "gemm_tiled", _always, _macs),
+    Variant("attention", "general", "attention.wgsl", "prefill", _always, _macs),
+)
+
+
+def variant(kind: str, name: str) -> Variant:
+    for v in VARIANTS:
+        if v.kind == kind and v.name == name:
+            return v
+    raise KeyError(f"no GEMM variant {name!r} of kind {kind!r}; the table has "
+                   f"{[(v.kind, v.name) for v in VARIANTS]}")
+
+
+def fastest(device: Device, kind: str, shape: tuple[int, ...], candidates: dict[str, Callable[[], list[Launch]]],
+            ) -> str:
+    """The name of the fastest of ``candidates`` (variant name → a function building its launches at
+    ``shape``) on ``device``: each is timed once per (kind, shape) with timestamps (three runs, the
+    best), and the answer kept in the device's state. The variants give the same values, or values
+    within the kind's stated accuracy, so the choice changes only the time. With one candidate, or
+    without timestamps, the first."""
+    names = list(candidates)
+    if len(names) == 1 or not device.has_timestamps:
+        return names[0]
+    choices = device.owned("gemm_choices", dict)
+    key = (kind, tuple(shape), tuple(names))
+    if key not in choices:
+        seconds = {}
+        for name, build in candidates.items():
+            launches = build()
+            times = []
+            for _ in range(3):
+                rec = Recorder(device, timestamps=True)
+                for launch in launches:
+                    rec.launch(launch)
+                times.append(rec.submit())
+            seconds[name] = min(times)
+        choices[key] = min(names, key=seconds.__getitem__)
+    return choices[key]
