@@ -17,11 +17,16 @@
 // sr. Each step of KSTEP along the sum is staged in workgroup memory (A as it is; the weights
 // unpacked to int8), rows padded by PAD bytes against bank conflicts; the next step's global loads are
 // issued right after the barrier, before this step's multiplies. Rows, columns and sums past their
-// ends are staged as zeros. Every loop over registers has an override bound (runtime/backends/dawn.py).
+// ends are staged as zeros. What a thread holds (accumulators, the right matrices, the next step's
+// loads) is in named variables, fields of structs read by constant names under override conditions,
+// never arrays: an array of subgroup matrices indexed in a loop ran at a quarter of the speed on the
+// H100 (benchmarks/results/h100/matrix_units.md).
 //
 // The including file declares Params with a_tokens (rows of a plane), a_words (u32 words a row of
-// A), rows (the weights' rows), t_words (u32 words a weight row), and the bindings AQ
-// (array<vec4<u32>>) and T4 (array<vec4<u32>>).
+// A), rows (the weights' rows), t_words (u32 words a weight row), the bindings AQ
+// (array<vec4<u32>>) and T4 (array<vec4<u32>>), and
+//   fn finish(t: u32, lane: u32, sg: u32, n0: u32, c0: u32, i: u32, j: u32): the epilogue of result
+//     matrix (i, j) of every subgroup, staged at As[sg · SM_M · SM_N] (put_results calls it).
 
 alias L = subgroup_matrix_left<i8, SM_K, SM_M>;
 alias R = subgroup_matrix_right<i8, SM_N, SM_K>;
@@ -29,7 +34,7 @@ alias O = subgroup_matrix_result<i32, SM_N, SM_M>;
 
 override SUB_M: u32 = 4u;     // subgroups along the rows of A
 override SUB_N: u32 = 2u;     // subgroups along the columns of C
-override TM: u32 = 2u;        // result matrices a subgroup along the rows (TM · TN ≤ ACC_MAX)
+override TM: u32 = 2u;        // result matrices a subgroup along the rows (≤ 4)
 override TN: u32 = 4u;        // and along the columns (≤ 4)
 override KSTEP: u32 = 128u;   // the sum's step staged at once: a multiple of 64 and of SM_K
 override PAD: u32 = 16u;      // bytes after each staged row
@@ -42,11 +47,9 @@ override A_STRIDE: u32 = KSTEP + PAD;              // bytes a staged row of A
 override T_ROWS: u32 = select(BN, KSTEP, W_T);     // staged weights: [T_ROWS][T_COLS]
 override T_COLS: u32 = select(KSTEP, BN, W_T);
 override T_STRIDE: u32 = T_COLS + PAD;
-override A_LOADS: u32 = (BM * KSTEP / 16u + WG - 1u) / WG;         // vec4 loads a thread a step (≤ LOADS_MAX)
+override A_LOADS: u32 = (BM * KSTEP / 16u + WG - 1u) / WG;         // vec4 loads a thread a step (≤ 8)
 override T_LOADS: u32 = (T_ROWS * T_COLS / 64u + WG - 1u) / WG;
 
-const ACC_MAX: u32 = 16u;
-const LOADS_MAX: u32 = 8u;
 // Workgroup memory for the staged rows: half the device's each (SM_STORAGE, which the runtime writes
 // too), a constant, as subgroupMatrixLoad takes arrays of a constant length (gemms.mma_shape checks
 // that a tile fits).
@@ -63,66 +66,125 @@ fn unpacked(word: u32, shift: u32) -> i32 {
 }
 
 struct Fetched {
-  a: array<vec4<u32>, LOADS_MAX>,
-  t: array<vec4<u32>, LOADS_MAX>,
+  a0: vec4<u32>,
+  a1: vec4<u32>,
+  a2: vec4<u32>,
+  a3: vec4<u32>,
+  a4: vec4<u32>,
+  a5: vec4<u32>,
+  a6: vec4<u32>,
+  a7: vec4<u32>,
+  t0: vec4<u32>,
+  t1: vec4<u32>,
+  t2: vec4<u32>,
+  t3: vec4<u32>,
+  t4: vec4<u32>,
+  t5: vec4<u32>,
+  t6: vec4<u32>,
+  t7: vec4<u32>,
 }
 
-// Step kk's global loads for the workgroup at staged row r0's tokens (a token offset) and column c0.
-fn fetch(t: u32, tok0: u32, c0: u32, kk: u32, k_end: u32) -> Fetched {
-  var f: Fetched;
-  for (var q = 0u; q < A_LOADS; q++) {
-    let v = t + WG * q;  // vec4 v of the staged A: row v / (KSTEP / 16), 16 bytes (v % (KSTEP / 16))
-    let r = v / (KSTEP / 16u);
-    let tok = tok0 + r % (BM / DIGITS);
-    let kb = kk + 16u * (v % (KSTEP / 16u));
-    f.a[q] = vec4<u32>(0u);
-    if (v < BM * KSTEP / 16u && tok < p.a_tokens && kb < k_end) {
-      f.a[q] = AQ[((r / (BM / DIGITS)) * p.a_tokens + tok) * (p.a_words / 4u) + kb / 16u];
-    }
-  }
-  for (var q = 0u; q < T_LOADS; q++) {
-    let v = t + WG * q;  // vec4 v of the staged weights: row v / (T_COLS / 64), 64 weights (v % (T_COLS / 64))
-    let r = v / (T_COLS / 64u);
-    let cb = 64u * (v % (T_COLS / 64u));
-    var row = c0 + r;  // W_T false: the weights' row is C's column, its words run along the sum
-    var col = kk + cb;
-    if (W_T) {         // W_T true: the weights' row is along the sum, its words along C's columns
-      row = kk + r;
-      col = c0 + cb;
-    }
-    f.t[q] = vec4<u32>(ZERO_CODES);  // past the rows or a row's end (A is zero past the sum's end)
-    if (v < T_ROWS * T_COLS / 64u && row < p.rows && col < 16u * p.t_words) {
-      f.t[q] = T4[(row * p.t_words + col / 16u) / 4u];
-    }
-  }
-  return f;
+struct Acc {
+  c00: O,
+  c01: O,
+  c02: O,
+  c03: O,
+  c10: O,
+  c11: O,
+  c12: O,
+  c13: O,
+  c20: O,
+  c21: O,
+  c22: O,
+  c23: O,
+  c30: O,
+  c31: O,
+  c32: O,
+  c33: O,
 }
 
-fn stage(t: u32, f: ptr<function, Fetched>) {
-  for (var q = 0u; q < A_LOADS; q++) {
-    let v = t + WG * q;
-    if (v < BM * KSTEP / 16u) {
-      let b = ((v / (KSTEP / 16u)) * A_STRIDE + 16u * (v % (KSTEP / 16u))) / 4u;
-      let a = (*f).a[q];
-      As[b] = bitcast<i32>(a.x); As[b + 1u] = bitcast<i32>(a.y); As[b + 2u] = bitcast<i32>(a.z);
-      As[b + 3u] = bitcast<i32>(a.w);
-    }
+// The staged A's vec4 v (this thread's q-th: v = t + WG · q) of step kk: row v / (KSTEP / 16), 16 bytes
+// (v % (KSTEP / 16)); zero past the tokens, the sum's end or the tile.
+fn load_a(v: u32, tok0: u32, kk: u32, k_end: u32) -> vec4<u32> {
+  let r = v / (KSTEP / 16u);
+  let tok = tok0 + r % (BM / DIGITS);
+  let kb = kk + 16u * (v % (KSTEP / 16u));
+  if (v >= BM * KSTEP / 16u || tok >= p.a_tokens || kb >= k_end) { return vec4<u32>(0u); }
+  return AQ[((r / (BM / DIGITS)) * p.a_tokens + tok) * (p.a_words / 4u) + kb / 16u];
+}
+
+// The staged weights' vec4 v of step kk: row v / (T_COLS / 64), 64 weights (v % (T_COLS / 64)); weight
+// 0 past the rows or a row's end (A is zero past the sum's end).
+fn load_t(v: u32, c0: u32, kk: u32) -> vec4<u32> {
+  let r = v / (T_COLS / 64u);
+  let cb = 64u * (v % (T_COLS / 64u));
+  var row = c0 + r;  // W_T false: the weights' row is C's column, its words run along the sum
+  var col = kk + cb;
+  if (W_T) {         // W_T true: the weights' row is along the sum, its words along C's columns
+    row = kk + r;
+    col = c0 + cb;
   }
-  for (var q = 0u; q < T_LOADS; q++) {
-    let v = t + WG * q;
-    if (v < T_ROWS * T_COLS / 64u) {
-      let b = ((v / (T_COLS / 64u)) * T_STRIDE + 64u * (v % (T_COLS / 64u))) / 4u;
-      let w = (*f).t[q];
-      Ts[b] = unpacked(w.x, 0u); Ts[b + 1u] = unpacked(w.x, 2u); Ts[b + 2u] = unpacked(w.x, 4u);
-      Ts[b + 3u] = unpacked(w.x, 6u);
-      Ts[b + 4u] = unpacked(w.y, 0u); Ts[b + 5u] = unpacked(w.y, 2u); Ts[b + 6u] = unpacked(w.y, 4u);
-      Ts[b + 7u] = unpacked(w.y, 6u);
-      Ts[b + 8u] = unpacked(w.z, 0u); Ts[b + 9u] = unpacked(w.z, 2u); Ts[b + 10u] = unpacked(w.z, 4u);
-      Ts[b + 11u] = unpacked(w.z, 6u);
-      Ts[b + 12u] = unpacked(w.w, 0u); Ts[b + 13u] = unpacked(w.w, 2u); Ts[b + 14u] = unpacked(w.w, 4u);
-      Ts[b + 15u] = unpacked(w.w, 6u);
-    }
-  }
+  if (v >= T_ROWS * T_COLS / 64u || row >= p.rows || col >= 16u * p.t_words) { return vec4<u32>(ZERO_CODES); }
+  return T4[(row * p.t_words + col / 16u) / 4u];
+}
+
+fn put_a(v: u32, a: vec4<u32>) {
+  if (v >= BM * KSTEP / 16u) { return; }
+  let b = ((v / (KSTEP / 16u)) * A_STRIDE + 16u * (v % (KSTEP / 16u))) / 4u;
+  As[b] = bitcast<i32>(a.x); As[b + 1u] = bitcast<i32>(a.y); As[b + 2u] = bitcast<i32>(a.z);
+  As[b + 3u] = bitcast<i32>(a.w);
+}
+
+fn put_t(v: u32, w: vec4<u32>) {
+  if (v >= T_ROWS * T_COLS / 64u) { return; }
+  let b = ((v / (T_COLS / 64u)) * T_STRIDE + 64u * (v % (T_COLS / 64u))) / 4u;
+  Ts[b] = unpacked(w.x, 0u); Ts[b + 1u] = unpacked(w.x, 2u); Ts[b + 2u] = unpacked(w.x, 4u);
+  Ts[b + 3u] = unpacked(w.x, 6u);
+  Ts[b + 4u] = unpacked(w.y, 0u); Ts[b + 5u] = unpacked(w.y, 2u); Ts[b + 6u] = unpacked(w.y, 4u);
+  Ts[b + 7u] = unpacked(w.y, 6u);
+  Ts[b + 8u] = unpacked(w.z, 0u); Ts[b + 9u] = unpacked(w.z, 2u); Ts[b + 10u] = unpacked(w.z, 4u);
+  Ts[b + 11u] = unpacked(w.z, 6u);
+  Ts[b + 12u] = unpacked(w.w, 0u); Ts[b + 13u] = unpacked(w.w, 2u); Ts[b + 14u] = unpacked(w.w, 4u);
+  Ts[b + 15u] = unpacked(w.w, 6u);
+}
+
+// Step kk's global loads (A_LOADS and T_LOADS of them) into f.
+fn fetch(f: ptr<function, Fetched>, t: u32, tok0: u32, c0: u32, kk: u32, k_end: u32) {
+  { (*f).a0 = load_a(t + 0u * WG, tok0, kk, k_end); }
+  if (A_LOADS > 1u) { (*f).a1 = load_a(t + 1u * WG, tok0, kk, k_end); }
+  if (A_LOADS > 2u) { (*f).a2 = load_a(t + 2u * WG, tok0, kk, k_end); }
+  if (A_LOADS > 3u) { (*f).a3 = load_a(t + 3u * WG, tok0, kk, k_end); }
+  if (A_LOADS > 4u) { (*f).a4 = load_a(t + 4u * WG, tok0, kk, k_end); }
+  if (A_LOADS > 5u) { (*f).a5 = load_a(t + 5u * WG, tok0, kk, k_end); }
+  if (A_LOADS > 6u) { (*f).a6 = load_a(t + 6u * WG, tok0, kk, k_end); }
+  if (A_LOADS > 7u) { (*f).a7 = load_a(t + 7u * WG, tok0, kk, k_end); }
+  { (*f).t0 = load_t(t + 0u * WG, c0, kk); }
+  if (T_LOADS > 1u) { (*f).t1 = load_t(t + 1u * WG, c0, kk); }
+  if (T_LOADS > 2u) { (*f).t2 = load_t(t + 2u * WG, c0, kk); }
+  if (T_LOADS > 3u) { (*f).t3 = load_t(t + 3u * WG, c0, kk); }
+  if (T_LOADS > 4u) { (*f).t4 = load_t(t + 4u * WG, c0, kk); }
+  if (T_LOADS > 5u) { (*f).t5 = load_t(t + 5u * WG, c0, kk); }
+  if (T_LOADS > 6u) { (*f).t6 = load_t(t + 6u * WG, c0, kk); }
+  if (T_LOADS > 7u) { (*f).t7 = load_t(t + 7u * WG, c0, kk); }
+}
+
+fn stage(f: ptr<function, Fetched>, t: u32) {
+  { put_a(t + 0u * WG, (*f).a0); }
+  if (A_LOADS > 1u) { put_a(t + 1u * WG, (*f).a1); }
+  if (A_LOADS > 2u) { put_a(t + 2u * WG, (*f).a2); }
+  if (A_LOADS > 3u) { put_a(t + 3u * WG, (*f).a3); }
+  if (A_LOADS > 4u) { put_a(t + 4u * WG, (*f).a4); }
+  if (A_LOADS > 5u) { put_a(t + 5u * WG, (*f).a5); }
+  if (A_LOADS > 6u) { put_a(t + 6u * WG, (*f).a6); }
+  if (A_LOADS > 7u) { put_a(t + 7u * WG, (*f).a7); }
+  { put_t(t + 0u * WG, (*f).t0); }
+  if (T_LOADS > 1u) { put_t(t + 1u * WG, (*f).t1); }
+  if (T_LOADS > 2u) { put_t(t + 2u * WG, (*f).t2); }
+  if (T_LOADS > 3u) { put_t(t + 3u * WG, (*f).t3); }
+  if (T_LOADS > 4u) { put_t(t + 4u * WG, (*f).t4); }
+  if (T_LOADS > 5u) { put_t(t + 5u * WG, (*f).t5); }
+  if (T_LOADS > 6u) { put_t(t + 6u * WG, (*f).t6); }
+  if (T_LOADS > 7u) { put_t(t + 7u * WG, (*f).t7); }
 }
 
 // Right matrix j of the subgroup's column sc at sub-step q of the staged step.
@@ -132,30 +194,84 @@ fn right(sc: u32, j: u32, q: u32) -> R {
   return subgroupMatrixLoad<R>(&Ts, c * T_STRIDE + q * SM_K, true, T_STRIDE);
 }
 
+fn left(sr: u32, i: u32, q: u32) -> L {
+  return subgroupMatrixLoad<L>(&As, (sr * TM * SM_M + i * SM_M) * A_STRIDE + q * SM_K, false, A_STRIDE);
+}
+
+// Sub-step q of the staged step: the subgroup's TM × TN products.
+fn multiply_step(acc: ptr<function, Acc>, sr: u32, sc: u32, q: u32) {
+  let b0 = right(sc, 0u, q);
+  var b1 = b0;
+  if (TN > 1u) { b1 = right(sc, 1u, q); }
+  var b2 = b0;
+  if (TN > 2u) { b2 = right(sc, 2u, q); }
+  var b3 = b0;
+  if (TN > 3u) { b3 = right(sc, 3u, q); }
+  let a0 = left(sr, 0u, q);
+  (*acc).c00 = subgroupMatrixMultiplyAccumulate(a0, b0, (*acc).c00);
+  if (TN > 1u) { (*acc).c01 = subgroupMatrixMultiplyAccumulate(a0, b1, (*acc).c01); }
+  if (TN > 2u) { (*acc).c02 = subgroupMatrixMultiplyAccumulate(a0, b2, (*acc).c02); }
+  if (TN > 3u) { (*acc).c03 = subgroupMatrixMultiplyAccumulate(a0, b3, (*acc).c03); }
+  if (TM > 1u) {
+    let a1 = left(sr, 1u, q);
+    (*acc).c10 = subgroupMatrixMultiplyAccumulate(a1, b0, (*acc).c10);
+    if (TN > 1u) { (*acc).c11 = subgroupMatrixMultiplyAccumulate(a1, b1, (*acc).c11); }
+    if (TN > 2u) { (*acc).c12 = subgroupMatrixMultiplyAccumulate(a1, b2, (*acc).c12); }
+    if (TN > 3u) { (*acc).c13 = subgroupMatrixMultiplyAccumulate(a1, b3, (*acc).c13); }
+  }
+  if (TM > 2u) {
+    let a2 = left(sr, 2u, q);
+    (*acc).c20 = subgroupMatrixMultiplyAccumulate(a2, b0, (*acc).c20);
+    if (TN > 1u) { (*acc).c21 = subgroupMatrixMultiplyAccumulate(a2, b1, (*acc).c21); }
+    if (TN > 2u) { (*acc).c22 = subgroupMatrixMultiplyAccumulate(a2, b2, (*acc).c22); }
+    if (TN > 3u) { (*acc).c23 = subgroupMatrixMultiplyAccumulate(a2, b3, (*acc).c23); }
+  }
+  if (TM > 3u) {
+    let a3 = left(sr, 3u, q);
+    (*acc).c30 = subgroupMatrixMultiplyAccumulate(a3, b0, (*acc).c30);
+    if (TN > 1u) { (*acc).c31 = subgroupMatrixMultiplyAccumulate(a3, b1, (*acc).c31); }
+    if (TN > 2u) { (*acc).c32 = subgroupMatrixMultiplyAccumulate(a3, b2, (*acc).c32); }
+    if (TN > 3u) { (*acc).c33 = subgroupMatrixMultiplyAccumulate(a3, b3, (*acc).c33); }
+  }
+}
+
 // Adds to acc the subgroup (sr, sc)'s sums over [k_begin, k_end) of the workgroup at token tok0 and
 // column c0 (every invocation of the workgroup calls it: it stages with barriers).
-fn multiply(t: u32, sr: u32, sc: u32, tok0: u32, c0: u32, k_begin: u32, k_end: u32,
-            acc: ptr<function, array<O, ACC_MAX>>) {
-  var f = fetch(t, tok0, c0, k_begin, k_end);
+fn multiply(acc: ptr<function, Acc>, t: u32, sr: u32, sc: u32, tok0: u32, c0: u32, k_begin: u32, k_end: u32) {
+  var f: Fetched;
+  fetch(&f, t, tok0, c0, k_begin, k_end);
   for (var kk = k_begin; kk < k_end; kk += KSTEP) {
-    stage(t, &f);
+    stage(&f, t);
     workgroupBarrier();
-    if (kk + KSTEP < k_end) { f = fetch(t, tok0, c0, kk + KSTEP, k_end); }
-    for (var q = 0u; q < KSTEP / SM_K; q++) {
-      var b: array<R, 4>;
-      for (var j = 0u; j < TN; j++) { b[j] = right(sc, j, q); }
-      for (var i = 0u; i < TM; i++) {
-        let a = subgroupMatrixLoad<L>(&As, (sr * TM * SM_M + i * SM_M) * A_STRIDE + q * SM_K, false, A_STRIDE);
-        for (var j = 0u; j < TN; j++) {
-          (*acc)[i * TN + j] = subgroupMatrixMultiplyAccumulate(a, b[j], (*acc)[i * TN + j]);
-        }
-      }
-    }
+    if (kk + KSTEP < k_end) { fetch(&f, t, tok0, c0, kk + KSTEP, k_end); }
+    for (var q = 0u; q < KSTEP / SM_K; q++) { multiply_step(acc, sr, sc, q); }
     workgroupBarrier();
   }
 }
 
-// The epilogue's staging: result matrix m of subgroup sg at As[sg · SM_M · SM_N ..] (row-major, SM_N a row).
-fn put_result(sg: u32, m: O) {
+// Result matrix (i, j) of every subgroup through As into the including file's finish.
+fn put_result(m: O, t: u32, lane: u32, sg: u32, n0: u32, c0: u32, i: u32, j: u32) {
   subgroupMatrixStore(&As, sg * SM_M * SM_N, m, false, SM_N);
+  workgroupBarrier();
+  finish(t, lane, sg, n0, c0, i, j);
+  workgroupBarrier();
+}
+
+fn put_results(acc: ptr<function, Acc>, t: u32, lane: u32, sg: u32, n0: u32, c0: u32) {
+  put_result((*acc).c00, t, lane, sg, n0, c0, 0u, 0u);
+  if (TN > 1u) { put_result((*acc).c01, t, lane, sg, n0, c0, 0u, 1u); }
+  if (TN > 2u) { put_result((*acc).c02, t, lane, sg, n0, c0, 0u, 2u); }
+  if (TN > 3u) { put_result((*acc).c03, t, lane, sg, n0, c0, 0u, 3u); }
+  if (TM > 1u) { put_result((*acc).c10, t, lane, sg, n0, c0, 1u, 0u); }
+  if (TM > 1u && TN > 1u) { put_result((*acc).c11, t, lane, sg, n0, c0, 1u, 1u); }
+  if (TM > 1u && TN > 2u) { put_result((*acc).c12, t, lane, sg, n0, c0, 1u, 2u); }
+  if (TM > 1u && TN > 3u) { put_result((*acc).c13, t, lane, sg, n0, c0, 1u, 3u); }
+  if (TM > 2u) { put_result((*acc).c20, t, lane, sg, n0, c0, 2u, 0u); }
+  if (TM > 2u && TN > 1u) { put_result((*acc).c21, t, lane, sg, n0, c0, 2u, 1u); }
+  if (TM > 2u && TN > 2u) { put_result((*acc).c22, t, lane, sg, n0, c0, 2u, 2u); }
+  if (TM > 2u && TN > 3u) { put_result((*acc).c23, t, lane, sg, n0, c0, 2u, 3u); }
+  if (TM > 3u) { put_result((*acc).c30, t, lane, sg, n0, c0, 3u, 0u); }
+  if (TM > 3u && TN > 1u) { put_result((*acc).c31, t, lane, sg, n0, c0, 3u, 1u); }
+  if (TM > 3u && TN > 2u) { put_result((*acc).c32, t, lane, sg, n0, c0, 3u, 2u); }
+  if (TM > 3u && TN > 3u) { put_result((*acc).c33, t, lane, sg, n0, c0, 3u, 3u); }
 }

@@ -45,22 +45,25 @@ fn value(n: u32, j: u32, exact: i32) -> f32 {
   return v;
 }
 
-// One result matrix (SM_M tokens from n0, SM_N rows from j0) from the subgroup's slice of As.
-fn finish(sg: u32, lane: u32, n0: u32, j0: u32) {
+// Result matrix (i, j) of subgroup sg (SM_M tokens, SM_N rows) from its slice of As: each subgroup
+// writes its own.
+fn finish(t: u32, lane: u32, sg: u32, n0: u32, j0: u32, i: u32, j: u32) {
   let c = sg * SM_M * SM_N;
+  let tn = n0 + (sg / SUB_N) * TM * SM_M + i * SM_M;
+  let tj = j0 + (sg % SUB_N) * TN * SM_N + j * SM_N;
   if (MODE == 2u) {  // gate/up: rows 2i, 2i + 1 together
     for (var e = 2u * lane; e < SM_M * SM_N; e += 2u * SM_SUBGROUP) {
-      let n = n0 + e / SM_N;
-      let j = j0 + e % SM_N;
-      if (n < p.tokens && j + 1u < p.rows) {
-        put_pair(n, j / 2u, value(n, j, As[c + e]), value(n, j + 1u, As[c + e + 1u]));
+      let n = tn + e / SM_N;
+      let r = tj + e % SM_N;
+      if (n < p.tokens && r + 1u < p.rows) {
+        put_pair(n, r / 2u, value(n, r, As[c + e]), value(n, r + 1u, As[c + e + 1u]));
       }
     }
   } else {
     for (var e = lane; e < SM_M * SM_N; e += SM_SUBGROUP) {
-      let n = n0 + e / SM_N;
-      let j = j0 + e % SM_N;
-      if (n < p.tokens && j < p.rows) { put(n, j, value(n, j, As[c + e])); }
+      let n = tn + e / SM_N;
+      let r = tj + e % SM_N;
+      if (n < p.tokens && r < p.rows) { put(n, r, value(n, r, As[c + e])); }
     }
   }
 }
@@ -68,18 +71,9 @@ fn finish(sg: u32, lane: u32, n0: u32, j0: u32) {
 @compute @workgroup_size(WG)
 fn gemm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32,
         @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {
-  let sr = sg / SUB_N;
-  let sc = sg % SUB_N;
   let n0 = wg.y * BM;
   let j0 = wg.x * BN;
-  var acc: array<O, ACC_MAX>;
-  multiply(t, sr, sc, n0, j0, 0u, 16u * p.k_words, &acc);
-  for (var i = 0u; i < TM; i++) {
-    for (var j = 0u; j < TN; j++) {
-      put_result(sg, acc[i * TN + j]);
-      workgroupBarrier();
-      finish(sg, lane, n0 + sr * TM * SM_M + i * SM_M, j0 + sc * TN * SM_N + j * SM_N);
-      workgroupBarrier();
-    }
-  }
+  var acc: Acc;
+  multiply(&acc, t, sg / SUB_N, sg % SUB_N, n0, j0, 0u, 16u * p.k_words);
+  put_results(&acc, t, lane, sg, n0, j0);
 }

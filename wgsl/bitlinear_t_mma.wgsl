@@ -99,16 +99,16 @@ fn digits(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   }
 }
 
-// The planes' sums of one result matrix (SM_M tokens from n0, SM_N features from k0), staged by every
-// subgroup at As[sg · SM_M · SM_N], combined four features an invocation.
-fn finish(t: u32, sc: u32, n0: u32, k0: u32) {
+// Result matrix (i, j) of every subgroup (SM_M tokens, SM_N features; subgroup row d: digit plane d),
+// staged at As[sg · SM_M · SM_N]: the planes' products summed, four features an invocation.
+fn finish(t: u32, lane: u32, sg: u32, n0: u32, k0: u32, i: u32, j: u32) {
   let quads = SM_M * SM_N / 4u;
   for (var e = t; e < SUB_N * quads; e += WG) {
     let col = e / quads;                  // the subgroup column whose matrix this is
     let r = (e % quads) / (SM_N / 4u);    // its row
     let c = 4u * (e % (SM_N / 4u));       // its first column
-    let n = n0 + r;
-    let k = k0 + col * TN * SM_N + c;
+    let n = n0 + i * SM_M + r;
+    let k = k0 + col * TN * SM_N + j * SM_N + c;
     if (n < p.tokens && k < p.k) {
       var v = vec4<f32>(0.0);
       for (var d = DIGITS; d > 0u; d--) {
@@ -128,21 +128,13 @@ fn finish(t: u32, sc: u32, n0: u32, k0: u32) {
 
 @compute @workgroup_size(WG)
 fn gemm_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t: u32,
-              @builtin(subgroup_id) sg: u32, @builtin(num_workgroups) groups: vec3<u32>) {
-  let sr = sg / SUB_N;
-  let sc = sg % SUB_N;
+              @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32,
+              @builtin(num_workgroups) groups: vec3<u32>) {
   let n0 = wg.y * (BM / DIGITS);
   let k0 = wg.x * BN;
   range = wg.z;
   let span = (p.rows + groups.z * KSTEP - 1u) / (groups.z * KSTEP) * KSTEP;
-  var acc: array<O, ACC_MAX>;
-  multiply(t, sr, sc, n0, k0, wg.z * span, min(wg.z * span + span, p.rows), &acc);
-  for (var i = 0u; i < TM; i++) {
-    for (var j = 0u; j < TN; j++) {
-      put_result(sg, acc[i * TN + j]);
-      workgroupBarrier();
-      finish(t, sc, n0 + i * SM_M, k0 + j * SM_N);
-      workgroupBarrier();
-    }
-  }
+  var acc: Acc;
+  multiply(&acc, t, sg / SUB_N, sg % SUB_N, n0, k0, wg.z * span, min(wg.z * span + span, p.rows));
+  put_results(&acc, t, lane, sg, n0, k0);
 }

@@ -96,8 +96,8 @@ def mma_shape(device: Device, tile: MmaTile, transposed: bool) -> MmaShape:
                          f"{device.subgroup_matrix_configs or 'none'}")
     shape = MmaShape(tile, config["m"], config["n"], config["k"], config["max_subgroup_size"])
     problems = []
-    if tile.tm * tile.tn > 16 or tile.tn > 4:
-        problems.append("tm · tn ≤ 16 and tn ≤ 4 (the accumulators' registers)")
+    if not (1 <= tile.tm <= 4 and 1 <= tile.tn <= 4):
+        problems.append("tm and tn from 1 to 4 (the accumulators' named registers)")
     if tile.kstep % 64 or tile.kstep % shape.k:
         problems.append(f"kstep a multiple of 64 and of the matrices' K ({shape.k})")
     if tile.pad % 16:

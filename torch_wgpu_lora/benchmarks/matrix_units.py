@@ -1,0 +1,241 @@
+"""The matrix units through WebGPU: their ceiling, and each GEMM kind of the engine's table
+(``engine/kernels/gemms.py``) at a training step's shapes, each variant and tile, as a share of
+that ceiling measured in the same run, beside torch's own GEMMs of the same shapes (CUDA, when
+torch has it). Also the kernels whose speed differs between WebGPU implementations (RMSNorm,
+the decode GEMV), timed on the backend this process runs, so that two runs compare Dawn with
+wgpu-native.
+
+* ``ceiling``: ``subgroup_matrix_ceiling_<type>.wgsl``, every subgroup multiplying operands it
+  holds into 8 accumulators, no memory traffic: the rate no GEMM on this path can pass.
+* ``gemms``: projection (forward, exact int8) and input_grad (four int8 digit planes) at BitNet-2B's
+  shapes over ``tokens`` rows, general cores and matrix units, each tile of ``TILES``. A rate is the
+  kind's useful work (2·M·N·K) over GPU time; ``share`` compares the integer work the matrix units
+  do (the input gradient's is four times its useful work) with the int8 ceiling.
+* ``backend_kernels``: RMSNorm of a 512-token prefill (quantised, LoRA ranks) and of one token, and
+  the q/k/v GEMV of one token.
+
+``python -m torch_wgpu_lora.benchmarks.matrix_units --out DIR [--tokens 512,4096] [--sections ...]``
+writes ``matrix_units.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..engine.kernels.bitlinear import bitlinear_launch, bitlinear_t_launch
+from ..engine.kernels.gemms import MmaTile, int8_matrix_units, mma_shape, variant
+from ..engine.kernels.norm import rmsnorm_launch
+from ..engine.weights import Projection, pack_ternary
+from ..engine.workspace import Workspace
+from ..runtime import Buffer, Launch, Recorder, get_device, kernel, upload
+from ..runtime.kernels import subgroup_matrix_config
+from .report import write_json
+
+HIDDEN, FFN, KV = 2560, 6912, 640  # BitNet-2B-4T: hidden, FFN, key/value width (5 heads of 128)
+# A layer's ternary projections as (rows, K): fused q/k/v, o, fused gate/up, down.
+PROJECTIONS = {"qkv": (HIDDEN + 2 * KV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * FFN, HIDDEN),
+               "down": (HIDDEN, FFN)}
+TILES = {
+    "projection": [MmaTile(), MmaTile(kstep=64), MmaTile(sub_m=2, sub_n=4, tm=4, tn=2), MmaTile(sub_m=2, sub_n=2, tm=4, tn=4),
+                   MmaTile(sub_m=4, sub_n=2, tm=1, tn=4), MmaTile(sub_m=2, sub_n=2, tm=2, tn=4)],
+    "input_grad": [MmaTile(sub_m=4, digits=4), MmaTile(sub_m=4, digits=4, kstep=64),
+                   MmaTile(sub_m=4, digits=4, tm=1, tn=4), MmaTile(sub_m=4, digits=4, sub_n=1, tm=2, tn=4),
+                   MmaTile(sub_m=4, digits=4, tm=2, tn=2), MmaTile(sub_m=4, digits=4, sub_n=4, tm=1, tn=2)],
+}
+
+
+def gpu_seconds(launches: list[Launch], repeats: int = 5, inner: int = 3) -> float:
+    """The median GPU seconds of ``launches`` (recorded ``inner`` times a submit, divided)."""
+    device = get_device()
+    for _ in range(2):  # warm: compile, first touch of the buffers
+        rec = Recorder(device, timestamps=True)
+        for launch in launches:
+            rec.launch(launch)
+        rec.submit()
+    times = []
+    for _ in range(repeats):
+        rec = Recorder(device, timestamps=True)
+        for _ in range(inner):
+            for launch in launches:
+                rec.launch(launch)
+        times.append(rec.submit() / inner)
+    return statistics.median(times)
+
+
+def ceiling(log: Callable[[str], None]) -> dict[str, Any]:
+    """The register-only loop's rate for each matrix type the device offers."""
+    device = get_device()
+    rows = {}
+    for ty, (component, result) in {"i8": ("i8", "i32"), "f16": ("f16", "f32")}.items():
+        config = subgroup_matrix_config(device, component, result)
+        if config is None or (ty == "f16" and not device.has_f16):
+            continue
+        iters, subgroups = 4096, 4
+        workgroups = 8 * 132 if not device.is_cpu else 8
+        out = Buffer((workgroups * subgroups * 8 * config["m"] * config["n"],), "i32" if ty == "i8" else "f32")
+        k = kernel(f"subgroup_matrix_ceiling_{ty}.wgsl", "ceiling", device, SUBGROUPS=subgroups)
+        launch = Launch.build(k, (workgroups, 1, 1), [out], (iters if not device.is_cpu else 16,))
+        seconds = gpu_seconds([launch], repeats=3, inner=1)
+        ops = 2 * config["m"] * config["n"] * config["k"] * 8 * (iters if not device.is_cpu else 16) * subgroups * workgroups
+        rows[ty] = dict(config=config, seconds=seconds, rate=ops / seconds)
+        log(f"ceiling {ty} {config['m']}x{config['n']}x{config['k']}: {ops / seconds / 1e12:.1f} T op/s")
+    return rows
+
+
+def _ternary(rows: int, k: int, g: np.random.Generator) -> Projection:
+    values = torch.from_numpy(g.integers(-1, 2, (rows, k), dtype=np.int8))
+    scales = (g.random(rows, dtype=np.float32) + 0.5)
+    return Projection(upload(pack_ternary(values)), upload(scales), rows, k, True)
+
+
+def gemms(tokens_list: list[int], ceilings: dict[str, Any], log: Callable[[str], None]) -> list[dict[str, Any]]:
+    device = get_device()
+    g = np.random.default_rng(0)
+    mma = int8_matrix_units(device)
+    int8_ceiling = ceilings.get("i8", {}).get("rate")
+    rows_out = []
+    workspace = Workspace(device)
+    for name, (rows, k) in PROJECTIONS.items():
+        proj = _ternary(rows, k, g)
+        for tokens in tokens_list:
+            codes = upload(g.integers(-127, 128, (tokens, 4 * proj.weight.shape[1]), dtype=np.int32).astype(np.uint32))
+            meta = upload(np.concatenate([g.random(tokens, dtype=np.float32) + 0.1, np.zeros(tokens, np.float32)]))
+            out = Buffer((tokens, rows))
+            dy = upload(g.standard_normal((tokens, rows), dtype=np.float32))
+            dx = Buffer((tokens, -(-k // 64) * 64))
+            useful = 2 * tokens * rows * k
+            cases: list[tuple[str, str, Any, Callable[[], list[Launch]]]] = [
+                ("projection", "general", None, lambda: [bitlinear_launch(codes, meta, proj, out, tokens=tokens,
+                                                                          out_stride=rows, gemv=False, mma=False)]),
+                ("input_grad", "general", None, lambda: bitlinear_t_launch(dy, proj, dx, tokens=tokens, k=k, mma=False,
+                                                                           workspace=workspace)),
+            ]
+            if mma:
+                for tile in TILES["projection"]:
+                    cases.append(("projection", "matrix_units", tile,
+                                  lambda tile=tile: [bitlinear_launch(codes, meta, proj, out, tokens=tokens,
+                                                                      out_stride=rows, gemv=False, mma=True, tile=tile)]))
+                for tile in TILES["input_grad"]:
+                    cases.append(("input_grad", "matrix_units", tile,
+                                  lambda tile=tile: bitlinear_t_launch(dy, proj, dx, tokens=tokens, k=k, mma=True,
+                                                                       tile=tile, workspace=workspace)))
+            for kind, name_v, tile, build in cases:
+                try:
+                    if tile is not None:
+                        mma_shape(device, tile, transposed=kind == "input_grad")
+                    seconds = gpu_seconds(build())
+                except (ValueError, RuntimeError) as e:
+                    log(f"  {kind} {name} {tokens} {tile}: {str(e)[:160]}")
+                    continue
+                work = variant(kind, name_v).work(tokens, rows, k)
+                row = dict(kind=kind, projection=name, tokens=tokens, rows=rows, k=k, variant=name_v,
+                           tile=None if tile is None else tile.__dict__, seconds=seconds, rate=useful / seconds,
+                           integer_rate=work / seconds,
+                           share=(work / seconds / int8_ceiling) if (int8_ceiling and name_v == "matrix_units") else None)
+                rows_out.append(row)
+                log(f"{kind:10} {name:8} {tokens:5} {name_v:12} {'' if tile is None else _tile_name(tile):28} "
+                    f"{seconds * 1e3:8.3f} ms {useful / seconds / 1e12:7.1f} T/s"
+                    + (f"  {row['share'] * 100:5.1f}% of ceiling" if row["share"] else ""))
+    return rows_out
+
+
+def _tile_name(t: MmaTile) -> str:
+    return f"{t.sub_m}x{t.sub_n} sg, {t.tm}x{t.tn} m, k{t.kstep}"
+
+
+def torch_gemms(tokens_list: list[int], log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """torch's bf16 matmul and int8 ``_int_mm`` at the same shapes (CUDA only)."""
+    if not torch.cuda.is_available():
+        return []
+    rows_out = []
+    for name, (rows, k) in PROJECTIONS.items():
+        for tokens in tokens_list:
+            for what, make in (("bf16", lambda: (torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16),
+                                                 torch.randn(k, rows, device="cuda", dtype=torch.bfloat16))),
+                               ("int8", lambda: (torch.randint(-127, 128, (tokens, k), device="cuda", dtype=torch.int8),
+                                                 torch.randint(-1, 2, (k, rows), device="cuda", dtype=torch.int8)))):
+                a, b = make()
+                op = torch.matmul if what == "bf16" else torch._int_mm
+                for _ in range(3):
+                    op(a, b)
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(20):
+                    op(a, b)
+                end.record()
+                torch.cuda.synchronize()
+                seconds = start.elapsed_time(end) / 1e3 / 20
+                rate = 2 * tokens * rows * k / seconds
+                rows_out.append(dict(projection=name, tokens=tokens, rows=rows, k=k, dtype=what, seconds=seconds,
+                                     rate=rate))
+                log(f"torch {what:5} {name:8} {tokens:5} {seconds * 1e3:8.3f} ms {rate / 1e12:7.1f} T/s")
+    return rows_out
+
+
+def backend_kernels(log: Callable[[str], None]) -> dict[str, float]:
+    """GPU µs of the kernels whose code the two WebGPU implementations compile differently."""
+    device = get_device()
+    g = np.random.default_rng(1)
+    rank = 16
+    out = {}
+    for tokens in (512, 1):
+        x = upload(g.standard_normal((tokens, HIDDEN), dtype=np.float32))
+        w = upload(np.ones(HIDDEN, np.float32))
+        xn = Buffer((tokens, HIDDEN))
+        codes, meta = Buffer((tokens, HIDDEN // 4), "u32"), Buffer((2 * tokens,))
+        a = upload(g.standard_normal((rank, HIDDEN), dtype=np.float32))
+        h = Buffer((tokens, rank))
+        launch = rmsnorm_launch(x, w, xn, tokens=tokens, k=HIDDEN, eps=1e-5, codes=codes, meta=meta, lora_a=a, h=h,
+                                rank=rank, per_row=False)
+        out[f"rmsnorm_{tokens}_lora"] = gpu_seconds([launch]) * 1e6
+        plain = rmsnorm_launch(x, w, xn, tokens=tokens, k=HIDDEN, eps=1e-5, codes=codes, meta=meta, per_row=False)
+        out[f"rmsnorm_{tokens}"] = gpu_seconds([plain]) * 1e6
+    proj = _ternary(HIDDEN + 2 * KV, HIDDEN, g)
+    codes = upload(g.integers(-127, 128, (1, 4 * proj.weight.shape[1]), dtype=np.int32).astype(np.uint32))
+    meta = upload(np.array([1.0, 0.0], np.float32))
+    y = Buffer((1, proj.rows))
+    out["gemv_qkv_1"] = gpu_seconds([bitlinear_launch(codes, meta, proj, y, tokens=1, out_stride=proj.rows,
+                                                      gemv=True)]) * 1e6
+    for name, us in out.items():
+        log(f"{device.backend.name} {name}: {us:.1f} us")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/out/matrix_units")
+    parser.add_argument("--tokens", default="512,4096", help="rows of each GEMM (a step's tokens)")
+    parser.add_argument("--sections", default="ceiling,gemms,torch,backend_kernels")
+    args = parser.parse_args(argv)
+    sections = set(args.sections.split(","))
+    tokens = [int(t) for t in args.tokens.split(",")]
+    device = get_device()
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    started = time.time()
+    result: dict[str, Any] = dict(device=device.describe(), host=platform.node())
+    result["ceiling"] = ceiling(log) if "ceiling" in sections or "gemms" in sections else {}
+    if "gemms" in sections:
+        result["gemms"] = gemms(tokens, result["ceiling"], log)
+    if "torch" in sections:
+        result["torch"] = torch_gemms(tokens, log)
+    if "backend_kernels" in sections:
+        result["backend_kernels"] = backend_kernels(log)
+    result["seconds"] = time.time() - started
+    write_json(args.out, f"matrix_units_{device.backend.name}.json", result)
+
+
+if __name__ == "__main__":
+    main()
