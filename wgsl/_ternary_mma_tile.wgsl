@@ -9,7 +9,9 @@
 //
 // A: int8 rows, four to a u32 (vec4 loads of 16), its rows in DIGITS planes of `a_tokens` rows each
 // (a projection's codes: one plane; an input gradient's digits: one plane a digit). T: the packed
-// ternary weights (weights.py's layout: 16 a u32, codes t + 1).
+// ternary weights (weights.py's layout: 16 a u32, codes t + 1), staged as [BN][KSTEP] either way:
+// with W_T their words run across the staged rows, and four rows of the sum are transposed as staged
+// (a row-major int8 right matrix loaded 2.2× slower than a column-major one on the H100).
 //
 // A workgroup of SUB_M × SUB_N subgroups owns BM staged rows of A × BN columns of C; subgroup
 // (sr, sc) holds TM × TN result matrices. The staged rows are the DIGITS planes' rows of the
@@ -44,11 +46,9 @@ override WG: u32 = SUB_M * SUB_N * SM_SUBGROUP;
 override BM: u32 = SUB_M * TM * SM_M;              // staged rows of A
 override BN: u32 = SUB_N * TN * SM_N;              // columns of C
 override A_STRIDE: u32 = KSTEP + PAD;              // bytes a staged row of A
-override T_ROWS: u32 = select(BN, KSTEP, W_T);     // staged weights: [T_ROWS][T_COLS]
-override T_COLS: u32 = select(KSTEP, BN, W_T);
-override T_STRIDE: u32 = T_COLS + PAD;
+override T_STRIDE: u32 = KSTEP + PAD;              // bytes a staged row of weights: [BN][KSTEP]
 override A_LOADS: u32 = (BM * KSTEP / 16u + WG - 1u) / WG;         // vec4 loads a thread a step (≤ 8)
-override T_LOADS: u32 = (T_ROWS * T_COLS / 64u + WG - 1u) / WG;
+override T_LOADS: u32 = (BN * KSTEP / 64u + WG - 1u) / WG;          // of 64 weights each
 
 // Workgroup memory for the staged rows: half the device's each (SM_STORAGE, which the runtime writes
 // too), a constant, as subgroupMatrixLoad takes arrays of a constant length (gemms.mma_shape checks
@@ -113,18 +113,29 @@ fn load_a(v: u32, tok0: u32, kk: u32, k_end: u32) -> vec4<u32> {
   return AQ[((r / (BM / DIGITS)) * p.a_tokens + tok) * (p.a_words / 4u) + kb / 16u];
 }
 
-// The staged weights' vec4 v of step kk: row v / (T_COLS / 64), 64 weights (v % (T_COLS / 64)); weight
-// 0 past the rows or a row's end (A is zero past the sum's end).
+fn word(at: u32) -> u32 { return T4[at / 4u][at % 4u]; }  // the weights' u32 word `at`
+
+// The staged weights' load v of step kk: 64 weights, zero past the rows or a row's end (A is zero
+// past the sum's end). W_T false: the vec4 of row c0 + v / (KSTEP / 64) holding the sum's weights
+// 64 (v % (KSTEP / 64)).. of the step. W_T true: one word of 16 columns from each of four rows of the
+// sum, kk + 4 (v / (BN / 16)) .. + 3, at column c0 + 16 (v % (BN / 16)) (put_t transposes them).
 fn load_t(v: u32, c0: u32, kk: u32) -> vec4<u32> {
-  let r = v / (T_COLS / 64u);
-  let cb = 64u * (v % (T_COLS / 64u));
-  var row = c0 + r;  // W_T false: the weights' row is C's column, its words run along the sum
-  var col = kk + cb;
-  if (W_T) {         // W_T true: the weights' row is along the sum, its words along C's columns
-    row = kk + r;
-    col = c0 + cb;
+  if (v >= BN * KSTEP / 64u) { return vec4<u32>(ZERO_CODES); }
+  if (W_T) {
+    let j = kk + 4u * (v / (BN / 16u));
+    let col = c0 + 16u * (v % (BN / 16u));
+    if (col >= 16u * p.t_words) { return vec4<u32>(ZERO_CODES); }
+    let at = j * p.t_words + col / 16u;
+    var w = vec4<u32>(ZERO_CODES);
+    if (j < p.rows) { w.x = word(at); }
+    if (j + 1u < p.rows) { w.y = word(at + p.t_words); }
+    if (j + 2u < p.rows) { w.z = word(at + 2u * p.t_words); }
+    if (j + 3u < p.rows) { w.w = word(at + 3u * p.t_words); }
+    return w;
   }
-  if (v >= T_ROWS * T_COLS / 64u || row >= p.rows || col >= 16u * p.t_words) { return vec4<u32>(ZERO_CODES); }
+  let row = c0 + v / (KSTEP / 64u);
+  let col = kk + 64u * (v % (KSTEP / 64u));
+  if (row >= p.rows || col >= 16u * p.t_words) { return vec4<u32>(ZERO_CODES); }
   return T4[(row * p.t_words + col / 16u) / 4u];
 }
 
@@ -135,9 +146,33 @@ fn put_a(v: u32, a: vec4<u32>) {
   As[b + 3u] = bitcast<i32>(a.w);
 }
 
+// Four int8 weights from four codes c = t + 1 in the bytes of a word (no byte borrows: every byte is
+// at least 0x80 when 1 is taken away).
+fn signed(codes: u32) -> i32 {
+  return bitcast<i32>(((codes | 0x80808080u) - 0x01010101u) ^ 0x80808080u);
+}
+
+// Staged weights [BN][KSTEP] (the columns of C as rows, the sum along them, so that the right
+// matrices load column-major, the layout int8 matrix units read natively).
 fn put_t(v: u32, w: vec4<u32>) {
-  if (v >= T_ROWS * T_COLS / 64u) { return; }
-  let b = ((v / (T_COLS / 64u)) * T_STRIDE + 64u * (v % (T_COLS / 64u))) / 4u;
+  if (v >= BN * KSTEP / 64u) { return; }
+  if (W_T) {  // four rows of the sum: byte lane l of pair p is column 4p + l; put them side by side
+    let j = 4u * (v / (BN / 16u));
+    let col = 16u * (v % (BN / 16u));
+    for (var pair = 0u; pair < 4u; pair++) {
+      let r0 = unpack4xU8((w.x >> (2u * pair)) & 0x03030303u);
+      let r1 = unpack4xU8((w.y >> (2u * pair)) & 0x03030303u);
+      let r2 = unpack4xU8((w.z >> (2u * pair)) & 0x03030303u);
+      let r3 = unpack4xU8((w.w >> (2u * pair)) & 0x03030303u);
+      let b = ((col + 4u * pair) * T_STRIDE + j) / 4u;
+      Ts[b] = signed(pack4xU8(vec4<u32>(r0.x, r1.x, r2.x, r3.x)));
+      Ts[b + T_STRIDE / 4u] = signed(pack4xU8(vec4<u32>(r0.y, r1.y, r2.y, r3.y)));
+      Ts[b + T_STRIDE / 2u] = signed(pack4xU8(vec4<u32>(r0.z, r1.z, r2.z, r3.z)));
+      Ts[b + 3u * T_STRIDE / 4u] = signed(pack4xU8(vec4<u32>(r0.w, r1.w, r2.w, r3.w)));
+    }
+    return;
+  }
+  let b = ((v / (KSTEP / 64u)) * T_STRIDE + 64u * (v % (KSTEP / 64u))) / 4u;
   Ts[b] = unpacked(w.x, 0u); Ts[b + 1u] = unpacked(w.x, 2u); Ts[b + 2u] = unpacked(w.x, 4u);
   Ts[b + 3u] = unpacked(w.x, 6u);
   Ts[b + 4u] = unpacked(w.y, 0u); Ts[b + 5u] = unpacked(w.y, 2u); Ts[b + 6u] = unpacked(w.y, 4u);
@@ -189,9 +224,7 @@ fn stage(f: ptr<function, Fetched>, t: u32) {
 
 // Right matrix j of the subgroup's column sc at sub-step q of the staged step.
 fn right(sc: u32, j: u32, q: u32) -> R {
-  let c = sc * TN * SM_N + j * SM_N;
-  if (W_T) { return subgroupMatrixLoad<R>(&Ts, q * SM_K * T_STRIDE + c, false, T_STRIDE); }
-  return subgroupMatrixLoad<R>(&Ts, c * T_STRIDE + q * SM_K, true, T_STRIDE);
+  return subgroupMatrixLoad<R>(&Ts, (sc * TN * SM_N + j * SM_N) * T_STRIDE + q * SM_K, true, T_STRIDE);
 }
 
 fn left(sr: u32, i: u32, q: u32) -> L {

@@ -75,11 +75,10 @@ class MmaShape:
     def results_bytes(self) -> int:  # every subgroup's result matrix staged for the epilogue (put_result)
         return 4 * self.tile.sub_m * self.tile.sub_n * self.m * self.n
 
-    def staged_bytes(self, transposed: bool) -> tuple[int, int]:
+    def staged_bytes(self) -> tuple[int, int]:
         """Bytes of workgroup memory a step of A and of the weights take."""
         t = self.tile
-        rows, cols = (t.kstep, self.block_n) if transposed else (self.block_n, t.kstep)
-        return self.block_tokens * t.digits * (t.kstep + t.pad), rows * (cols + t.pad)
+        return self.block_tokens * t.digits * (t.kstep + t.pad), self.block_n * (t.kstep + t.pad)
 
 
 def int8_matrix_units(device: Device) -> bool:
@@ -104,8 +103,8 @@ def mma_shape(device: Device, tile: MmaTile, transposed: bool) -> MmaShape:
         problems.append("pad a multiple of 16 bytes")
     if tile.digits not in (1, tile.sub_m):
         problems.append("digits 1 or sub_m")
-    if transposed and shape.block_n % 64:
-        problems.append("a workgroup's columns a multiple of 64 (the weights' words run along them)")
+    if transposed and shape.block_n % 16:
+        problems.append("a workgroup's columns a multiple of 16 (the weights' words run along them)")
     threads = shape.threads
     a_loads = -(-shape.block_tokens * tile.digits * tile.kstep // 16 // threads)
     t_loads = -(-shape.block_n * tile.kstep // 64 // threads)
@@ -113,7 +112,7 @@ def mma_shape(device: Device, tile: MmaTile, transposed: bool) -> MmaShape:
         problems.append("at most 8 vec4 loads a thread a step (LOADS_MAX)")
     if threads > int(device.limits["max-compute-invocations-per-workgroup"]):
         problems.append(f"at most {device.limits['max-compute-invocations-per-workgroup']} invocations")
-    staged_a, staged_t = shape.staged_bytes(transposed)
+    staged_a, staged_t = shape.staged_bytes()
     room = int(device.limits["max-compute-workgroup-storage-size"]) // 2  # _ternary_mma_tile.wgsl's STAGED_WORDS
     if max(staged_a, staged_t, shape.results_bytes) > room:
         problems.append(f"the staged rows ({staged_a} and {staged_t} bytes) and results ({shape.results_bytes}) "
