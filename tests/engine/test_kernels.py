@@ -691,3 +691,27 @@ def test_the_matrix_units_are_refused_where_the_device_has_none():
     assert not matrix_units_win(device, 4, proj)
     with pytest.raises(ValueError, match="the matrix units need int8 subgroup matrices"):
         bitlinear_launch(xq, xm, proj, poisoned((4, 8)), tokens=4, out_stride=8, gemv=False, mma=True)
+    previous = device.configure(gemms="matrix_units")  # asked for where there are none: said, not ignored
+    try:
+        with pytest.raises(ValueError, match="asks for the matrix units, and this device .* has no int8"):
+            bitlinear_launch(xq, xm, proj, poisoned((4, 8)), tokens=4, out_stride=8, gemv=False)
+    finally:
+        device.configure(previous)
+
+
+def test_the_gemms_setting_picks_the_variant_the_measured_rule_would_weigh():
+    from torch_wgpu_lora.engine.kernels.gemms import fastest
+    from torch_wgpu_lora.runtime import get_device
+
+    device = get_device()
+    built = []
+    candidates = {name: (lambda name=name: built.append(name) or []) for name in ("matrix_units", "general")}
+    previous = device.configure(gemms="general")
+    try:
+        assert fastest(device, "projection", (1, 2, 3), candidates) == "general"
+        assert built == []  # nothing timed
+        device.configure(gemms="matrix_units")
+        with pytest.raises(ValueError, match="asks for 'matrix_units' input_grad GEMMs"):
+            fastest(device, "input_grad", (1, 2, 3), {"general": candidates["general"]})
+    finally:
+        device.configure(previous)

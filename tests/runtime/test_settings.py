@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from torch_wgpu_lora.runtime.settings import (POOL_ENV, SHADER_CHECKS_ENV, SUBGROUPS_ENV, Settings, default_pool_bytes,
-                                              settings_from_env)
+from torch_wgpu_lora.runtime.settings import (GEMMS_ENV, POOL_ENV, SHADER_CHECKS_ENV, SUBGROUPS_ENV, Settings,
+                                              default_pool_bytes, settings_from_env)
 
 from .helpers import run_python
 
@@ -14,7 +14,7 @@ GIB = 1 << 30
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in (SHADER_CHECKS_ENV, SUBGROUPS_ENV, POOL_ENV):
+    for name in (SHADER_CHECKS_ENV, SUBGROUPS_ENV, POOL_ENV, GEMMS_ENV):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -34,7 +34,8 @@ def test_variables_give_the_defaults(clean_env):
     clean_env.setenv(SHADER_CHECKS_ENV, "full")
     clean_env.setenv(SUBGROUPS_ENV, "0")
     clean_env.setenv(POOL_ENV, "256")
-    assert settings_from_env(24 * GIB) == Settings("full", False, 256 << 20)
+    clean_env.setenv(GEMMS_ENV, "general")
+    assert settings_from_env(24 * GIB) == Settings("full", False, 256 << 20, "general")
     clean_env.setenv(POOL_ENV, "0")  # keep no freed buffer
     assert settings_from_env(None).pool_bytes == 0
 
@@ -44,6 +45,7 @@ def test_variables_give_the_defaults(clean_env):
     (SUBGROUPS_ENV, "yes", f"{SUBGROUPS_ENV} must be 1 (use subgroups where the adapter has them) or 0, got 'yes'"),
     (POOL_ENV, "1.5G", f"{POOL_ENV} must be a whole number of MiB >= 0, got '1.5G'"),
     (POOL_ENV, "-3", f"{POOL_ENV} must be a whole number of MiB >= 0, got '-3'"),
+    (GEMMS_ENV, "fast", f"{GEMMS_ENV} must be one of measured, general, matrix_units, got 'fast'"),
 ])
 def test_a_bad_variable_is_one_clear_error_naming_it(clean_env, name, value, said):
     clean_env.setenv(name, value)

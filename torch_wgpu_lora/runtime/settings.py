@@ -17,6 +17,10 @@ settings as they were. Environment variables give the defaults, read once when t
 * ``subgroups`` (``TORCH_WGPU_LORA_SUBGROUPS``, ``1`` or ``0``, default ``1``): kernels use the
   subgroup parts of ``wgsl/`` where the adapter has subgroups; ``0`` keeps the barrier-only
   parts everywhere (for comparisons and tests).
+* ``gemms`` (``TORCH_WGPU_LORA_GEMMS``, default ``measured``): which variant of a GEMM kind runs where
+  several could (``engine/kernels/gemms.py``): ``measured``, the fastest on this device, timed once
+  per shape; ``general`` (the general cores) or ``matrix_units``, that one wherever it runs (for
+  tests and comparisons: both give the same values, or values within the kind's stated accuracy).
 * ``pool_bytes`` (``TORCH_WGPU_LORA_POOL_MIB``, in MiB): how many bytes of freed buffers the
   buffer pool keeps for reuse; the rest are destroyed when freed. The default scales with the
   device's memory: 1/64 of it (a 24 GiB CPU adapter keeps 384 MiB, a 141 GiB GPU 2.2 GiB), and
@@ -33,6 +37,8 @@ from dataclasses import dataclass
 SHADER_CHECKS = ("full", "bounds", "none")
 DEFAULT_SHADER_CHECKS = "bounds"
 SHADER_CHECKS_ENV = "TORCH_WGPU_LORA_SHADER_CHECKS"
+GEMMS = ("measured", "general", "matrix_units")
+GEMMS_ENV = "TORCH_WGPU_LORA_GEMMS"
 SUBGROUPS_ENV = "TORCH_WGPU_LORA_SUBGROUPS"
 POOL_ENV = "TORCH_WGPU_LORA_POOL_MIB"
 POOL_SHARE = 64  # the pool keeps up to 1/POOL_SHARE of the device's memory by default
@@ -46,10 +52,13 @@ class Settings:
     shader_checks: str = DEFAULT_SHADER_CHECKS
     subgroups: bool = True
     pool_bytes: int = POOL_BYTES_UNKNOWN_MEMORY
+    gemms: str = "measured"
 
     def __post_init__(self) -> None:
         if self.shader_checks not in SHADER_CHECKS:
             raise ValueError(f"shader_checks must be one of {', '.join(SHADER_CHECKS)}, got {self.shader_checks!r}")
+        if self.gemms not in GEMMS:
+            raise ValueError(f"gemms must be one of {', '.join(GEMMS)}, got {self.gemms!r}")
         if not isinstance(self.subgroups, bool):
             raise TypeError(f"subgroups must be True or False, got {self.subgroups!r}")
         if isinstance(self.pool_bytes, bool) or not isinstance(self.pool_bytes, int) or self.pool_bytes < 0:
@@ -86,4 +95,7 @@ def settings_from_env(memory_bytes: int | None) -> Settings:
         pool_bytes = mib << 20
     else:
         pool_bytes = default_pool_bytes(memory_bytes)
-    return Settings(checks, subgroups == "1", pool_bytes)
+    gemms = os.environ.get(GEMMS_ENV, "measured")
+    if gemms not in GEMMS:
+        raise ValueError(f"{GEMMS_ENV} must be one of {', '.join(GEMMS)}, got {gemms!r}")
+    return Settings(checks, subgroups == "1", pool_bytes, gemms)

@@ -30,7 +30,8 @@ from ..workspace import Workspace
 from . import dummy
 from .attention.decode import DecodePartials
 from .dropout import SiteDropout, dropout_params
-from .gemms import MmaTile, default_tile, fastest, int8_matrix_units, mma_shape
+from .gemms import (MmaTile, default_tile, fastest, int8_matrix_units, matrix_units_wanted_where_there_are_none,
+                    mma_shape)
 from .projection import MODES, check_vec4_rows, gemv_max_tokens, input_grad_launches, input_grad_splits
 from .rope import RopeTarget
 
@@ -180,7 +181,7 @@ def matrix_units_win(device: Device, tokens: int, proj: Projection) -> bool:
     shape (a grid of few blocks leaves the GPU idle) and on the device. Both give the same values, so
     the choice changes only the time. False without int8 subgroup matrices."""
     if not int8_matrix_units(device):
-        return False
+        return matrix_units_wanted_where_there_are_none(device)
     k_words = proj.weight.shape[1]
     codes = Buffer((tokens, 4 * k_words), "u32", device)
     meta, out = Buffer((2 * tokens,), device=device), Buffer((tokens, proj.rows), device=device)
@@ -302,7 +303,7 @@ def input_grad_on_matrix_units(device: Device, tokens: int, proj: Projection, k:
     the general cores (``gemms.fastest``: measured once per shape); False without int8 subgroup matrices.
     Both are within float32 accuracy of the exact sum (``bitlinear_t_mma.wgsl`` bounds the error)."""
     if not int8_matrix_units(device):
-        return False
+        return matrix_units_wanted_where_there_are_none(device)
     dy = Buffer((tokens, proj.rows), device=device)
     out = Buffer((tokens, -(-k // 4) * 4), device=device)
 

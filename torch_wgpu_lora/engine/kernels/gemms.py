@@ -86,6 +86,15 @@ def int8_matrix_units(device: Device) -> bool:
     return subgroup_matrix_config(device, "i8", "i32") is not None
 
 
+def matrix_units_wanted_where_there_are_none(device: Device) -> bool:
+    """False, for a device without int8 matrix units, unless its ``gemms`` setting asks for them:
+    then a ValueError saying so, rather than a silent run on the general cores."""
+    if device.settings.gemms == "matrix_units":
+        raise ValueError(f"the gemms setting asks for the matrix units, and this device ({device.name}) has no int8 "
+                         f"subgroup matrices ({device.subgroup_matrix_configs or 'none'})")
+    return False
+
+
 def mma_shape(device: Device, tile: MmaTile, transposed: bool) -> MmaShape:
     """``tile`` on ``device``'s int8 configuration, checked against what the kernel and the device
     allow (ValueError naming what does not fit)."""
@@ -181,8 +190,15 @@ def fastest(device: Device, kind: str, shape: tuple[int, ...], candidates: dict[
     ``shape``) on ``device``: each is timed once per (kind, shape) with timestamps (three runs, the
     best), and the answer kept in the device's state. The variants give the same values, or values
     within the kind's stated accuracy, so the choice changes only the time. With one candidate, or
-    without timestamps, the first."""
+    without timestamps, the first. The device's ``gemms`` setting, where it names a variant, wins:
+    ValueError where that variant is not among the candidates (the device cannot run it)."""
     names = list(candidates)
+    wanted = device.settings.gemms
+    if wanted != "measured":
+        if wanted not in names:
+            raise ValueError(f"the gemms setting asks for {wanted!r} {kind} GEMMs, which this device "
+                             f"({device.name}) cannot run; it runs {names}")
+        return wanted
     if len(names) == 1 or not device.has_timestamps:
         return names[0]
     choices = device.owned("gemm_choices", dict)
