@@ -760,8 +760,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also HF + PEFT generate at these batch sizes (e.g. 1,16), eager and on a static cache "
                         "compiled")
     parser.add_argument("--checks", default=DEFAULT_SHADER_CHECKS, help="shader-check modes to measure the engine "
-                        "in, e.g. bounds,full (TORCH_WGPU_LORA_SHADER_CHECKS); results of modes other than the default "
-                        "are keyed with a suffix")
+                        "in, e.g. bounds,full (TORCH_WGPU_LORA_SHADER_CHECKS; on Dawn one mode, the device's); the "
+                        "first is measured beside HF + PEFT, the others' results are keyed with a suffix")
     parser.add_argument("--drop-in", type=int, default=0, metavar="SEQ",
                         help="also time the drop-in path (CPU model, LoRALinear on WebGPU vs torch) at SEQ tokens")
     parser.add_argument("--drop-in-steps", type=int, default=3, help="timed drop-in steps per backend (default: 3)")
@@ -797,10 +797,12 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     default_settings = engine.device.settings
-    for checks in args.checks.split(","):  # kernels and plans are keyed on the mode: each gets its own
+    modes = args.checks.split(",")
+    result["shader_checks"] = modes[0]  # the mode of the unsuffixed figures, beside HF + PEFT's
+    for checks in modes:  # kernels and plans are keyed on the mode: each gets its own
         engine.device.configure(shader_checks=checks)
         engine.release_plans()
-        suffix = "" if checks == DEFAULT_SHADER_CHECKS else f"_{checks}"
+        suffix = "" if checks == modes[0] else f"_{checks}"
         result["engine" + suffix] = measure_engine(engine, args.prompt, args.new_tokens, args.prefill, args.repeats,
                                                    args.tokens_per_submit, log)
         prefill = result["engine" + suffix]["prefill"]
