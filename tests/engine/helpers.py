@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from torch_wgpu_lora import BitNetEngine, WgpuAdamW
+from torch_wgpu_lora.engine import GenerationRequest, Generated
 from torch_wgpu_lora.demo import demo_records
 from torch_wgpu_lora.engine.workspace import Workspace
 from torch_wgpu_lora.integrations.bitnet import apply_lora, lora_parameters, load_bitnet
@@ -331,6 +332,20 @@ def assert_twins_agree(engine: BitNetEngine, model: torch.nn.Module, twin: torch
 
 
 # -- generation ----------------------------------------------------------------------------------------
+
+def generate_batch(engine: BitNetEngine, prompts: list[list[int]], max_new_tokens: int, eos: set[int], *,
+                   seeds: list[int] | None = None, tokens_per_submit: int = 8, on_token: Any = None,
+                   **sampling: Any) -> list[Generated]:
+    """``engine.generate_batch`` of the request these arguments make."""
+    return engine.generate_batch(GenerationRequest(prompts, max_new_tokens, eos, seeds=seeds, sampling=sampling,
+                                                   on_token=on_token, tokens_per_submit=tokens_per_submit))
+
+
+def generate_alone(engine: BitNetEngine, prompt: list[int], max_new_tokens: int, eos: set[int], *, seed: int = 0,
+                   **options: Any) -> Generated:
+    """``engine.generate_batch`` of the one prompt ``prompt`` (with sampling seed ``seed``)."""
+    return generate_batch(engine, [prompt], max_new_tokens, eos, seeds=[seed], **options)[0]
+
 
 def tiny_tokenizer() -> Any:
     """A byte-level BPE tokenizer trained on the demo records (special tokens 0, 1, 2: bos, eos, pad)."""

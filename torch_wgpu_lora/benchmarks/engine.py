@@ -28,8 +28,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..engine import BitNetEngine
-from ..engine.generate import engine_generate, engine_generate_batch
+from ..engine import BitNetEngine, GenerationRequest
 from ..engine.kernels.attention import keeps_probabilities, scores_kept_whole
 from ..integrations.bitnet import (PROJECTIONS, apply_lora, lora_modules, lora_parameters, projection, set_backend,
                                    swapped_dropout)
@@ -226,11 +225,12 @@ def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: in
 
     # decode: new_tokens greedy tokens after a prompt of `prompt` tokens
     prompt_ids = torch.randint(0, vocab, (prompt,), generator=g).tolist()
-    engine_generate(engine, prompt_ids, new_tokens, set(), tokens_per_submit=tokens_per_submit)  # warm-up
+    request = GenerationRequest([prompt_ids], new_tokens, tokens_per_submit=tokens_per_submit)
+    engine.generate_batch(request)  # warm-up
     walls = []
     for _ in range(max(1, repeats // 2)):
         t0 = time.perf_counter()
-        tokens, _ = engine_generate(engine, prompt_ids, new_tokens, set(), tokens_per_submit=tokens_per_submit)
+        tokens = engine.generate_batch(request)[0].tokens
         walls.append(time.perf_counter() - t0)
     wall = statistics.median(walls)
     s = engine.decode_session(1, prompt, new_tokens)
@@ -620,7 +620,7 @@ def measure_decode_batches(engine: Any, batches: list[int], prompt: int, new_tok
         prompts = torch.randint(0, engine.engine_config.vocab, (batch, prompt), generator=g).tolist()
 
         def generation() -> None:
-            engine_generate_batch(engine, prompts, new_tokens, set(), tokens_per_submit=tokens_per_submit)
+            engine.generate_batch(GenerationRequest(prompts, new_tokens, tokens_per_submit=tokens_per_submit))
 
         wall = _median_wall(generation, 1, repeats)
         out[str(batch)] = {"prompt": prompt, "new_tokens": new_tokens, "wall_s": wall,

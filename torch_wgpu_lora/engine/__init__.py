@@ -13,6 +13,7 @@ the KV cache and sampling on the GPU), ``generate_api`` (transformers' ``generat
 report).
 """
 
+from .generate import GenerationRequest, Generated
 from .model import ENGINES, BitNetEngine, choose_engine
 
-__all__ = ["ENGINES", "BitNetEngine", "choose_engine"]
+__all__ = ["ENGINES", "BitNetEngine", "GenerationRequest", "Generated", "choose_engine"]

@@ -5,6 +5,7 @@
 >>> # out = engine(input_ids, attention_mask=mask, labels=labels)
 >>> # out.logits, out.loss                         # like transformers' CausalLMOutputWithPast
 >>> # engine.generate(input_ids, attention_mask=mask, max_new_tokens=32)  # like transformers' generate
+>>> # engine.generate_batch(GenerationRequest([[1, 17, 42], [1, 5]], max_new_tokens=32))  # token ids in and out
 
 The engine shares the model's LoRA Parameters (it does not copy them): whatever changes them
 (a torch optimizer, ``load_adapter``, an in-place edit) is uploaded before the next call. The
@@ -46,9 +47,9 @@ from ..runtime import Device, get_device
 from ..runtime.buffers import pool_for, staging_for
 from .adapters import EngineAdapters, check_adapters, refuse_peft_layers
 from .config import EngineConfig
-from .generate import DecodeSession
-from .generate_api import engine_transformers_generate
-from .inputs import check_inputs, pad_micro_batch
+from .generate import DecodeSession, GenerationRequest, Generated
+from .generate_api import TransformersCall
+from .inputs import check_inputs, check_prompts, pad_micro_batch
 from .plan import ForwardPlan, KVCache
 from .step import DEFAULT_BUCKET_BYTES, OptimizerStep, check_bucket_bytes
 from .train_plan import TrainPlan
@@ -227,6 +228,25 @@ class BitNetEngine(nn.Module):
             dropout = (_dropout_seed() if dropout_seed is None else dropout_seed, p) if p else None
             return plan.loss_and_grads(ids, labels, lengths, dropout=dropout, codes=codes, positions=positions)
 
+    # -- generation ---------------------------------------------------------------------------------
+
+    def generate_batch(self, request: GenerationRequest) -> list[Generated]:
+        """Up to ``request.max_new_tokens`` after each of ``request.prompts``, every prompt at once on
+        the GPU (``engine.generate``: the KV cache, the next-token choice and the token history stay
+        there; each prompt gets the tokens it gets alone); returns each prompt's ``Generated`` (new
+        ids, whether an EOS token ended them), in order.
+
+        >>> # engine.generate_batch(GenerationRequest([[0, 17, 42], [0, 5]], max_new_tokens=32, eos={1}))
+        """
+        check_prompts(request.prompts, self.engine_config.vocab)
+        if request.max_new_tokens == 0:
+            return [Generated([], False) for _ in request.prompts]
+        with self.lock:  # one GPU pass at a time
+            session = self.decode_session(len(request.prompts), max(len(p) for p in request.prompts),
+                                          request.max_new_tokens, **request.sampling)
+            return session.generate(request.prompts, request.eos, seeds=request.seeds,
+                                    tokens_per_submit=request.tokens_per_submit, on_token=request.on_token)
+
     def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  generation_config: Any = None, streamer: Any = None, tokenizer: Any = None,
                  **kwargs: Any) -> torch.Tensor:
@@ -234,14 +254,17 @@ class BitNetEngine(nn.Module):
         once on WebGPU: returns [batch, input + new tokens] like transformers. ``input_ids`` (or
         ``inputs=``), ``attention_mask`` (left or right padding), ``generation_config`` and keyword
         settings as transformers takes them; what is supported, and what is refused:
-        ``engine.generate_api``.
+        ``engine.generate_api``, which translates them into a ``generate_batch`` request and its
+        result into transformers' layout.
 
         >>> # out = engine.generate(**tokenizer(prompts, padding=True, return_tensors="pt"), max_new_tokens=32)
         """
         if input_ids is None:
             input_ids = kwargs.pop("inputs", None)
-        return engine_transformers_generate(self, input_ids, attention_mask, generation_config, streamer, tokenizer,
-                                            **kwargs)
+        call = TransformersCall.from_arguments(self.engine_config, getattr(self.model, "generation_config", None),
+                                               input_ids, attention_mask, generation_config, streamer, tokenizer,
+                                               kwargs)
+        return call.output(self.generate_batch(call.request))
 
     # -- the fast path: a whole optimizer step in one submit (a few with a gradient exchange) ---------
 
