@@ -30,7 +30,7 @@ _EXPORTS = {
     "load_adapter": "integrations.peft",
     "from_peft": "integrations.peft",
     "compare_gradients": "integrations.gradcheck",
-    "WgpuAdamW": "optim",
+    "WgpuAdamW": "ops.optimizer",
     "Trainer": "training.trainer",
     "TrainerCallback": "training.trainer",
     "train": "training.trainer",

@@ -25,7 +25,7 @@ from torch_wgpu_lora.training import checkpoint as checkpoint_module
 from torch_wgpu_lora.loss import IGNORE_INDEX
 from torch_wgpu_lora.training.data import Example, collate, encode_records, pack, read_records
 from torch_wgpu_lora.training.metrics import MetricsLog, plot_loss
-from torch_wgpu_lora.optim import WgpuAdamW
+from torch_wgpu_lora.ops.optimizer import WgpuAdamW
 from torch_wgpu_lora.training.schedule import make_scheduler
 from torch_wgpu_lora.training.trainer import TrainerCallback, TrainingStopped, accumulate_gradients, evaluate
 

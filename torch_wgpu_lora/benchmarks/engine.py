@@ -33,7 +33,7 @@ from ..engine.kernels.attention import keeps_probabilities, scores_kept_whole
 from ..integrations.bitnet import (PROJECTIONS, apply_lora, lora_modules, lora_parameters, projection, set_backend,
                                    swapped_dropout)
 from ..ops import lora as lora_ops
-from ..optim import WgpuAdamW
+from ..ops.optimizer import WgpuAdamW
 from ..runtime import Recorder, get_device, recorder, synchronize, write
 from ..runtime.buffers import pool_for
 from ..runtime.settings import DEFAULT_SHADER_CHECKS

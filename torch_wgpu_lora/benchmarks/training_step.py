@@ -8,7 +8,7 @@ import torch
 
 from ..demo import build_demo_checkpoint, demo_records
 from ..integrations.bitnet import apply_lora, load_model_and_tokenizer, lora_parameters, set_backend
-from ..optim import WgpuAdamW
+from ..ops.optimizer import WgpuAdamW
 from ..training.data import collate, encode_records
 from ..training.trainer import accumulate_gradients
 from .timing import median_wall

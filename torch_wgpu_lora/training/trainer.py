@@ -75,7 +75,7 @@ from ..integrations.bitnet import lora_parameters
 from ..integrations.peft import from_peft, peft_layers
 from ..limits import check_context, model_context
 from ..loss import causal_lm_loss, labelled_tokens
-from ..optim import WgpuAdamW, clip_grad_norm
+from ..ops.optimizer import WgpuAdamW, clip_grad_norm
 from .checkpoint import (DamagedCheckpoint, checkpoint_name, checkpoint_step, latest_checkpoint, list_checkpoints,
                          load_checkpoint, read_checkpoint, read_rank_rngs, remove_unfinished, rng_state,
                          save_checkpoint, set_rng_state)
