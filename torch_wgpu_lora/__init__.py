@@ -26,7 +26,7 @@ _EXPORTS = {
     "lora_parameters": "integrations.bitnet",
     "lora_state_dict": "integrations.bitnet",
     "load_bitnet": "integrations.bitnet",
-    "save_adapter": "integrations.adapters",
+    "save_adapter": "integrations.adapter_files",
     "load_adapter": "integrations.peft",
     "from_peft": "integrations.peft",
     "compare_gradients": "integrations.gradcheck",

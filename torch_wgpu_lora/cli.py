@@ -209,7 +209,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from .config import LoraConfig
-    from .integrations.bitnet import apply_lora
+    from .integrations.peft import apply_lora
     from .training.data import read_records
     from .training.distributed import DataParallel
     from .training.trainer import Trainer, earlier_run
@@ -265,8 +265,9 @@ def _train(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .generation import generate
-    from .integrations.adapters import check_adapter_path, load_adapter
+    from .integrations.adapter_files import check_adapter_path
     from .integrations.bitnet import set_backend
+    from .integrations.peft import load_adapter
 
     if args.prompts_file is not None:
         if args.output is None:
@@ -316,9 +317,10 @@ def cmd_gradcheck(args: argparse.Namespace) -> int:
 
     from .config import LoraConfig
     from .demo import build_demo_checkpoint
-    from .integrations.adapters import check_adapter_path, load_adapter
-    from .integrations.bitnet import apply_lora, lora_modules
+    from .integrations.adapter_files import check_adapter_path
+    from .integrations.bitnet import lora_modules
     from .integrations.gradcheck import check_parity
+    from .integrations.peft import apply_lora, load_adapter
 
     if args.adapter is not None:
         check_adapter_path(args.adapter)

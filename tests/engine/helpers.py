@@ -15,7 +15,7 @@ from torch_wgpu_lora import BitNetEngine, WgpuAdamW
 from torch_wgpu_lora.engine import GenerationRequest, Generated
 from torch_wgpu_lora.demo import demo_records
 from torch_wgpu_lora.engine.workspace import Workspace
-from torch_wgpu_lora.integrations.bitnet import apply_lora, lora_parameters, load_bitnet
+from torch_wgpu_lora.integrations.bitnet import add_lora_layers, lora_parameters, load_bitnet
 from torch_wgpu_lora.integrations.gradcheck import ParityCheck, randomize_lora_B
 from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE, FeedStats, feeding_codes
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
@@ -43,7 +43,7 @@ def tiny_model(flavour: str, adapters: bool, seed: int = 0, **config) -> torch.n
     projections whose B is random (so every adapter changes the logits)."""
     model = load_bitnet(build_tiny_bitnet(tempfile.mkdtemp(), flavour=flavour, seed=seed, **config))
     if adapters:
-        apply_lora(model, r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
+        add_lora_layers(model, r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for name, p in model.named_parameters():

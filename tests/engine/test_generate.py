@@ -14,7 +14,7 @@ from torch_wgpu_lora.engine.kernels.bitlinear import GEMV_GROUP
 from torch_wgpu_lora.engine.plan import ForwardPlan, KVCache
 from torch_wgpu_lora.engine.program import read_codes
 from torch_wgpu_lora.engine.workspace import Workspace
-from torch_wgpu_lora.integrations.bitnet import apply_lora
+from torch_wgpu_lora.integrations.bitnet import add_lora_layers
 from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE, FeedStats, feeding_codes
 from torch_wgpu_lora.integrations.tiny import FLAVOURS
 from torch_wgpu_lora.logits import process_logits
@@ -72,7 +72,7 @@ def test_decoded_logits_match_transformers_fed_the_engines_codes(flavour, config
     # cache (the default on GPUs), unfused: the default on CPU adapters.
     model = tiny_model(flavour, adapters == "all", seed=6, **CONFIGS[config])
     if adapters == "q-v":  # BitNet-2B's benchmark shape: the o, mlp and down sites fuse their norms
-        apply_lora(model, r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"))
+        add_lora_layers(model, r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"))
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -88,7 +88,7 @@ def test_loss_is_transformers_shifted_mean_over_labelled_tokens():
 
 
 def test_adapter_changes_reach_the_engine_without_a_new_engine():
-    from torch_wgpu_lora.integrations.adapters import load_adapter, save_adapter
+    from torch_wgpu_lora.integrations.adapter_files import load_adapter_file, save_adapter
 
     model = tiny_model("dense", True)
     engine = BitNetEngine(model)
@@ -103,7 +103,7 @@ def test_adapter_changes_reach_the_engine_without_a_new_engine():
     stepped = engine(ids).logits
     assert not torch.equal(stepped, before)
     assert_close(stepped, torch_logits(model, ids, mask), LOGIT_RTOL, "logits after a step")
-    load_adapter(model, folder)  # load_adapter brings the saved values back
+    load_adapter_file(model, folder)  # load_adapter brings the saved values back
     assert_close(engine(ids).logits, before, LOGIT_RTOL, "logits after load_adapter")
 
 

@@ -30,7 +30,7 @@ import torch
 
 from ..engine import BitNetEngine, GenerationRequest
 from ..engine.kernels.attention import keeps_probabilities, scores_kept_whole
-from ..integrations.bitnet import (PROJECTIONS, apply_lora, lora_modules, lora_parameters, projection, set_backend,
+from ..integrations.bitnet import (PROJECTIONS, add_lora_layers, lora_modules, lora_parameters, projection, set_backend,
                                    swapped_dropout)
 from ..ops import lora as lora_ops
 from ..ops.optimizer import WgpuAdamW
@@ -102,7 +102,7 @@ def packed_model(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0
 
 def with_adapters(model: torch.nn.Module, rank: int, seed: int) -> torch.nn.Module:
 
-    apply_lora(model, r=rank, lora_alpha=2 * rank, target_modules=("q_proj", "v_proj"), seed=seed)
+    add_lora_layers(model, r=rank, lora_alpha=2 * rank, target_modules=("q_proj", "v_proj"), seed=seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
