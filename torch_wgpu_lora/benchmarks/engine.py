@@ -11,7 +11,7 @@ kernel family from timestamp queries, dispatches per layer and per decoded token
 per decoded token not hidden behind GPU work, and memory (the engine's own allocations;
 torch's peak on CUDA).
 
->>> # python -m benchmarks.engine --out $OUT/engine --layers 30
+>>> # python -m torch_wgpu_lora.benchmarks.engine --out $OUT/engine --layers 30
 """
 
 from __future__ import annotations
@@ -740,7 +740,7 @@ def measure_hf_generate(config: Any, batches: list[int], prompt: int, new_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m torch_wgpu_lora.benchmarks.engine", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/out/engine", help="folder for engine.json")
     parser.add_argument("--layers", type=int, default=30, help="decoder layers (default: BitNet-2B's 30)")
     parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill figure")
@@ -857,3 +857,7 @@ def main(argv: list[str] | None = None) -> int:
     save()
     log(json.dumps(ratios, indent=1))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
