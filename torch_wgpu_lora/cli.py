@@ -700,8 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     # Before torch loads OpenMP (it is read once): on a CPU adapter, lavapipe runs the WebGPU
     # kernels on the cores where PyTorch's OpenMP threads spin-wait between operations, and
-    # spinning threads starve it (measured on 2 busy cores: the demo's first evaluation 14 s
-    # instead of 3 s, 40 training steps up to 60 s instead of 13 s). A user's setting wins.
+    # spinning threads starve it (benchmarks/RESULTS.md, "On lavapipe"). A user's setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -41,8 +41,8 @@ from .report import write_json
 from .timing import arithmetic_rate, median_interval
 
 Log = Callable[[str], None]
-# Seconds of prefill passes before the first timed one: on a machine just started, the first
-# passes' GPU time was 62.6 ms against 39.1 ms once warm (the H200's clocks ramping up).
+# Seconds of prefill passes before the first timed one: a GPU just started runs its first passes at
+# a lower clock (benchmarks/RESULTS.md, "What is measured, and how", gives what it cost).
 WARM_UP_S = 1.0
 DROPOUT = 0.05  # the LoRA dropout of the "<seq>_dropout" training figures (common in Alpaca recipes)
 

@@ -416,9 +416,8 @@ def choose_engine(model: nn.Module, engine: str = "auto") -> BitNetEngine | None
     engine when the adapter is a GPU and the engine can run the model, else none.
 
     Why not on a CPU adapter: there the engine's kernels, shaped for GPUs, run on the same cores
-    as torch's own CPU kernels and lose to them (measured with the demo model on lavapipe, 2
-    cores: 1.9 s a training step on the engine, 0.25 s with the base in torch and the adapters on
-    WebGPU). ``"wgpu"`` still runs the engine there (the tests do).
+    as torch's own CPU kernels and lose to them (``benchmarks/RESULTS.md``, "On lavapipe", gives
+    the figures). ``"wgpu"`` still runs the engine there (the tests do).
 
     >>> # runner = choose_engine(model, "auto") or model
     """
