@@ -12,6 +12,8 @@ gives the commands of its runs and the figures, rendered from those files by ``t
 * ``engine``: the whole model (``BitNetEngine``) at BitNet-2B shapes against HF transformers + PEFT.
 * ``launches``: per-launch GPU time of the decode-shaped kernels, per launch shape.
 * ``decode_chain``: each kind of launch's marginal cost inside a decoded token's chain.
+* ``matrix_units``: the matrix units' ceiling and each GEMM kind of ``engine/kernels/gemms.py``
+  beside torch's GEMMs.
 * ``distributed``: data-parallel training over processes.
 * ``report``: the files under ``--out``, written atomically (text, JSON).
 * ``tables``: the tables of ``benchmarks/RESULTS.md`` and the README, rendered from the results' JSON.
