@@ -3,7 +3,7 @@
 # network. On a machine with a network, from the repository's root, once:
 #     bash scripts/h200_env.sh download    # the loader's .deb files into .gl/, wgpu's wheels into .whl/
 # then copy the checkout (with .gl/ and .whl/) to the GPU machine and, from its root:
-#     . scripts/h200_env.sh && python3 -m benchmarks.engine --out OUT --repeats 3 --train-steps 5
+#     . scripts/h200_env.sh && python3 -m torch_wgpu_lora.benchmarks.engine --out OUT --repeats 3 --train-steps 5
 # Sourcing unpacks the loader into / (a throwaway machine's), installs the wheels into
 # /tmp/site and points the loader at NVIDIA's Vulkan driver.
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.abc
 import json
 import os
@@ -16,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from torch_wgpu_lora.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
-from torch_wgpu_lora.integrations.adapters import load_adapter, save_adapter
-from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet, lora_modules
+from torch_wgpu_lora.integrations.adapter_files import load_adapter_file, save_adapter
+from torch_wgpu_lora.integrations.bitnet import add_lora_layers, load_bitnet, lora_modules
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
 from torch_wgpu_lora.prompts import format_prompt
 
@@ -63,7 +65,7 @@ def python_generation(model: Path, adapter: Path | None, prompt: str, **options)
 
     loaded = load_bitnet(model)
     if adapter is not None:
-        load_adapter(loaded, adapter)
+        load_adapter_file(loaded, adapter)
     return generate(loaded, AutoTokenizer.from_pretrained(model), prompt, use_template=True, **options)
 
 
@@ -378,7 +380,7 @@ def test_an_error_is_reported_without_importing_what_failed_to_load(capsys, monk
 # -- commands that work ---------------------------------------------------------------------------
 
 def test_generate_with_an_adapter_continues_as_the_library_does(capsys, tiny, tmp_path):
-    model = apply_lora(load_bitnet(tiny["dense"]), r=4, lora_alpha=8)
+    model = add_lora_layers(load_bitnet(tiny["dense"]), r=4, lora_alpha=8)
     with torch.no_grad():  # nonzero B: the adapter changes the model
         generator = torch.Generator().manual_seed(0)
         for m in lora_modules(model).values():
@@ -479,7 +481,7 @@ def test_train_then_generate_with_the_adapter(capsys, tiny, tmp_path):
                  "--max-steps", "3", "--batch-size", "2", "--lr", "1e-2", "--rank", "4", "--no-progress"]) == EXIT_OK
     out = capsys.readouterr().out
     assert "trained 3 steps" in out and f"adapter (PEFT layout): {run / 'adapter'}" in out
-    model = load_adapter(load_bitnet(tiny["dense"]), run / "adapter")
+    model = load_adapter_file(load_bitnet(tiny["dense"]), run / "adapter")
     modules = lora_modules(model)
     assert sorted({name.rsplit(".", 1)[-1] for name in modules}) == ["q_proj", "v_proj"]
     assert all(m.r == 4 and m.lora_B.abs().max() > 0 for m in modules.values())  # trained: B left zero
@@ -493,6 +495,72 @@ def test_train_then_generate_with_the_adapter(capsys, tiny, tmp_path):
     fails_with(capsys, ["train", "--model", str(tiny["dense"]), "--data", str(tiny["data"]), "--output", str(run),
                         "--max-steps", "5", "--batch-size", "2", "--lr", "1e-2", "--rank", "4", "--resume",
                         "--no-progress"], "total_steps: 3 there, 5 here")
+
+
+def test_the_models_the_commands_make_have_peft_model_api(capsys, tiny, tmp_path, monkeypatch):
+    # train, generate --adapter and gradcheck put adapters on their model with the package's exported
+    # apply_lora / load_adapter, so it has PeftModel's methods, as a model of torch_wgpu_lora.apply_lora
+    # has: peft's trainable counts, the base model's logits with the adapter disabled, named adapters.
+    import peft
+    from transformers import AutoTokenizer, BitNetForCausalLM
+
+    from torch_wgpu_lora import generation
+    from torch_wgpu_lora.integrations import gradcheck
+    from torch_wgpu_lora.training import trainer
+
+    made: dict[str, torch.nn.Module] = {}
+
+    real_train = trainer.Trainer.train
+
+    @functools.wraps(real_train)
+    def recording_train(self, *args, **kwargs):
+        made["train"] = self.model
+        return real_train(self, *args, **kwargs)
+
+    @functools.wraps(generation.generate)  # the command line reads its defaults from the signature
+    def recording_generate(runner, *args, **kwargs):
+        made["generate"] = runner  # --engine torch: the model itself
+        return ""
+
+    real_check_parity = gradcheck.check_parity
+
+    @functools.wraps(real_check_parity)
+    def recording_check_parity(model, *args, **kwargs):
+        made["gradcheck"] = model
+        return real_check_parity(model, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.Trainer, "train", recording_train)
+    monkeypatch.setattr(generation, "generate", recording_generate)
+    monkeypatch.setattr(gradcheck, "check_parity", recording_check_parity)
+    dense, run = str(tiny["dense"]), tmp_path / "run"
+    assert main(["train", "--model", dense, "--data", str(tiny["data"]), "--output", str(run), "--max-steps", "2",
+                 "--lr", "1e-2", "--rank", "4", "--engine", "torch", "--no-progress"]) == EXIT_OK
+    assert main(["generate", "--model", dense, "--adapter", str(run / "adapter"), "--prompt", "Hi",
+                 "--max-new-tokens", "2", "--engine", "torch"]) == EXIT_OK
+    assert main(["gradcheck", "--model", dense, "--rank", "4", "--batch", "1", "--seq-len", "8",
+                 "--engine", "torch"]) == EXIT_OK
+    capsys.readouterr()
+    assert sorted(made) == ["generate", "gradcheck", "train"]
+
+    base = BitNetForCausalLM.from_pretrained(dense).eval()
+    peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+                        ).print_trainable_parameters()
+    theirs = capsys.readouterr().out
+    ids = AutoTokenizer.from_pretrained(dense)("Name a primary colour.", return_tensors="pt")
+    with torch.no_grad():
+        base_logits = base(**ids).logits
+    for command, model in made.items():
+        model.print_trainable_parameters()
+        assert capsys.readouterr().out == theirs and theirs.startswith("trainable params: "), command
+        model.eval()
+        with torch.no_grad():
+            with model.disable_adapter():  # the base model's own computation: equal, not merely close
+                assert torch.equal(model(**ids).logits, base_logits), command
+            assert model.adapter_names == ["default"] and model.active_adapter == "default", command
+            model.load_adapter(run / "adapter", adapter_name="trained")
+            model.set_adapter("trained")
+            assert model.active_adapter == "trained", command
+            assert not torch.equal(model(**ids).logits, base_logits), command  # the trained adapter is in use
 
 
 def test_gradcheck_prints_the_table_and_passes(capsys, tiny):
@@ -583,7 +651,7 @@ def test_train_and_generate_take_a_gguf_model(capsys, tiny, tmp_path):
     prompt = RECORDS[0]["instruction"]
     assert main(["generate", "--model", str(path), "--adapter", str(run / "adapter"), "--prompt", prompt,
                  "--max-new-tokens", "6", "--engine", "torch"]) == EXIT_OK
-    model = load_adapter(load_bitnet(path), run / "adapter")
+    model = load_adapter_file(load_bitnet(path), run / "adapter")
     assert all(m.lora_B.abs().max() > 0 for m in lora_modules(model).values())  # trained
     expected = generate(model, load_gguf_tokenizer(path), prompt, use_template=True, max_new_tokens=6)
     assert capsys.readouterr().out == expected + "\n"
@@ -635,7 +703,7 @@ def test_train_reads_options_from_a_config_file_and_the_command_line_wins(capsys
     assert lrs == expected
     state = json.loads((run / "checkpoints" / "step-000003" / "state.json").read_text())
     assert state["optimizer"]["param_groups"][0]["weight_decay"] == 0.5
-    modules = lora_modules(load_adapter(load_bitnet(tiny["dense"]), run / "adapter"))
+    modules = lora_modules(load_adapter_file(load_bitnet(tiny["dense"]), run / "adapter"))
     assert len(modules) == 14 and all(m.r == 4 for m in modules.values())  # all-linear: 7 projections × 2 layers
 
     json_config = tmp_path / "run.json"

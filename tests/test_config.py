@@ -13,8 +13,8 @@ import torch
 
 import torch_wgpu_lora as twl
 from torch_wgpu_lora.config import LoraConfig
-from torch_wgpu_lora.integrations.adapters import load_adapter, save_adapter
-from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet, lora_modules, set_backend
+from torch_wgpu_lora.integrations.adapter_files import load_adapter_file, save_adapter
+from torch_wgpu_lora.integrations.bitnet import add_lora_layers, load_bitnet, lora_modules, set_backend
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet
 
 
@@ -107,9 +107,9 @@ def test_it_is_exported():
 
 
 def test_apply_lora_takes_a_config_or_fields_and_remembers_it(pristine):
-    by_fields = apply_lora(copy.deepcopy(pristine), r=4, lora_alpha=16, seed=3)
-    by_config = apply_lora(copy.deepcopy(pristine), LoraConfig(r=4, lora_alpha=16, seed=3))
-    overridden = apply_lora(copy.deepcopy(pristine), LoraConfig(r=2, lora_alpha=16, seed=3), r=4)
+    by_fields = add_lora_layers(copy.deepcopy(pristine), r=4, lora_alpha=16, seed=3)
+    by_config = add_lora_layers(copy.deepcopy(pristine), LoraConfig(r=4, lora_alpha=16, seed=3))
+    overridden = add_lora_layers(copy.deepcopy(pristine), LoraConfig(r=2, lora_alpha=16, seed=3), r=4)
     expected = LoraConfig(r=4, lora_alpha=16, seed=3)
     for model in (by_fields, by_config, overridden):
         assert model.lora_config == expected
@@ -129,18 +129,18 @@ def test_apply_lora_refuses_bad_settings_before_changing_the_model(pristine, fie
     model = copy.deepcopy(pristine)
     config = fields.pop("config", None)
     with pytest.raises(error, match=message):
-        apply_lora(model, config, **fields)
+        add_lora_layers(model, config, **fields)
     assert not lora_modules(model) and not hasattr(model, "lora_config")
     assert all(p.requires_grad for p in model.parameters())
 
 
 def test_the_remembered_config_follows_backend_and_loaded_alpha(pristine, tmp_path):
-    model = apply_lora(copy.deepcopy(pristine), r=4, lora_alpha=8)
+    model = add_lora_layers(copy.deepcopy(pristine), r=4, lora_alpha=8)
     set_backend(model, "torch")
     assert model.lora_config.backend == "torch"
-    path = save_adapter(apply_lora(copy.deepcopy(pristine), r=4, lora_alpha=32), tmp_path / "adapter")
-    load_adapter(model, path)
+    path = save_adapter(add_lora_layers(copy.deepcopy(pristine), r=4, lora_alpha=32), tmp_path / "adapter")
+    load_adapter_file(model, path)
     assert model.lora_config.lora_alpha == 32.0 and all(m.lora_alpha == 32.0 for m in lora_modules(model).values())
-    fresh = load_adapter(copy.deepcopy(pristine), path)
+    fresh = load_adapter_file(copy.deepcopy(pristine), path)
     assert (fresh.lora_config.r, fresh.lora_config.lora_alpha, fresh.lora_config.target_modules) == \
         (4, 32.0, ("q_proj", "v_proj"))

@@ -15,7 +15,7 @@ from transformers.integrations.bitnet import AutoBitLinear
 
 from torch_wgpu_lora.demo import (DEMO_CONFIG, DEMO_MODEL_NAME, MANIFEST_NAME, build_demo_checkpoint,
                                   default_demo_path, demo_records, run_demo)
-from torch_wgpu_lora.integrations.adapters import load_adapter
+from torch_wgpu_lora.integrations.adapter_files import load_adapter_file
 from torch_wgpu_lora.integrations.bitnet import load_bitnet, lora_modules
 
 
@@ -100,7 +100,7 @@ def test_run_demo_trains_compares_and_saves_a_loadable_adapter(demo_model, tmp_p
     assert all(row.reference_max > 0 for row in report.rows)  # trained adapters: real gradients, not zeros
     assert result.parity.passed and "within the tolerance" in text
 
-    model = load_adapter(load_eagerly(demo_model), result.adapter)
+    model = load_adapter_file(load_eagerly(demo_model), result.adapter)
     modules = lora_modules(model)
     assert sorted({name.rsplit(".", 1)[-1] for name in modules}) == ["q_proj", "v_proj"]
     assert all(m.r == 8 and m.lora_B.abs().max() > 0 for m in modules.values())

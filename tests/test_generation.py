@@ -21,7 +21,7 @@ import torch_wgpu_lora
 from torch_wgpu_lora.engine import BitNetEngine
 from torch_wgpu_lora.generation import Generation, _eos_ids, generate
 from torch_wgpu_lora.logits import apply_repetition_penalty, process_logits, top_k_filter, top_p_filter
-from torch_wgpu_lora.integrations.bitnet import apply_lora, lora_modules
+from torch_wgpu_lora.integrations.bitnet import add_lora_layers, lora_modules
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
 from torch_wgpu_lora.prompts import format_prompt
 
@@ -45,7 +45,7 @@ def tokenizer(paths):
 @pytest.fixture(scope="module")
 def model(paths):
     model = BitNetForCausalLM.from_pretrained(paths[0])
-    apply_lora(model, r=4, target_modules=("q_proj", "v_proj", "o_proj"), backend="wgpu")
+    add_lora_layers(model, r=4, target_modules=("q_proj", "v_proj", "o_proj"), backend="wgpu")
     generator = torch.Generator().manual_seed(1)
     for module in lora_modules(model).values():
         # lora_B starts at zero; random values make the adapters change every output.

@@ -209,7 +209,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from .config import LoraConfig
-    from .integrations.bitnet import apply_lora
+    from .integrations.peft import apply_lora
     from .training.data import read_records
     from .training.distributed import DataParallel
     from .training.trainer import Trainer, earlier_run
@@ -265,8 +265,9 @@ def _train(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .generation import generate
-    from .integrations.adapters import check_adapter_path, load_adapter
+    from .integrations.adapter_files import check_adapter_path
     from .integrations.bitnet import set_backend
+    from .integrations.peft import load_adapter
 
     if args.prompts_file is not None:
         if args.output is None:
@@ -316,9 +317,10 @@ def cmd_gradcheck(args: argparse.Namespace) -> int:
 
     from .config import LoraConfig
     from .demo import build_demo_checkpoint
-    from .integrations.adapters import check_adapter_path, load_adapter
-    from .integrations.bitnet import apply_lora, lora_modules
+    from .integrations.adapter_files import check_adapter_path
+    from .integrations.bitnet import lora_modules
     from .integrations.gradcheck import check_parity
+    from .integrations.peft import apply_lora, load_adapter
 
     if args.adapter is not None:
         check_adapter_path(args.adapter)
@@ -698,8 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     # Before torch loads OpenMP (it is read once): on a CPU adapter, lavapipe runs the WebGPU
     # kernels on the cores where PyTorch's OpenMP threads spin-wait between operations, and
-    # spinning threads starve it (measured on 2 busy cores: the demo's first evaluation 14 s
-    # instead of 3 s, 40 training steps up to 60 s instead of 13 s). A user's setting wins.
+    # spinning threads starve it (benchmarks/RESULTS.md, "On lavapipe"). A user's setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -44,8 +44,9 @@ import torch
 from .config import LoraConfig
 from .files import make_temp_dir, write_atomic
 from .generation import generate
-from .integrations.bitnet import apply_lora, load_model_and_tokenizer, lora_modules
+from .integrations.bitnet import load_model_and_tokenizer, lora_modules
 from .integrations.gradcheck import ParityCheck, check_parity
+from .integrations.peft import apply_lora
 from .integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
 from .prompts import format_prompt
 from .training.data import collate

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .engine import BitNetEngine
-from .engine.generate import engine_generate_batch
+from .engine import BitNetEngine, GenerationRequest
 from .limits import SEED_LIMIT, check_context, check_seed, model_context
 from .logits import check_processing, process_logits
 from .prompts import check_unicode, format_prompt
@@ -222,8 +221,9 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
             streamer.put(torch.tensor([token]))
             return False  # the streamer ends nothing
 
-        results = engine_generate_batch(engine, prompt_ids, max_new_tokens, eos, seeds=seeds,
-                                        on_token=stream if streamer is not None else None, **sampling)
+        request = GenerationRequest(prompt_ids, max_new_tokens, eos, seeds=seeds, sampling=sampling,
+                                    on_token=stream if streamer is not None else None)
+        results = engine.generate_batch(request)
     else:
         results = [_generate_on_torch(model, ids, max_new_tokens, eos, seed, streamer, **sampling)
                    for ids, seed in zip(prompt_ids, seeds)]

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from torch_wgpu_lora.benchmarks import cli, lora_op, sweep, timing
-from torch_wgpu_lora.benchmarks.lora_op import Case, breakdown, measure, run
-from torch_wgpu_lora.benchmarks.report import to_markdown
+from torch_wgpu_lora.benchmarks.lora_op import Case, breakdown, measure, run, to_markdown
 from torch_wgpu_lora.benchmarks.training_step import training_step
 from torch_wgpu_lora.ops import lora_gpu
 from torch_wgpu_lora.runtime import Buffer, Recorder, get_device, kernel

@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from torch_wgpu_lora import BitNetEngine, WgpuAdamW
+from torch_wgpu_lora.engine import GenerationRequest, Generated
 from torch_wgpu_lora.demo import demo_records
 from torch_wgpu_lora.engine.workspace import Workspace
-from torch_wgpu_lora.integrations.bitnet import apply_lora, lora_parameters, load_bitnet
+from torch_wgpu_lora.integrations.bitnet import add_lora_layers, lora_parameters, load_bitnet
 from torch_wgpu_lora.integrations.gradcheck import ParityCheck, randomize_lora_B
 from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE, FeedStats, feeding_codes
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
@@ -42,7 +43,7 @@ def tiny_model(flavour: str, adapters: bool, seed: int = 0, **config) -> torch.n
     projections whose B is random (so every adapter changes the logits)."""
     model = load_bitnet(build_tiny_bitnet(tempfile.mkdtemp(), flavour=flavour, seed=seed, **config))
     if adapters:
-        apply_lora(model, r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
+        add_lora_layers(model, r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -331,6 +332,20 @@ def assert_twins_agree(engine: BitNetEngine, model: torch.nn.Module, twin: torch
 
 
 # -- generation ----------------------------------------------------------------------------------------
+
+def generate_batch(engine: BitNetEngine, prompts: list[list[int]], max_new_tokens: int, eos: set[int], *,
+                   seeds: list[int] | None = None, tokens_per_submit: int = 8, on_token: Any = None,
+                   **sampling: Any) -> list[Generated]:
+    """``engine.generate_batch`` of the request these arguments make."""
+    return engine.generate_batch(GenerationRequest(prompts, max_new_tokens, eos, seeds=seeds, sampling=sampling,
+                                                   on_token=on_token, tokens_per_submit=tokens_per_submit))
+
+
+def generate_alone(engine: BitNetEngine, prompt: list[int], max_new_tokens: int, eos: set[int], *, seed: int = 0,
+                   **options: Any) -> Generated:
+    """``engine.generate_batch`` of the one prompt ``prompt`` (with sampling seed ``seed``)."""
+    return generate_batch(engine, [prompt], max_new_tokens, eos, seeds=[seed], **options)[0]
+
 
 def tiny_tokenizer() -> Any:
     """A byte-level BPE tokenizer trained on the demo records (special tokens 0, 1, 2: bos, eos, pad)."""

@@ -10,19 +10,18 @@ import pytest
 import torch
 
 from torch_wgpu_lora import BitNetEngine, generate
-from torch_wgpu_lora.engine.generate import engine_generate, engine_generate_batch
 from torch_wgpu_lora.engine.kernels.bitlinear import GEMV_GROUP
 from torch_wgpu_lora.engine.plan import ForwardPlan, KVCache
 from torch_wgpu_lora.engine.program import read_codes
 from torch_wgpu_lora.engine.workspace import Workspace
-from torch_wgpu_lora.integrations.bitnet import apply_lora
+from torch_wgpu_lora.integrations.bitnet import add_lora_layers
 from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE, FeedStats, feeding_codes
 from torch_wgpu_lora.integrations.tiny import FLAVOURS
 from torch_wgpu_lora.logits import process_logits
 from torch_wgpu_lora.runtime import Recorder, write
 
-from .helpers import (CONFIGS, LOGIT_RTOL, assert_close, engine_choice_is_explained_by_a_flip, tiny_model,
-                      tiny_tokenizer, torch_greedy, torch_logits)
+from .helpers import (CONFIGS, LOGIT_RTOL, assert_close, engine_choice_is_explained_by_a_flip, generate_alone,
+                      generate_batch, tiny_model, tiny_tokenizer, torch_greedy, torch_logits)
 
 NEW_TOKENS = 40
 
@@ -73,7 +72,7 @@ def test_decoded_logits_match_transformers_fed_the_engines_codes(flavour, config
     # cache (the default on GPUs), unfused: the default on CPU adapters.
     model = tiny_model(flavour, adapters == "all", seed=6, **CONFIGS[config])
     if adapters == "q-v":  # BitNet-2B's benchmark shape: the o, mlp and down sites fuse their norms
-        apply_lora(model, r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"))
+        add_lora_layers(model, r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"))
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -114,10 +113,10 @@ def test_any_number_of_tokens_a_submit_and_eos_give_the_torch_models_tokens(toke
     prompt_ids = tokenizer("Name a primary colour.")["input_ids"]
     expected = torch_greedy(model, prompt_ids, 20, penalty=1.0)
     for k in (1, 3, 8, 64):
-        assert engine_generate(engine, prompt_ids, 20, set(), tokens_per_submit=k) == (expected, False), k
+        assert generate_alone(engine, prompt_ids, 20, set(), tokens_per_submit=k) == (expected, False), k
     stop = expected[6]
     first = expected.index(stop)
-    tokens, by_eos = engine_generate(engine, prompt_ids, 20, {stop}, tokens_per_submit=4)
+    tokens, by_eos = generate_alone(engine, prompt_ids, 20, {stop}, tokens_per_submit=4)
     assert by_eos and tokens == expected[: first + 1]
 
 
@@ -148,7 +147,7 @@ def test_generation_past_the_context_is_refused(tokenizer):
     engine = BitNetEngine(model)
     limit = model.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"need {limit + 4} positions; the model's context is {limit}"):
-        engine_generate(engine, [1, 2, 3, 4], limit, set())
+        generate_alone(engine, [1, 2, 3, 4], limit, set())
 
 
 def test_a_reused_session_generates_what_the_torch_model_does():
@@ -158,9 +157,9 @@ def test_a_reused_session_generates_what_the_torch_model_does():
     model = tiny_model("dense", adapters=True, seed=5)
     engine = BitNetEngine(model)
     first, second = [5, 9, 2, 7, 11, 3], [8, 1, 6, 4, 10, 12]
-    engine_generate(engine, first, 12, set(), repetition_penalty=5.0)
+    generate_alone(engine, first, 12, set(), repetition_penalty=5.0)
     session = engine.decode_session(1, 6, 12, repetition_penalty=5.0)
-    reused, _ = engine_generate(engine, second, 12, set(), repetition_penalty=5.0)
+    reused, _ = generate_alone(engine, second, 12, set(), repetition_penalty=5.0)
     assert engine.decode_session(1, 6, 12, repetition_penalty=5.0) is session  # nothing new was built
     assert reused == torch_greedy(model, second, 12, penalty=5.0)
 
@@ -195,14 +194,14 @@ def test_a_batch_generates_each_prompts_tokens_alone_on_every_flavour(flavour):
     model = tiny_model(flavour, adapters=True, seed=3)
     engine = BitNetEngine(model)
     prompts = mixed_prompts(model.config.vocab_size)
-    alone = [engine_generate(engine, p, 20, set(), repetition_penalty=1.1) for p in prompts]
-    assert engine_generate_batch(engine, prompts, 20, set(), repetition_penalty=1.1) == alone
+    alone = [generate_alone(engine, p, 20, set(), repetition_penalty=1.1) for p in prompts]
+    assert generate_batch(engine, prompts, 20, set(), repetition_penalty=1.1) == alone
     eos = next({t} for tokens, _ in alone for t in tokens[2:12]
                if sum(t in other for other, _ in alone) < len(alone))  # a token some rows never choose
-    alone = [engine_generate(engine, p, 20, eos, repetition_penalty=1.1) for p in prompts]
+    alone = [generate_alone(engine, p, 20, eos, repetition_penalty=1.1) for p in prompts]
     ended = [by_eos for _, by_eos in alone]
     assert any(ended) and not all(ended)
-    assert engine_generate_batch(engine, prompts, 20, eos, repetition_penalty=1.1) == alone
+    assert generate_batch(engine, prompts, 20, eos, repetition_penalty=1.1) == alone
     lengths = np.zeros(len(prompts), np.uint32)
     rec = Recorder()
     session = engine.decode_session(len(prompts), 13, 20, repetition_penalty=1.1)
@@ -226,10 +225,10 @@ def test_seeded_sampling_in_a_batch_draws_each_rows_tokens_alone():
     prompts = mixed_prompts(model.config.vocab_size, (4, 11, 7), seed=1)
     options = dict(strategy="top_k_top_p", top_k=20, top_p=0.9, temperature=1.3, repetition_penalty=1.2)
     seeds = [7, 8, 9]
-    batch = engine_generate_batch(engine, prompts, 16, set(), seeds=seeds, **options)
-    assert batch == [engine_generate(engine, p, 16, set(), seed=s, **options) for p, s in zip(prompts, seeds)]
-    assert engine_generate_batch(engine, prompts, 16, set(), seeds=seeds, **options) == batch
-    assert engine_generate_batch(engine, prompts, 16, set(), seeds=[1, 2, 3], **options) != batch
+    batch = generate_batch(engine, prompts, 16, set(), seeds=seeds, **options)
+    assert batch == [generate_alone(engine, p, 16, set(), seed=s, **options) for p, s in zip(prompts, seeds)]
+    assert generate_batch(engine, prompts, 16, set(), seeds=seeds, **options) == batch
+    assert generate_batch(engine, prompts, 16, set(), seeds=[1, 2, 3], **options) != batch
 
 
 def test_the_host_ends_a_row_where_on_token_says_and_the_others_run_on():
@@ -245,8 +244,8 @@ def test_the_host_ends_a_row_where_on_token_says_and_the_others_run_on():
         seen[row].append(token)
         return row == 1 and len(seen[row]) == 3
 
-    got = engine_generate_batch(engine, prompts, 12, set(), tokens_per_submit=2, on_token=on_token)
-    alone = [engine_generate(engine, p, 12, set()) for p in prompts]
+    got = generate_batch(engine, prompts, 12, set(), tokens_per_submit=2, on_token=on_token)
+    alone = [generate_alone(engine, p, 12, set()) for p in prompts]
     assert got[1] == (alone[1][0][:3], False) and got[0] == alone[0] and got[2] == alone[2]
     assert [seen[r] for r in range(3)] == [tokens for tokens, _ in got]
     lengths = np.zeros(3, np.uint32)
@@ -266,8 +265,8 @@ def test_batch_limits_are_stated_and_refused_before_anything_runs():
         KVCache(config, most + 1, 64, Workspace(engine.device))
     assert KVCache.nbytes(config, 3, 64) == 2 * config.layers * 3 * config.kv_heads * 64 * config.head_dim * 4
     with pytest.raises(ValueError, match="no prompts to generate for: the list is empty"):
-        engine_generate_batch(engine, [], 4, set())
+        generate_batch(engine, [], 4, set())
     with pytest.raises(ValueError, match=r"prompt 1 must be 1 or more token ids in \[0, 320\), got \[3, 320\]"):
-        engine_generate_batch(engine, [[3], [3, 320]], 4, set())
+        generate_batch(engine, [[3], [3, 320]], 4, set())
     with pytest.raises(ValueError, match=f"need {limit + 4} positions; the model's context is {limit}"):
-        engine_generate_batch(engine, [[3, 4], [3, 4, 5, 6]], limit, set())
+        generate_batch(engine, [[3, 4], [3, 4, 5, 6]], limit, set())

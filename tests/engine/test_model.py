@@ -23,8 +23,8 @@ from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE, FeedStats, fee
 from torch_wgpu_lora.integrations.tiny import FLAVOURS
 
 from ..concurrency import in_forked_child, in_threads
-from .helpers import (CONFIGS, LOGIT_RTOL, LOSS_RTOL, assert_close, batch, forward_with_codes, packed_positions,
-                      tiny_model, torch_logits)
+from .helpers import (CONFIGS, LOGIT_RTOL, LOSS_RTOL, assert_close, batch, forward_with_codes, generate_alone,
+                      packed_positions, tiny_model, torch_logits)
 
 @pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora"])
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -88,7 +88,7 @@ def test_loss_is_transformers_shifted_mean_over_labelled_tokens():
 
 
 def test_adapter_changes_reach_the_engine_without_a_new_engine():
-    from torch_wgpu_lora.integrations.adapters import load_adapter, save_adapter
+    from torch_wgpu_lora.integrations.adapter_files import load_adapter_file, save_adapter
 
     model = tiny_model("dense", True)
     engine = BitNetEngine(model)
@@ -103,7 +103,7 @@ def test_adapter_changes_reach_the_engine_without_a_new_engine():
     stepped = engine(ids).logits
     assert not torch.equal(stepped, before)
     assert_close(stepped, torch_logits(model, ids, mask), LOGIT_RTOL, "logits after a step")
-    load_adapter(model, folder)  # load_adapter brings the saved values back
+    load_adapter_file(model, folder)  # load_adapter brings the saved values back
     assert_close(engine(ids).logits, before, LOGIT_RTOL, "logits after load_adapter")
 
 
@@ -162,8 +162,6 @@ SAME_RTOL = 1e-6
 
 
 def test_threads_sharing_an_engine_each_get_their_own_logits_loss_gradients_and_tokens():
-    from torch_wgpu_lora.engine.generate import engine_generate
-
     model = tiny_model("dense", True)
     engine = BitNetEngine(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -173,7 +171,7 @@ def test_threads_sharing_an_engine_each_get_their_own_logits_loss_gradients_and_
         logits = engine(ids, mask).logits
         out = engine(ids, mask, labels=ids)
         grads = torch.autograd.grad(out.loss, params)
-        tokens, _ = engine_generate(engine, ids[0, :5].tolist(), 6, set())
+        tokens, _ = generate_alone(engine, ids[0, :5].tolist(), 6, set())
         return logits, out.loss, grads, tokens
 
     expected = [run(*x) for x in inputs]

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from torch_wgpu_lora import BitNetEngine, WgpuAdamW
+from torch_wgpu_lora.engine.inputs import check_inputs
 from torch_wgpu_lora.integrations.bitnet import lora_modules, lora_parameters
 from torch_wgpu_lora.integrations.gradcheck import check_parity, randomize_lora_B
 from torch_wgpu_lora.integrations.tiny import FLAVOURS
@@ -168,8 +169,8 @@ def test_loss_backward_fills_grad_through_the_autograd_node(rows):
     out = engine(**data)
     assert out.logits is None and out.loss.requires_grad
     (2.0 * out.loss).backward()
-    ids, lengths, positions = engine.check_inputs(data["input_ids"], data.get("attention_mask"), data["labels"],
-                                                  data.get("position_ids"))
+    ids, lengths, positions = check_inputs(engine.engine_config, data["input_ids"], data.get("attention_mask"),
+                                          data["labels"], data.get("position_ids"))
     codes: dict = {}
     loss, grads = engine.loss_and_grads(ids, data["labels"], lengths, codes=codes, positions=positions)
     assert abs(out.loss.item() - loss.item()) == 0

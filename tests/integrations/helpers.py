@@ -26,8 +26,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import BitNetForCausalLM, PreTrainedTokenizerFast
 
 from torch_wgpu_lora import load_adapter, save_adapter
-from torch_wgpu_lora.integrations import adapters
-from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet, lora_modules
+from torch_wgpu_lora.integrations import adapter_files
+from torch_wgpu_lora.integrations.bitnet import add_lora_layers, load_bitnet, lora_modules
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet
 
 # Rows of whole TQ blocks (256 weights) in every projection: q/k/v/gate/up read 256, o 256, down 512.
@@ -230,7 +230,7 @@ SAVES = ((4.0, 1.0), (16.0, 2.0))
 
 def adapter_of(checkpoint: str | Path, alpha: float, value: float) -> torch.nn.Module:
     """The checkpoint with r=4 Q/V adapters of ``lora_alpha=alpha`` whose every weight is ``value``."""
-    model = apply_lora(BitNetForCausalLM.from_pretrained(checkpoint), r=4, lora_alpha=alpha, backend="torch")
+    model = add_lora_layers(BitNetForCausalLM.from_pretrained(checkpoint), r=4, lora_alpha=alpha, backend="torch")
     with torch.no_grad():
         for m in lora_modules(model).values():
             m.lora_A.fill_(value)
@@ -240,7 +240,7 @@ def adapter_of(checkpoint: str | Path, alpha: float, value: float) -> torch.nn.M
 
 def _without_locks() -> None:
     """As where folders cannot be locked: saves and loads take no lock (the readers' pairing check is left)."""
-    adapters.locked_dir = lambda *args, **kwargs: contextlib.nullcontext()
+    adapter_files.locked_dir = lambda *args, **kwargs: contextlib.nullcontext()
 
 
 def _wait_for_start(ready: multiprocessing.Event, go: multiprocessing.Event, seconds: float) -> float:

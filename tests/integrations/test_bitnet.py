@@ -16,7 +16,7 @@ from torch import nn
 from transformers.integrations.bitnet import AutoBitLinear, BitLinear, pack_weights
 
 from torch_wgpu_lora.init import hesper_uniform
-from torch_wgpu_lora.integrations.bitnet import (apply_lora, load_bitnet, lora_modules, lora_parameters,
+from torch_wgpu_lora.integrations.bitnet import (add_lora_layers, load_bitnet, lora_modules, lora_parameters,
                                                  UNPACK_SHAPES, unpack_ternary, use_ste_backward)
 from torch_wgpu_lora.integrations.tiny import FLAVOURS, TINY_CONFIG, build_tiny_bitnet, ternarize
 from torch_wgpu_lora.modules import LoRALinear
@@ -295,7 +295,7 @@ def test_ste_backward_chains_through_the_optional_rms_norm():
 def test_apply_lora_patches_every_packed_layer_wrapped_or_not(checkpoints):
     model = load_bitnet(checkpoints["packed"])
     keys = set(model.state_dict())
-    apply_lora(model)
+    add_lora_layers(model)
     for index in range(LAYERS):
         for name in PROJECTIONS:
             module = projection(model, index, name)
@@ -321,9 +321,9 @@ def test_without_the_ste_patch_earlier_layers_get_wrong_gradients(checkpoints):
         loss = model(input_ids=ids, labels=ids).loss
         return list(torch.autograd.grad(loss, lora_parameters(model)))
 
-    reference = adapter_grads(apply_lora(load_bitnet(checkpoints["packed-autobitlinear"]), backend="torch"))
-    patched = apply_lora(load_bitnet(checkpoints["packed"]), backend="torch")
-    unpatched = apply_lora(load_bitnet(checkpoints["packed"]), backend="torch")
+    reference = adapter_grads(add_lora_layers(load_bitnet(checkpoints["packed-autobitlinear"]), backend="torch"))
+    patched = add_lora_layers(load_bitnet(checkpoints["packed"]), backend="torch")
+    unpatched = add_lora_layers(load_bitnet(checkpoints["packed"]), backend="torch")
     for module in unpatched.modules():
         if isinstance(module, BitLinear):
             module.__class__ = BitLinear  # undo use_ste_backward: transformers' own backward
@@ -339,7 +339,7 @@ def test_without_the_ste_patch_earlier_layers_get_wrong_gradients(checkpoints):
 # -- apply_lora --------------------------------------------------------------------------------
 
 def test_apply_lora_seeds_hesper_adapters_per_layer_and_freezes_the_rest(checkpoints):
-    model = apply_lora(load_bitnet(checkpoints["dense"]), r=4, seed=7)
+    model = add_lora_layers(load_bitnet(checkpoints["dense"]), r=4, seed=7)
     adapters = lora_modules(model)
     assert list(adapters) == [f"model.layers.{i}.self_attn.{t}" for i in range(LAYERS) for t in ("q_proj", "v_proj")]
     hidden = TINY_CONFIG["hidden_size"]
@@ -358,13 +358,13 @@ def test_apply_lora_rejects_unknown_targets_naming_the_modules_that_exist(checkp
     with pytest.raises(ValueError, match=r"\['query'\] match no module; linear modules in this model: "
                                          r"\['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', "
                                          r"'q_proj', 'up_proj', 'v_proj'\]"):
-        apply_lora(model, target_modules=("q_proj", "query"))
+        add_lora_layers(model, target_modules=("q_proj", "query"))
 
 
 def test_apply_lora_with_bad_arguments_leaves_the_model_untouched(checkpoints):
     model = load_bitnet(checkpoints["packed"])
     with pytest.raises(ValueError, match="r must be a positive integer"):
-        apply_lora(model, r=0)
+        add_lora_layers(model, r=0)
     assert not lora_modules(model)
     assert type(projection(model, 0, "q_proj")) is BitLinear
     assert model.model.embed_tokens.weight.requires_grad
@@ -382,13 +382,13 @@ def test_fresh_adapters_leave_the_logits_unchanged(checkpoints, flavour, backend
     # absmean scale differently; both calls must take the same path for an exact comparison.
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         base = model(input_ids=ids).logits
-        apply_lora(model, backend=backend)
+        add_lora_layers(model, backend=backend)
         assert torch.equal(model(input_ids=ids).logits, base)  # B = 0: the update is exactly zero
 
 
 @pytest.mark.parametrize("flavour", ["dense", "online", "packed"])
 def test_one_training_step_on_webgpu_lowers_the_loss(checkpoints, flavour):
-    model = apply_lora(load_bitnet(checkpoints[flavour]), backend="wgpu")
+    model = add_lora_layers(load_bitnet(checkpoints[flavour]), backend="wgpu")
     ids = token_batch(5)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     # Plain SGD: for a small enough step the loss falls by ≈ lr·|g|². With lr = 0.5 B's entries move

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 from torch_wgpu_lora import BitNetEngine
 from torch_wgpu_lora.generation import generate
-from torch_wgpu_lora.integrations.adapters import save_adapter
-from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet, load_model_and_tokenizer, lora_parameters
+from torch_wgpu_lora.integrations.adapter_files import save_adapter
+from torch_wgpu_lora.integrations.bitnet import add_lora_layers, load_bitnet, load_model_and_tokenizer, lora_parameters
 from torch_wgpu_lora.integrations.gguf import load_gguf_tokenizer
 from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE, FeedStats, feeding_codes
 from torch_wgpu_lora.integrations.tiny import build_tiny_tokenizer
@@ -128,7 +128,7 @@ def test_a_training_step_matches_the_source(case, tmp_path):
     ids, mask = ids_and_mask(case["source"].config.vocab_size, [10, 6], seed=3)
     trained = []
     for model in (case["model"], case["source"]):
-        model = apply_lora(copy.deepcopy(model), r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down_proj"),
+        model = add_lora_layers(copy.deepcopy(model), r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down_proj"),
                            init="hesper")
         optimizer = torch.optim.AdamW(lora_parameters(model), lr=1e-2)
         for _ in range(2):
@@ -408,7 +408,7 @@ def test_missing_paths_and_folders_are_named(tmp_path):
 # -- adapters out as GGUF -----------------------------------------------------------------------------------
 
 def adapted(model: torch.nn.Module, seed: int = 5) -> torch.nn.Module:
-    model = apply_lora(copy.deepcopy(model), r=4, lora_alpha=12, target_modules=tuple(
+    model = add_lora_layers(copy.deepcopy(model), r=4, lora_alpha=12, target_modules=tuple(
         m.rsplit(".", 1)[-1] for m in PROJECTION_TENSORS))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -460,10 +460,10 @@ def test_gguf_adapter_errors(tmp_path):
         save_adapter(model, tmp_path / "a.gguf", format="gguf")
     with pytest.raises(ValueError, match="is a folder; format='gguf' writes one file"):
         save_adapter(adapted(gguf_source(tmp_path / "other")), tmp_path, format="gguf")
-    head = apply_lora(gguf_source(tmp_path / "head"), target_modules=("lm_head",))
+    head = add_lora_layers(gguf_source(tmp_path / "head"), target_modules=("lm_head",))
     with pytest.raises(ValueError, match="llama.cpp's BitNet has no tensor for 'lm_head'"):
         save_adapter(head, tmp_path / "head.gguf", format="gguf")
-    odd = apply_lora(gguf_source(tmp_path / "odd"), r=4, lora_alpha=0.1)
+    odd = add_lora_layers(gguf_source(tmp_path / "odd"), r=4, lora_alpha=0.1)
     with pytest.raises(ValueError, match="lora_alpha=0.1 is not exactly a float32"):
         save_adapter(odd, tmp_path / "odd.gguf", format="gguf")
     assert not list(tmp_path.glob("*.gguf"))  # nothing written on error

@@ -34,7 +34,7 @@ from torch import nn
 from transformers.integrations.bitnet import AutoBitLinear, BitLinear
 from transformers.models.bitnet import modeling_bitnet
 
-from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet, lora_modules, lora_parameters, lora_state_dict
+from torch_wgpu_lora.integrations.bitnet import add_lora_layers, load_bitnet, lora_modules, lora_parameters, lora_state_dict
 from torch_wgpu_lora.integrations.gradcheck import GradientReport, compare_gradients
 from torch_wgpu_lora.integrations.tiny import FLAVOURS, TINY_CONFIG, build_tiny_bitnet
 
@@ -72,7 +72,7 @@ def assert_within_tolerance(report: GradientReport) -> None:
 
 @pytest.mark.parametrize("flavour", ["dense", "online", "packed"])
 def test_trained_adapter_gradients_match_autograd_in_every_layer(checkpoints, flavour):
-    model = trained_adapters(apply_lora(load_bitnet(checkpoints[flavour])))
+    model = trained_adapters(add_lora_layers(load_bitnet(checkpoints[flavour])))
     report = compare_gradients(model, token_batch(0), same_forward=True)
     assert_within_tolerance(report)
     assert report.loss_wgpu == report.loss_torch  # pinning makes the two forwards identical
@@ -81,8 +81,8 @@ def test_trained_adapter_gradients_match_autograd_in_every_layer(checkpoints, fl
 def test_packed_gradients_match_the_autobitlinear_reference(checkpoints):
     """Flavour 3's reference: the same ternary weights unpacked into AutoBitLinear (offline,
     reciprocal scale), whose autograd backward is the straight-through rule, on the torch backend."""
-    packed = trained_adapters(apply_lora(load_bitnet(checkpoints["packed"])))
-    reference = apply_lora(load_bitnet(checkpoints["packed-autobitlinear"]))
+    packed = trained_adapters(add_lora_layers(load_bitnet(checkpoints["packed"])))
+    reference = add_lora_layers(load_bitnet(checkpoints["packed-autobitlinear"]))
     reference.load_state_dict(lora_state_dict(packed), strict=False)
     for seed in range(2):
         assert_within_tolerance(compare_gradients(packed, token_batch(seed), reference=reference, same_forward=True))
@@ -91,7 +91,7 @@ def test_packed_gradients_match_the_autobitlinear_reference(checkpoints):
 @pytest.mark.parametrize("flavour", ["dense", "online", "packed"])
 def test_fresh_adapter_gradients_match_in_two_real_passes(checkpoints, flavour):
     """With B = 0 both backends add exactly zero, so the two unpinned passes see the same forward."""
-    report = compare_gradients(apply_lora(load_bitnet(checkpoints[flavour])), token_batch(1))
+    report = compare_gradients(add_lora_layers(load_bitnet(checkpoints[flavour])), token_batch(1))
     assert report.loss_difference == 0
     for row in report.rows:
         if row.param == "A":  # dA = s·(dy·B)ᵀ·x = 0 in both backends
@@ -102,7 +102,7 @@ def test_fresh_adapter_gradients_match_in_two_real_passes(checkpoints, flavour):
 
 def test_dense_trained_adapter_gradients_match_in_two_real_passes(checkpoints):
     """Without quantisation the forward is continuous: no pinning is needed."""
-    model = trained_adapters(apply_lora(load_bitnet(checkpoints["dense"])))
+    model = trained_adapters(add_lora_layers(load_bitnet(checkpoints["dense"])))
     for seed in range(2):
         report = compare_gradients(model, token_batch(seed))
         assert_within_tolerance(report)
@@ -121,7 +121,7 @@ def activation_codes(model: nn.Module, codes: list[torch.Tensor]) -> list:
 def test_rounding_flips_are_the_only_source_of_larger_differences(checkpoints):
     """Unpinned passes on trained adapters: where no activation code differs between the passes
     the gradients agree within the tolerance; where some do, pinning the forward restores it."""
-    model = trained_adapters(apply_lora(load_bitnet(checkpoints["packed"])))
+    model = trained_adapters(add_lora_layers(load_bitnet(checkpoints["packed"])))
     outcomes = []
     # 8 batches of 8×64 tokens: some flip codes, some do not (2 of 8 when this was written, 3 later).
     for seed in range(8):
@@ -158,7 +158,7 @@ def test_finite_differences_confirm_the_autograd_reference(checkpoints, monkeypa
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
     monkeypatch.setattr(modeling_bitnet.BitNetRMSNorm, "forward", rms_norm_float64)
-    model = trained_adapters(apply_lora(load_bitnet(checkpoints["dense"], dtype=torch.float64), backend="torch"))
+    model = trained_adapters(add_lora_layers(load_bitnet(checkpoints["dense"], dtype=torch.float64), backend="torch"))
     model.double()
     ids = token_batch(2)[:, :16]
 
@@ -187,7 +187,7 @@ def test_finite_differences_confirm_the_autograd_reference(checkpoints, monkeypa
 # -- the report and the caller's state -----------------------------------------------------------
 
 def test_report_renders_as_markdown_rows_and_a_dataframe(checkpoints):
-    report = compare_gradients(apply_lora(load_bitnet(checkpoints["dense"])), token_batch(0))
+    report = compare_gradients(add_lora_layers(load_bitnet(checkpoints["dense"])), token_batch(0))
     lines = str(report).splitlines()
     assert lines[0] == "| layer | module | param | max abs error | max rel error |"
     assert lines[2].startswith("| 0 | q_proj | A | ") and lines[9].startswith("| 1 | v_proj | B | ")
@@ -205,7 +205,7 @@ def test_report_renders_as_markdown_rows_and_a_dataframe(checkpoints):
 
 
 def test_compare_gradients_leaves_grads_backends_and_modes_as_they_were(checkpoints):
-    model = trained_adapters(apply_lora(load_bitnet(checkpoints["dense"])))
+    model = trained_adapters(add_lora_layers(load_bitnet(checkpoints["dense"])))
     adapters = list(lora_modules(model).values())
     adapters[0].backend = "torch"
     sentinel = torch.full_like(adapters[0].lora_A, 3.0)
@@ -228,23 +228,23 @@ def test_compare_gradients_leaves_grads_backends_and_modes_as_they_were(checkpoi
 
 
 def test_compare_gradients_rejects_bad_input(checkpoints):
-    model = apply_lora(load_bitnet(checkpoints["dense"]))
+    model = add_lora_layers(load_bitnet(checkpoints["dense"]))
     with pytest.raises(ValueError, match="the model has no LoRA adapters; call apply_lora"):
         compare_gradients(load_bitnet(checkpoints["dense"]), token_batch(0))
     with pytest.raises(ValueError, match=r"mapping with 'input_ids'.*got dict with keys \['ids'\]"):
         compare_gradients(model, {"ids": token_batch(0)})
-    other = trained_adapters(apply_lora(load_bitnet(checkpoints["dense"])))
+    other = trained_adapters(add_lora_layers(load_bitnet(checkpoints["dense"])))
     with pytest.raises(ValueError, match="adapter model.layers.0.self_attn.q_proj differs between the model"):
         compare_gradients(model, token_batch(0), reference=other)
     with pytest.raises(ValueError, match="reference has adapters"):
-        compare_gradients(model, token_batch(0), reference=apply_lora(load_bitnet(checkpoints["dense"]),
+        compare_gradients(model, token_batch(0), reference=add_lora_layers(load_bitnet(checkpoints["dense"]),
                                                                       target_modules=("q_proj",)))
 
 
 def test_same_forward_needs_a_reference_of_the_same_architecture(checkpoints, tmp_path):
-    model = apply_lora(load_bitnet(checkpoints["dense"]))
+    model = add_lora_layers(load_bitnet(checkpoints["dense"]))
     # Same attention (so the same adapters), a wider MLP: its projections' outputs cannot be pinned.
-    wider = apply_lora(load_bitnet(build_tiny_bitnet(tmp_path / "wider", flavour="dense", intermediate_size=128)))
+    wider = add_lora_layers(load_bitnet(build_tiny_bitnet(tmp_path / "wider", flavour="dense", intermediate_size=128)))
     wider.load_state_dict(lora_state_dict(model), strict=False)
     with pytest.raises(RuntimeError, match="same_forward: model.layers.0.mlp.gate_proj produced no matching output"):
         compare_gradients(model, token_batch(0), reference=wider, same_forward=True)

@@ -23,7 +23,7 @@ from peft import PeftModel, get_peft_model
 from transformers import AutoTokenizer, BitNetForCausalLM
 
 import torch_wgpu_lora as twl
-from torch_wgpu_lora.integrations.adapters import save_adapter
+from torch_wgpu_lora.integrations.adapter_files import save_adapter
 from torch_wgpu_lora.integrations.bitnet import lora_modules, set_backend
 from torch_wgpu_lora.integrations.peft import from_peft, load_adapter
 from torch_wgpu_lora.integrations.tiny import CHAT_TEMPLATE, build_tiny_tokenizer

@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from torch_wgpu_lora import Trainer
-from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet, lora_parameters, lora_state_dict
+from torch_wgpu_lora.integrations.bitnet import add_lora_layers, load_bitnet, lora_parameters, lora_state_dict
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
 from torch_wgpu_lora.prompts import format_prompt
 from torch_wgpu_lora.runtime import get_device
@@ -98,7 +98,7 @@ def _gloo_threads() -> int:
 def _run(run: dict, rank: int, tokenizer, folder: Path, model_path: str) -> dict:
     from safetensors.torch import save_file
 
-    model = apply_lora(load_bitnet(model_path), r=4, lora_alpha=8)
+    model = add_lora_layers(load_bitnet(model_path), r=4, lora_alpha=8)
     params = lora_parameters(model)
     if rank != 0:  # another start on rank 1: the trainer must start every rank from rank 0's adapters
         with torch.no_grad():
@@ -222,7 +222,7 @@ def two_ranks(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("two-ranks")
     engine = RUNS["engine"]
     # A one-process run's checkpoint, which two ranks must refuse to resume (rank 0 reads "NAME-rank0").
-    model = apply_lora(load_bitnet(tiny["model"]), r=4, lora_alpha=8)
+    model = add_lora_layers(load_bitnet(tiny["model"]), r=4, lora_alpha=8)
     Trainer(model, tiny["loaded"], RECORDS, **dict(engine, output_dir=folder / "single-rank0")).train()
     runs = [
         {"name": "engine", "output": "engine", "options": engine, "eval": True},
@@ -247,7 +247,7 @@ def reference(tiny, tmp_path, name, **overrides):
     """The same run in this one process with the global batch: (adapter, metrics records)."""
     options = dict(RUNS[name], output_dir=tmp_path / name, **overrides)
     options["batch_size"] *= WORLD  # the same accumulation, micro-batches WORLD times larger
-    model = apply_lora(load_bitnet(tiny["model"]), r=4, lora_alpha=8)
+    model = add_lora_layers(load_bitnet(tiny["model"]), r=4, lora_alpha=8)
     result = Trainer(model, tiny["loaded"], RECORDS, eval_data=EVAL_RECORDS if name == "engine" else None,
                      **options).train()
     return lora_state_dict(model), read_metrics(tmp_path / name), result
@@ -383,7 +383,7 @@ def test_a_two_rank_checkpoint_resumes_bit_identically_and_only_with_two_ranks(t
 
     # One process cannot continue a two-process run: refused, saying why and how.
     options = dict(RUNS["engine"], output_dir=folder / "resume-rank0")
-    model = apply_lora(load_bitnet(tiny["model"]), r=4, lora_alpha=8)
+    model = add_lora_layers(load_bitnet(tiny["model"]), r=4, lora_alpha=8)
     trainer = Trainer(model, tiny["loaded"], RECORDS, **options)
     with pytest.raises(ValueError, match=r"written by a run of 2 processes \(world size 2\); this run has 1\. "
                                          r"Resume it with 2 processes \(e\.g\. torchrun --nproc-per-node 2"):

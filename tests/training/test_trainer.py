@@ -17,15 +17,15 @@ import torch
 
 from torch_wgpu_lora import Trainer, train
 from torch_wgpu_lora.engine import BitNetEngine
-from torch_wgpu_lora.integrations.adapters import load_adapter
-from torch_wgpu_lora.integrations.bitnet import apply_lora, load_bitnet, lora_parameters, lora_state_dict
+from torch_wgpu_lora.integrations.adapter_files import load_adapter_file
+from torch_wgpu_lora.integrations.bitnet import add_lora_layers, load_bitnet, lora_parameters, lora_state_dict
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
 from torch_wgpu_lora.prompts import format_prompt
 from torch_wgpu_lora.training import checkpoint as checkpoint_module
 from torch_wgpu_lora.loss import IGNORE_INDEX
 from torch_wgpu_lora.training.data import Example, collate, encode_records, pack, read_records
 from torch_wgpu_lora.training.metrics import MetricsLog, plot_loss
-from torch_wgpu_lora.optim import WgpuAdamW
+from torch_wgpu_lora.ops.optimizer import WgpuAdamW
 from torch_wgpu_lora.training.schedule import make_scheduler
 from torch_wgpu_lora.training.trainer import TrainerCallback, TrainingStopped, accumulate_gradients, evaluate
 
@@ -44,7 +44,7 @@ def base(tmp_path_factory):
 
 
 def fresh_model(base, dropout=0.0):
-    return apply_lora(load_bitnet(base[0]), r=4, lora_alpha=8, lora_dropout=dropout)
+    return add_lora_layers(load_bitnet(base[0]), r=4, lora_alpha=8, lora_dropout=dropout)
 
 
 def options(tmp_path, **overrides):
@@ -120,7 +120,7 @@ def test_training_writes_metrics_checkpoints_adapter_plot_and_progress(base, tmp
     # The adapter folder holds the trained adapter, and loads into a fresh model.
     trained = adapter_tensors(model)
     assert any(not torch.equal(trained[k], before[k]) for k in trained)
-    reloaded = load_adapter(fresh_model(base), result.adapter)
+    reloaded = load_adapter_file(fresh_model(base), result.adapter)
     assert_same_adapter(adapter_tensors(reloaded), trained)
     assert result.plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bar = capsys.readouterr().err
@@ -257,7 +257,7 @@ def test_a_non_finite_loss_skips_the_step(base, tmp_path, engine):
     # Step 3 changed nothing: the final checkpoint equals step 2's, moments' step counts included.
     state = json.loads((tmp_path / "checkpoints" / "step-000003" / "state.json").read_text())
     assert set(state["optimizer"]["steps"].values()) == {2.0}
-    at_step_2 = load_adapter(fresh_model(base), tmp_path / "checkpoints" / "step-000002" / "adapter")
+    at_step_2 = load_adapter_file(fresh_model(base), tmp_path / "checkpoints" / "step-000002" / "adapter")
     assert_same_adapter(adapter_tensors(model), adapter_tensors(at_step_2))
 
 
@@ -293,8 +293,8 @@ def test_non_finite_steps_in_a_row_stop_training_and_keep_the_last_good_adapter(
     assert f"the last good adapter is {tmp_path / 'adapter'} (step 4)" in str(stopped.value)
     # Nothing after step 2 was an update; what is on disk is step 2's adapter, and no checkpoint after 4.
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
-    at_step_2 = adapter_tensors(load_adapter(fresh_model(base), tmp_path / "checkpoints" / "step-000002" / "adapter"))
-    assert_same_adapter(adapter_tensors(load_adapter(fresh_model(base), tmp_path / "adapter")), at_step_2)
+    at_step_2 = adapter_tensors(load_adapter_file(fresh_model(base), tmp_path / "checkpoints" / "step-000002" / "adapter"))
+    assert_same_adapter(adapter_tensors(load_adapter_file(fresh_model(base), tmp_path / "adapter")), at_step_2)
     assert_same_adapter(adapter_tensors(model), at_step_2)
 
 
@@ -638,8 +638,8 @@ def test_the_best_adapter_is_kept_and_loaded_at_the_end(base, tmp_path):
     best = min(evals, key=lambda r: r["eval_loss"])
     assert (result.best_step, result.best_eval_loss) == (best["step"], best["eval_loss"])
     assert best["step"] != 6, "a run whose last step is its best does not show the best being kept"
-    at_best = load_adapter(fresh_model(base), tmp_path / "checkpoints" / f"step-{best['step']:06d}" / "adapter")
-    assert_same_adapter(adapter_tensors(load_adapter(fresh_model(base), result.best_adapter)), adapter_tensors(at_best))
+    at_best = load_adapter_file(fresh_model(base), tmp_path / "checkpoints" / f"step-{best['step']:06d}" / "adapter")
+    assert_same_adapter(adapter_tensors(load_adapter_file(fresh_model(base), result.best_adapter)), adapter_tensors(at_best))
     assert_same_adapter(adapter_tensors(model), adapter_tensors(at_best))  # load_best_at_end
 
 

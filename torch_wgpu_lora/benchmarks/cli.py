@@ -1,6 +1,6 @@
 """Benchmark the WebGPU LoRA op against the torch reference, in one process run.
 
-The command line of ``torch-wgpu-lora bench`` and ``python -m benchmarks.lora_op``: the op
+The command line of ``torch-wgpu-lora bench``, also ``python -m torch_wgpu_lora.benchmarks.cli``: the op
 benchmark always runs; each ``MODES`` entry adds one more, when its flag is given. A mode
 is a function ``(args, log)`` that measures and writes its files under ``args.out``.
 
@@ -81,7 +81,7 @@ MODES: tuple[tuple[str | None, Callable[[argparse.Namespace, Log], None]], ...] 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python -m benchmarks.lora_op [--out DIR] [--quick] [--sweep] ...``; returns 0."""
+    """Command line: ``python -m torch_wgpu_lora.benchmarks.cli [--out DIR] [--quick] [--sweep] ...``; returns 0."""
     args = build_parser().parse_args(argv)
     print(f"adapter: {get_device().name}")
     started = time.perf_counter()
@@ -93,3 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         if flag is None or getattr(args, flag):
             mode(args, log)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

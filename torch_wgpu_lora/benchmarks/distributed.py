@@ -39,7 +39,7 @@ from ..engine import BitNetEngine
 from ..engine.step import DEFAULT_BUCKET_BYTES, gradient_buckets
 from ..files import write_atomic
 from ..integrations.bitnet import lora_parameters
-from ..optim import WgpuAdamW
+from ..ops.optimizer import WgpuAdamW
 from ..runtime import device_info
 from ..training.distributed import DataParallel, init_from_env
 from .engine import bitnet_2b_config, packed_model, small_config, with_adapters

@@ -11,7 +11,7 @@ kernel family from timestamp queries, dispatches per layer and per decoded token
 per decoded token not hidden behind GPU work, and memory (the engine's own allocations;
 torch's peak on CUDA).
 
->>> # python -m benchmarks.engine --out $OUT/engine --layers 30
+>>> # python -m torch_wgpu_lora.benchmarks.engine --out $OUT/engine --layers 30
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..engine import BitNetEngine
-from ..engine.generate import engine_generate, engine_generate_batch
+from ..engine import BitNetEngine, GenerationRequest
 from ..engine.kernels.attention import keeps_probabilities, scores_kept_whole
-from ..integrations.bitnet import (PROJECTIONS, apply_lora, lora_modules, lora_parameters, projection, set_backend,
+from ..integrations.bitnet import (PROJECTIONS, add_lora_layers, lora_modules, lora_parameters, projection, set_backend,
                                    swapped_dropout)
 from ..ops import lora as lora_ops
-from ..optim import WgpuAdamW
+from ..ops.optimizer import WgpuAdamW
 from ..runtime import Recorder, get_device, recorder, synchronize, write
 from ..runtime.buffers import pool_for
 from ..runtime.settings import DEFAULT_SHADER_CHECKS
@@ -42,8 +41,8 @@ from .report import write_json
 from .timing import arithmetic_rate, median_interval
 
 Log = Callable[[str], None]
-# Seconds of prefill passes before the first timed one: on a machine just started, the first
-# passes' GPU time was 62.6 ms against 39.1 ms once warm (the H200's clocks ramping up).
+# Seconds of prefill passes before the first timed one: a GPU just started runs its first passes at
+# a lower clock (benchmarks/RESULTS.md, "What is measured, and how", gives what it cost).
 WARM_UP_S = 1.0
 DROPOUT = 0.05  # the LoRA dropout of the "<seq>_dropout" training figures (common in Alpaca recipes)
 
@@ -103,7 +102,7 @@ def packed_model(config: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0
 
 def with_adapters(model: torch.nn.Module, rank: int, seed: int) -> torch.nn.Module:
 
-    apply_lora(model, r=rank, lora_alpha=2 * rank, target_modules=("q_proj", "v_proj"), seed=seed)
+    add_lora_layers(model, r=rank, lora_alpha=2 * rank, target_modules=("q_proj", "v_proj"), seed=seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -226,11 +225,12 @@ def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: in
 
     # decode: new_tokens greedy tokens after a prompt of `prompt` tokens
     prompt_ids = torch.randint(0, vocab, (prompt,), generator=g).tolist()
-    engine_generate(engine, prompt_ids, new_tokens, set(), tokens_per_submit=tokens_per_submit)  # warm-up
+    request = GenerationRequest([prompt_ids], new_tokens, tokens_per_submit=tokens_per_submit)
+    engine.generate_batch(request)  # warm-up
     walls = []
     for _ in range(max(1, repeats // 2)):
         t0 = time.perf_counter()
-        tokens, _ = engine_generate(engine, prompt_ids, new_tokens, set(), tokens_per_submit=tokens_per_submit)
+        tokens = engine.generate_batch(request)[0].tokens
         walls.append(time.perf_counter() - t0)
     wall = statistics.median(walls)
     s = engine.decode_session(1, prompt, new_tokens)
@@ -620,7 +620,7 @@ def measure_decode_batches(engine: Any, batches: list[int], prompt: int, new_tok
         prompts = torch.randint(0, engine.engine_config.vocab, (batch, prompt), generator=g).tolist()
 
         def generation() -> None:
-            engine_generate_batch(engine, prompts, new_tokens, set(), tokens_per_submit=tokens_per_submit)
+            engine.generate_batch(GenerationRequest(prompts, new_tokens, tokens_per_submit=tokens_per_submit))
 
         wall = _median_wall(generation, 1, repeats)
         out[str(batch)] = {"prompt": prompt, "new_tokens": new_tokens, "wall_s": wall,
@@ -740,7 +740,7 @@ def measure_hf_generate(config: Any, batches: list[int], prompt: int, new_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m torch_wgpu_lora.benchmarks.engine", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/out/engine", help="folder for engine.json")
     parser.add_argument("--layers", type=int, default=30, help="decoder layers (default: BitNet-2B's 30)")
     parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill figure")
@@ -859,3 +859,7 @@ def main(argv: list[str] | None = None) -> int:
     save()
     log(json.dumps(ratios, indent=1))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

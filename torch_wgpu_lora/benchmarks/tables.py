@@ -6,7 +6,7 @@ A page marks each table it holds with a pair of comment lines::
     ...                          (replaced by the rendering)
     <!-- end table -->
 
-``PATH`` is a results file relative to the page (``engine.json`` of ``benchmarks.engine``,
+``PATH`` is a results file relative to the page (``engine.json`` of ``torch_wgpu_lora.benchmarks.engine``,
 ``decode_chain.json``, ``drop_in.json``, ``subgroup_matrix.json``) and ``KIND`` one of ``RENDERERS``. Every table
 starts with a line naming its run: the adapter, and the commit and date recorded for that
 file in ``runs.json`` beside it. So one measurement updates every page identically:

@@ -126,10 +126,10 @@ def arithmetic_rate(entry: str, iters: int = 4096, workgroups: int | None = None
     two), from timestamps, over ``workgroups`` of 256 threads (default 4,096: enough to keep any
     GPU's cores busy; 64 with 256 steps on a CPU adapter, which is slow): the best of ``repeats``
     launches after as many unmeasured ones, since a GPU that was idle runs the first ones at a
-    lower clock (on the H200 a first measurement read 18 TFLOP/s of a 61 TFLOP/s ceiling). None
-    without timestamp queries.
+    lower clock (``benchmarks/RESULTS.md``, "What is measured, and how"). None without timestamp
+    queries.
 
-    >>> # arithmetic_rate("fma_chain") / 1e12  # the H200: 61 TFLOP/s
+    >>> # arithmetic_rate("fma_chain") / 1e12  # float32 TFLOP/s: RESULTS.md gives the H200's
     """
     device = get_device()
     if not device.has_timestamps:

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from ..demo import build_demo_checkpoint, demo_records
-from ..integrations.bitnet import apply_lora, load_model_and_tokenizer, lora_parameters, set_backend
-from ..optim import WgpuAdamW
+from ..integrations.bitnet import add_lora_layers, load_model_and_tokenizer, lora_parameters, set_backend
+from ..ops.optimizer import WgpuAdamW
 from ..training.data import collate, encode_records
 from ..training.trainer import accumulate_gradients
 from .timing import median_wall
@@ -26,7 +26,7 @@ def training_step(steps: int = 10, batch_size: int = 8, rank: int = 8) -> dict[s
 
     with torch.compiler.set_stance("force_eager"):  # as the CLI and the demo run (see cli.py)
         model, tokenizer = load_model_and_tokenizer(build_demo_checkpoint())
-        apply_lora(model, r=rank)
+        add_lora_layers(model, r=rank)
         examples = encode_records(tokenizer, demo_records())[:batch_size]
         batch = collate(examples, tokenizer.pad_token_id)
         out: dict[str, Any] = {"tokens": int(batch["attention_mask"].sum()), "batch": list(batch["input_ids"].shape),

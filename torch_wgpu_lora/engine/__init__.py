@@ -7,12 +7,15 @@ it as an ``nn.Module``. Modules: ``config`` (what the engine reads of the model)
 ``workspace`` (where every plan's memory goes, by role), ``program`` (the one emitter of a
 layer's forward and of the LM head), ``plan`` (a forward pass, built once per shape),
 ``train_plan`` (forward, loss and backward of a training pass), ``step`` (the optimizer step:
-clip and AdamW on the GPU, the gradient exchange), ``generate`` (decoding a batch of prompts with
-the KV cache and sampling on the GPU), ``generate_api`` (transformers' ``generate`` arguments:
-``BitNetEngine.generate``), ``model`` (the nn.Module, its autograd loss, the plan cache, the memory
-report).
+clip and AdamW on the GPU, the gradient exchange), ``inputs`` (the checks of what the engine is
+given: batches, position ids, a step's micro-batches, prompts), ``generate`` (batched decoding: a
+``GenerationRequest`` and the ``DecodeSession`` that runs it with the KV cache and sampling on the
+GPU), ``generate_api`` (transformers' ``generate`` arguments translated into a request, its result
+into transformers' layout), ``model`` (the nn.Module, its autograd loss, the plan cache, batched
+generation as ``BitNetEngine.generate_batch``, the memory report).
 """
 
+from .generate import GenerationRequest, Generated
 from .model import ENGINES, BitNetEngine, choose_engine
 
-__all__ = ["ENGINES", "BitNetEngine", "choose_engine"]
+__all__ = ["ENGINES", "BitNetEngine", "GenerationRequest", "Generated", "choose_engine"]

@@ -31,12 +31,19 @@ storage binding (``KVCache.max_batch``) and the batch's last-position logits one
 refused with a message before anything runs; and the batch's KV cache (``KVCache.nbytes``) must
 fit the device's memory.
 
->>> # [(ids, eos_hit), ...] = engine_generate_batch(engine, [[0, 17, 42], [0, 5]], max_new_tokens=32, eos={1})
+A generation is asked for with a ``GenerationRequest`` (the prompts' token ids, how many tokens,
+the EOS tokens, seeds and sampling) and run by the engine (``BitNetEngine.generate_batch``), which
+keeps a ``DecodeSession`` per shape; each prompt gets back a ``Generated`` (its new ids, whether an
+EOS token ended them).
+
+>>> # engine.generate_batch(GenerationRequest([[0, 17, 42], [0, 5]], max_new_tokens=32, eos={1}))
+>>> # [Generated(tokens=[...], ended_by_eos=True), Generated(tokens=[...], ended_by_eos=False)]
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -50,6 +57,30 @@ from .weights import EngineWeights
 from .workspace import Workspace
 
 OnToken = Callable[[int, int], bool]  # (row, token) -> whether the row ends after it
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A generation of up to ``max_new_tokens`` after each of ``prompts`` (lists of token ids), all at
+    once: ``eos``, the tokens that end a sequence; ``seeds``, each prompt's sampling seed (default 0);
+    ``sampling``, ``DecodeSession``'s strategy, temperature, top_k, top_p, repetition_penalty and
+    min_new_tokens (the defaults: greedy); ``on_token``, ``DecodeSession.generate``'s;
+    ``tokens_per_submit``, the decode steps recorded into one command buffer."""
+
+    prompts: Sequence[Sequence[int]]
+    max_new_tokens: int
+    eos: Collection[int] = ()
+    seeds: Sequence[int] | None = None
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    on_token: OnToken | None = None
+    tokens_per_submit: int = 8
+
+
+class Generated(NamedTuple):
+    """One prompt's new token ids, and whether an EOS token ended them (then the last one)."""
+
+    tokens: list[int]
+    ended_by_eos: bool
 
 
 class DecodeSession:
@@ -126,9 +157,9 @@ class DecodeSession:
         write(self.cache.lengths, np.zeros(1, np.uint32), offset=4 * row)
 
     def generate(self, prompts: Sequence[Sequence[int]], eos: Collection[int], seeds: Sequence[int] | None = None,
-                 tokens_per_submit: int = 8, on_token: OnToken | None = None) -> list[tuple[list[int], bool]]:
+                 tokens_per_submit: int = 8, on_token: OnToken | None = None) -> list[Generated]:
         """Up to ``max_new_tokens`` after each of ``prompts`` (``batch`` of them, each at most the
-        session's prompt length); returns each one's (new ids, whether an EOS token ended them).
+        session's prompt length); returns each one's new ids and whether an EOS token ended them.
         ``seeds``: each sequence's sampling seed (default 0). ``on_token(row, token)`` sees every
         token of every sequence as the tokens come back, in order, up to the sequence's last;
         returning True ends that sequence after the token."""
@@ -172,38 +203,8 @@ class DecodeSession:
                 oldest, count = queue.pop(0)
                 oldest.wait()  # in submission order: the readback is the newest history
                 take(count)
-        return [(row, bool(end)) for row, end in zip(tokens, ended)]
+        return [Generated(row, bool(end)) for row, end in zip(tokens, ended)]
 
     def roles(self) -> dict[str, int]:
         """Bytes the session's workspace holds, by role."""
         return self.workspace.roles()
-
-
-def engine_generate_batch(engine: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: Collection[int],
-                          *, seeds: Sequence[int] | None = None, tokens_per_submit: int = 8,
-                          on_token: OnToken | None = None, **sampling: Any) -> list[tuple[list[int], bool]]:
-    """Generate up to ``max_new_tokens`` after each of ``prompts`` (lists of token ids) on a
-    ``BitNetEngine``, all at once; returns each one's (new ids, whether EOS ended them).
-    ``seeds``: each prompt's sampling seed; ``on_token``: ``DecodeSession.generate``'s;
-    ``sampling``: ``DecodeSession``'s strategy, temperature, top_k, top_p, repetition_penalty and
-    min_new_tokens."""
-    if not prompts:
-        raise ValueError("no prompts to generate for: the list is empty")
-    vocab = engine.engine_config.vocab
-    for number, prompt in enumerate(prompts):
-        if not len(prompt) or not all(0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt {number} must be 1 or more token ids in [0, {vocab}), got {list(prompt)[:8]}"
-                             + ("..." if len(prompt) > 8 else ""))
-    if max_new_tokens == 0:
-        return [([], False) for _ in prompts]
-    with engine.lock:  # one GPU pass at a time (see BitNetEngine)
-        session = engine.decode_session(len(prompts), max(len(p) for p in prompts), max_new_tokens, **sampling)
-        return session.generate(prompts, eos, seeds=seeds, tokens_per_submit=tokens_per_submit, on_token=on_token)
-
-
-def engine_generate(engine: Any, prompt_ids: Sequence[int], max_new_tokens: int, eos: Collection[int], *,
-                    seed: int = 0, tokens_per_submit: int = 8, **sampling: Any) -> tuple[list[int], bool]:
-    """``engine_generate_batch`` of the one prompt ``prompt_ids``; returns (new ids, whether EOS
-    ended them)."""
-    return engine_generate_batch(engine, [prompt_ids], max_new_tokens, eos, seeds=[seed],
-                                 tokens_per_submit=tokens_per_submit, **sampling)[0]

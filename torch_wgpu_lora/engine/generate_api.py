@@ -1,8 +1,10 @@
-"""transformers' ``generate`` on the engine: ``BitNetEngine.generate(input_ids, attention_mask=...,
-generation_config=..., **kwargs)`` takes the arguments a decoder-only model's ``generate`` takes and
-returns what it returns, a LongTensor [batch, prompt + new tokens] (each row its input as given,
-then its new tokens, padded with ``pad_token_id`` after the row ended), generating every row at
-once on the GPU (``engine.generate``).
+"""transformers' ``generate`` on the engine, translated: ``BitNetEngine.generate(input_ids,
+attention_mask=..., generation_config=..., **kwargs)`` takes the arguments a decoder-only model's
+``generate`` takes and returns what it returns, a LongTensor [batch, prompt + new tokens] (each row
+its input as given, then its new tokens, padded with ``pad_token_id`` after the row ended). This
+module only translates: ``TransformersCall.from_arguments`` turns the arguments into the engine's
+``GenerationRequest`` (every row generated at once on the GPU, ``BitNetEngine.generate_batch``),
+and ``TransformersCall.output`` lays its result out as transformers does.
 
 The settings resolve as transformers resolves them: the ``generation_config`` given (else a blank
 one), then what it leaves unset from the model's ``generation_config``, then transformers' own
@@ -34,14 +36,16 @@ repetition penalty sees each row's own tokens (transformers' also sees a padded 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..limits import check_context
-from .generate import engine_generate_batch
+from .config import EngineConfig
+from .generate import GenerationRequest, Generated
 
-__all__ = ["TRANSFORMERS_DEFAULTS", "engine_transformers_generate"]
+__all__ = ["TRANSFORMERS_DEFAULTS", "TransformersCall"]
 
 # transformers' defaults for what neither the call nor the model's generation config sets
 # (GenerationConfig leaves them None, generate() fills them in)
@@ -159,58 +163,80 @@ def _prompts(input_ids: Any, attention_mask: Any, vocab: int) -> list[list[int]]
     return prompts
 
 
-def engine_transformers_generate(engine: Any, input_ids: Any, attention_mask: Any = None,
-                                 generation_config: Any = None, streamer: Any = None, tokenizer: Any = None,
-                                 **kwargs: Any) -> torch.Tensor:
-    """``BitNetEngine.generate``: the module docstring."""
-    c = engine.engine_config
-    config, rest = _resolve(getattr(engine.model, "generation_config", None), generation_config, kwargs)
-    _check_supported(config, rest)
-    prompts = _prompts(input_ids, attention_mask, c.vocab)
-    batch, width = input_ids.shape
-    if config.max_new_tokens is not None:
-        max_new = _int("max_new_tokens", config.max_new_tokens, 1)
-    else:
-        max_new = _int("max_length", config.max_length, 1) - width
-        if max_new < 1:
-            raise ValueError(f"max_length={config.max_length} leaves no room after the {width}-token input; set "
-                             "max_new_tokens")
-    min_new = (_int("min_new_tokens", config.min_new_tokens, 0) if config.min_new_tokens is not None
-               else max(0, _int("min_length", config.min_length, 0) - width))
-    for row, prompt in enumerate(prompts):
-        try:
-            check_context(c.max_positions, len(prompt), max_new)
-        except ValueError as err:
-            raise ValueError(f"input_ids row {row}: {err}") from None
-    copies = _int("num_return_sequences", config.num_return_sequences, 1)
-    eos = _token_ids("eos_token_id", config.eos_token_id, c.vocab)
-    pads = _token_ids("pad_token_id", config.pad_token_id, c.vocab) or eos[:1]
-    stop_strings = config.stop_strings
-    if stop_strings is not None and tokenizer is None:
-        raise ValueError("stop_strings are matched in the decoded text: pass the tokenizer (generate(..., "
-                         "tokenizer=tokenizer)), as transformers' generate asks")
-    if (stop_strings or eos) and not pads:
-        raise ValueError("rows that end early are padded with pad_token_id: give pad_token_id (or eos_token_id)")
-    sampling = _sampling(config, c.vocab)
-    rows = [p for p in prompts for _ in range(copies)]
-    if streamer is not None and len(rows) != 1:
-        raise ValueError(f"a streamer prints one sequence (transformers' TextStreamer takes batch 1); this call "
-                         f"generates {len(rows)}")
-    seeds = (torch.randint(0, 2 ** 32, (len(rows),), dtype=torch.int64).tolist() if config.do_sample
-             else [0] * len(rows))
-    on_token = _row_hook(rows, streamer, tokenizer, stop_strings)
-    if streamer is not None:
-        streamer.put(input_ids.detach().cpu())
-    generated = engine_generate_batch(engine, rows, max_new, set(eos), seeds=seeds, on_token=on_token,
-                                      min_new_tokens=min_new, **sampling)
-    if streamer is not None:
-        streamer.end()
-    steps = max(len(tokens) for tokens, _ in generated)
-    out = torch.full((len(rows), width + steps), pads[0] if pads else 0, dtype=torch.long)
-    out[:, :width] = input_ids.detach().cpu().long().repeat_interleave(copies, dim=0)
-    for row, (tokens, _) in enumerate(generated):
-        out[row, width:width + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    return out
+@dataclass(frozen=True)
+class TransformersCall:
+    """A call of transformers' ``generate`` as the engine runs it: the ``request`` (each returned row's
+    prompt, without its padding), and what lays the result out as transformers does (``output``):
+    the ``input_ids`` as given, each row repeated ``copies`` times (``num_return_sequences``), rows
+    that end early padded with ``pad``, and the ``streamer`` to tell the end."""
+
+    request: GenerationRequest
+    input_ids: torch.Tensor
+    copies: int
+    pad: int
+    streamer: Any = None
+
+    @classmethod
+    def from_arguments(cls, config: EngineConfig, model_generation_config: Any, input_ids: Any,
+                       attention_mask: Any, generation_config: Any, streamer: Any, tokenizer: Any,
+                       kwargs: dict[str, Any]) -> TransformersCall:
+        """``generate``'s arguments (``kwargs``: its keyword settings), for a model of ``config`` whose
+        own ``generation_config`` is ``model_generation_config``, checked and resolved (the module
+        docstring); the streamer, if any, then gets the prompt, as transformers' does before the
+        first token."""
+        resolved, rest = _resolve(model_generation_config, generation_config, kwargs)
+        _check_supported(resolved, rest)
+        prompts = _prompts(input_ids, attention_mask, config.vocab)
+        width = input_ids.shape[1]
+        if resolved.max_new_tokens is not None:
+            max_new = _int("max_new_tokens", resolved.max_new_tokens, 1)
+        else:
+            max_new = _int("max_length", resolved.max_length, 1) - width
+            if max_new < 1:
+                raise ValueError(f"max_length={resolved.max_length} leaves no room after the {width}-token input; "
+                                 "set max_new_tokens")
+        min_new = (_int("min_new_tokens", resolved.min_new_tokens, 0) if resolved.min_new_tokens is not None
+                   else max(0, _int("min_length", resolved.min_length, 0) - width))
+        for row, prompt in enumerate(prompts):
+            try:
+                check_context(config.max_positions, len(prompt), max_new)
+            except ValueError as err:
+                raise ValueError(f"input_ids row {row}: {err}") from None
+        copies = _int("num_return_sequences", resolved.num_return_sequences, 1)
+        eos = _token_ids("eos_token_id", resolved.eos_token_id, config.vocab)
+        pads = _token_ids("pad_token_id", resolved.pad_token_id, config.vocab) or eos[:1]
+        stop_strings = resolved.stop_strings
+        if stop_strings is not None and tokenizer is None:
+            raise ValueError("stop_strings are matched in the decoded text: pass the tokenizer (generate(..., "
+                             "tokenizer=tokenizer)), as transformers' generate asks")
+        if (stop_strings or eos) and not pads:
+            raise ValueError("rows that end early are padded with pad_token_id: give pad_token_id (or eos_token_id)")
+        sampling = _sampling(resolved, config.vocab)
+        rows = [p for p in prompts for _ in range(copies)]
+        if streamer is not None and len(rows) != 1:
+            raise ValueError(f"a streamer prints one sequence (transformers' TextStreamer takes batch 1); this call "
+                             f"generates {len(rows)}")
+        seeds = (torch.randint(0, 2 ** 32, (len(rows),), dtype=torch.int64).tolist() if resolved.do_sample
+                 else [0] * len(rows))
+        request = GenerationRequest(rows, max_new, set(eos), seeds=seeds, sampling={"min_new_tokens": min_new,
+                                                                                   **sampling},
+                                    on_token=_row_hook(rows, streamer, tokenizer, stop_strings))
+        if streamer is not None:
+            streamer.put(input_ids.detach().cpu())
+        return cls(request, input_ids.detach().cpu().long(), copies, pads[0] if pads else 0, streamer)
+
+    def output(self, generated: list[Generated]) -> torch.Tensor:
+        """transformers' layout of the request's ``generated`` tokens: [rows, input + new tokens], each
+        row its input as given, then its new tokens, then ``pad``; the streamer, if any, is ended."""
+        if self.streamer is not None:
+            self.streamer.end()
+        width = self.input_ids.shape[1]
+        steps = max(len(tokens) for tokens, _ in generated)
+        out = torch.full((len(generated), width + steps), self.pad, dtype=torch.long)
+        out[:, :width] = self.input_ids.repeat_interleave(self.copies, dim=0)
+        for row, (tokens, _) in enumerate(generated):
+            out[row, width:width + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        return out
 
 
 def _sampling(config: Any, vocab: int) -> dict[str, Any]:

@@ -5,6 +5,7 @@
 >>> # out = engine(input_ids, attention_mask=mask, labels=labels)
 >>> # out.logits, out.loss                         # like transformers' CausalLMOutputWithPast
 >>> # engine.generate(input_ids, attention_mask=mask, max_new_tokens=32)  # like transformers' generate
+>>> # engine.generate_batch(GenerationRequest([[1, 17, 42], [1, 5]], max_new_tokens=32))  # token ids in and out
 
 The engine shares the model's LoRA Parameters (it does not copy them): whatever changes them
 (a torch optimizer, ``load_adapter``, an in-place edit) is uploaded before the next call. The
@@ -41,14 +42,14 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..limits import check_context
-from ..loss import IGNORE_INDEX, causal_lm_loss
+from ..loss import causal_lm_loss
 from ..runtime import Device, get_device
 from ..runtime.buffers import pool_for, staging_for
 from .adapters import EngineAdapters, check_adapters, refuse_peft_layers
 from .config import EngineConfig
-from .generate import DecodeSession
-from .generate_api import engine_transformers_generate
+from .generate import DecodeSession, GenerationRequest, Generated
+from .generate_api import TransformersCall
+from .inputs import check_inputs, check_prompts, pad_micro_batch
 from .plan import ForwardPlan, KVCache
 from .step import DEFAULT_BUCKET_BYTES, OptimizerStep, check_bucket_bytes
 from .train_plan import TrainPlan
@@ -169,57 +170,6 @@ class BitNetEngine(nn.Module):
             self._plans.move_to_end(key)
         return plan
 
-    def check_inputs(self, input_ids: Any, attention_mask: Any = None, labels: Any = None, position_ids: Any = None,
-                     ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
-        """Validate a batch; returns the ids as int64 [batch, tokens], each sequence's length (a packed
-        batch's: the whole row, which its examples' attention covers) and the position ids of packed
-        rows (``check_position_ids``) as int64 [batch, tokens], or None."""
-        if not isinstance(input_ids, torch.Tensor):
-            raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
-            raise ValueError(f"input_ids must be [batch, tokens] with both at least 1, got {tuple(input_ids.shape)}")
-        for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask), ("labels", labels)):
-            if isinstance(value, torch.Tensor) and value.is_meta:
-                raise ValueError(f"{name} is on the meta device: it has a shape but no values; pass a tensor that "
-                                 "holds them (on the CPU)")
-        ids = input_ids.detach().cpu().long()
-        batch, tokens = ids.shape
-        c = self.engine_config
-        positions = None if position_ids is None else check_position_ids(position_ids, (batch, tokens))
-        # packed rows: each example is numbered from 0, and the longest is what meets the context
-        check_context(c.max_positions, tokens if positions is None else int(positions.max()) + 1)
-        bad = (ids < 0) | (ids >= c.vocab)
-        if bad.any():
-            where = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"token id {int(ids[where])} at {where} is outside the vocabulary [0, {c.vocab})")
-        if attention_mask is None:
-            lengths = [tokens] * batch
-        else:
-            if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, tokens):
-                shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
-                raise ValueError(f"attention_mask must be a tensor shaped like input_ids {(batch, tokens)}, got {shape}")
-            mask = attention_mask.detach().cpu().long()
-            lengths = mask.sum(1).tolist()
-            expected = torch.arange(tokens)[None, :] < torch.tensor(lengths)[:, None]
-            if not torch.equal(mask.bool(), expected) or ((mask != 0) & (mask != 1)).any():
-                raise ValueError("attention_mask must right-pad: each row ones, then zeros (BitNetEngine does not "
-                                 "take left padding or holes)")
-            if min(lengths) == 0:
-                raise ValueError("attention_mask has a row with no tokens")
-        if labels is not None:
-            if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (batch, tokens):
-                shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels)
-                raise ValueError(f"labels must be a tensor shaped like input_ids {(batch, tokens)}, got {shape}")
-            lab = labels.detach().cpu().long()
-            bad = (lab != IGNORE_INDEX) & ((lab < 0) | (lab >= c.vocab))
-            if bad.any():
-                raise ValueError(f"labels hold {int(lab[bad][0])}, neither -100 nor a token id in [0, {c.vocab})")
-        if positions is not None:
-            lengths = [tokens] * batch  # the padding is one more example: attention runs over whole rows
-        return ids, lengths, positions
-
     @torch.compiler.disable  # the engine is its own WebGPU program: torch.compile runs it as it is
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, return_logits: bool | None = None,
@@ -238,7 +188,7 @@ class BitNetEngine(nn.Module):
             raise ValueError("BitNetEngine takes packed rows as transformers does, with position_ids and no "
                              "attention_mask (transformers keeps each example to itself only without one; the "
                              "padding after a row's last example is one more example): drop the attention_mask")
-        ids, lengths, positions = self.check_inputs(input_ids, attention_mask, labels, position_ids)
+        ids, lengths, positions = check_inputs(self.engine_config, input_ids, attention_mask, labels, position_ids)
         with self.lock:
             self._follow_adapters()
         params = [p for m in self.adapters.modules for p in (m.lora_A, m.lora_B)]
@@ -278,6 +228,25 @@ class BitNetEngine(nn.Module):
             dropout = (_dropout_seed() if dropout_seed is None else dropout_seed, p) if p else None
             return plan.loss_and_grads(ids, labels, lengths, dropout=dropout, codes=codes, positions=positions)
 
+    # -- generation ---------------------------------------------------------------------------------
+
+    def generate_batch(self, request: GenerationRequest) -> list[Generated]:
+        """Up to ``request.max_new_tokens`` after each of ``request.prompts``, every prompt at once on
+        the GPU (``engine.generate``: the KV cache, the next-token choice and the token history stay
+        there; each prompt gets the tokens it gets alone); returns each prompt's ``Generated`` (new
+        ids, whether an EOS token ended them), in order.
+
+        >>> # engine.generate_batch(GenerationRequest([[0, 17, 42], [0, 5]], max_new_tokens=32, eos={1}))
+        """
+        check_prompts(request.prompts, self.engine_config.vocab)
+        if request.max_new_tokens == 0:
+            return [Generated([], False) for _ in request.prompts]
+        with self.lock:  # one GPU pass at a time
+            session = self.decode_session(len(request.prompts), max(len(p) for p in request.prompts),
+                                          request.max_new_tokens, **request.sampling)
+            return session.generate(request.prompts, request.eos, seeds=request.seeds,
+                                    tokens_per_submit=request.tokens_per_submit, on_token=request.on_token)
+
     def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  generation_config: Any = None, streamer: Any = None, tokenizer: Any = None,
                  **kwargs: Any) -> torch.Tensor:
@@ -285,14 +254,17 @@ class BitNetEngine(nn.Module):
         once on WebGPU: returns [batch, input + new tokens] like transformers. ``input_ids`` (or
         ``inputs=``), ``attention_mask`` (left or right padding), ``generation_config`` and keyword
         settings as transformers takes them; what is supported, and what is refused:
-        ``engine.generate_api``.
+        ``engine.generate_api``, which translates them into a ``generate_batch`` request and its
+        result into transformers' layout.
 
         >>> # out = engine.generate(**tokenizer(prompts, padding=True, return_tensors="pt"), max_new_tokens=32)
         """
         if input_ids is None:
             input_ids = kwargs.pop("inputs", None)
-        return engine_transformers_generate(self, input_ids, attention_mask, generation_config, streamer, tokenizer,
-                                            **kwargs)
+        call = TransformersCall.from_arguments(self.engine_config, getattr(self.model, "generation_config", None),
+                                               input_ids, attention_mask, generation_config, streamer, tokenizer,
+                                               kwargs)
+        return call.output(self.generate_batch(call.request))
 
     # -- the fast path: a whole optimizer step in one submit (a few with a gradient exchange) ---------
 
@@ -352,8 +324,8 @@ class BitNetEngine(nn.Module):
             plan = self.train_plan(batch, tokens, len(micro_batches), dropout=p > 0, packed=packed > 0)
             labelled = 0
             for slot, b in enumerate(micro_batches):
-                ids, mask, labels, positions = _padded(b, batch, tokens)
-                ids, lengths, positions = self.check_inputs(ids, mask, labels, positions)
+                ids, mask, labels, positions = pad_micro_batch(b, batch, tokens)
+                ids, lengths, positions = check_inputs(self.engine_config, ids, mask, labels, positions)
                 labelled += plan.write_inputs(slot, ids, labels, lengths, positions)
                 if p:
                     plan.set_dropout(slot, _dropout_seed(), p)
@@ -435,60 +407,6 @@ def _dropout_seed() -> int:
     return int(torch.randint(0, 2**32, (), dtype=torch.int64))
 
 
-def _padded(batch: dict[str, torch.Tensor], rows: int, tokens: int) -> tuple[torch.Tensor | None, ...]:
-    """A micro-batch right-padded to [rows, tokens]: extra rows are one padding token, unlabelled.
-    Its ids, attention mask, labels and, for packed rows, position ids (the added padding one more
-    example, an added row one example)."""
-    ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
-    r, t = ids.shape
-    out_ids = torch.zeros(rows, tokens, dtype=torch.long)
-    out_mask = torch.zeros(rows, tokens, dtype=torch.long)
-    out_labels = torch.full((rows, tokens), IGNORE_INDEX, dtype=torch.long)
-    out_ids[:r, :t], out_mask[:r, :t], out_labels[:r, :t] = ids, mask, labels
-    out_mask[r:, 0] = 1  # an empty row is one (unlabelled) token
-    positions = batch.get("position_ids")
-    if positions is None:
-        return out_ids, out_mask, out_labels, None
-    out_positions = torch.arange(tokens).repeat(rows, 1)
-    out_positions[:r, :t] = check_position_ids(positions, (r, t))
-    out_positions[:r, t:] = torch.arange(tokens - t)
-    return out_ids, out_mask, out_labels, out_positions
-
-
-def check_position_ids(position_ids: Any, shape: tuple[int, int]) -> torch.Tensor:
-    """``position_ids`` of packed rows shaped ``shape`` = (batch, tokens) (or (1, tokens), for every
-    row, as transformers broadcasts it), as int64 [batch, tokens]: each row the position ids of its
-    examples one after another, each counting 0, 1, … ValueError naming the row and column where a
-    row is not of that form (starts past 0, jumps, or goes back to anything but 0).
-
-    >>> check_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0]]), (1, 6)).tolist()
-    [[0, 1, 2, 0, 1, 0]]
-    """
-    if not isinstance(position_ids, torch.Tensor):
-        raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
-    if position_ids.is_meta:
-        raise ValueError("position_ids is on the meta device: it has a shape but no values")
-    if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
-        raise TypeError(f"position_ids must hold integers, got dtype {position_ids.dtype}")
-    if tuple(position_ids.shape) not in (shape, (1, shape[1])):
-        raise ValueError(f"position_ids must be shaped like input_ids {shape}, got {tuple(position_ids.shape)}")
-    positions = position_ids.detach().cpu().long().expand(shape)
-    starts = positions[:, 0] != 0
-    if starts.any():
-        row = int(starts.nonzero()[0])
-        raise ValueError(f"position_ids row {row} starts at {int(positions[row, 0])}: a packed row's position ids "
-                         "count 0, 1, ... within each example, from its first token")
-    before, after = positions[:, :-1], positions[:, 1:]
-    bad = (after != before + 1) & (after != 0)
-    if bad.any():
-        row, column = (int(x) for x in bad.nonzero()[0])
-        was, now = int(before[row, column]), int(after[row, column])
-        how = f"jumps from {was} to {now}" if now > was else f"goes from {was} back to {now}, not to 0"
-        raise ValueError(f"position_ids row {row}, column {column + 1}: {how}; a packed row's position ids count "
-                         "0, 1, ... within each example and restart at 0 where the next example starts")
-    return positions.contiguous()
-
-
 ENGINES = ("auto", "wgpu", "torch")
 
 
@@ -498,9 +416,8 @@ def choose_engine(model: nn.Module, engine: str = "auto") -> BitNetEngine | None
     engine when the adapter is a GPU and the engine can run the model, else none.
 
     Why not on a CPU adapter: there the engine's kernels, shaped for GPUs, run on the same cores
-    as torch's own CPU kernels and lose to them (measured with the demo model on lavapipe, 2
-    cores: 1.9 s a training step on the engine, 0.25 s with the base in torch and the adapters on
-    WebGPU). ``"wgpu"`` still runs the engine there (the tests do).
+    as torch's own CPU kernels and lose to them (``benchmarks/RESULTS.md``, "On lavapipe", gives
+    the figures). ``"wgpu"`` still runs the engine there (the tests do).
 
     >>> # runner = choose_engine(model, "auto") or model
     """

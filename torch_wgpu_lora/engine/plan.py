@@ -29,7 +29,7 @@ from .adapters import EngineAdapters
 from .config import EngineConfig, pad
 from .kernels.dropout import dropout_state
 from .kernels.embedding import gather_rows_launch
-from .program import LayerIO, PassShape, Program, SiteIO, emit_embedding, emit_final_norm, emit_head, emit_layer, \
+from .program import LayerIO, PassContext, Program, SiteIO, emit_embedding, emit_final_norm, emit_head, emit_layer, \
     read_codes
 from .weights import EngineWeights
 from .workspace import Workspace
@@ -104,7 +104,7 @@ class ForwardPlan:
     decoding plans take none. ``from_start``: the caller promises that every pass starts at
     position 0 (a prompt, a batch's logits), so attention may keep its scores whole; such a plan
     run at another position gives NaN. ``batch_invariant``: each sequence's sums are the same
-    whatever the batch (``PassShape``; a generation's prompt pass; float weights then project with
+    whatever the batch (``PassContext``; a generation's prompt pass; float weights then project with
     GEMMs whatever the row count). ``packed``: each row holds several examples, their position ids
     (``positions``, u32 [batch·tokens]) written before each pass (``run`` takes them); not
     decoding. ``workspace``: the plan's own buffers (``scratch``, the engine's workspace of
@@ -134,13 +134,14 @@ class ForwardPlan:
         self.ids = ids if ids is not None else ws.alloc("inputs", (n,), "u32")
         self.dropout = ws.alloc("inputs", (4,), "u32") if dropout else None
         self.positions = ws.alloc("inputs", (n,), "u32") if packed else None
-        self.shape = PassShape(
+        self.context = PassContext(
             weights, adapters, cache.batch, tokens, residual=ws.alloc("activations", (n, H)),
             qkv=ws.alloc("activations", (n, config.q_size + 2 * config.kv_size)),
             codes=ws.alloc("activations", (n, H // 4), "u32") if quant else None,
             ffn_codes=ws.alloc("activations", (n, F // 4), "u32") if quant else None,
-            meta=ws.alloc("activations", (2 * n,)) if quant else None, starts=cache.starts, lengths=cache.lengths,
-            cache_length=cache.length, workspace=ws, decode=decode, fuse=not device.is_cpu if fuse is None else fuse,
+            scales_and_sums=ws.alloc("activations", (2 * n,)) if quant else None, starts=cache.starts,
+            lengths=cache.lengths, cache_length=cache.length, workspace=ws, decode=decode,
+            fuse=not device.is_cpu if fuse is None else fuse,
             # float weights: a GEMV sums in another order than a GEMM, and a sequence alone may take the
             # one its batch does not (ternary weights' integer sums are the same on both paths)
             gemv=False if batch_invariant and not quant else None,
@@ -159,9 +160,9 @@ class ForwardPlan:
             self.last = ws.alloc("inputs", (cache.batch,), "u32")
             write(self.last, np.arange(cache.batch, dtype=np.uint32) * tokens + tokens - 1)
         self.program = Program()
-        emit_embedding(self.program, self.shape, self.ids)
+        emit_embedding(self.program, self.context, self.ids)
         for index, io in enumerate(self.layers):
-            emit_layer(self.program, self.shape, index, io)
+            emit_layer(self.program, self.context, index, io)
         self._emit_head(xn)
 
     def _logits_buffers(self, n: int, mode: str) -> list[tuple[int, Buffer]]:
@@ -183,7 +184,7 @@ class ForwardPlan:
     def _emit_head(self, xn: Buffer) -> None:
         if self.logits_mode == "none":
             return
-        residual = self.shape.residual
+        residual = self.context.residual
         if self.logits_mode == "last":  # each sequence's last position only
             rows = residual
             if self.last is not None:
@@ -191,12 +192,12 @@ class ForwardPlan:
                 self.program.add(gather_rows_launch(self.last, residual, rows, tokens=self.batch,
                                                     k=residual.shape[-1], zero_missing=False, device=self.device))
             x = xn.rows(0, self.batch)
-            emit_final_norm(self.program, self.shape, rows, x, self.batch)
-            self.program.add(*emit_head(self.shape, x, self.logits[0][1], self.batch))
+            emit_final_norm(self.program, self.context, rows, x, self.batch)
+            self.program.add(*emit_head(self.context, x, self.logits[0][1], self.batch))
             return
-        emit_final_norm(self.program, self.shape, residual, xn, self.rows)
+        emit_final_norm(self.program, self.context, residual, xn, self.rows)
         for first, buf in self.logits:
-            self.program.add(*emit_head(self.shape, xn.rows(first, buf.shape[0]), buf, buf.shape[0]))
+            self.program.add(*emit_head(self.context, xn.rows(first, buf.shape[0]), buf, buf.shape[0]))
 
     # -- running ----------------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 and of the LM head, which every plan emits (``plan.ForwardPlan``: logits, prefill, decode;
 ``train_plan.TrainPlan``: the forward of a training pass). The plans differ only in the buffers
 they hand over (``LayerIO``: what a training pass keeps for its backward gets buffers of its own;
-a forward plan reuses one set) and in what their ``PassShape`` allows (decoding's fusions, kept
+a forward plan reuses one set) and in what their ``PassContext`` allows (decoding's fusions, kept
 attention scores, dropout).
 
 Per layer (LoRA, when the model has adapters there, rides along inside the launches: the norms
@@ -19,7 +19,7 @@ compute every h = A·x of their site, the projections add s·B·h in their epilo
     norm        ffn_sub_norm (+ codes, + h for down)
     down        down_proj, added into the residual stream
 
-Decoding a ternary model (``PassShape.fused``: a few tokens, the GEMV path) fuses launches,
+Decoding a ternary model (``PassContext.fused``: a few tokens, the GEMV path) fuses launches,
 since a token is a chain of a few hundred dependent launches of a few µs each: the q/k/v GEMV
 rotates its output and writes the caches itself (no rope launch); a GEMV whose site has no adapter
 normalises and quantises its own input (no norm launch; a site with adapters keeps its norm, which
@@ -33,8 +33,8 @@ torch model), and named points (``mark``) where a caller may split it over sever
 buffers (``record(start=..., stop=...)``: a training step's gradient exchange sends each bucket of
 layers as soon as the backward has passed them).
 
->>> # program = Program(); emit_embedding(program, shape, ids)
->>> # for i in range(config.layers): emit_layer(program, shape, i, io[i])
+>>> # program = Program(); emit_embedding(program, context, ids)
+>>> # for i in range(config.layers): emit_layer(program, context, i, io[i])
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from .kernels.rope import RopeTarget, rope_launch
 from .weights import EngineWeights, Projection
 from .workspace import Workspace
 
-__all__ = ["Indirect", "LayerIO", "PassShape", "Program", "SiteIO", "emit_embedding", "emit_final_norm",
+__all__ = ["Indirect", "LayerIO", "PassContext", "Program", "SiteIO", "emit_embedding", "emit_final_norm",
            "emit_head", "emit_layer", "read_codes"]
 
 
@@ -77,7 +77,7 @@ class Program:
 
     def __init__(self) -> None:
         self.steps: list[Launch | Indirect] = []
-        self._quantised: dict[int, tuple[tuple[int, str], Buffer, Buffer]] = {}  # step index -> (key, codes, meta)
+        self._quantised: dict[int, tuple[tuple[int, str], Buffer, Buffer]] = {}  # step -> (key, codes, scales_and_sums)
         self.marks: dict[Hashable, int] = {}  # name -> the index of the step added after it was marked
 
     def add(self, *steps: Launch | Indirect) -> None:
@@ -87,10 +87,10 @@ class Program:
         """Name the point before the next step added: ``marks[name]`` is that step's index."""
         self.marks[name] = len(self.steps)
 
-    def quantises(self, key: tuple[int, str], codes: Buffer, meta: Buffer) -> None:
+    def quantises(self, key: tuple[int, str], codes: Buffer, scales_and_sums: Buffer) -> None:
         """The next step added quantises the activations of ``key`` = (layer, site) into ``codes`` and
-        ``meta`` (scales, then code sums)."""
-        self._quantised[len(self.steps)] = (key, codes, meta)
+        ``scales_and_sums`` (each row's scale, then each row's code sum)."""
+        self._quantised[len(self.steps)] = (key, codes, scales_and_sums)
 
     @property
     def launches(self) -> list[Launch]:
@@ -102,7 +102,7 @@ class Program:
 
     def record(self, rec: Recorder, capture: dict | None = None, start: int = 0, stop: int | None = None) -> None:
         """Record steps ``start`` to ``stop`` (default: every step) into ``rec``. ``capture``, a dict,
-        receives a copy of each activation quantisation: ``capture[(layer, site)] = (codes, meta)``
+        receives a copy of each activation quantisation: ``capture[(layer, site)] = (codes, scales_and_sums)``
         buffers (``read_codes`` reads them)."""
         stop = len(self.steps) if stop is None else stop
         if not 0 <= start <= stop <= len(self.steps):
@@ -114,15 +114,16 @@ class Program:
             else:
                 rec.launch(step)
             if capture is not None and index in self._quantised:
-                key, codes, meta = self._quantised[index]
-                copies = (Buffer(codes.shape, "u32", codes.device), Buffer(meta.shape, "f32", meta.device))
+                key, codes, scales_and_sums = self._quantised[index]
+                copies = (Buffer(codes.shape, "u32", codes.device),
+                          Buffer(scales_and_sums.shape, "f32", scales_and_sums.device))
                 rec.copy(codes, copies[0])
-                rec.copy(meta, copies[1])
+                rec.copy(scales_and_sums, copies[1])
                 capture[key] = copies
 
 
 @dataclass(frozen=True)
-class PassShape:
+class PassContext:
     """What every launch of a pass shares: the model, ``batch`` sequences of ``tokens`` positions,
     the buffers all layers reuse, where the pass stands (``starts``: each sequence's first position;
     ``lengths``: each sequence's valid keys), the caches' ``cache_length``, and what the pass may do:
@@ -150,7 +151,7 @@ class PassShape:
     qkv: Buffer  # f32 [rows, q + 2 kv]: the fused q/k/v projection's output
     codes: Buffer | None  # u32 [rows, hidden64 / 4]: int8 codes of a norm's output (quantised flavours)
     ffn_codes: Buffer | None  # u32 [rows, ffn64 / 4]: those of ffn_sub_norm's
-    meta: Buffer | None  # f32 [2 rows]: the codes' scales, then their sums
+    scales_and_sums: Buffer | None  # f32 [2 rows]: the codes' scales, then their sums
     starts: Buffer
     lengths: Buffer
     cache_length: int
@@ -212,105 +213,108 @@ class LayerIO:
     residual_mid: Buffer | None = None
 
 
-def emit_embedding(program: Program, shape: PassShape, ids: Buffer) -> None:
+def emit_embedding(program: Program, context: PassContext, ids: Buffer) -> None:
     """The token ids' embedding rows into the residual stream."""
-    w, c = shape.weights, shape.config
-    program.add(*embedding_launches(ids, w.embedding, w.embedding_rows, shape.residual, tokens=shape.rows,
-                                    k=c.hidden, bf16=w.bf16, device=shape.workspace.device))
+    w, c = context.weights, context.config
+    program.add(*embedding_launches(ids, w.embedding, w.embedding_rows, context.residual, tokens=context.rows,
+                                    k=c.hidden, bf16=w.bf16, device=context.workspace.device))
 
 
-def _norm(shape: PassShape, x: Buffer, weight: Buffer, site: Site | None, io: SiteIO, codes: Buffer | None, k: int,
-          layer: int, name: str) -> Launch:
+def _norm(context: PassContext, x: Buffer, weight: Buffer, site: Site | None, io: SiteIO, codes: Buffer | None,
+          k: int, layer: int, name: str) -> Launch:
     lora = site is not None and site.rank > 0
-    dropout = (shape.adapters.site_dropout(layer, name, shape.dropout) if lora and shape.dropout is not None
+    dropout = (context.adapters.site_dropout(layer, name, context.dropout) if lora and context.dropout is not None
                else None)
-    return rmsnorm_launch(x, weight, io.xn, tokens=shape.rows, k=k, eps=shape.config.rms_eps, codes=codes,
-                          meta=shape.meta if codes is not None else None, lora_a=site.a if lora else None,
-                          h=io.h if lora else None, rank=site.rank if lora else 0, rstd=io.rstd, dropout=dropout,
-                          device=shape.workspace.device)
+    return rmsnorm_launch(x, weight, io.xn, tokens=context.rows, k=k, eps=context.config.rms_eps, codes=codes,
+                          meta=context.scales_and_sums if codes is not None else None,
+                          lora_a=site.a if lora else None, h=io.h if lora else None, rank=site.rank if lora else 0,
+                          rstd=io.rstd, dropout=dropout, device=context.workspace.device)
 
 
-def _project(shape: PassShape, proj: Projection, io: SiteIO, codes: Buffer | None, out: Buffer, mode: str, site: Site,
-             aux: Buffer | None = None, norm: tuple[Buffer, Buffer, float] | None = None,
+def _project(context: PassContext, proj: Projection, io: SiteIO, codes: Buffer | None, out: Buffer, mode: str,
+             site: Site, saved: Buffer | None = None, norm: tuple[Buffer, Buffer, float] | None = None,
              rope: RopeTarget | None = None, attention: DecodePartials | None = None) -> Launch:
-    lora = (dict(h=io.h, lora_rank=io.h.shape[1], lora=site.table, lora_b=shape.adapters.params,
+    """Site ``site``'s projection into ``out`` (``mode``: the kernels' epilogue), its LoRA in the
+    epilogue; ``saved``: where the epilogue also writes what the backward reads (o_proj's sums, the
+    raw gate/up pairs)."""
+    lora = (dict(h=io.h, lora_rank=io.h.shape[1], lora=site.table, lora_b=context.adapters.params,
                  segments=site.segments) if site.rank else {})
-    device = shape.workspace.device
-    if shape.config.quantised:
-        return bitlinear_launch(codes, shape.meta, proj, out, tokens=shape.rows, out_stride=out.shape[-1], mode=mode,
-                                aux=aux, gemv=shape.gemv, norm=norm, rope=rope, attention=attention, device=device,
-                                **lora)
-    return matmul_launch(io.xn, proj, out, tokens=shape.rows, out_stride=out.shape[-1], mode=mode,
-                         bf16=shape.weights.bf16, aux=aux, gemv=shape.gemv, device=device, **lora)
+    device = context.workspace.device
+    if context.config.quantised:
+        return bitlinear_launch(codes, context.scales_and_sums, proj, out, tokens=context.rows,
+                                out_stride=out.shape[-1], mode=mode, aux=saved, gemv=context.gemv, norm=norm, rope=rope,
+                                attention=attention, device=device, **lora)
+    return matmul_launch(io.xn, proj, out, tokens=context.rows, out_stride=out.shape[-1], mode=mode,
+                         bf16=context.weights.bf16, aux=saved, gemv=context.gemv, device=device, **lora)
 
 
-def emit_layer(program: Program, shape: PassShape, index: int, io: LayerIO) -> None:
+def emit_layer(program: Program, context: PassContext, index: int, io: LayerIO) -> None:
     """Decoder layer ``index``'s forward (the module's docstring), reading and updating the residual
     stream and writing ``io``."""
-    c, w = shape.config, shape.weights
-    layer, sites = w.layers[index], shape.adapters.sites[index]
-    fused = shape.fused
+    c, w = context.config, context.weights
+    layer, sites = w.layers[index], context.adapters.sites[index]
+    fused = context.fused
 
     def normalises(name: str, k: int) -> bool:
         return fused and not sites[name].rank and gemv_normalises(k)
 
     def site(x: Buffer, weight: Buffer, name: str, k: int, proj: Projection, out: Buffer, mode: str,
              codes: Buffer | None, rope: RopeTarget | None = None, attention: DecodePartials | None = None,
-             aux: Buffer | None = None) -> None:
+             saved: Buffer | None = None) -> None:
         """A projection and the norm of its input: one launch where the GEMV normalises (x, or
-        ``attention``'s partials merged), else two."""
+        ``attention``'s partials merged), else two; ``saved``: ``_project``'s."""
         norm = normalises(name, k)
         if codes is not None:  # the next launch quantises: the norm, or the GEMV that normalises
-            program.quantises((index, name), codes, shape.meta)
+            program.quantises((index, name), codes, context.scales_and_sums)
         if not norm:
-            program.add(_norm(shape, x, weight, sites[name], getattr(io, name), codes, k, index, name))
-        program.add(_project(shape, proj, getattr(io, name), codes, out, mode, sites[name], aux=aux,
+            program.add(_norm(context, x, weight, sites[name], getattr(io, name), codes, k, index, name))
+        program.add(_project(context, proj, getattr(io, name), codes, out, mode, sites[name], saved=saved,
                              norm=(x, weight, c.rms_eps) if norm else None, rope=rope,
                              attention=attention if norm else None))
 
-    target = RopeTarget(w.rope_cos, w.rope_sin, shape.starts, io.keys, io.values, c.heads, c.kv_heads, c.head_dim,
-                        shape.tokens, shape.positions)
+    target = RopeTarget(w.rope_cos, w.rope_sin, context.starts, io.keys, io.values, c.heads, c.kv_heads, c.head_dim,
+                        context.tokens, context.positions)
     if io.residual_in is not None:  # copied by a kernel: a Recorder.copy would end the compute pass
-        program.add(copy_launch(shape.residual, io.residual_in))
-    site(shape.residual, layer.input_norm, "attn", c.hidden, layer.qkv, io.queries if fused else shape.qkv,
-         "rope" if fused else "store", shape.codes, rope=target if fused else None)
+        program.add(copy_launch(context.residual, io.residual_in))
+    site(context.residual, layer.input_norm, "attn", c.hidden, layer.qkv, io.queries if fused else context.qkv,
+         "rope" if fused else "store", context.codes, rope=target if fused else None)
     if not fused:
-        program.add(rope_launch(shape.qkv, io.queries, target, tokens=shape.rows, device=shape.workspace.device))
+        program.add(rope_launch(context.qkv, io.queries, target, tokens=context.rows, device=context.workspace.device))
     # o_proj's GEMV that normalises its input merges attention's partials itself (no combine launch)
-    partials = (decode_partials(shape.batch, shape.tokens, c.heads, c.kv_heads, c.head_dim, shape.cache_length,
-                                shape.workspace) if normalises("o", c.q_size) else None)
-    program.add(*attention_launches(io.queries, io.keys, io.values, io.attention, shape.starts, shape.lengths,
-                                    batch=shape.batch, tokens=shape.tokens, heads=c.heads, kv_heads=c.kv_heads,
-                                    head_dim=c.head_dim, max_len=shape.cache_length, scale=c.head_dim ** -0.5,
-                                    workspace=shape.workspace, lse=io.lse, decode=shape.decode, partials=partials,
-                                    from_start=shape.from_start, scores=io.scores,
-                                    splits=1 if shape.batch_invariant and not shape.decode else None,
-                                    positions=shape.positions))
-    site(io.attention, layer.attn_sub_norm, "o", c.q_size, layer.o, shape.residual, "add", shape.codes,
-         attention=partials, aux=io.residual_mid)  # o_proj's add keeps the residual for the backward
-    site(shape.residual, layer.post_norm, "mlp", c.hidden, layer.gate_up, io.ffn, "gate_up", shape.codes,
-         aux=io.pairs)
-    site(io.ffn, layer.ffn_sub_norm, "down", c.intermediate, layer.down, shape.residual, "add", shape.ffn_codes)
+    partials = (decode_partials(context.batch, context.tokens, c.heads, c.kv_heads, c.head_dim, context.cache_length,
+                                context.workspace) if normalises("o", c.q_size) else None)
+    program.add(*attention_launches(io.queries, io.keys, io.values, io.attention, context.starts, context.lengths,
+                                    batch=context.batch, tokens=context.tokens, heads=c.heads, kv_heads=c.kv_heads,
+                                    head_dim=c.head_dim, max_len=context.cache_length, scale=c.head_dim ** -0.5,
+                                    workspace=context.workspace, lse=io.lse, decode=context.decode, partials=partials,
+                                    from_start=context.from_start, scores=io.scores,
+                                    splits=1 if context.batch_invariant and not context.decode else None,
+                                    positions=context.positions))
+    site(io.attention, layer.attn_sub_norm, "o", c.q_size, layer.o, context.residual, "add", context.codes,
+         attention=partials, saved=io.residual_mid)  # o_proj's add keeps the residual for the backward
+    site(context.residual, layer.post_norm, "mlp", c.hidden, layer.gate_up, io.ffn, "gate_up", context.codes,
+         saved=io.pairs)
+    site(io.ffn, layer.ffn_sub_norm, "down", c.intermediate, layer.down, context.residual, "add", context.ffn_codes)
 
 
-def emit_final_norm(program: Program, shape: PassShape, x: Buffer, out: Buffer, rows: int,
+def emit_final_norm(program: Program, context: PassContext, x: Buffer, out: Buffer, rows: int,
                     rstd: Buffer | None = None) -> None:
     """The final RMSNorm over ``rows`` rows of ``x`` into ``out`` (keeping 1/rms in ``rstd``)."""
-    c = shape.config
-    program.add(rmsnorm_launch(x, shape.weights.final_norm, out, tokens=rows, k=c.hidden, eps=c.rms_eps, rstd=rstd,
-                               device=shape.workspace.device))
+    c = context.config
+    program.add(rmsnorm_launch(x, context.weights.final_norm, out, tokens=rows, k=c.hidden, eps=c.rms_eps, rstd=rstd,
+                               device=context.workspace.device))
 
 
-def emit_head(shape: PassShape, x: Buffer, logits: Buffer, rows: int) -> list[Launch]:
+def emit_head(context: PassContext, x: Buffer, logits: Buffer, rows: int) -> list[Launch]:
     """The LM head over ``rows`` rows of ``x`` (the final norm's output) into ``logits`` [rows, at
     least vocab], a launch per vocabulary chunk of the weights; returned for the caller to add (the
     training head makes them indirect)."""
-    w, c = shape.weights, shape.config
+    w, c = context.weights, context.config
     launches, begin = [], 0
     for chunk, chunk_rows in zip(w.head, w.head_rows):
         launches.append(matmul_launch(x, Projection(chunk, None, chunk_rows, c.hidden), logits, tokens=rows,
-                                      out_stride=logits.shape[-1], out_offset=begin, bf16=w.bf16, gemv=shape.gemv,
-                                      device=shape.workspace.device))
+                                      out_stride=logits.shape[-1], out_offset=begin, bf16=w.bf16, gemv=context.gemv,
+                                      device=context.workspace.device))
         begin += chunk_rows
     return launches
 
@@ -324,10 +328,10 @@ def read_codes(capture: dict, batch: int, tokens: int, config: EngineConfig) -> 
         return {}
     rec = Recorder(next(iter(capture.values()))[0].device)
     raw = {}
-    for key, (codes, meta) in capture.items():
-        raw[key] = (np.empty(codes.shape, np.uint32), np.empty(meta.shape, np.float32))
+    for key, (codes, scales_and_sums) in capture.items():
+        raw[key] = (np.empty(codes.shape, np.uint32), np.empty(scales_and_sums.shape, np.float32))
         rec.read(codes, raw[key][0])
-        rec.read(meta, raw[key][1])
+        rec.read(scales_and_sums, raw[key][1])
     rec.submit()
     out = {}
     for (layer, site), (c, m) in raw.items():

@@ -36,8 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..ops.optimizer import CLIP_PARTIALS, adamw_launch, adamw_uniform, clip_launches
-from ..optim import WgpuAdamW
+from ..ops.optimizer import CLIP_PARTIALS, WgpuAdamW, adamw_launch, adamw_uniform, clip_launches
 from ..runtime import Buffer, Pending, Recorder, Recording, write
 from .adapters import EngineAdapters
 from .config import pad

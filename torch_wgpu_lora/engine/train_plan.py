@@ -68,7 +68,7 @@ from .kernels.lora_grad import da_launch, db_launch, dh_launch
 from .kernels.matmul import matmul_t_launch
 from .kernels.norm import rmsnorm_backward_launch
 from .kernels.rope import rope_backward_launch
-from .program import (Indirect, LayerIO, PassShape, Program, SiteIO, emit_embedding, emit_final_norm, emit_head,
+from .program import (Indirect, LayerIO, PassContext, Program, SiteIO, emit_embedding, emit_final_norm, emit_head,
                       emit_layer, read_codes)
 from .weights import EngineWeights, Projection
 from .workspace import Workspace
@@ -135,7 +135,7 @@ class TrainPlan:
         self.residual, self.qkv = alloc("activations", n, H), alloc("activations", n, c.q_size + 2 * c.kv_size)
         self.codes = alloc("activations", n, H // 4, dtype="u32") if quant else None
         self.ffn_codes = alloc("activations", n, F // 4, dtype="u32") if quant else None
-        self.meta = alloc("activations", 2 * n) if quant else None
+        self.scales_and_sums = alloc("activations", 2 * n) if quant else None
         xn, ffn_xn = alloc("activations", n, H), alloc("activations", n, F)
         # kept for the backward, per layer
         shape_kv = (batch, c.kv_heads, tokens, c.head_dim)
@@ -171,27 +171,27 @@ class TrainPlan:
         self.x_head, self.d_head = alloc("loss", n, H), alloc("loss", n, H)
         self.logits = alloc("loss", self.token_chunks[0][1], c.vocab)
         for slot in self.slots:
-            shape = PassShape(weights, adapters, batch, tokens, residual=self.residual, qkv=self.qkv,
-                              codes=self.codes, ffn_codes=self.ffn_codes, meta=self.meta, starts=self.starts,
-                              lengths=slot.lengths, cache_length=tokens, workspace=ws, gemv=False,
-                              from_start=True, dropout=slot.dropout, positions=slot.positions)
-            self._assemble(slot, shape)
+            context = PassContext(weights, adapters, batch, tokens, residual=self.residual, qkv=self.qkv,
+                                  codes=self.codes, ffn_codes=self.ffn_codes, scales_and_sums=self.scales_and_sums,
+                                  starts=self.starts, lengths=slot.lengths, cache_length=tokens, workspace=ws,
+                                  gemv=False, from_start=True, dropout=slot.dropout, positions=slot.positions)
+            self._assemble(slot, context)
 
     # -- the backward's pieces ---------------------------------------------------------------------
 
-    def _site_dropout(self, shape: PassShape, layer: int, site: str) -> SiteDropout | None:
-        return self.adapters.site_dropout(layer, site, shape.dropout) if shape.dropout is not None else None
+    def _site_dropout(self, context: PassContext, layer: int, site: str) -> SiteDropout | None:
+        return self.adapters.site_dropout(layer, site, context.dropout) if context.dropout is not None else None
 
-    def _project_t(self, shape: PassShape, proj: Projection, dy: Buffer, out: Buffer, k: int, site: Site,
+    def _project_t(self, context: PassContext, proj: Projection, dy: Buffer, out: Buffer, k: int, site: Site,
                    layer: int, name: str) -> list[Launch]:
-        lora = (dict(dh=self.dh, lora_a=site.a, lora_rank=site.rank, dropout=self._site_dropout(shape, layer, name))
+        lora = (dict(dh=self.dh, lora_a=site.a, lora_rank=site.rank, dropout=self._site_dropout(context, layer, name))
                 if site.rank else {})
         if self.config.quantised:
             return bitlinear_t_launch(dy, proj, out, tokens=self.rows, k=k, workspace=self.workspace, **lora)
         return matmul_t_launch(dy, proj, out, tokens=self.rows, k=k, bf16=self.weights.bf16,
                                workspace=self.workspace, **lora)
 
-    def _adapter_grads(self, shape: PassShape, site: Site, dy: Buffer, io: SiteIO, layer: int,
+    def _adapter_grads(self, context: PassContext, site: Site, dy: Buffer, io: SiteIO, layer: int,
                        name: str) -> list[Launch]:
         """dh and dB of every adapter of the site, then dA of the site's stacked A."""
         if not site.rank:
@@ -204,29 +204,29 @@ class TrainPlan:
             launches.append(db_launch(dy, io.h, self.grads, tokens=self.rows, rows=a.rows, rank=m.r, h_col=a.a_row,
                                       b_offset=a.b_offset, scale=m.scaling, device=self.device))
         launches.append(da_launch(self.dh, io.xn, self.grads, tokens=self.rows, rank=site.rank, k=site.k,
-                                  a_offset=site.a_offset, dropout=self._site_dropout(shape, layer, name),
+                                  a_offset=site.a_offset, dropout=self._site_dropout(context, layer, name),
                                   device=self.device))
         return launches
 
     # -- the program ------------------------------------------------------------------------------
 
-    def _assemble(self, slot: _Slot, shape: PassShape) -> None:
+    def _assemble(self, slot: _Slot, context: PassContext) -> None:
         """The slot's whole program: the forward (``program``'s emitter), the loss over the labelled
         rows, the backward."""
         c, w, a, d = self.config, self.weights, self.adapters, self.device
         out = slot.program
-        emit_embedding(out, shape, slot.ids)
+        emit_embedding(out, context, slot.ids)
         for index, io in enumerate(self.layers):
-            emit_layer(out, shape, index, io)
+            emit_layer(out, context, index, io)
         out.add(copy_launch(self.residual, self.resid_final))
-        emit_final_norm(out, shape, self.residual, self.xn_final, self.rows, rstd=self.rstd_final)
+        emit_final_norm(out, context, self.residual, self.xn_final, self.rows, rstd=self.rstd_final)
         # the LM head and the loss over the labelled rows only, gathered in order, chunk by chunk
         out.add(gather_rows_launch(slot.labelled, self.xn_final, self.x_head, tokens=self.rows,
                                    k=self.x_head.shape[1], zero_missing=False, device=d))
         for first, count in self.token_chunks:
             logits = self.logits.rows(0, count)
             out.add(*(self._labelled_rows(slot, gemm, first, count)
-                      for gemm in emit_head(shape, self.x_head.rows(first, count), logits, count)))
+                      for gemm in emit_head(context, self.x_head.rows(first, count), logits, count)))
             out.add(cross_entropy_launch(logits, slot.targets.rows(first, count), self.scale,
                                          slot.losses.rows(first, count), rows=count, vocab=c.vocab, device=d))
             begin = 0
@@ -243,20 +243,20 @@ class TrainPlan:
         for index in reversed(range(c.layers)):
             layer, sites, io = w.layers[index], a.sites[index], self.layers[index]
             out.mark(("backward", index))
-            out.add(*self._adapter_grads(shape, sites["down"], self.d_resid, io.down, index, "down"),
-                    *self._project_t(shape, layer.down, self.d_resid, self.d_ffn_xn, c.intermediate, sites["down"],
+            out.add(*self._adapter_grads(context, sites["down"], self.d_resid, io.down, index, "down"),
+                    *self._project_t(context, layer.down, self.d_resid, self.d_ffn_xn, c.intermediate, sites["down"],
                                      index, "down"),
                     rmsnorm_backward_launch(self.d_ffn_xn, io.ffn, io.down.rstd, layer.ffn_sub_norm, self.d_h,
                                             tokens=self.rows, k=c.intermediate, device=d),
                     relu2_backward_launch(self.d_h, io.pairs, self.d_pairs, tokens=self.rows,
                                           features=c.intermediate, device=d),
-                    *self._adapter_grads(shape, sites["mlp"], self.d_pairs, io.mlp, index, "mlp"),
-                    *self._project_t(shape, layer.gate_up, self.d_pairs, self.d_xn, c.hidden, sites["mlp"],
+                    *self._adapter_grads(context, sites["mlp"], self.d_pairs, io.mlp, index, "mlp"),
+                    *self._project_t(context, layer.gate_up, self.d_pairs, self.d_xn, c.hidden, sites["mlp"],
                                      index, "mlp"),
                     rmsnorm_backward_launch(self.d_xn, io.residual_mid, io.mlp.rstd, layer.post_norm, self.d_resid,
                                             tokens=self.rows, k=c.hidden, accumulate=True, device=d),
-                    *self._adapter_grads(shape, sites["o"], self.d_resid, io.o, index, "o"),
-                    *self._project_t(shape, layer.o, self.d_resid, self.d_xn_o, c.q_size, sites["o"], index, "o"),
+                    *self._adapter_grads(context, sites["o"], self.d_resid, io.o, index, "o"),
+                    *self._project_t(context, layer.o, self.d_resid, self.d_xn_o, c.q_size, sites["o"], index, "o"),
                     rmsnorm_backward_launch(self.d_xn_o, io.attention, io.o.rstd, layer.attn_sub_norm, self.d_o,
                                             tokens=self.rows, k=c.q_size, device=d),
                     *attention_backward_launches(io.queries, io.keys, io.values, io.attention, io.lse, self.d_o,
@@ -270,9 +270,9 @@ class TrainPlan:
                                          tokens=self.rows, tokens_per_seq=self.tokens, heads=c.heads,
                                          kv_heads=c.kv_heads, head_dim=c.head_dim, cache_len=self.tokens,
                                          positions=slot.positions, device=d),
-                    *self._adapter_grads(shape, sites["attn"], self.d_qkv, io.attn, index, "attn"))
+                    *self._adapter_grads(context, sites["attn"], self.d_qkv, io.attn, index, "attn"))
             if index > 0:  # below layer 0 the input gradient reaches no trainable parameter
-                out.add(*self._project_t(shape, layer.qkv, self.d_qkv, self.d_xn, c.hidden, sites["attn"], index,
+                out.add(*self._project_t(context, layer.qkv, self.d_qkv, self.d_xn, c.hidden, sites["attn"], index,
                                          "attn"),
                         rmsnorm_backward_launch(self.d_xn, io.residual_in, io.attn.rstd, layer.input_norm,
                                                 self.d_resid, tokens=self.rows, k=c.hidden, accumulate=True, device=d))

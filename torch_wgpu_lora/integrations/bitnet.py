@@ -1,14 +1,17 @@
-"""Hugging Face BitNet models with LoRA adapters on their projections.
+"""Hugging Face BitNet models with LoRA adapters on their projections: checkpoints in their three
+weight flavours (``load_bitnet``), the modules adapters go on (``lora_targets``), the ``LoRALinear``
+layers put in their place (``add_lora_layers``, which ``torch_wgpu_lora.apply_lora`` calls before
+giving the model PEFT's model API), and the straight-through backward of packed layers.
 
 >>> # model = load_bitnet("path/to/bitnet-b1.58-2B-4T-bf16")
->>> # apply_lora(model, r=8, target_modules=("q_proj", "v_proj"))
->>> # optimizer = torch.optim.AdamW(lora_parameters(model))
+>>> # add_lora_layers(model, r=8, target_modules=("q_proj", "v_proj"))   # torch_wgpu_lora.apply_lora: the same,
+>>> # optimizer = torch.optim.AdamW(lora_parameters(model))              # and PEFT's model API
 
 Gradients through packed layers. transformers' packed ``BitLinear`` (checkpoints whose
 ``quantization_config`` says ``linear_class "bitlinear"``) casts its activations to
 int8 inside its forward, which cuts autograd's path to its input: an adapter in layer 0
 would get almost none of the gradient that flows back through the later layers'
-projections. ``apply_lora`` therefore gives every packed ``BitLinear`` of the model
+projections. ``add_lora_layers`` therefore gives every packed ``BitLinear`` of the model
 (wrapped or not) the straight-through backward that ``AutoBitLinear`` already has:
 activation quantisation counts as the identity, so with ``y ≈ x·Wᵀ / weight_scale``
 (``BitLinear`` divides by its scale; ``AutoBitLinear`` multiplies by its own)
@@ -192,7 +195,7 @@ def use_ste_backward(model: nn.Module) -> int:
 
     The layer keeps its forward (transformers' own, bit for bit), buffers and state-dict
     keys; only its class changes, to a subclass whose backward is
-    dx = (dy / weight_scale) · W_ternary. ``apply_lora`` calls this. Returns how many
+    dx = (dy / weight_scale) · W_ternary. ``add_lora_layers`` calls this. Returns how many
     layers were changed (already changed ones are left alone).
 
     >>> # use_ste_backward(load_bitnet(packed_folder))  # -> 7 × num_hidden_layers
@@ -234,16 +237,16 @@ def lora_targets(model: nn.Module, config: LoraConfig) -> list[tuple[str, nn.Mod
     return selected
 
 
-def apply_lora(model: nn.Module, config: Any = None, **fields: Any) -> nn.Module:
+def add_lora_layers(model: nn.Module, config: Any = None, **fields: Any) -> nn.Module:
     """Replace every module the config selects with a ``LoRALinear`` wrapping it.
 
     ``config`` (default ``LoraConfig()``; a ``peft.LoraConfig`` is read with ``LoraConfig.from_peft``,
     which refuses by name what this package does not implement) with ``fields`` replacing its values:
-    ``apply_lora(model, r=8, lora_alpha=16)`` and ``apply_lora(model, LoraConfig(r=8, lora_alpha=16))``
+    ``add_lora_layers(model, r=8, lora_alpha=16)`` and ``add_lora_layers(model, LoraConfig(r=8, lora_alpha=16))``
     are the same. Modules are selected as PEFT selects them (``lora_targets``), each with its
     rank and alpha from ``rank_pattern`` / ``alpha_pattern``. The model keeps the config it was
-    given as ``model.lora_config``. (``torch_wgpu_lora.apply_lora``, ``integrations.peft``'s, also
-    gives the model PEFT's model API.)
+    given as ``model.lora_config``. (``torch_wgpu_lora.apply_lora``, ``integrations.peft``'s, calls
+    this and then gives the model PEFT's model API: it is the one to use.)
 
     Every other parameter is frozen. With ``init="hesper"``, the adapter of target t (the position
     in ``target_modules`` of the name it matched; with "all-linear" or a regex, of its name among
@@ -253,7 +256,7 @@ def apply_lora(model: nn.Module, config: Any = None, **fields: Any) -> nn.Module
     backward (``use_ste_backward``). Returns ``model`` (changed in place). Unknown
     targets or invalid settings raise ValueError before any module is replaced or patched.
 
-    >>> # apply_lora(load_bitnet(folder), r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"))
+    >>> # add_lora_layers(load_bitnet(folder), r=8, lora_alpha=16, target_modules=("q_proj", "v_proj"))
     """
     if config is not None and not isinstance(config, LoraConfig):
         config = LoraConfig.from_peft(config)

@@ -7,17 +7,18 @@
 >>> # model.save_pretrained("out")              # PEFT's layout, as transformers' Trainer.save_model calls it
 >>> # ours = from_peft(peft_model)             # a PeftModel's LoRA layers as ours, sharing its Parameters
 
-**The model API.** ``apply_lora`` and ``load_adapter`` (this module's, which the package
-exports) put adapters on a transformers model as ``integrations.bitnet.apply_lora`` and
-``integrations.adapters.load_adapter`` do, and give the model PEFT's ``PeftModel`` methods
-(``LoraModelMixin``): ``print_trainable_parameters``, ``get_nb_trainable_parameters``, the
-``disable_adapter()`` context, named adapters (``add_adapter``, ``load_adapter``,
-``set_adapter``, ``delete_adapter``, ``active_adapter``) and ``save_pretrained``, which writes
-the adapters in PEFT's layout (the ``"default"`` adapter in the folder, others in sub-folders
-named after them, as PEFT does). transformers' ``Trainer.save_model`` and TRL's trainers call
-``save_pretrained``, so their outputs are adapters ``PeftModel.from_pretrained`` and
-``load_adapter`` read. The model's class becomes a subclass of its own (``BitNetForCausalLM``
-becomes ``BitNetForCausalLMWithLoRA``); forward, state dict and everything else are unchanged.
+**The model API.** ``apply_lora`` and ``load_adapter``, which the package exports, put adapters on
+a transformers model (``integrations.bitnet.add_lora_layers``, from a config;
+``integrations.adapter_files.load_adapter_file``, from a file) and give the model PEFT's
+``PeftModel`` methods (``LoraModelMixin``): ``print_trainable_parameters``,
+``get_nb_trainable_parameters``, the ``disable_adapter()`` context, named adapters
+(``add_adapter``, ``load_adapter``, ``set_adapter``, ``delete_adapter``, ``active_adapter``) and
+``save_pretrained``, which writes the adapters in PEFT's layout (the ``"default"`` adapter in the
+folder, others in sub-folders named after them, as PEFT does). transformers' ``Trainer.save_model``
+and TRL's trainers call ``save_pretrained``, so their outputs are adapters
+``PeftModel.from_pretrained`` and ``load_adapter`` read. The model's class becomes a subclass of
+its own (``BitNetForCausalLM`` becomes ``BitNetForCausalLMWithLoRA``); forward, state dict and
+everything else are unchanged.
 
 Named adapters: the active adapter's ``LoRALinear`` modules are in the model, the others are
 kept aside and swapped in by ``set_adapter``. Parameters, optimizers and ``BitNetEngine``
@@ -45,7 +46,7 @@ from torch import nn
 
 from ..config import LoraConfig
 from ..modules import LoRALinear
-from . import adapters as adapter_files
+from . import adapter_files
 from . import bitnet
 
 __all__ = ["DEFAULT_ADAPTER", "LoraModelMixin", "apply_lora", "from_peft", "load_adapter", "peft_layers"]
@@ -107,16 +108,16 @@ class LoraModelMixin:
         if peft_config is None:
             raise TypeError("add_adapter needs a LoraConfig (torch_wgpu_lora's or peft's)")
         with self._bare():
-            bitnet.apply_lora(self, peft_config)
+            bitnet.add_lora_layers(self, peft_config)
             self._take_new(adapter_name)
 
     def load_adapter(self, model_id: str | os.PathLike, adapter_name: str = DEFAULT_ADAPTER, *,
                      residual_base: bool = False) -> None:
         """Load the adapter at ``model_id`` (a PEFT folder or a Hesper file) as ``adapter_name``; it is
-        not made active (``set_adapter``). ``residual_base``: as ``integrations.adapters.load_adapter``."""
+        not made active (``set_adapter``). ``residual_base``: as ``adapter_files.load_adapter_file``."""
         self._check_new_name(adapter_name)
         with self._bare():
-            adapter_files.load_adapter(self, model_id, residual_base=residual_base)
+            adapter_files.load_adapter_file(self, model_id, residual_base=residual_base)
             self._take_new(adapter_name)
 
     def set_adapter(self, adapter_name: str) -> None:
@@ -233,24 +234,26 @@ def with_adapter_api(model: nn.Module, adapter_name: str = DEFAULT_ADAPTER) -> n
 
 
 def apply_lora(model: nn.Module, config: Any = None, adapter_name: str = DEFAULT_ADAPTER, **fields: Any) -> nn.Module:
-    """``integrations.bitnet.apply_lora`` (``config``: ours or a ``peft.LoraConfig``, ``fields`` replacing its
-    values), then PEFT's model API on ``model`` (``LoraModelMixin``), the adapter named ``adapter_name``.
+    """Put LoRA adapters on ``model`` (``integrations.bitnet.add_lora_layers``; ``config``: ours or a
+    ``peft.LoraConfig``, ``fields`` replacing its values), then give it PEFT's model API
+    (``LoraModelMixin``), the adapter named ``adapter_name``; returns ``model``.
 
     >>> # model = apply_lora(load_bitnet(folder), peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
     """
-    bitnet.apply_lora(model, config, **fields)
+    bitnet.add_lora_layers(model, config, **fields)
     return with_adapter_api(model, adapter_name)
 
 
 def load_adapter(model: nn.Module, path: str | os.PathLike, format: str | None = None, *,
                  residual_base: bool = False) -> nn.Module:
-    """``integrations.adapters.load_adapter`` (a PEFT folder or Hesper file into ``model``), then PEFT's
-    model API on ``model`` (``LoraModelMixin``) when it was loaded into a model without adapters.
+    """Load the adapter at ``path`` (a PEFT folder or a Hesper file) into ``model``
+    (``integrations.adapter_files.load_adapter_file``), then give ``model`` PEFT's model API
+    (``LoraModelMixin``) when it was loaded into a model without adapters; returns ``model``.
 
     >>> # model = load_adapter(load_bitnet(folder), "run/adapter")
     """
     had_adapters = bool(bitnet.lora_modules(model))
-    adapter_files.load_adapter(model, path, format, residual_base=residual_base)
+    adapter_files.load_adapter_file(model, path, format, residual_base=residual_base)
     return model if had_adapters else with_adapter_api(model)
 
 

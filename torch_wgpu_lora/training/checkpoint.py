@@ -2,7 +2,7 @@
 
 A checkpoint is a folder ``step-000123`` holding
 
-* ``adapter/``: the LoRA adapter in PEFT's layout (``integrations.adapters.save_adapter``);
+* ``adapter/``: the LoRA adapter in PEFT's layout (``integrations.adapter_files.save_adapter``);
 * ``optimizer.safetensors``: each parameter's ``exp_avg`` and ``exp_avg_sq`` (keys ``"3.exp_avg"``);
 * ``rng.safetensors``: torch's CPU generator state (``"torch"``, uint8);
 * ``state.json``: the optimiser's param groups and step counts, the scheduler's state,
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ..files import make_temp_dir, sync_dir, write_atomic
-from ..integrations.adapters import load_adapter, save_adapter
+from ..integrations.adapter_files import load_adapter_file, save_adapter
 
 __all__ = ["DamagedCheckpoint", "checkpoint_name", "checkpoint_step", "latest_checkpoint", "list_checkpoints",
            "load_checkpoint", "read_checkpoint", "read_rank_rngs", "read_state", "remove_unfinished", "rng_state",
@@ -317,7 +317,7 @@ def load_checkpoint(folder: str | os.PathLike, model: torch.nn.Module, optimizer
                            **{name: moments[f"{i}.{name}"] for name in _MOMENTS}}
                   for i, step in state["optimizer"]["steps"].items()},
     }
-    load_adapter(model, folder / "adapter", format="peft")
+    load_adapter_file(model, folder / "adapter", format="peft")
     optimizer.load_state_dict(optimizer_state)
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_states(state["rng"], torch_rng)

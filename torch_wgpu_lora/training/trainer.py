@@ -70,12 +70,12 @@ import torch
 
 from ..engine import choose_engine
 from ..engine.step import DEFAULT_BUCKET_BYTES
-from ..integrations.adapters import load_adapter, save_adapter
+from ..integrations.adapter_files import load_adapter_file, save_adapter
 from ..integrations.bitnet import lora_parameters
 from ..integrations.peft import from_peft, peft_layers
 from ..limits import check_context, model_context
 from ..loss import causal_lm_loss, labelled_tokens
-from ..optim import WgpuAdamW, clip_grad_norm
+from ..ops.optimizer import WgpuAdamW, clip_grad_norm
 from .checkpoint import (DamagedCheckpoint, checkpoint_name, checkpoint_step, latest_checkpoint, list_checkpoints,
                          load_checkpoint, read_checkpoint, read_rank_rngs, remove_unfinished, rng_state,
                          save_checkpoint, set_rng_state)
@@ -485,7 +485,7 @@ class Trainer:
                 eval_loss = self._evaluate(step)
             checkpoint = self._save(step, epoch, group)
             if self.load_best_at_end and self.best is not None:
-                self._on_rank0(lambda: load_adapter(self.model, self.best_path, format="peft"),
+                self._on_rank0(lambda: load_adapter_file(self.model, self.best_path, format="peft"),
                                "loading the best adapter on rank 0")
                 if self.dist is not None:
                     self.dist.broadcast_(self.params, "the broadcast of the best adapter")

@@ -7,10 +7,9 @@ submission's index and the wait for that one submission (``wgpuQueueSubmitForInd
 
 Why not wgpu-py's ``map_async``: its poll thread waits for *every* submitted command buffer
 (``wgpuDevicePoll`` with wait), and a ``queue.submit`` made meanwhile does not return before that
-poll does (on the H200, a decode batch's submit took 5.6-7.5 ms while the batch before's readback
-was pending, 0.1 ms once the runtime mapped this way). A generation that submits batch N + 1 and
-then waits for batch N's readback would leave the GPU idle until each submit returned. So the
-runtime waits for the one submission, then maps.
+poll does. A generation that submits batch N + 1 and then waits for batch N's readback would leave
+the GPU idle until each submit returned. So the runtime waits for the one submission, then maps
+(``benchmarks/RESULTS.md``, "Readbacks", gives what each way cost).
 """
 
 from __future__ import annotations

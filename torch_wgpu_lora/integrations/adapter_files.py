@@ -2,7 +2,7 @@
 
 >>> # save_adapter(model, "out/adapter")                      # PEFT folder
 >>> # PeftModel.from_pretrained(base, "out/adapter")          # real peft loads it
->>> # load_adapter(BitNetForCausalLM.from_pretrained(p), "out/adapter")   # ours, or one trained by peft
+>>> # load_adapter_file(BitNetForCausalLM.from_pretrained(p), "out/adapter")   # ours, or one trained by peft
 >>> # save_adapter(model, "out/adapter.lora", format="hesper")           # Hesper's binary file
 >>> # save_adapter(model, "out/adapter.gguf", format="gguf")             # llama.cpp's LoRA GGUF (written only)
 
@@ -57,10 +57,10 @@ removed, ``adapter_model.safetensors`` replaced, and the new ``adapter_config.js
 renamed into place (syncing the folder after each step). So a failure before the commit
 (an exception, a full disk, a crash) leaves the previous adapter untouched, and a crash
 inside the commit leaves a folder without ``adapter_config.json``, which peft and
-``load_adapter`` both refuse: the pair on disk is never a mix of old and new.
+``load_adapter_file`` both refuse: the pair on disk is never a mix of old and new.
 
 Reading while saves run: a save's commit holds an exclusive lock on the folder (``flock``),
-and ``load_adapter`` reads both files once, whole, under a shared one, so it gets one whole
+and ``load_adapter_file`` reads both files once, whole, under a shared one, so it gets one whole
 save, and two saves at once commit one after the other. Our weights also record the config
 fields they were saved with (r, lora_alpha, lora_dropout, the target fields, the patterns and
 use_rslora; ``PAIRING_KEY`` in the safetensors metadata): where folders cannot be locked
@@ -90,7 +90,7 @@ from torch import nn
 from ..config import LoraConfig
 from ..files import locked_dir, make_temp_dir, sync_dir, write_atomic, write_temp
 from ..modules import LoRALinear
-from .bitnet import apply_lora, is_linear_like, layer_index, lora_modules, lora_targets
+from .bitnet import add_lora_layers, is_linear_like, layer_index, lora_modules, lora_targets
 from .gguf import save_gguf_adapter
 
 FORMATS = ("peft", "hesper")
@@ -151,16 +151,17 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, format: str = "peft"
     return path
 
 
-def load_adapter(model: nn.Module, path: str | os.PathLike, format: str | None = None, *,
+def load_adapter_file(model: nn.Module, path: str | os.PathLike, format: str | None = None, *,
                  residual_base: bool = False) -> nn.Module:
-    """Load the adapter at ``path`` into ``model`` (changed in place, and returned).
+    """Load the adapter at ``path`` into ``model`` (changed in place, and returned): the file's part of
+    ``torch_wgpu_lora.load_adapter``, which also gives the model PEFT's model API.
 
     ``format=None`` detects it: a folder is PEFT, a file starting with Hesper's magic is Hesper.
     Anything but a regular file or a folder (a FIFO, a device) is refused before it is opened.
     ``residual_base=True`` says that ``model``'s base weights are the ones peft changed when it
     initialised this adapter (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), which such adapters need.
 
-    >>> # model = load_adapter(BitNetForCausalLM.from_pretrained(base), "out/adapter")
+    >>> # model = load_adapter_file(BitNetForCausalLM.from_pretrained(base), "out/adapter")
     """
     path = check_adapter_path(path)
     format = _detect_format(path) if format is None else format
@@ -298,8 +299,8 @@ def _install(model: nn.Module, adapter: _Adapter, targets: tuple[str, ...] | Non
         # Exactly the file's modules, whatever its target fields say; init="peft" is the fast one
         # (every value is overwritten below).
         exact = "(?:" + "|".join(re.escape(name) for name in targets) + ")"
-        apply_lora(model, config.updated(target_modules=exact, exclude_modules=None, layers_to_transform=None,
-                                         layers_pattern=None, init="peft"))
+        add_lora_layers(model, config.updated(target_modules=exact, exclude_modules=None, layers_to_transform=None,
+                                              layers_pattern=None, init="peft"))
         model.lora_config = config
         for m in lora_modules(model).values():
             m.train(model.training)  # new modules start in training mode; follow the model's (dropout)
@@ -382,7 +383,7 @@ def _sha256(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _pairing(config: dict) -> dict:
-    """What a PEFT config and its weights must agree on: the fields ``load_adapter`` reads."""
+    """What a PEFT config and its weights must agree on: the fields ``load_adapter_file`` reads."""
     return {key: config.get(key) for key in _PAIRED_FIELDS}
 
 

@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from transformers import BitNetForCausalLM
 
 from torch_wgpu_lora import load_adapter, save_adapter
-from torch_wgpu_lora.integrations.bitnet import apply_lora, lora_modules, set_backend
+from torch_wgpu_lora.integrations.bitnet import add_lora_layers, lora_modules, set_backend
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet
 
 from .helpers import SAVES, adapter_of, load_in_turns, logits, randomize, save_in_turns
@@ -53,7 +53,7 @@ def small(tmp_path_factory):
 
 
 def with_adapter(model, r=R, lora_alpha=ALPHA, seed=1, **kwargs):
-    apply_lora(model, r=r, lora_alpha=lora_alpha, backend="torch", **kwargs)
+    add_lora_layers(model, r=r, lora_alpha=lora_alpha, backend="torch", **kwargs)
     return randomize(model, seed)
 
 
