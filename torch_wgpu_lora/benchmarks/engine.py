@@ -204,6 +204,8 @@ def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: in
         rec = Recorder(device)
         s.prefill.record(rec)
         rec.submit()
+        synchronize(device)  # a submit without readbacks does not wait: unwaited, a second of them queues
+        # tens of seconds of passes that the first timed one then waits behind
     gpu, wall = [], []
     for _ in range(repeats):
         rec = Recorder(device, timestamps=True)
