@@ -152,6 +152,39 @@ def test_the_gemm_rates_take_each_kinds_best_variant_beside_torchs_kernel(tmp_pa
     assert rows["`i8` 64×64×64"][2:] == ["0.5", "", "", ""]
 
 
+def test_the_matrix_units_table_takes_each_kinds_best_tile_and_its_share_of_the_ceiling(tmp_path):
+    tile = {"sub_m": 4, "sub_n": 2, "tm": 2, "tn": 4, "kstep": 128, "pad": 16, "digits": 1}
+    row = {"projection": "down", "tokens": 512, "rows": 2560, "k": 6912}
+    data = {
+        "adapter": "Test GPU", "ceiling": {"i8": {"rate": 1000e12}},
+        "torch": [{"projection": "down", "tokens": 512, "dtype": "bf16", "rate": 600e12},
+                  {"projection": "down", "tokens": 512, "dtype": "int8", "rate": 70e12}],
+        "gemms": [
+            {**row, "kind": "projection", "variant": "general", "tile": None, "rate": 80e12, "integer_rate": 80e12},
+            {**row, "kind": "projection", "variant": "matrix_units", "tile": tile, "rate": 200e12,
+             "integer_rate": 200e12},
+            {**row, "kind": "projection", "variant": "matrix_units", "tile": {**tile, "kstep": 64}, "rate": 150e12,
+             "integer_rate": 150e12},
+            {**row, "kind": "input_grad", "variant": "matrix_units", "tile": {**tile, "digits": 4}, "rate": 50e12,
+             "integer_rate": 200e12},  # four digit planes: four times the useful work
+        ]}
+    rows = rows_of(page_of(tmp_path, "matrix-units", data, name="matrix_units.json"))
+    assert rows["projection `down` 512×2560×6912"] == ["80.0", "200.0", "4×2 subgroups of 2×4, K step 128", "20.0%",
+                                                      "600", "70"]
+    assert rows["input_grad `down` 512×6912×2560"] == ["", "50.0", "4×2 subgroups of 2×4, K step 128", "20.0%",
+                                                      "600", "70"]
+
+
+def test_the_backend_kernels_table_sets_each_backends_time_side_by_side(tmp_path):
+    kernels = {"rmsnorm_512_lora": 26.8, "rmsnorm_512": 10.1, "rmsnorm_1_lora": 6.6, "rmsnorm_1": 6.5,
+               "gemv_qkv_1": 6.2}
+    data = {"adapter": "Test GPU", "kernels_us": {"dawn": kernels, "wgpu-native": {k: v / 2 for k, v in kernels.items()}}}
+    rows = rows_of(page_of(tmp_path, "backend-kernels", data, name="backend_kernels.json"))
+    assert rows["kernel (µs)"] == ["dawn", "wgpu-native"]
+    assert rows["RMSNorm, 512 tokens, quantised, 16 LoRA ranks"] == ["26.8", "13.4"]
+    assert rows["q/k/v GEMV, 1 token"] == ["6.2", "3.1"]
+
+
 def test_the_decode_batches_table_counts_every_rows_tokens(tmp_path):
     result = engine_result()
     result["decode_batches"] = {"16": {"prompt": 16, "new_tokens": 128, "tok_per_s": 6400.0},

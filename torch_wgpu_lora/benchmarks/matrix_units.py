@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(line)
 
     started = time.time()
-    result: dict[str, Any] = dict(device=device.describe(), host=platform.node())
+    result: dict[str, Any] = dict(adapter=device.name, device=device.describe(), host=platform.node())
     result["ceiling"] = ceiling(log) if "ceiling" in sections or "gemms" in sections else {}
     if "gemms" in sections:
         result["gemms"] = gemms(tokens, result["ceiling"], log)

@@ -7,7 +7,7 @@ A page marks each table it holds with a pair of comment lines::
     <!-- end table -->
 
 ``PATH`` is a results file relative to the page (``engine.json`` of ``torch_wgpu_lora.benchmarks.engine``,
-``decode_chain.json``, ``drop_in.json``, ``subgroup_matrix.json``) and ``KIND`` one of ``RENDERERS``. Every table
+``decode_chain.json``, ``drop_in.json``, ``matrix_units_*.json``) and ``KIND`` one of ``RENDERERS``. Every table
 starts with a line naming its run: the adapter, and the commit and date recorded for that
 file in ``runs.json`` beside it. So one measurement updates every page identically:
 
@@ -392,7 +392,7 @@ def render_batched(run: Run) -> str:
 
 
 def render_gemm_rates(run: Run) -> str:
-    """``benchmarks.subgroup_matrix``: each GEMM kind's best variant at each shape beside torch's
+    """An earlier sweep's JSON (``results/h200/subgroup_matrix.json``, from kernels of its own): each GEMM kind's best variant at each shape beside torch's
     own kernel on the same shape in the same run (``torch._int_mm`` for int8, bf16
     ``torch.matmul`` for f16)."""
     torch_rates = {(r["m"], r["n"], r["k"]): r for r in run.data["torch"]}
@@ -437,11 +437,57 @@ def render_decode_batches(run: Run) -> str:
     return _table(["greedy decoding", "all rows", "a row", "target"], rows)
 
 
+def render_matrix_units(run: Run) -> str:
+    """``benchmarks.matrix_units``: each GEMM kind at each shape, the general-core kernel and the
+    matrix units' best tile, the latter's integer work as a share of the int8 ceiling measured in the
+    same run, beside torch's own GEMMs of the shape (bf16 ``torch.matmul``, ``torch._int_mm``)."""
+    data = run.data
+    ceiling = data["ceiling"]["i8"]["rate"]
+    torch_rates = {(r["projection"], r["tokens"], r["dtype"]): r["rate"] for r in data.get("torch", [])}
+    cases: dict[tuple[str, str, int], dict[str, dict[str, Any]]] = {}
+    for r in data["gemms"]:
+        best = cases.setdefault((r["kind"], r["projection"], r["tokens"]), {})
+        if r["variant"] not in best or r["rate"] > best[r["variant"]]["rate"]:
+            best[r["variant"]] = r
+    rows = []
+    for (kind, projection, tokens), best in cases.items():
+        mma, general = best.get("matrix_units"), best.get("general")
+        any_row = mma or general
+        tile = mma and mma["tile"]
+        rows.append([f"{kind} `{projection}` {tokens}×{any_row['rows'] if kind == 'projection' else any_row['k']}"
+                     f"×{any_row['k'] if kind == 'projection' else any_row['rows']}",
+                     f"{general['rate'] / 1e12:.1f}" if general else "",
+                     f"{mma['rate'] / 1e12:.1f}" if mma else "",
+                     (f"{tile['sub_m']}×{tile['sub_n']} subgroups of {tile['tm']}×{tile['tn']}, K step {tile['kstep']}"
+                      if tile else ""),
+                     share(mma["integer_rate"] / ceiling) if mma else "",
+                     f"{torch_rates[(projection, tokens, 'bf16')] / 1e12:.0f}" if (projection, tokens, "bf16") in torch_rates else "",
+                     f"{torch_rates[(projection, tokens, 'int8')] / 1e12:.0f}" if (projection, tokens, "int8") in torch_rates else ""])
+    head = ["GEMM (M×N×K)", "general cores, T/s", "matrix units, T/s", "best tile", "share of the int8 ceiling",
+            "torch bf16, T/s", "torch int8, T/s"]
+    return (f"Ceiling measured in the same run: int8 {ceiling / 1e12:,.0f} T op/s"
+            + (f", f16 {data['ceiling']['f16']['rate'] / 1e12:,.0f} TFLOP/s" if "f16" in data["ceiling"] else "")
+            + ". Rates are useful work (2·M·N·K) a second; the share counts the integer work the matrix units do "
+            "(the input gradient's four digit planes: four times its useful work).\n\n" + _table(head, rows))
+
+
+def render_backend_kernels(run: Run) -> str:
+    """The kernels the two WebGPU implementations compile differently, GPU µs on each."""
+    kernels = run.data["kernels_us"]
+    names = {"rmsnorm_512_lora": "RMSNorm, 512 tokens, quantised, 16 LoRA ranks",
+             "rmsnorm_512": "RMSNorm, 512 tokens, quantised", "rmsnorm_1_lora": "RMSNorm, 1 token, 16 LoRA ranks",
+             "rmsnorm_1": "RMSNorm, 1 token", "gemv_qkv_1": "q/k/v GEMV, 1 token"}
+    columns = list(kernels)
+    rows = [[label] + [f"{kernels[c][key]:.1f}" for c in columns] for key, label in names.items()]
+    return _table(["kernel (µs)", *columns], rows)
+
+
 RENDERERS: dict[str, Callable[[Run], str]] = {
     "engine": render_engine, "engine-summary": render_engine_summary, "kernel-rates": render_kernel_rates,
     "training-bound": render_training_bound, "decode-chain": render_decode_chain,
     "decode-bound": render_decode_bound, "drop-in": render_drop_in, "batched": render_batched,
     "gemm-rates": render_gemm_rates, "decode-batches": render_decode_batches,
+    "matrix-units": render_matrix_units, "backend-kernels": render_backend_kernels,
 }
 
 
