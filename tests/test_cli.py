@@ -799,6 +799,13 @@ def test_one_config_file_and_options_spelled_out(capsys, tiny, tmp_path):
                 "one of the arguments --prompt --prompts-file is required")
 
 
+def test_csv_cells_reading_na_are_text_unless_na_values_says(capsys, tiny, tmp_path):
+    data = tmp_path / "train.csv"
+    data.write_text("instruction,input,output\nSay it.,,NA\n")
+    fails_with(capsys, ["train", "--model", str(tiny["dense"]), "--data", str(data), "--output", str(tmp_path / "run"),
+                        "--na-values", "NA,null"], f"{data}, record 0: 'output' is missing (null, or an empty cell)")
+
+
 def test_every_train_option_has_a_kind_for_config_files():
     from torch_wgpu_lora.cli import _config_kind, build_parser
 

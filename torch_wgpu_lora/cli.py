@@ -240,8 +240,9 @@ def _train(args: argparse.Namespace) -> int:
     # Check the settings and read the data first: a mistake in them should not wait for a large model to load.
     lora_config = LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=args.targets,
                              lora_dropout=args.dropout, seed=args.seed, backend=args.backend)
-    records = read_records(args.data)
-    eval_records = None if args.eval_data is None else read_records(args.eval_data)
+    missing = ("", *args.na_values)
+    records = read_records(args.data, na_values=missing)
+    eval_records = None if args.eval_data is None else read_records(args.eval_data, na_values=missing)
     if args.backend == "wgpu" or args.engine != "torch":
         _require_webgpu()
     model, tokenizer = _load(args.model, args.dtype, with_tokenizer=True)
@@ -446,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("--data", required=True, metavar="FILE", help="training records: JSON array, JSONL, Parquet or CSV")
     p.add_argument("--eval-data", metavar="FILE", help="evaluation records (loss at the end and every --eval-every)")
+    p.add_argument("--na-values", type=_names, default=(), metavar="TEXTS",
+                   help="comma-separated cell texts of a CSV or TSV data file read as missing values besides the "
+                   "empty cell, e.g. NA,null (default: none; a cell reading NA is that text)")
     p.add_argument("--output", default=trainer["output_dir"], metavar="DIR", help="output folder (default: %(default)s)")
     p.add_argument("--rank", type=int, default=lora["r"], help="LoRA rank r (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=lora["lora_alpha"], help="lora_alpha; scaling = alpha / r "
