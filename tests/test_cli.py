@@ -765,10 +765,13 @@ def test_json_configs_are_checked_as_yaml_ones(capsys, tiny, tmp_path):
         fails_with(capsys, ["train", "--config", str(config_file(tmp_path, text, ".json"))], message)
 
 
-def test_a_config_file_is_bounded_in_size(capsys, tmp_path):
+def test_a_config_file_is_bounded_in_size_and_text(capsys, tmp_path):
     path = config_file(tmp_path, "# options\n" + "#" * (1 << 20))
     fails_with(capsys, ["train", "--config", str(path)], f"--config {path} is {path.stat().st_size} bytes; a config "
                                                          "file of options is at most 1048576")
+    path.write_bytes(b"rank: 4\nlr: \xff\n")
+    fails_with(capsys, ["train", "--config", str(path)], f"--config {path} is not UTF-8 text (invalid start byte at "
+                                                         "byte 12)")
 
 
 def test_resume_true_in_a_config_is_the_bare_flag(capsys, tiny, tmp_path):

@@ -680,7 +680,10 @@ def _read_config(path: str) -> dict[str, Any]:
     if file.stat().st_size > MAX_CONFIG_BYTES:
         raise UsageError(f"--config {path} is {file.stat().st_size} bytes; a config file of options is at most "
                          f"{MAX_CONFIG_BYTES}")
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"--config {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     try:
         if file.suffix.lower() in (".yaml", ".yml"):
             try:
