@@ -688,7 +688,7 @@ def test_train_reads_options_from_a_config_file_and_the_command_line_wins(capsys
     config = tmp_path / "run.yaml"
     config.write_text(f"model: {tiny['dense']}\ndata: {tiny['data']}\noutput: {run}\nepochs: 4\nbatch_size: 2\n"
                       "lr: 1.0e-2\nrank: 4\ntargets: all-linear\nlr_scheduler: polynomial\nwarmup-steps: 1\n"
-                      "weight_decay: 0.5\nno_progress: true\n")
+                      "weight_decay: 5e-1\nno_progress: true\n")  # 5e-1: a number, as YAML 1.2 reads it
     # --max-steps on the command line replaces the file's epochs (they exclude each other), --lr its lr.
     assert main(["train", "--config", str(config), "--max-steps", "3", "--lr", "2e-2"]) == EXIT_OK
     assert "trained 3 steps" in capsys.readouterr().out
@@ -711,6 +711,110 @@ def test_train_reads_options_from_a_config_file_and_the_command_line_wins(capsys
                                        "output": str(tmp_path / "run2"), "no_progress": True, "warmup": 3}))
     fails_with(capsys, ["train", "--config", str(json_config)], f"--config {json_config}: unknown option 'warmup'")
     fails_with(capsys, ["train", "--config", str(tmp_path / "missing.yaml")], "missing.yaml: no such file")
+
+
+def config_file(folder: Path, text: str, suffix: str = ".yaml") -> Path:
+    path = folder / f"run{suffix}"
+    path.write_text(text)
+    return path
+
+
+# (the file's text past model, data and output, the refusal); each refused before anything runs
+BAD_CONFIGS = {
+    "an alias bomb": ("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+                      "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n",
+                      "line 4: YAML anchors and aliases (&a) are not read in a config file"),
+    "an alias of a value": ("rank: &r 4\nalpha: *r\n", "line 4: YAML anchors and aliases (&r)"),
+    "resume: a number": ("resume: 5\n", "resume is 5; give true (the newest checkpoint in --output) or a "
+                                         "checkpoint folder's path"),
+    "an integer as a float": ("rank: 4.5\n", "rank is 4.5; give an integer"),
+    "an integer as a bool": ("rank: true\n", "rank is True; give an integer"),
+    "a number as text": ("lr: fast\n", "lr is 'fast'; give a finite number"),
+    "a number that is not finite": ("lr: .nan\n", "lr is nan; give a finite number"),
+    "a flag as text": ("packing: 'yes'\n", "packing is 'yes'; give true or false"),
+    "a path as a number": ("eval_data: 42\n", "eval_data is 42; give a string (quote it)"),
+    "a list of names holding a number": ("targets: [q_proj, 3]\n", "targets is ['q_proj', 3]; give a name or a "
+                                                                   "list of names"),
+    "schedule options as a number": ("lr_scheduler_kwargs: 3\n", "lr_scheduler_kwargs is 3; give a mapping"),
+    "a choice not offered": ("engine: gpu\n", "engine is 'gpu'; give one of auto, wgpu, torch"),
+    "a seed out of range": ("seed: -1\n", "seed: must be an integer in [0, 2**32), got '-1'"),
+    "one option under two names": ("max_steps: 1\nmax-steps: 2\n", "'max_steps' and 'max-steps' are the same "
+                                                                    "option"),
+    "a key given twice": ("rank: 4\nrank: 8\n", "line 5: 'rank' is given twice"),
+    "options that exclude each other": ("epochs: 1\nmax_steps: 2\n", "epochs and max_steps cannot be given together"),
+    "a list nested past the recursion limit": ("rank: " + "[" * 100_000 + "]" * 100_000 + "\n",
+                                               "is nested too deeply to be a file of options"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_CONFIGS))
+def test_config_values_are_checked_against_their_options_naming_the_file_and_key(bad, capsys, tiny, tmp_path):
+    text, message = BAD_CONFIGS[bad]
+    path = config_file(tmp_path, f"model: {tiny['dense']}\ndata: {tiny['data']}\noutput: {tmp_path / 'run'}\n" + text)
+    fails_with(capsys, ["train", "--config", str(path)], f"--config {path}")
+    fails_with(capsys, ["train", "--config", str(path)], message)
+    assert not (tmp_path / "run").exists()
+
+
+def test_json_configs_are_checked_as_yaml_ones(capsys, tiny, tmp_path):
+    base = f'"model": "{tiny["dense"]}", "data": "{tiny["data"]}", "output": "{tmp_path / "run"}"'
+    for text, message in [(f'{{{base}, "rank": 4, "rank": 8}}', "'rank' is given twice"),
+                          (f'{{{base}, "lr": NaN}}', "NaN is not a JSON number"),
+                          (f'{{{base}, "resume": "true", "resume": true}}', "'resume' is given twice"),
+                          ("[" * 100_000 + "]" * 100_000, "is nested too deeply")]:
+        fails_with(capsys, ["train", "--config", str(config_file(tmp_path, text, ".json"))], message)
+
+
+def test_a_config_file_is_bounded_in_size_and_text(capsys, tmp_path):
+    path = config_file(tmp_path, "# options\n" + "#" * (1 << 20))
+    fails_with(capsys, ["train", "--config", str(path)], f"--config {path} is {path.stat().st_size} bytes; a config "
+                                                         "file of options is at most 1048576")
+    path.write_bytes(b"rank: 4\nlr: \xff\n")
+    fails_with(capsys, ["train", "--config", str(path)], f"--config {path} is not UTF-8 text (invalid start byte at "
+                                                         "byte 12)")
+
+
+def test_resume_true_in_a_config_is_the_bare_flag(capsys, tiny, tmp_path):
+    # An output folder without checkpoints: --resume looks for its newest one, as resume: true does.
+    run = tmp_path / "run"
+    common = ["--model", str(tiny["dense"]), "--data", str(tiny["data"]), "--output", str(run), "--engine", "torch",
+              "--backend", "torch", "--no-progress"]
+    message = f"resume_from=True, but {run / 'checkpoints'} holds no checkpoint"
+    fails_with(capsys, ["train", *common, "--resume"], message)
+    path = config_file(tmp_path, "resume: true\n")
+    fails_with(capsys, ["train", "--config", str(path), *common], message)
+    path = config_file(tmp_path, "resume: false\noverwrite: true\n")  # false: not given, so --overwrite may be
+    assert main(["train", "--config", str(path), *common, "--max-steps", "1"]) == EXIT_OK
+
+
+def test_one_config_file_and_options_spelled_out(capsys, tiny, tmp_path):
+    first = config_file(tmp_path, f"model: {tiny['dense']}\ndata: {tiny['data']}\noutput: {tmp_path / 'run'}\n"
+                                  "epochs: 2\n")
+    second = tmp_path / "second.yaml"
+    second.write_text("max_steps: 1\n")
+    fails_with(capsys, ["train", "--config", str(first), f"--config={second}"],
+               f"--config given 2 times ({first}, {second}); give one file (files are not merged)")
+    # An abbreviation would override a file's key unseen (--max-st for the file's epochs): none is taken.
+    usage_error(capsys, ["train", "--config", str(first), "--max-st", "3"], "unrecognized arguments: --max-st 3")
+    usage_error(capsys, ["train", "--model", str(tiny["dense"]), "--data", str(tiny["data"]), "--conf", str(first)],
+                "unrecognized arguments: --conf")
+    usage_error(capsys, ["generate", "--model", str(tiny["dense"]), "--prom", "Hi"],
+                "one of the arguments --prompt --prompts-file is required")
+
+
+def test_csv_cells_reading_na_are_text_unless_na_values_says(capsys, tiny, tmp_path):
+    data = tmp_path / "train.csv"
+    data.write_text("instruction,input,output\nSay it.,,NA\n")
+    fails_with(capsys, ["train", "--model", str(tiny["dense"]), "--data", str(data), "--output", str(tmp_path / "run"),
+                        "--na-values", "NA,null"], f"{data}, record 0: 'output' is missing (null, or an empty cell)")
+
+
+def test_every_train_option_has_a_kind_for_config_files():
+    from torch_wgpu_lora.cli import _config_kind, build_parser
+
+    options = build_parser().train_options
+    assert {_config_kind(action) for action in options.values() if action.dest not in ("help", "config")} == \
+        {"flag", "flag-or-path", "integer", "number", "names", "mapping", "string"}
 
 
 def test_train_flags_of_the_training_loop(capsys, tiny, tmp_path):

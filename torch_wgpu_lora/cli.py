@@ -19,8 +19,15 @@ not a BitNet checkpoint, bad option values), reported as one line
 keeps its traceback.
 
 ``train --config FILE`` reads options from a YAML or JSON mapping, keyed by the options'
-names (``max_steps`` or ``max-steps``; flags true or false, lists for ``targets``); an option
-also given on the command line takes the command line's value.
+names (``max_steps`` or ``max-steps``, each option once), each value checked against its
+option before anything runs: flags true or false; ``resume`` true (the bare ``--resume``: the
+newest checkpoint in --output) or a checkpoint path; integers; finite numbers (YAML's ``1e-4``
+included); strings (a name that looks like a number quoted); ``targets`` and ``report_to`` a
+name or a list of names; ``lr_scheduler_kwargs`` a mapping; null leaves an option at its
+default. An option also given on the command line takes the command line's value. One
+``--config`` a command (files are not merged); no YAML anchors or aliases (nested aliases
+expand exponentially); at most 1 MiB. Options are spelled out in full on every command:
+argparse's abbreviations are off, so no abbreviation hides which option of a file it overrides.
 
 Several processes (data-parallel training, ``torchrun --nproc-per-node N -m torch_wgpu_lora
 train ...`` or ``accelerate launch``): ``train`` makes the torch.distributed process group
@@ -43,7 +50,9 @@ import argparse
 import dataclasses
 import inspect
 import json
+import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -231,8 +240,9 @@ def _train(args: argparse.Namespace) -> int:
     # Check the settings and read the data first: a mistake in them should not wait for a large model to load.
     lora_config = LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=args.targets,
                              lora_dropout=args.dropout, seed=args.seed, backend=args.backend)
-    records = read_records(args.data)
-    eval_records = None if args.eval_data is None else read_records(args.eval_data)
+    missing = ("", *args.na_values)
+    records = read_records(args.data, na_values=missing)
+    eval_records = None if args.eval_data is None else read_records(args.eval_data, na_values=missing)
     if args.backend == "wgpu" or args.engine != "torch":
         _require_webgpu()
     model, tokenizer = _load(args.model, args.dtype, with_tokenizer=True)
@@ -421,20 +431,25 @@ def build_parser() -> argparse.ArgumentParser:
     trainer = _defaults(Trainer.__init__)
     sampling = _defaults(generate)
     demo = _defaults(run_demo)
-    parser = argparse.ArgumentParser(prog=PROG, description="Finetune LoRA adapters of BitNet b1.58 models with "
-                                     "WebGPU compute kernels. Start with `torch-wgpu-lora demo`.")
+    # allow_abbrev=False: options are spelled out, so an abbreviation cannot hide which option (or
+    # --config file key) it overrides, nor become ambiguous when an option is added
+    parser = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, description="Finetune LoRA adapters of BitNet "
+                                     "b1.58 models with WebGPU compute kernels. Start with `torch-wgpu-lora demo`.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = commands.add_parser("train", help="train LoRA adapters on an instruction dataset",
+    p = commands.add_parser("train", allow_abbrev=False, help="train LoRA adapters on an instruction dataset",
                             description="Train LoRA adapters of a BitNet checkpoint on chat ({messages}), "
                             "{prompt, completion}, {text} or Alpaca ({instruction, input?, output}) records from a "
                             "JSON array, JSONL, Parquet or CSV file. Writes OUTPUT/adapter (PEFT layout), "
                             "OUTPUT/checkpoints, OUTPUT/metrics.jsonl, OUTPUT/loss.png.")
     p.add_argument("--config", metavar="FILE", help="read options from a YAML or JSON file (keys: the options' "
-                   "names); options given on the command line win")
+                   "names; values checked against each option); options given on the command line win")
     _add_model(p)
     p.add_argument("--data", required=True, metavar="FILE", help="training records: JSON array, JSONL, Parquet or CSV")
     p.add_argument("--eval-data", metavar="FILE", help="evaluation records (loss at the end and every --eval-every)")
+    p.add_argument("--na-values", type=_names, default=(), metavar="TEXTS",
+                   help="comma-separated cell texts of a CSV or TSV data file read as missing values besides the "
+                   "empty cell, e.g. NA,null (default: none; a cell reading NA is that text)")
     p.add_argument("--output", default=trainer["output_dir"], metavar="DIR", help="output folder (default: %(default)s)")
     p.add_argument("--rank", type=int, default=lora["r"], help="LoRA rank r (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=lora["lora_alpha"], help="lora_alpha; scaling = alpha / r "
@@ -511,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
     # train's options by option string, for --config (argparse has no public list of a parser's actions).
     parser.train_options = {option: action for action in p._actions for option in action.option_strings}
 
-    p = commands.add_parser("generate", help="generate text, with or without an adapter",
+    p = commands.add_parser("generate", allow_abbrev=False, help="generate text, with or without an adapter",
                             description="Continue a prompt with a BitNet checkpoint, optionally with a trained "
                             "adapter. The prompt goes into the Alpaca template the trainer uses, unless "
                             "--no-template. With --prompts-file, generate for every record of a JSONL file "
@@ -553,7 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute the adapter with the WebGPU kernels or plain torch (default: %(default)s)")
     p.set_defaults(run=cmd_generate)
 
-    p = commands.add_parser("gradcheck", help="per-layer gradient parity table, WebGPU kernels vs PyTorch",
+    p = commands.add_parser("gradcheck", allow_abbrev=False,
+                            help="per-layer gradient parity table, WebGPU kernels vs PyTorch",
                             description="Compare every adapter gradient computed by the WebGPU kernels with "
                             "PyTorch autograd in float64 on one batch of random tokens, and print the table. Both passes "
                             "see the same forward (see torch_wgpu_lora.integrations.gradcheck), so the table is the "
@@ -577,13 +593,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "transformers' modules; auto: the engine when it can run the model (default: %(default)s)")
     p.set_defaults(run=cmd_gradcheck)
 
-    p = commands.add_parser("info", help="the WebGPU adapter, backend and limits",
+    p = commands.add_parser("info", allow_abbrev=False, help="the WebGPU adapter, backend and limits",
                             description="Describe the WebGPU adapter this library uses (override with "
                             "TORCH_WGPU_LORA_ADAPTER=<part of its name>), its limits and features.")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(run=cmd_info)
 
-    p = commands.add_parser("demo", help="the offline demo: train Q/V adapters on a small BitNet",
+    p = commands.add_parser("demo", allow_abbrev=False,
+                            help="the offline demo: train Q/V adapters on a small BitNet",
                             description="Build (once, offline) the demo model, a small randomly initialised "
                             "BitNet in the packed-ternary format of microsoft/bitnet-b1.58-2B-4T, with a tokenizer "
                             "trained on the bundled dataset; then print greedy generation and loss before training, "
@@ -620,75 +637,206 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A train config holds a few dozen options; past this size a file is not one (and PyYAML reads
+# about a megabyte a second).
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _yaml_loader(yaml: Any, path: str) -> type:
+    """PyYAML's safe loader for ``--config`` files: no anchors or aliases (an alias repeats a node, so
+    nested ones expand exponentially, a few lines standing for billions of values), no key given twice
+    (PyYAML keeps the last silently), and 1e-4 read as a number, as YAML 1.2 reads it (PyYAML's YAML
+    1.1 wants 1.0e-4 and reads 1e-4 as a string)."""
+
+    class ConfigLoader(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+                sign = "*" if isinstance(event, yaml.AliasEvent) else "&"
+                raise UsageError(f"--config {path}, line {event.start_mark.line + 1}: YAML anchors and aliases "
+                                 f"({sign}{event.anchor}) are not read in a config file; write each value out")
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            seen = set()
+            for key_node, _ in node.value:
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+                if key in seen:
+                    raise UsageError(f"--config {path}, line {key_node.start_mark.line + 1}: {key!r} is given twice")
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+                                       list("-+0123456789"))
+    return ConfigLoader
+
+
 def _read_config(path: str) -> dict[str, Any]:
-    """The options in a YAML or JSON file (a mapping)."""
+    """The options in a YAML or JSON file (a mapping), read within the bounds ``_yaml_loader`` and
+    MAX_CONFIG_BYTES set."""
     file = Path(path)
     if not file.is_file():
         raise UsageError(f"--config {path}: no such file")
-    text = file.read_text(encoding="utf-8")
-    if file.suffix.lower() in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise UsageError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml), or write the "
-                             "options as JSON") from None
-        try:
-            options = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise UsageError(f"--config {path} is not valid YAML: {err}") from None
-    else:
-        try:
-            options = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise UsageError(f"--config {path} is not valid JSON: {err}") from None
+    if file.stat().st_size > MAX_CONFIG_BYTES:
+        raise UsageError(f"--config {path} is {file.stat().st_size} bytes; a config file of options is at most "
+                         f"{MAX_CONFIG_BYTES}")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"--config {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    try:
+        if file.suffix.lower() in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError:
+                raise UsageError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml), or write the "
+                                 "options as JSON") from None
+            try:
+                options = yaml.load(text, Loader=_yaml_loader(yaml, path))
+            except yaml.YAMLError as err:
+                raise UsageError(f"--config {path} is not valid YAML: {err}") from None
+        else:
+            def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+                keys = [key for key, _ in items]
+                twice = next((key for key in keys if keys.count(key) > 1), None)
+                if twice is not None:
+                    raise UsageError(f"--config {path}: {twice!r} is given twice")
+                return dict(items)
+
+            def constant(name: str) -> None:  # NaN, Infinity: not JSON, though Python's reader takes them
+                raise UsageError(f"--config {path}: {name} is not a JSON number")
+
+            try:
+                options = json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+            except json.JSONDecodeError as err:
+                raise UsageError(f"--config {path} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise UsageError(f"--config {path} is nested too deeply to be a file of options") from None
     if not isinstance(options, dict):
         raise UsageError(f"--config {path} must hold a mapping of option names to values, got {type(options).__name__}")
     return options
 
 
+def _config_kind(action: argparse.Action) -> str:
+    """What a ``--config`` file gives for a train option: "flag" (true or false), "flag-or-path"
+    (--resume: true, the bare flag, or a path), "integer", "number", "names" (a string or a list of
+    strings), "mapping", or "string"."""
+    if action.nargs == 0:
+        return "flag"
+    if action.nargs == "?" and action.const is True:
+        return "flag-or-path"
+    kinds = {int: "integer", _positive_int: "integer", _seed: "integer", float: "number", _targets: "names",
+             _names: "names", _json_object: "mapping", None: "string"}
+    if action.type not in kinds:
+        raise TypeError(f"train option {action.option_strings[0]} has no kind for --config files (cli._config_kind)")
+    return kinds[action.type]
+
+
+def _config_value(path: str, key: str, value: Any, action: argparse.Action) -> list[str] | None:
+    """The command-line tokens after the option for the file's ``key: value`` (None: the option is not
+    given; false for a flag), once the value is checked against the option: its kind (``_config_kind``), its choices and
+    the option's own check (argparse's ``type``), each refusal naming the file and the key."""
+    kind = _config_kind(action)
+
+    def refuse(wanted: str) -> UsageError:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "..."
+        return UsageError(f"--config {path}: {key} is {shown}; give {wanted}")
+
+    if kind == "flag":
+        if not isinstance(value, bool):
+            raise refuse("true or false")
+        return [] if value else None
+    if kind == "flag-or-path":
+        if isinstance(value, bool):
+            return [] if value else None
+        if not isinstance(value, str) or not value:
+            raise refuse("true (the newest checkpoint in --output) or a checkpoint folder's path")
+        return [value]
+    if kind == "integer":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise refuse("an integer")
+        text = str(value)
+    elif kind == "number":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise refuse("a finite number")
+        text = repr(float(value))
+    elif kind == "names":
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) and n and "," not in n
+                                                               for n in names):
+            raise refuse("a name or a list of names")
+        text = ",".join(names)
+    elif kind == "mapping":
+        if not isinstance(value, dict):
+            raise refuse("a mapping")
+        text = json.dumps(value)
+    else:
+        if not isinstance(value, str):
+            raise refuse("a string (quote it)")
+        text = value
+    if action.choices is not None and text not in action.choices:
+        raise refuse(f"one of {', '.join(map(str, action.choices))}")
+    if action.type is not None:
+        try:
+            action.type(text)
+        except (argparse.ArgumentTypeError, ValueError) as err:
+            raise UsageError(f"--config {path}: {key}: {err}") from None
+    return [text]
+
+
 def _with_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """``argv`` with the options of ``train --config FILE`` put before the command line's own (argparse
     keeps the last value of an option, so the command line wins). An option of the file that the
-    command line gives, or one that cannot go with one it gives (--epochs and --max-steps), is left out."""
+    command line gives, or one that cannot go with one it gives (--epochs and --max-steps), is left out.
+    Every value of the file is checked against its option (``_config_value``) first; one option given
+    twice in the file (max_steps and max-steps), two that exclude each other, a second --config are
+    refused."""
     if not argv or argv[0] != "train":
         return argv
-    rest, path = list(argv[1:]), None
-    for i, token in enumerate(rest):
-        if token == "--config" and i + 1 < len(rest):
-            path = rest[i + 1]
+    rest, paths = list(argv[1:]), []
+    i = 0
+    while i < len(rest):
+        if rest[i] == "--config" and i + 1 < len(rest):
+            paths.append(rest[i + 1])
             del rest[i:i + 2]
-            break
-        if token.startswith("--config="):
-            path = token.split("=", 1)[1]
+        elif rest[i].startswith("--config="):
+            paths.append(rest[i].split("=", 1)[1])
             del rest[i]
-            break
-    if path is None:
+        else:
+            i += 1
+    if not paths:
         return argv
-    options = parser.train_options
+    if len(paths) > 1:
+        raise UsageError(f"--config given {len(paths)} times ({', '.join(paths)}); give one file (files are not "
+                         "merged)")
+    path, options = paths[0], parser.train_options
     given = {options[t.split("=", 1)[0]].dest for t in rest if t.split("=", 1)[0] in options}
     excluded = set(given)
     for group in _TRAIN_EXCLUSIVE:
         if given & set(group):
             excluded |= set(group)
     tokens: list[str] = []
+    keys: dict[str, str] = {}  # dest -> the file's key that names it
+    set_by_file = set()
     for key, value in _read_config(path).items():
         flag = "--" + str(key).replace("_", "-")
         action = options.get(flag)
         if action is None or flag == "--config":
             raise UsageError(f"--config {path}: unknown option {key!r}; the train options are "
                              f"{sorted(o[2:] for o in options if o != '--config')}")
+        if action.dest in keys:
+            raise UsageError(f"--config {path}: {keys[action.dest]!r} and {key!r} are the same option")
+        keys[action.dest] = key
         if action.dest in excluded or value is None:
             continue
-        if action.nargs == 0:  # a flag: true or false
-            if not isinstance(value, bool):
-                raise UsageError(f"--config {path}: {key} is a flag; give true or false, got {value!r}")
-            tokens += [flag] if value else []
-        elif isinstance(value, (list, tuple)):
-            tokens += [flag, ",".join(str(v) for v in value)]
-        elif isinstance(value, dict):
-            tokens += [flag, json.dumps(value)]
-        else:
-            tokens += [flag, json.dumps(value) if isinstance(value, bool) else str(value)]
+        after = _config_value(path, key, value, action)
+        if after is not None:
+            tokens += [flag, *after]
+            set_by_file.add(action.dest)
+    for group in _TRAIN_EXCLUSIVE:
+        both = [keys[dest] for dest in group if dest in set_by_file]
+        if len(both) > 1:
+            raise UsageError(f"--config {path}: {both[0]} and {both[1]} cannot be given together")
     return ["train", *tokens, *rest]
 
 

@@ -270,3 +270,15 @@ def test_batch_limits_are_stated_and_refused_before_anything_runs():
         generate_batch(engine, [[3], [3, 320]], 4, set())
     with pytest.raises(ValueError, match=f"need {limit + 4} positions; the model's context is {limit}"):
         generate_batch(engine, [[3, 4], [3, 4, 5, 6]], limit, set())
+
+
+def test_a_prompt_pass_is_told_each_rows_last_token_within_its_shape():
+    model = tiny_model("dense", adapters=False)
+    engine = BitNetEngine(model)
+    session = engine.decode_session(2, 3, 4)
+    with pytest.raises(ValueError, match=r"lengths \[3, 4\] for a pass of 2 sequences × 3 tokens"):
+        session.prefill.set_last([3, 4])
+    with pytest.raises(ValueError, match=r"lengths \[0, 1\] for a pass of 2 sequences × 3 tokens"):
+        session.prefill.set_last([0, 1])
+    with pytest.raises(ValueError, match="this one keeps 'all'"):
+        engine.plan(1, 3).set_last([3])

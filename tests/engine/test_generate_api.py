@@ -2,8 +2,8 @@
 torch model: the same output tensor for the dense model (greedy, left padding: EOS, min_new_tokens,
 stop strings, max_length, a GenerationConfig); quantised flavours equal up to a divergence that an
 int8 rounding flip explains; sampled tokens inside transformers' own warpers' support (and
-num_return_sequences); left and right padding alike; streamers get the text returned; bad input
-refused."""
+num_return_sequences); left and right padding alike; every prompt length from one token up,
+alone and in a batch; streamers get the text returned; bad input refused."""
 
 from __future__ import annotations
 
@@ -190,3 +190,46 @@ def test_bad_input_and_unsupported_settings_are_refused_clearly(dense, tokenizer
     for kwargs, error, message in cases:
         with pytest.raises(error, match=message):
             engine.generate(**kwargs)
+
+
+# Prompt lengths from one token (a BOS alone) up, and past the 64-key attention tile.
+PROMPT_LENGTHS = (1, 2, 3, 4, 5, 8, 17, 70)
+
+
+def assert_rows_agree(model, engine, inputs: dict, ours: torch.Tensor, theirs: torch.Tensor, flavour: str) -> None:
+    """Each row of the engine's output is transformers' (dense: exactly), or (quantised flavours)
+    its first divergence is explained by an int8 rounding flip."""
+    assert ours.shape == theirs.shape
+    width = inputs["input_ids"].shape[1]
+    for row in range(ours.shape[0]):
+        if torch.equal(ours[row], theirs[row]):
+            continue
+        assert flavour != "dense", f"row {row}: {ours[row].tolist()} vs {theirs[row].tolist()}"
+        first = int((ours[row] != theirs[row]).nonzero()[0])
+        prompt = inputs["input_ids"][row][inputs["attention_mask"][row].bool()].tolist()
+        engine_token, fed_token = engine_choice_is_explained_by_a_flip(
+            model, engine, prompt + ours[row, width:first].tolist(), penalty=1.0)
+        assert engine_token == int(ours[row, first]) == fed_token
+
+
+def left_padded(prompts: list[list[int]], pad: int = 2) -> dict[str, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_every_prompt_length_from_one_token_generates_transformers_tokens(flavour):
+    # BOS-first prompts of every length from 1 (BOS alone: a prompt pass of one token a row), each
+    # alone, then all in one left-padded batch, then a batch of one-token prompts only.
+    model = tiny_model(flavour, adapters=True, seed=3)
+    engine = BitNetEngine(model)
+    g = torch.Generator().manual_seed(9)
+    prompts = [[0] + torch.randint(3, model.config.vocab_size, (n - 1,), generator=g).tolist()
+               for n in PROMPT_LENGTHS]
+    options = dict(max_new_tokens=6, eos_token_id=[], pad_token_id=2)
+    for inputs in [left_padded([p]) for p in prompts] + [left_padded(prompts), left_padded([[0], [7], [0]])]:
+        ours = engine.generate(**inputs, **options)
+        theirs = transformers_generate(model, **inputs, **options)
+        assert_rows_agree(model, engine, inputs, ours, theirs, flavour)

@@ -147,12 +147,14 @@ def gguf_metadata(model: torch.nn.Module, arch: str) -> dict[str, Any]:
 
 def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[str, tuple]) -> Path:
     """A GGUF file written by ``gguf``'s writer: metadata values by Python type (int: u32, float: f32,
-    str, list: array), tensors as ``gguf_tensors`` gives them."""
+    str, list: array) or as the ``gguf.GGUFValue`` given (its type), tensors as ``gguf_tensors`` gives them."""
     writer = gguf.GGUFWriter(path, arch)
     for key, value in metadata.items():
         if key == gguf.Keys.General.ARCHITECTURE:
             continue  # the writer's own
-        if isinstance(value, bool):
+        if isinstance(value, gguf.GGUFValue):
+            writer.add_key_value(key, value.value, value.type, value.sub_type)
+        elif isinstance(value, bool):
             writer.add_bool(key, value)
         elif isinstance(value, int):
             writer.add_uint32(key, value)

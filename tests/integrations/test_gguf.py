@@ -2,7 +2,8 @@
 BF16 float tensors), written by ``gguf``'s writer from tiny random BitNets, loads back as the same
 model (codes, scales, float tensors, logits on the torch path and the engine, greedy generation,
 training); the file's tokenizer round-trips; adapters go out as llama.cpp LoRA GGUFs with PEFT's
-tensors; bad files are refused by name before any model is built.
+tensors; bad files (tensors, and every metadata value read: its stored type, its range, its agreement
+with the tensors) and malformed tokenizers are refused by name before any model or tokenizer is built.
 
 The GGUF model and its source are the same transformers modules holding the same values, so their
 torch logits, generations and training steps are compared bitwise: the same computation, not two
@@ -192,6 +193,61 @@ def test_a_tokenizer_transformers_cannot_build_is_named(tmp_path, tokenizer):
         load_gguf_tokenizer(path)
 
 
+T = "tokenizer.ggml."
+A = gguf.GGUFValueType
+# (the change to a good tokenizer's metadata, the refusal)
+BAD_TOKENIZERS = {
+    "tokens as integers": ({f"{T}tokens": list(range(320))},
+                           r"tokenizer.ggml.tokens \(the vocabulary\) is stored as an array of int32; it must be an "
+                           "array of strings"),
+    "tokens as one string": ({f"{T}tokens": "abc"}, r"tokenizer.ggml.tokens is 'abc'; the vocabulary must be stored "
+                                                    "as an array of strings, not as string"),
+    "a merge of three parts": ({f"{T}merges": ["a b c"]},
+                               r"tokenizer.ggml.merges\[0\] is 'a b c'; a merge is two tokens joined by one space"),
+    "a merge of a token the vocabulary lacks": (
+        {f"{T}merges": ["\u2603 \u2603"]},
+        r"tokenizer.ggml.merges\[0\] is '\u2603 \u2603', but '\u2603' is not one of tokenizer.ggml.tokens"),
+    "merges as integers": ({f"{T}merges": [1, 2]}, r"tokenizer.ggml.merges \(the BPE merges\) is stored as an "
+                                                   "array of int32"),
+    "scores of another length": ({f"{T}scores": [0.0] * 5}, "tokenizer.ggml.scores holds 5 scores for 320 tokens"),
+    "a score that is not a number": ({f"{T}scores": [0.0] * 9 + [float("nan")] + [0.0] * 310},
+                                     "tokenizer.ggml.scores gives token 9 the score nan, not a finite number"),
+    "token types of another length": ({f"{T}token_type": [1] * 319},
+                                      "tokenizer.ggml.token_type holds 319 types for 320 tokens"),
+    "a token type out of range": ({f"{T}token_type": [1] * 4 + [7] + [1] * 315},
+                                  r"tokenizer.ggml.token_type gives token 4 the type 7; the types are 1 to 6"),
+    "token types as floats": ({f"{T}token_type": [1.0] * 320}, r"tokenizer.ggml.token_type \(the tokens' types\) "
+                                                               "is stored as an array of float32"),
+    "an unknown-token id past the tokens": ({f"{T}unknown_token_id": 999}, r"tokenizer.ggml.unknown_token_id is "
+                                            "999; a special token id must be an integer from 0 to 319"),
+    "a separator id stored as a float": ({f"{T}seperator_token_id": 1.0}, r"tokenizer.ggml.seperator_token_id is "
+                                         "1.0; a special token id must be stored as an integer, not as float32"),
+    "a BOS id of -1": ({f"{T}bos_token_id": gguf.GGUFValue(-1, A.INT32)},
+                       "tokenizer.ggml.bos_token_id is -1; a special token id must be an integer from 0 to 319"),
+    "a flag as an integer": ({f"{T}add_bos_token": 1}, r"tokenizer.ggml.add_bos_token is 1; a flag must be stored "
+                                                       "as a bool, not as uint32"),
+    "a chat template as a list": ({"tokenizer.chat_template": ["{{ bos_token }}"]},
+                                  r"tokenizer.chat_template is \['{{ bos_token }}'\]; a chat template must be "
+                                  "stored as a string, not as an array of string"),
+    "a named chat template as a number": ({"tokenizer.chat_template.tool_use": 5},
+                                          r"tokenizer.chat_template.tool_use is 5; a chat template must be stored as "
+                                          "a string"),
+    "the tokenizer's kind as a number": ({f"{T}model": 2}, r"tokenizer.ggml.model is 2; the tokenizer's kind must "
+                                                           "be stored as a string"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_TOKENIZERS))
+def test_malformed_tokenizers_are_refused_naming_the_file_and_what_is_wrong(bad, tmp_path, tokenizer):
+    change, message = BAD_TOKENIZERS[bad]
+    source = gguf_source(tmp_path / "source")
+    metadata = {**gguf_metadata(source, "bitnet"), **tokenizer_metadata(tokenizer), **change}
+    path = write_gguf(tmp_path / "m.gguf", "bitnet", metadata, gguf_tensors(source, "TQ2_0-unit", "F32"))
+    with pytest.raises(ValueError, match=message) as error:
+        load_gguf_tokenizer(path)
+    assert str(error.value).startswith(str(path))
+
+
 # -- configuration rules ---------------------------------------------------------------------------------
 
 def test_llama_cpps_bitnet_without_an_activation_is_silu(tmp_path):
@@ -262,12 +318,12 @@ BAD_FILES = {
     "missing metadata": (lambda s, m, t: ("bitnet-b1.58", {k: v for k, v in m.items() if "block_count" not in k}, t),
                          r"has no bitnet-b1.58.block_count \(the number of layers\) in its metadata"),
     "ffn size unlike the tensors": (lambda s, m, t: ("bitnet-b1.58", {**m, "bitnet-b1.58.feed_forward_length": 384}, t),
-                                    r"blk.0.ffn_sub_norm.weight is \[512\], but the metadata .* gives it \[384\]"),
+                                    r"bitnet-b1.58.feed_forward_length is 384; blk.0.ffn_up.weight is \[512, 256\]"),
     "vocabulary unlike the embedding": (lambda s, m, t: ("bitnet-b1.58", {**m, "bitnet-b1.58.vocab_size": 321}, t),
-                                       "bitnet-b1.58.vocab_size is 321, but token_embd.weight has 320 rows"),
+                                       "bitnet-b1.58.vocab_size is 321; token_embd.weight has 320 rows"),
     "heads unlike the tensors": (lambda s, m, t: ("bitnet-b1.58", {**m, "bitnet-b1.58.attention.head_count_kv": 4,
                                                                    }, t),
-                                 r"blk.0.attn_k.weight is \[128, 256\], but the metadata .* gives it \[256, 256\]"),
+                                 r"head_count_kv is 4; blk.0.attn_k.weight is \[128, 256\], the keys of 2 heads of 64"),
     "rope scaling": (lambda s, m, t: ("bitnet-b1.58", {**m, "bitnet-b1.58.rope.scaling.type": "yarn"}, t),
                      "RoPE scaling 'yarn' by 1.0"),
     "a missing tensor": (lambda s, m, t: ("bitnet-b1.58", m, {k: v for k, v in t.items() if k != "blk.1.ffn_down.weight"}),
@@ -295,7 +351,8 @@ BAD_FILES = {
     "an i2_s code 3": (lambda s, m, t: ("bitnet-b1.58", m, with_tensor(t, q_name(), *code_three(t))),
                        "blk.0.attn_q.weight holds the i2_s code 3"),
     "per-layer head counts": (lambda s, m, t: ("bitnet-b1.58", {**m, "bitnet-b1.58.attention.head_count": [4, 4]}, t),
-                              r"attention.head_count \(the attention heads\) is \[4, 4\], not one number"),
+                              r"attention.head_count is \[4, 4\]; the attention heads must be stored as an integer, "
+                              "not as an array of int32"),
     "heads that do not divide the width": (lambda s, m, t: ("bitnet-b1.58", {**m, "bitnet-b1.58.attention.head_count": 3}, t),
                                            "do not divide into whole heads"),
     "RoPE over part of a head": (lambda s, m, t: ("bitnet-b1.58", {**m, "bitnet-b1.58.rope.dimension_count": 32}, t),
@@ -309,7 +366,74 @@ BAD_FILES = {
         t, q_name(), *with_block_scale(s, float("inf")))), "blk.0.attn_q.weight has a block scale that is not a finite"),
     "TQ2_0 blocks with different scales": (lambda s, m, t: ("bitnet-b1.58", m, with_tensor(t, q_name(), *two_scales(s))),
                                            r"blk.0.attn_q.weight's TQ2_0 blocks carry \d+ different scales"),
+    **{f"{what}: {shown}": (lambda s, m, t, key=key, value=value: ("bitnet-b1.58", {**m, key: value}, t), message)
+       for what, key, shown, value, message in [
+           ("RoPE base", "bitnet-b1.58.rope.freq_base", "0", 0.0,
+            r"bitnet-b1.58.rope.freq_base is 0.0; the RoPE base must be above 1"),
+           ("RoPE base", "bitnet-b1.58.rope.freq_base", "inf", float("inf"),
+            r"bitnet-b1.58.rope.freq_base is inf; the RoPE base must be a finite number"),
+           ("RoPE base", "bitnet-b1.58.rope.freq_base", "nan", float("nan"), r"freq_base is nan; .* a finite number"),
+           ("RoPE scaling factor", "bitnet-b1.58.rope.scaling.factor", "nan", float("nan"),
+            r"rope.scaling.factor is nan; the RoPE scaling factor must be a finite number"),
+           ("RMSNorm epsilon", "bitnet-b1.58.attention.layer_norm_rms_epsilon", "negative", -1e-5,
+            r"layer_norm_rms_epsilon is -1e-05; the RMSNorm epsilon must be above 0 and below 1"),
+           ("RMSNorm epsilon", "bitnet-b1.58.attention.layer_norm_rms_epsilon", "nan", float("nan"),
+            r"layer_norm_rms_epsilon is nan; the RMSNorm epsilon must be a finite number"),
+           ("RMSNorm epsilon", "bitnet-b1.58.attention.layer_norm_rms_epsilon", "zero", 0.0,
+            r"layer_norm_rms_epsilon is 0.0; the RMSNorm epsilon must be above 0"),
+           ("bos id", "tokenizer.ggml.bos_token_id", "stored as a float", 1.7,
+            r"tokenizer.ggml.bos_token_id is 1.7\d*; a token id must be stored as an integer, not as float32"),
+           ("eos id", "tokenizer.ggml.eos_token_id", "past the vocabulary", 320,
+            r"tokenizer.ggml.eos_token_id is 320; a token id must be an integer from 0 to 319"),
+           ("padding id", "tokenizer.ggml.padding_token_id", "-1", gguf.GGUFValue(-1, gguf.GGUFValueType.INT32),
+            r"tokenizer.ggml.padding_token_id is -1; a token id must be an integer from 0 to 319"),
+           ("eot id", "tokenizer.ggml.eot_token_id", "a string", "1",
+            r"tokenizer.ggml.eot_token_id is '1'; a token id must be stored as an integer, not as string"),
+           ("block count", "bitnet-b1.58.block_count", "huge", 4_000_000_000,
+            r"block_count is 4000000000; the file's tensors are those of 2 layers \(blk.0 to blk.1\)"),
+           ("block count", "bitnet-b1.58.block_count", "one less than the tensors", 1,
+            r"block_count is 1; the file's tensors are those of 2 layers"),
+           ("block count", "bitnet-b1.58.block_count", "stored as a float", 2.0,
+            r"block_count is 2.0; the number of layers must be stored as an integer, not as float32"),
+           ("context length", "bitnet-b1.58.context_length", "0", 0,
+            r"context_length is 0; the context length must be an integer from 1 to 16777216"),
+           ("context length", "bitnet-b1.58.context_length", "past 2^24", 2 ** 24 + 1,
+            r"context_length is 16777217; the context length must be an integer from 1 to 16777216"),
+           ("context length", "bitnet-b1.58.context_length", "a string", "256",
+            r"context_length is '256'; the context length must be stored as an integer, not as string"),
+           ("hidden size", "bitnet-b1.58.embedding_length", "unlike the embedding", 128,
+            r"embedding_length is 128; token_embd.weight has rows of 256"),
+           ("heads", "bitnet-b1.58.attention.head_count", "0", 0,
+            r"attention.head_count is 0; the attention heads must be an integer from 1 to 256"),
+           ("heads", "bitnet-b1.58.attention.head_count", "of an odd size", 256,
+            r"heads of embedding_length / head_count = 256 / 256 = 1 dimensions; RoPE rotates pairs"),
+           ("key/value heads", "bitnet-b1.58.attention.head_count_kv", "more than the heads", 8,
+            r"head_count_kv is 8; the key/value heads must be an integer from 1 to 4"),
+           ("vocabulary size", "bitnet-b1.58.vocab_size", "stored as a float", 320.0,
+            r"vocab_size is 320.0; the vocabulary size must be stored as an integer, not as float32"),
+           ("tokens", "tokenizer.ggml.tokens", "fewer than the embedding's rows", ["a", "b", "c"],
+            r"tokenizer.ggml.tokens holds 3 tokens, but token_embd.weight has 320 rows"),
+           ("tokens", "tokenizer.ggml.tokens", "one string", "abc",
+            r"tokenizer.ggml.tokens is 'abc'; the vocabulary must be stored as an array, not as string"),
+           ("what the file holds", "general.type", "not a string", 3,
+            r"general.type is 3; what the file holds must be stored as a string, not as uint32"),
+       ]},
+    "an activation transformers does not have": (
+        lambda s, m, t: ("bitnet", {**as_architecture(m, "bitnet"), "bitnet.hidden_activation": "swishy"}, t),
+        r"bitnet.hidden_activation is 'swishy'; transformers has no activation of that name"),
+    "layers numbered with a gap": (
+        lambda s, m, t: ("bitnet-b1.58", m, {k.replace("blk.1.", "blk.2."): v for k, v in t.items()}),
+        r"holds tensors of layer blk.2 but none of blk.1"),
+    "a norm holding a NaN": (
+        lambda s, m, t: ("bitnet-b1.58", m, with_tensor(t, "blk.1.attn_norm.weight", np.where(
+            np.arange(256) == 7, np.float32("nan"), t["blk.1.attn_norm.weight"][0]).astype(np.float32), None)),
+        r"blk.1.attn_norm.weight holds nan at element 7, not a finite number"),
 }
+
+
+def as_architecture(metadata: dict, arch: str) -> dict:
+    """``metadata`` of bitnet-b1.58 under the keys of another architecture."""
+    return {key.replace("bitnet-b1.58.", f"{arch}."): value for key, value in metadata.items()}
 
 
 @pytest.mark.parametrize("bad", list(BAD_FILES))

@@ -291,3 +291,78 @@ def test_length_grouped_order_is_seeded_and_batches_similar_lengths():
                    for k in range(0, len(o), 4))
 
     assert padding(order.tolist()) < padding(epoch_order(400, 0, 3).tolist()) / 3
+
+
+# -- records refused at the door, naming where they came from ------------------------------------------
+
+def test_csv_and_tsv_cells_are_the_text_they_hold(tmp_path):
+    # Python's csv module reads the cells as written: the reference for what every cell holds.
+    import csv
+
+    rows = [["instruction", "input", "output"], ["Say NA.", "", "NA"], ["null", "None", "007"],
+            ["Say nan.", "N/A", "nan"], ["multi\nline", "a,b", "#N/A"]]
+    for suffix, delimiter in ((".csv", ","), (".tsv", "\t")):
+        path = tmp_path / f"data{suffix}"
+        with path.open("w", newline="", encoding="utf-8") as file:
+            csv.writer(file, delimiter=delimiter).writerows(rows)
+        with path.open(newline="", encoding="utf-8") as file:
+            written = list(csv.DictReader(file, delimiter=delimiter))
+        assert read_records(path) == written  # the empty input is "" either way (a missing input reads as "")
+    path = tmp_path / "data.csv"
+    with pytest.raises(ValueError, match=r"data.csv, record 0: 'output' is missing \(null, or an empty cell\)"):
+        read_records(path, na_values=("", "NA"))
+    path.write_text("instruction,input,output\nSay hi.,NA,Hi.\n")
+    assert read_records(path, na_values=("", "NA"))[0]["input"] == ""  # asked: "NA" is a missing input
+    path.write_text("instruction,input,output\nSay hi.,NA,Hi.\nSay bye.,x,\n")
+    with pytest.raises(ValueError, match=r"data.csv, record 1: 'output' is missing"):
+        read_records(path)
+    path.write_text("instruction,output,output\nSay hi.,Hi.,Hello.\n")
+    with pytest.raises(ValueError, match=r"data.csv: the header names a column twice"):
+        read_records(path)
+
+
+def test_json_objects_with_a_key_twice_are_refused_and_a_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "data.json"
+    path.write_text('[{"instruction": "Say hi.", "output": "Hi."}, {"instruction": "a", "instruction": "b", '
+                    '"output": "c"}]')
+    with pytest.raises(ValueError, match=r"data.json, record 1: the key 'instruction' is given twice in one object"):
+        read_records(path)
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"text": "fine"}\n\n{"messages": [{"role": "user", "content": "Hi", "content": "Ho"}, '
+                    '{"role": "assistant", "content": "Yes."}]}\n')
+    with pytest.raises(ValueError, match=r"data.jsonl, line 3: the key 'content' is given twice in one object"):
+        read_records(path)
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(RECORDS[0]).encode() + b"\n")
+    assert read_records(path) == read_records(RECORDS[:1])
+
+
+def test_a_chat_the_template_cannot_render_is_named_by_its_record(chat_tokenizer, tmp_path):
+    strict = copy.copy(chat_tokenizer)
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                            "{{ raise_exception('roles are user and assistant, got ' + m['role']) }}{% endif %}"
+                            "{{ m['content'] }}{% endfor %}")
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": CHATS[1]}) + "\n\n" + json.dumps({"messages": CHATS[0]}) + "\n")
+    with pytest.raises(ValueError, match=r"chat.jsonl, line 3: the tokenizer's chat template cannot render the "
+                                         r"conversation \(TemplateError: roles are user and assistant, got system\)"):
+        encode_records(strict, read_records(path))
+    broken = copy.copy(chat_tokenizer)
+    broken.chat_template = "{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}"
+    with pytest.raises(ValueError, match=r"record 0: the tokenizer's chat template cannot render the conversation "
+                                         r"\(TypeError: "):
+        encode_records(broken, read_records([{"messages": CHATS[1]}]))
+    for record, message in [({"messages": [{"role": "", "content": "Hi"}]}, "record 0: messages[0]: 'role' is empty"),
+                            ({"messages": [{"role": "user", "content": None}]},
+                             "record 0: messages[0]: 'content' is missing"),
+                            ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]},
+                             "record 0: messages[0]: 'content' must be a string, got list")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            read_records([record])
+
+
+def test_dropped_records_are_named(tokenizer, tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in RECORDS[:2]) + "\n")
+    prompt_len = len(tokenizer(PROMPT_NO_INPUT)["input_ids"])
+    with pytest.warns(UserWarning, match=r"1 of 2 records were dropped \(\S*data.jsonl, line 2\)"):
+        encode_records(tokenizer, read_records(path), max_length=prompt_len + 1)

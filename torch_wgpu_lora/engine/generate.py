@@ -134,7 +134,7 @@ class DecodeSession:
             flags[row, np.asarray(prompt, np.int64)] = SEEN
         flags[:, np.asarray(sorted(eos), np.int64)] |= EOS
         write(self.prefill.ids, ids.reshape(-1))
-        write(self.prefill.last, np.asarray([row * t + len(p) - 1 for row, p in enumerate(prompts)], np.uint32))
+        self.prefill.set_last([len(p) for p in prompts])
         write(self.seen, flags)
         state = np.zeros((b, 2), np.uint32)
         state[:, ROW_SEED] = [seed & 0xFFFFFFFF for seed in seeds]

@@ -94,9 +94,8 @@ class ForwardPlan:
     """Every buffer and launch of one forward pass shape.
 
     ``logits``: ``"all"`` positions ([batch·tokens, vocab]), ``"last"`` (each sequence's last
-    position, [batch, vocab rounded up to 4]: generation; with more than one token a pass, the rows
-    ``last`` names, u32 [batch] the caller writes, by default each sequence's row ``tokens - 1``;
-    a right-padded batch names each sequence's last real token), or ``"none"``. ``decode``: few
+    position, [batch, vocab rounded up to 4]: generation; by default each sequence's row
+    ``tokens - 1``, a right-padded batch's last real tokens after ``set_last``), or ``"none"``. ``decode``: few
     query tokens against a long cache (flash decoding) and, with ``fuse``, decoding's fusions
     (default: on GPUs; ``program``'s docstring). ``ids`` is a u32 [batch·tokens] buffer the caller writes, or another
     plan's (a sampler's next-token buffer). ``dropout``: the adapters apply LoRA dropout (a
@@ -213,6 +212,18 @@ class ForwardPlan:
         """Record the whole pass (the caller has written ids, step and lengths); ``capture`` as
         ``Program.record``'s."""
         self.program.record(rec, capture)
+
+    def set_last(self, lengths: Sequence[int]) -> None:
+        """A ``"last"`` plan's rows to keep: each sequence's last real token, its ``lengths[b]``-th
+        (a right-padded batch). With one token a pass, that token's row is the only one, and there
+        is nothing to write."""
+        if self.logits_mode != "last":
+            raise ValueError(f"set_last names the rows of a plan that keeps the last logits; this one keeps "
+                             f"{self.logits_mode!r}")
+        if len(lengths) != self.batch or not all(1 <= n <= self.tokens for n in lengths):
+            raise ValueError(f"lengths {list(lengths)} for a pass of {self.batch} sequences × {self.tokens} tokens")
+        if self.last is not None:
+            write(self.last, np.asarray([row * self.tokens + n - 1 for row, n in enumerate(lengths)], np.uint32))
 
     def set_dropout(self, seed: int, p: float) -> None:
         """The LoRA dropout of the next pass: masks from ``seed``, probability ``p``."""

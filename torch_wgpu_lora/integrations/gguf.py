@@ -8,8 +8,10 @@ tokenizers, and LoRA adapters written as GGUF for llama.cpp.
 GGUF files are read with ``gguf``, llama.cpp's own reader and writer (``pip install
 'torch_wgpu_lora[gguf]'``). Everything in a file is checked before the model is built: a
 truncated file, another architecture, an unknown tensor type, a tensor whose shape the metadata
-does not give it, a missing or extra tensor are refused with an error naming the file and what
-is wrong.
+does not give it, a missing or extra tensor, a float tensor holding a NaN or an infinity, and every
+metadata value read that is stored as the wrong type (a count or an id as a float, say), out of its
+range or unlike the tensors are refused with an error naming the file and what is wrong (for a
+metadata value: the key and the value; ``integrations.gguf_metadata``).
 
 **Architectures.** ``general.architecture`` is llama.cpp's ``bitnet`` or bitnet.cpp's
 ``bitnet-b1.58`` (microsoft/bitnet-b1.58-2B-4T-gguf) or ``bitnet-25``; the model's metadata keys
@@ -21,17 +23,22 @@ microsoft/bitnet-b1.58-2B-4T): each projection holds the file's ternary values a
 weight = scale · value, exactly (the scale as float32; a bfloat16 model keeps ``weight_scale`` in
 bfloat16, as transformers does). Its config comes from the metadata:
 
-* ``hidden_size`` = ``A.embedding_length``, ``num_hidden_layers`` = ``A.block_count``,
-  ``intermediate_size`` = ``A.feed_forward_length``, ``num_attention_heads`` =
-  ``A.attention.head_count``, ``num_key_value_heads`` = ``A.attention.head_count_kv`` (default: the
-  heads), ``max_position_embeddings`` = ``A.context_length``, ``rms_norm_eps`` =
-  ``A.attention.layer_norm_rms_epsilon``, RoPE theta = ``A.rope.freq_base`` (default 10000, llama.cpp's);
-* ``vocab_size``: the rows of ``token_embd`` (``A.vocab_size``, if given, must agree);
+* ``hidden_size`` = ``A.embedding_length`` (the embedding's columns), ``num_hidden_layers`` =
+  ``A.block_count`` (the layers whose tensors the file holds, ``blk.0`` on), ``intermediate_size`` =
+  ``A.feed_forward_length``, ``num_attention_heads`` = ``A.attention.head_count``,
+  ``num_key_value_heads`` = ``A.attention.head_count_kv`` (default: the heads; dividing them, and
+  they the hidden size into heads of an even size), ``max_position_embeddings`` =
+  ``A.context_length`` (at most 2^24: RoPE's float32 angles hold whole positions exactly up to
+  there), ``rms_norm_eps`` = ``A.attention.layer_norm_rms_epsilon`` (above 0, below 1), RoPE theta =
+  ``A.rope.freq_base`` (default 10000, llama.cpp's; finite, above 1); counts stored as integers;
+* ``vocab_size``: the rows of ``token_embd`` (``A.vocab_size``, and the tokenizer's
+  ``tokenizer.ggml.tokens``, if given, must agree, as llama.cpp requires);
 * ``hidden_act``: ``relu2`` for ``bitnet-b1.58`` and ``bitnet-25``; for ``bitnet``,
-  ``A.hidden_activation``, else ``silu`` (llama.cpp's rules);
+  ``A.hidden_activation`` (a name transformers' ``ACT2FN`` knows), else ``silu`` (llama.cpp's rules);
 * ``bos_token_id``, ``pad_token_id``: ``tokenizer.ggml.bos_token_id``, ``...padding_token_id``;
   ``eos_token_id``: ``tokenizer.ggml.eos_token_id``, with ``...eot_token_id`` when that differs
-  (llama.cpp ends generation at both);
+  (llama.cpp ends generation at both); each, where given, an integer in [0, vocab) (llama.cpp
+  ignores one outside with a warning; here it is refused: leave the key out instead);
 * ``tie_word_embeddings``: whether ``output.weight`` is absent;
 * ``A.rope.dimension_count``, ``A.attention.key_length`` and ``...value_length`` must equal the
   head size, and RoPE scaling must be none (or linear by 1, what llama.cpp's converter writes).
@@ -106,6 +113,7 @@ from torch import nn
 
 from ..files import write_atomic
 from ..modules import LoRALinear
+from .gguf_metadata import Metadata, check_tokenizer
 
 ARCHITECTURES = ("bitnet", "bitnet-b1.58", "bitnet-25")
 RELU2_ARCHITECTURES = ("bitnet-b1.58", "bitnet-25")  # bitnet.cpp's: squared-ReLU FFN
@@ -132,6 +140,10 @@ I2S_TAIL = 32  # bytes after the codes: the float32 scale and padding
 _F16_ONE = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
 
 _ADAPTED_MODULE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.")
+# positions: RoPE's angles are float32 position × frequency (transformers and the engine), exact for
+# whole positions up to 2^24
+MAX_CONTEXT = 2 ** 24
 
 
 def is_gguf_path(path: str | os.PathLike) -> bool:
@@ -217,12 +229,13 @@ class _File:
         if reader.byte_order != "I":
             raise ValueError(f"{self.path} is a GGUF of the other byte order (big-endian); convert it on a "
                              "little-endian machine")
-        self.fields = {name: field for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+        self.meta = Metadata(self.path, {name: field for name, field in reader.fields.items()
+                                         if not name.startswith("GGUF.")})
         self.data = reader.data
-        kind = self.string("general.type", "model")
+        kind = self.meta.string("general.type", "what the file holds", "model")
         if kind != "model":
             raise ValueError(f"{self.path} is a GGUF {kind} (general.type), not a model")
-        self.architecture = self.string("general.architecture")
+        self.architecture = self.meta.string("general.architecture", "the model's architecture")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"{self.path} holds a {self.architecture!r} model (general.architecture); "
                              f"torch_wgpu_lora loads BitNet GGUF files: {', '.join(ARCHITECTURES)}")
@@ -236,44 +249,23 @@ class _File:
                                  f"but the file ends at byte {len(self.data)}; download or convert it again")
             self.tensors[name] = _Tensor(name, shape, ggml_type, start, nbytes or 0)
 
-    def value(self, key: str, default: Any = None) -> Any:
-        """A metadata value (a number, a string, or a list), ``default`` when absent; KeyError when
-        absent without a default."""
-        field = self.fields.get(key)
-        if field is None:
-            if default is None:
-                raise KeyError(key)
-            return default
-        return field.contents()
-
-    def string(self, key: str, default: str | None = None) -> str:
-        try:
-            value = self.value(key, default)
-        except KeyError:
-            raise ValueError(f"{self.path} has no {key} in its metadata: not a complete GGUF model file") from None
-        if not isinstance(value, str):
-            raise ValueError(f"{self.path}: {key} is {value!r}, not a string")
-        return value
-
-    def number(self, key: str, what: str, default: float | None = None) -> float:
-        """A metadata number; ValueError naming ``key`` when it is missing (without a default) or
-        not one number (llama.cpp allows per-layer arrays for some keys; a BitNet has one value)."""
-        try:
-            value = self.value(key, default)
-        except KeyError:
-            raise ValueError(f"{self.path} has no {key} ({what}) in its metadata; is it a complete "
-                             f"{self.architecture} model?") from None
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-            raise ValueError(f"{self.path}: {key} ({what}) is {value!r}, not one number")
-        if key in self.fields and self.fields[key].types == [_gguf().GGUFValueType.FLOAT32]:
-            value = float(str(np.float32(value)))  # the shortest decimal of that float32: 1e-05, not 9.99999975e-06
-        return value
-
-    def count(self, key: str, what: str, default: int | None = None) -> int:
-        value = self.number(key, what, default)
-        if value != int(value) or value < 1:
-            raise ValueError(f"{self.path}: {key} ({what}) is {value!r}, not a positive integer")
-        return int(value)
+    def vocabulary(self) -> int:
+        """The rows of ``token_embd.weight`` (the vocabulary), after checking that ``A.vocab_size`` and
+        the tokenizer's tokens, where given, are as many."""
+        embedding = self.tensors.get("token_embd.weight")
+        if embedding is None or len(embedding.shape) != 2:
+            raise ValueError(f"{self.path} has no token_embd.weight matrix: not a complete model file")
+        vocab = embedding.shape[0]
+        key = f"{self.architecture}.vocab_size"
+        size = self.meta.integer(key, "the vocabulary size", least=1, default=vocab)
+        if size != vocab:
+            raise self.meta.refuse(key, size, f"token_embd.weight has {vocab} rows")
+        tokens = (self.meta.length("tokenizer.ggml.tokens", "the vocabulary") if "tokenizer.ggml.tokens" in self.meta
+                  else vocab)
+        if tokens != vocab:
+            raise ValueError(f"{self.path}: tokenizer.ggml.tokens holds {tokens} tokens, but token_embd.weight has "
+                             f"{vocab} rows (one a token); the tokenizer is not this model's")
+        return vocab
 
     def raw(self, tensor: _Tensor) -> np.ndarray:
         return self.data[tensor.start:tensor.start + tensor.nbytes]
@@ -282,51 +274,77 @@ class _File:
 # -- the config -------------------------------------------------------------------------------------
 
 def _config(file: _File) -> Any:
-    """The BitNetConfig the file's metadata and tensor table describe."""
+    """The BitNetConfig the file's metadata and tensor table describe, every value read checked for
+    its type, its range and its agreement with the tensors before anything is built."""
     from transformers import BitNetConfig
+    from transformers.activations import ACT2FN
 
-    arch = file.architecture
-    hidden = file.count(f"{arch}.embedding_length", "the hidden size")
-    heads = file.count(f"{arch}.attention.head_count", "the attention heads")
-    kv_heads = file.count(f"{arch}.attention.head_count_kv", "the key/value heads", heads)
+    arch, meta = file.architecture, file.meta
+    vocab = file.vocabulary()
+    key = f"{arch}.embedding_length"
+    hidden = meta.integer(key, "the hidden size", least=1)
+    if file.tensors["token_embd.weight"].shape[1] != hidden:
+        raise meta.refuse(key, hidden, f"token_embd.weight has rows of {file.tensors['token_embd.weight'].shape[1]}")
+    key = f"{arch}.block_count"
+    layers = meta.integer(key, "the number of layers", least=1)
+    present = _layers_present(file)
+    if layers != present:  # checked before any loop over the layers: a count no tensors back is refused
+        raise meta.refuse(key, layers, f"the file's tensors are those of {present} layers (blk.0 to "
+                                       f"blk.{present - 1})" if present else "the file holds no layer tensors")
+    heads = meta.integer(f"{arch}.attention.head_count", "the attention heads", least=1, most=hidden)
+    kv_heads = meta.integer(f"{arch}.attention.head_count_kv", "the key/value heads", least=1, most=heads,
+                            default=heads)
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"{file.path}: {arch}.embedding_length {hidden}, {arch}.attention.head_count {heads} "
                          f"and head_count_kv {kv_heads} do not divide into whole heads")
     head_dim = hidden // heads
+    if head_dim % 2:
+        raise ValueError(f"{file.path}: heads of embedding_length / head_count = {hidden} / {heads} = {head_dim} "
+                         "dimensions; RoPE rotates pairs of dimensions, so a head's size is even")
     for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
-        size = file.count(f"{arch}.{key}", "the head size", head_dim)
+        size = meta.integer(f"{arch}.{key}", "the head size", least=1, default=head_dim)
         if size != head_dim:
             raise ValueError(f"{file.path}: {arch}.{key} is {size}, but transformers' BitNet rotates and attends "
                              f"over whole heads of embedding_length / head_count = {head_dim}")
-    scaling = file.string(f"{arch}.rope.scaling.type", "none")
-    factor = file.number(f"{arch}.rope.scaling.factor", "the RoPE scaling factor", 1.0)
+    scaling = meta.string(f"{arch}.rope.scaling.type", "the RoPE scaling", "none")
+    factor = meta.real(f"{arch}.rope.scaling.factor", "the RoPE scaling factor", 1.0)
     if scaling not in ("none", "linear") or factor != 1.0:
         raise ValueError(f"{file.path}: RoPE scaling {scaling!r} by {factor} ({arch}.rope.scaling.*) is not "
                          "supported; transformers' BitNet uses plain RoPE")
-    embedding = file.tensors.get("token_embd.weight")
-    if embedding is None or len(embedding.shape) != 2:
-        raise ValueError(f"{file.path} has no token_embd.weight matrix: not a complete model file")
-    vocab = embedding.shape[0]
-    if file.count(f"{arch}.vocab_size", "the vocabulary size", vocab) != vocab:
-        raise ValueError(f"{file.path}: {arch}.vocab_size is {file.value(f'{arch}.vocab_size')}, but "
-                         f"token_embd.weight has {vocab} rows")
+    key = f"{arch}.rope.freq_base"
+    theta = meta.real(key, "the RoPE base", 10000.0)
+    if theta <= 1.0:  # each pair of dimensions turns at base^(-2i/d) of the first's rate: slower, for a base above 1
+        raise meta.refuse(key, theta, "the RoPE base must be above 1")
+    key = f"{arch}.attention.layer_norm_rms_epsilon"
+    eps = meta.real(key, "the RMSNorm epsilon")
+    if not 0.0 < eps < 1.0:  # a guard against dividing by a zero mean square, not a term of its size
+        raise meta.refuse(key, eps, "the RMSNorm epsilon must be above 0 and below 1")
+    key = f"{arch}.feed_forward_length"
+    intermediate = meta.integer(key, "the FFN size", least=1)
+    up = file.tensors.get("blk.0.ffn_up.weight")
+    if up is not None and up.shape[:1] != (intermediate,):
+        raise meta.refuse(key, intermediate, f"blk.0.ffn_up.weight is {list(up.shape)}")
+    key = f"{arch}.attention.head_count_kv"
+    k_proj = file.tensors.get("blk.0.attn_k.weight")
+    if k_proj is not None and k_proj.shape[:1] != (kv_heads * head_dim,):
+        raise meta.refuse(key, kv_heads, f"blk.0.attn_k.weight is {list(k_proj.shape)}, the keys of "
+                                         f"{k_proj.shape[0] / head_dim:g} heads of {head_dim}")
+    context = meta.integer(f"{arch}.context_length", "the context length", least=1, most=MAX_CONTEXT)
     if arch in RELU2_ARCHITECTURES:
         activation = "relu2"
     else:
-        activation = file.string(f"{arch}.hidden_activation", "silu")
-    eos_ids = [i for i in dict.fromkeys(_optional_id(file, f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot"))
-               if i is not None]
+        key = f"{arch}.hidden_activation"
+        activation = meta.string(key, "the FFN activation", "silu")
+        if activation not in ACT2FN:
+            raise meta.refuse(key, activation, "transformers has no activation of that name")
+    ids = {kind: meta.token_id(f"tokenizer.ggml.{kind}_token_id", vocab) for kind in ("bos", "eos", "eot", "padding")}
+    eos_ids = [i for i in dict.fromkeys((ids["eos"], ids["eot"])) if i is not None]
     return BitNetConfig(
         vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        num_hidden_layers=file.count(f"{arch}.block_count", "the number of layers"),
-        intermediate_size=file.count(f"{arch}.feed_forward_length", "the FFN size"),
-        max_position_embeddings=file.count(f"{arch}.context_length", "the context length"),
-        rms_norm_eps=float(file.number(f"{arch}.attention.layer_norm_rms_epsilon", "the RMSNorm epsilon")),
-        rope_parameters={"rope_type": "default",
-                         "rope_theta": float(file.number(f"{arch}.rope.freq_base", "the RoPE base", 10000.0))},
+        num_hidden_layers=layers, intermediate_size=intermediate, max_position_embeddings=context, rms_norm_eps=eps,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
         hidden_act=activation, tie_word_embeddings="output.weight" not in file.tensors,
-        bos_token_id=_optional_id(file, "tokenizer.ggml.bos_token_id"),
-        pad_token_id=_optional_id(file, "tokenizer.ggml.padding_token_id"),
+        bos_token_id=ids["bos"], pad_token_id=ids["padding"],
         eos_token_id=eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
         quantization_config={"quant_method": "bitnet", "linear_class": "autobitlinear",
                              "quantization_mode": "offline"},
@@ -334,10 +352,14 @@ def _config(file: _File) -> Any:
     )
 
 
-def _optional_id(file: _File, key: str) -> int | None:
-    """A token id the metadata may give (llama.cpp writes none, or -1, for a token a vocabulary lacks)."""
-    value = file.number(key, "a token id", -1)
-    return None if value < 0 else int(value)
+def _layers_present(file: _File) -> int:
+    """The layers the tensor table holds, numbered 0 to n - 1 (``blk.i.*``); n."""
+    indices = sorted({int(match[1]) for match in map(_LAYER_TENSOR.match, file.tensors) if match})
+    if indices != list(range(len(indices))):
+        gap = next(i for i, index in enumerate(indices) if i != index)
+        raise ValueError(f"{file.path} holds tensors of layer blk.{indices[gap]} but none of blk.{gap}: its layers "
+                         "are not numbered from 0 without gaps")
+    return len(indices)
 
 
 # -- tensors ---------------------------------------------------------------------------------------
@@ -400,6 +422,10 @@ def _float_tensor(file: _File, tensor: _Tensor, dtype: torch.dtype) -> torch.Ten
         values = torch.from_numpy(raw.view("<i2")).view(torch.bfloat16)
     else:
         values = torch.from_numpy(raw.view("<f4" if tensor.ggml_type == F32 else "<f2"))
+    finite = torch.isfinite(values)
+    if not finite.all():
+        at = int((~finite).nonzero()[0])
+        raise ValueError(f"{file.path}: {tensor.name} holds {values[at].item()} at element {at}, not a finite number")
     return values.reshape(tensor.shape).to(dtype)
 
 
@@ -505,7 +531,9 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Any:
     """The tokenizer a GGUF file describes (vocabulary, merges, special tokens, chat template), built by
     transformers' own GGUF tokenizer conversion (``PreTrainedTokenizerFast(gguf_file=...)``).
 
-    A file without a tokenizer, or one transformers cannot convert, raises ValueError naming the file.
+    A file without a tokenizer, a malformed one (``gguf_metadata.check_tokenizer``: tokens, scores, types,
+    merges, special token ids, flags, chat templates), one whose tokens are not the embedding's rows, or
+    one transformers cannot convert raises ValueError naming the file and what is wrong.
     transformers 5.18 or later builds them for any architecture (earlier, only for those it loads itself).
 
     >>> # tokenizer = load_gguf_tokenizer("ggml-model-i2_s.gguf")
@@ -514,14 +542,16 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     file = _File(path)
-    if "tokenizer.ggml.tokens" not in file.fields:
+    if "tokenizer.ggml.tokens" not in file.meta:
         raise ValueError(f"{file.path} holds no tokenizer (no tokenizer.ggml.tokens in its metadata); load the "
                          "tokenizer of the model it was made from, e.g. AutoTokenizer.from_pretrained(folder)")
+    check_tokenizer(file.meta)
+    file.vocabulary()
     try:
         # The file itself, not its folder: from_pretrained(folder, gguf_file=...) would take a tokenizer.json
         # lying beside it instead.
         return PreTrainedTokenizerFast(gguf_file=file.path.name, name_or_path=str(file.path.parent))
-    except ValueError as err:
+    except Exception as err:  # tokenizers' own errors are plain Exceptions
         raise ValueError(f"{file.path}: transformers {transformers.__version__} cannot build a tokenizer from its "
                          f"metadata: {err}") from None
 

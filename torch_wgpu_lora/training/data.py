@@ -21,9 +21,14 @@
 A record that fits no form is an error naming its number and its fields.
 
 **Inputs** (``read_records``): a path to a JSON array or JSONL file (read here, errors naming
-the line or record), or to a Parquet, CSV or TSV file (read with ``datasets``); a
-``datasets.Dataset``; a list or any iterable of dicts. Everything is read and checked before
-anything is trained on.
+the line or record; a key given twice in one object is refused), or to a Parquet, CSV or TSV
+file (read with ``datasets``); a ``datasets.Dataset``; a list or any iterable of dicts.
+Everything is read and checked before anything is trained on, and a record that cannot become
+a training example (no form, a field of the wrong type or missing, a chat the template cannot
+render) is refused naming where it came from (``Records.origins``: the file's line or record
+number, or the record's index) and why. A CSV or TSV cell is the text it holds (``"NA"``,
+``"null"``, ``"007"`` included: every column is read as text); only the cell texts in
+``na_values`` (by default the empty cell) are missing, as JSON's null is.
 
 Sequences longer than ``max_length`` are cut at the end; one left with nothing to learn is
 dropped with a warning. A sequence still longer than the model's context
@@ -41,6 +46,7 @@ takes its ``shard`` of it, dealt out as torch's ``DistributedSampler`` deals ind
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import warnings
@@ -56,8 +62,8 @@ from ..limits import check_context
 from ..loss import IGNORE_INDEX
 from ..prompts import check_unicode, format_prompt
 
-__all__ = ["FORMS", "LONG_EXAMPLES", "Example", "collate", "encode_records", "epoch_order", "length_grouped_order",
-           "pack", "read_records", "record_form", "shard"]
+__all__ = ["FORMS", "LONG_EXAMPLES", "Example", "Records", "collate", "encode_records", "epoch_order",
+           "length_grouped_order", "pack", "read_records", "record_form", "shard"]
 
 LONG_EXAMPLES = ("refuse", "truncate")  # what encode_records does with a sequence longer than the context
 
@@ -67,6 +73,17 @@ FORMS = {"chat": ("messages",), "prompt-completion": ("prompt", "completion"), "
 _TABLE_FORMATS = {".parquet": "parquet", ".csv": "csv", ".tsv": "csv"}  # files read through ``datasets``
 
 Record = dict[str, Any]
+
+
+class Records(list):
+    """``read_records``' result: the checked records, and where each came from (``origins[i]``, e.g.
+    "train.jsonl, line 7" or "record 3"), which ``encode_records`` names in its refusals."""
+
+    def __init__(self, records: Iterable[Record], origins: Iterable[str]) -> None:
+        super().__init__(records)
+        self.origins = list(origins)
+        if len(self.origins) != len(self):
+            raise ValueError(f"{len(self)} records and {len(self.origins)} origins")
 
 
 @dataclass(frozen=True)
@@ -88,6 +105,8 @@ def _text(record: Mapping[str, Any], key: str, where: str, optional: bool = Fals
     value = record.get(key)
     if value is None and optional:
         value = ""
+    if value is None:
+        raise ValueError(f"{where}: {key!r} is missing (null, or an empty cell)")
     if not isinstance(value, str):
         raise ValueError(f"{where}: {key!r} must be a string, got {type(value).__name__}")
     return check_unicode(value, f"{where}: {key!r}")
@@ -102,8 +121,10 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
             fields = sorted(message) if isinstance(message, Mapping) else type(message).__name__
             raise ValueError(f"{where}: {key}[{i}] must be a message {{role, content}}, got {fields}")
-        out.append({"role": _text(message, "role", f"{where}: {key}[{i}]"),
-                    "content": _text(message, "content", f"{where}: {key}[{i}]")})
+        role = _text(message, "role", f"{where}: {key}[{i}]")
+        if not role.strip():
+            raise ValueError(f"{where}: {key}[{i}]: 'role' is empty")
+        out.append({"role": role, "content": _text(message, "content", f"{where}: {key}[{i}]")})
     return out
 
 
@@ -147,59 +168,115 @@ def _check_record(record: Any, where: str) -> Record:
     return out
 
 
-def _read_json(path: Path) -> list[Record]:
+class _KeyedTwice(dict):
+    """A JSON object that gives ``twice`` more than once (Python's reader would keep the last value)."""
+
+    twice: str
+
+
+def _json(text: str) -> Any:
+    """``text`` parsed as JSON, each object that gives a key twice a ``_KeyedTwice``."""
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in items]
+        twice = next((key for key in keys if keys.count(key) > 1), None)
+        if twice is None:
+            return dict(items)
+        marked = _KeyedTwice(items)
+        marked.twice = twice
+        return marked
+
+    return json.loads(text, object_pairs_hook=pairs)
+
+
+def _checked_json(item: Any, where: str) -> Record:
+    """A record parsed by ``_json``, checked; a key given twice anywhere in it is refused."""
+    stack = [item]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, _KeyedTwice):
+            raise ValueError(f"{where}: the key {value.twice!r} is given twice in one object")
+        stack.extend(value.values() if isinstance(value, dict) else value if isinstance(value, list) else ())
+    return _check_record(item, where)
+
+
+def _read_json(path: Path) -> Records:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark, as some editors write, is not JSON
     except UnicodeDecodeError as err:
         raise ValueError(f"{path} is not UTF-8 text: {err}") from None
     if text.lstrip().startswith("["):
         try:
-            items = json.loads(text)
+            items = _json(text)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}, line {err.lineno}: not valid JSON ({err.msg})") from None
-        return [_check_record(item, f"{path}, record {i}") for i, item in enumerate(items)]
-    records = []
+        origins = [f"{path}, record {i}" for i in range(len(items))]
+        return Records((_checked_json(item, where) for item, where in zip(items, origins)), origins)
+    records, origins = [], []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        where = f"{path}, line {lineno}"
         try:
-            item = json.loads(line)
+            item = _json(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}, line {lineno}: not valid JSON ({err.msg})") from None
-        records.append(_check_record(item, f"{path}, line {lineno}"))
-    return records
+            raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
+        records.append(_checked_json(item, where))
+        origins.append(where)
+    return Records(records, origins)
 
 
-def _read_table(path: Path) -> list[Record]:
-    """A Parquet, CSV or TSV file's rows, read with ``datasets`` (an optional dependency)."""
+def _read_table(path: Path, na_values: Sequence[str]) -> Records:
+    """A Parquet, CSV or TSV file's rows, read with ``datasets`` (an optional dependency); a CSV or
+    TSV file's columns as text, missing only where a cell's text is one of ``na_values``."""
     try:
         import datasets
     except ImportError:
         raise ValueError(f"{path}: reading {path.suffix} files needs the datasets package "
                          "(pip install 'torch_wgpu_lora[data]'), or give the data as JSON / JSONL") from None
-    options = {"delimiter": "\t"} if path.suffix == ".tsv" else {}
+    options: dict[str, Any] = {}
+    if _TABLE_FORMATS[path.suffix] == "csv":
+        delimiter = "\t" if path.suffix == ".tsv" else ","
+        try:  # the header names the columns, each read as text (pandas would guess numbers, and NaN for "NA")
+            with path.open(encoding="utf-8", newline="") as file:
+                header = next(csv.reader(file, delimiter=delimiter), None)
+        except (UnicodeDecodeError, csv.Error) as err:
+            raise ValueError(f"{path}: its header line cannot be read ({err})") from None
+        if not header:
+            raise ValueError(f"{path} holds no header line naming its columns")
+        if len(set(header)) != len(header):
+            raise ValueError(f"{path}: the header names a column twice: {header}")
+        options = dict(delimiter=delimiter, keep_default_na=False, na_values=list(na_values),
+                       features=datasets.Features({column: datasets.Value("string") for column in header}))
     try:
         table = datasets.load_dataset(_TABLE_FORMATS[path.suffix], data_files=str(path), split="train", **options)
     except Exception as err:  # datasets raises many kinds for a damaged file; each is this file's problem
         raise ValueError(f"{path} could not be read as {_TABLE_FORMATS[path.suffix]}: {err}") from None
-    return [_check_record(row, f"{path}, record {i}") for i, row in enumerate(table)]
+    origins = [f"{path}, record {i}" for i in range(len(table))]
+    return Records((_check_record(row, where) for row, where in zip(table, origins)), origins)
 
 
-def read_records(source: Any) -> list[Record]:
-    """All records of ``source``, each checked and normalised (see the module docstring for the forms).
+def read_records(source: Any, na_values: Sequence[str] = ("",)) -> Records:
+    """All records of ``source``, each checked and normalised (see the module docstring for the forms),
+    with where each came from (``Records.origins``).
 
     ``source``: a path to a JSON array, JSONL, Parquet, CSV or TSV file; a ``datasets.Dataset``; a
     list or any iterable of dicts. For Alpaca records ``input`` may be missing or null (read as "");
-    keys outside the record's form are ignored.
+    keys outside the record's form are ignored. ``na_values``: a CSV or TSV file's cell texts that
+    are missing values (default: the empty cell; ``("", "NA", "null")`` reads those as pandas
+    would); every other cell is its text.
     """
+    if isinstance(na_values, str) or not all(isinstance(v, str) for v in na_values):
+        raise TypeError(f"na_values must be a list of cell texts, got {na_values!r}")
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
             raise FileNotFoundError(f"no data file at {path}")
-        records = _read_table(path) if path.suffix.lower() in _TABLE_FORMATS else _read_json(path)
+        records = _read_table(path, na_values) if path.suffix.lower() in _TABLE_FORMATS else _read_json(path)
         name = str(path)
     elif isinstance(source, Iterable) and not isinstance(source, (Mapping, bytes)):
-        records = [_check_record(item, f"record {i}") for i, item in enumerate(source)]
+        items = list(source)
+        origins = [f"record {i}" for i in range(len(items))]
+        records = Records((_check_record(item, where) for item, where in zip(items, origins)), origins)
         name = "the data"
     else:
         raise TypeError("data must be a path to a JSON/JSONL/Parquet/CSV file, a datasets.Dataset or a list of "
@@ -217,7 +294,11 @@ def _chat_tokens(tokenizer: Any, messages: list[dict[str, str]], first: int, whe
     and up to its end: both must start the whole conversation's text. A token is labelled when
     any of its characters lies in a turn (as transformers' assistant masks count them)."""
     def render(part: list[dict[str, str]], prompt: bool = False) -> str:
-        return tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=prompt)
+        try:
+            return tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=prompt)
+        except Exception as err:  # the template is the tokenizer's code: any error is its refusal of this chat
+            raise ValueError(f"{where}: the tokenizer's chat template cannot render the conversation "
+                             f"({type(err).__name__}: {err})") from None
 
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"{where}: chat records are rendered with the tokenizer's chat template, and this tokenizer "
@@ -277,22 +358,23 @@ def encode_records(tokenizer: Any, records: list[Record], max_length: int = 512,
         raise ValueError(f"long_examples must be one of {LONG_EXAMPLES}, got {long_examples!r}")
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token_id; training appends EOS to every response")
-    examples, dropped, cut = [], 0, 0
+    examples, dropped, cut = [], [], 0
     for index, record in enumerate(records):
-        ids, labels = _tokens(tokenizer, record, f"record {index}")
+        where = records.origins[index] if isinstance(records, Records) else f"record {index}"
+        ids, labels = _tokens(tokenizer, record, where)
         length = min(len(ids), max_length)
         if context is not None and length > context:
             if long_examples == "refuse":
                 try:
                     check_context(context, length)
                 except ValueError as err:
-                    raise ValueError(f"record {index}: {err}; long_examples='truncate' (--long-examples truncate) "
+                    raise ValueError(f"{where}: {err}; long_examples='truncate' (--long-examples truncate) "
                                      "cuts such records to the context") from None
             length, cut = context, cut + 1
         # The first token is predicted from nothing: never a label (nor, packed, from the example before it).
         example = Example(input_ids=ids[:length], labels=[IGNORE_INDEX, *labels[1:length]])
         if example.loss_tokens == 0:
-            dropped += 1
+            dropped.append(where)
             continue
         examples.append(example)
     kept = f"max_length={max_length}"
@@ -304,8 +386,9 @@ def encode_records(tokenizer: Any, records: list[Record], max_length: int = 512,
         warnings.warn(f"{cut} of {len(records)} records were cut to the model's context of {context} positions "
                       "(long_examples='truncate')", stacklevel=2)
     if dropped:
-        warnings.warn(f"{dropped} of {len(records)} records were dropped: their prompt fills {kept} tokens, "
-                      "leaving no response to learn", stacklevel=2)
+        named = "; ".join(dropped[:3]) + ("; ..." if len(dropped) > 3 else "")
+        warnings.warn(f"{len(dropped)} of {len(records)} records were dropped ({named}): their prompt fills {kept} "
+                      "tokens, leaving no response to learn", stacklevel=2)
     return examples
 
 
