@@ -44,7 +44,9 @@ def test_every_entry_point_compiles_here_from_its_source_and_generated_enable_li
             continue
         given = compiled_source(device, family, subgroups)
         enables = [line for line in given.splitlines() if re.fullmatch(r"enable \w+;", line)]
-        assert [line for line in given.splitlines() if line not in enables] == source.splitlines()
+        sizes = [line for line in given.splitlines() if re.fullmatch(r"const SM_\w+: u32 = \d+u;", line)]
+        assert [line for line in given.splitlines() if line not in enables + sizes] == source.splitlines()
+        assert bool(sizes) == ("// @subgroup-matrix" in source)  # the configuration's sizes, for those kernels alone
         assert enables == device.backend.enable_lines(wgsl_extensions(source)).splitlines()
         for entry in ENTRY.findall(source):
             Kernel(device, family, entry, SMALL_TILES.get(family, {}), device.settings.shader_checks, subgroups)
@@ -102,6 +104,34 @@ def test_a_kernel_asking_for_subgroup_matrices_gets_them_only_where_the_device_h
         with pytest.raises(ValueError, match=r"matrices.wgsl uses subgroup-matrix, which this device lacks "
                                              rf"\({device.backend.name} on "):
             kernel("matrices.wgsl", "main")
+
+
+def test_a_kernel_generic_over_the_matrix_shape_gets_the_configuration_it_names(tmp_path, monkeypatch):
+    """``// @subgroup-matrix i8 i32``: the runtime writes that configuration's sizes before the source
+    (the largest of one subgroup size: ``subgroup_matrix_config``); a file naming two is refused."""
+    from types import SimpleNamespace
+
+    from torch_wgpu_lora.runtime import kernels
+
+    generic = "// @subgroup-matrix i8 i32\n" + MATRIX_KERNEL.replace("f32, 8, 8", "i8, SM_K, SM_M").replace(
+        "array<f32>", "array<i32>")
+    (tmp_path / "generic.wgsl").write_text(generic)
+    (tmp_path / "two.wgsl").write_text("// @subgroup-matrix f16 f32\n" + generic)
+    monkeypatch.setattr(kernels, "WGSL_DIRS", (tmp_path,))
+    config = dict(component_type="i8", result_component_type="i32", m=16, n=8, k=32, min_subgroup_size=32,
+                  max_subgroup_size=32)
+    device = SimpleNamespace(has=lambda feature: True, subgroup_matrix_configs=[config, {**config, "n": 16}],
+                             limits={"max-compute-workgroup-storage-size": 49152}, name="test",
+                             backend=Dawn)
+    given = compiled_source(device, "generic.wgsl", False)
+    assert given.split("// @subgroup-matrix")[0].endswith(
+        "const SM_M: u32 = 16u;\nconst SM_N: u32 = 16u;\nconst SM_K: u32 = 32u;\nconst SM_SUBGROUP: u32 = 32u;\n"
+        "const SM_STORAGE: u32 = 49152u;\n")
+    with pytest.raises(ValueError, match="two.wgsl names 2 subgroup-matrix configurations"):
+        compiled_source(device, "two.wgsl", False)
+    device.subgroup_matrix_configs = [{**config, "component_type": "u8", "result_component_type": "u32"}]
+    with pytest.raises(ValueError, match="generic.wgsl multiplies i8 subgroup matrices into i32, which this device"):
+        compiled_source(device, "generic.wgsl", False)
 
 
 # -- Params and override constants -----------------------------------------------------------------

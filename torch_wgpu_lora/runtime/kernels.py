@@ -149,7 +149,10 @@ def compiled_source(device: Device, file: str, subgroups: bool) -> str:
         raise ValueError(f"{file} uses {', '.join(missing)}, which this device lacks ({device.backend.name} on "
                          f"{device.name}; its features: {', '.join(sorted(device.features)) or 'none'})")
     sizes = ""
-    for component, result in _MATRIX_TYPES.findall(source):
+    types = _MATRIX_TYPES.findall(source)
+    if len(types) > 1:
+        raise ValueError(f"{file} names {len(types)} subgroup-matrix configurations; a kernel file takes one")
+    for component, result in types:
         config = subgroup_matrix_config(device, component, result)
         if config is None:
             raise ValueError(f"{file} multiplies {component} subgroup matrices into {result}, which this device "

@@ -31,7 +31,7 @@ from . import dummy
 from .attention.decode import DecodePartials
 from .dropout import SiteDropout, dropout_params
 from .gemms import (MmaTile, default_tile, fastest, int8_matrix_units, matrix_units_wanted_where_there_are_none,
-                    mma_shape)
+                    mma_shape, variant)
 from .projection import MODES, check_vec4_rows, gemv_max_tokens, input_grad_launches, input_grad_splits
 from .rope import RopeTarget
 
@@ -117,7 +117,8 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     if not gemv and (matrix_units_win(device, tokens, proj) if mma is None else mma):
         shape = mma_shape(device, tile or default_tile("projection"), transposed=False)
         buffers.update({1: codes, 2: meta, 3: proj.weight})
-        return Launch.build(kernel("bitlinear_mma.wgsl", "gemm", device, **constants,
+        on_units = variant("projection", "matrix_units")
+        return Launch.build(kernel(on_units.file, on_units.entry, device, **constants,
                                    **shape.tile.constants(transposed=False)),
                             (-(-proj.rows // shape.block_n), -(-tokens // shape.block_tokens), 1), buffers,
                             (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank, segments,
@@ -284,16 +285,17 @@ def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int
     splits = splits or input_grad_splits(tiles[0] * tiles[1], proj.rows, device)
     sums = {4: out, 5: dh or unused, 6: lora_a or unused,
             8: dropout.state if dropout is not None else dummy(device)}
-    launches = [Launch.build(kernel("bitlinear_t_mma.wgsl", "digits", device, **constants), (tokens, 1, 1),
+    file = variant("input_grad", "matrix_units").file  # its entry gemm_tiled, after digits; split_sum last
+    launches = [Launch.build(kernel(file, "digits", device, **constants), (tokens, 1, 1),
                              {9: dy, 10: proj.scale, 11: planes, 12: exponents}, params)]
     part = dummy(device, "part")
     if splits > 1:
         part = workspace.scratch("split-K partial sums", (splits * tokens * -(-k // 4) * 4,))
         constants["SPLITS"] = splits
-    launches.append(Launch.build(kernel("bitlinear_t_mma.wgsl", "gemm_tiled", device, **constants), (*tiles, splits),
+    launches.append(Launch.build(kernel(file, "gemm_tiled", device, **constants), (*tiles, splits),
                                  {1: planes, 2: proj.weight, 3: exponents, 7: part, **sums}, params))
     if splits > 1:
-        launches.append(Launch.build(kernel("bitlinear_t_mma.wgsl", "split_sum", device, **constants),
+        launches.append(Launch.build(kernel(file, "split_sum", device, **constants),
                                      (-(-k // 1024), tokens, 1), {7: part, **sums}, params))
     return launches
 

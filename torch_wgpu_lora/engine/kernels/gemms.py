@@ -20,7 +20,6 @@ integer work of one plane.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -140,8 +139,8 @@ def default_tile(kind: str) -> MmaTile:
 
 @dataclass(frozen=True)
 class Variant:
-    """One way to compute a kind of GEMM: ``file``:``entry`` with ``constants``; ``available`` says
-    whether a device can run it; ``work`` counts its integer or float operations at (m, n, k)."""
+    """One way to compute a kind of GEMM: ``file``:``entry``; ``available`` says whether a device can
+    run it; ``work`` counts its integer or float operations at (m, n, k)."""
 
     kind: str
     name: str  # "gemv", "general" (the general cores) or "matrix_units"
@@ -149,7 +148,6 @@ class Variant:
     entry: str
     available: Callable[[Device], bool]
     work: Callable[[int, int, int], int]
-    constants: dict = dataclasses.field(default_factory=dict)
 
 
 def _always(device: Device) -> bool:
