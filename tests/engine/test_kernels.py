@@ -112,7 +112,7 @@ def test_bitlinear_adds_into_a_residual_stream(path):
     # with aux (rows padded past the output's width), the sums are kept there too: the same values
     out, aux = upload(residual.numpy()), poisoned((tokens, rows + 24))
     keep = bitlinear_launch(xq, xm, _projection(values, row_scales, True), out, tokens=tokens, out_stride=rows,
-                            mode="add", aux=aux, **PATHS[path])
+                            mode="add", saved=aux, **PATHS[path])
     got, kept = run([keep], out, aux)
     assert_close(got, residual.double() + bitlinear_reference(codes, scales, values, row_scales, True), INT_RTOL,
                  "residual")
@@ -134,7 +134,7 @@ def test_bitlinear_gate_up_pairs_with_lora_and_saved_pairs(path):
     launch = bitlinear_launch(xq, xm, _projection(values, row_scales, False), out, tokens=tokens, out_stride=f,
                               mode="gate_up", h=upload(h.numpy()), lora_rank=2 * rank, lora=upload(table),
                               lora_b=upload(lb),
-                              segments=2, aux=aux, **PATHS[path])
+                              segments=2, saved=aux, **PATHS[path])
     got, saved = run([launch], out, aux)
     raw = bitlinear_reference(codes, scales, values, row_scales, False)
     raw[:, 0::2] += 0.5 * h[:, :rank].double() @ B_gate.double().T
@@ -366,8 +366,8 @@ def _grouped_case(kind: str):
         out = upload(residual.copy()) if kind in ("add", "norm_add") else poisoned((tokens, width + 3))
         reads, options = [out], dict(shape, gemv=True)
         if kind in ("add", "gate_up"):
-            options["aux"] = poisoned((tokens, rows + 5))
-            reads.append(options["aux"])
+            options["saved"] = poisoned((tokens, rows + 5))
+            reads.append(options["saved"])
         if kind in ("rope", "norm_rope"):
             caches = [upload(np.zeros((tokens, kv_heads, 12, d), np.float32)) for _ in range(2)]
             options.update(mode="rope", rope=RopeTarget(cos, sin, starts, *caches, heads, kv_heads, d))
@@ -425,7 +425,7 @@ def test_float_gemv_token_groups_sum_each_token_as_alone(bf16, mode):
         out = upload(residual.copy()) if mode == "add" else poisoned((tokens, width))
         aux = poisoned((tokens, rows + 2))
         launch = matmul_launch(x, proj, out, tokens=tokens, out_stride=width, mode=mode, bf16=bf16,
-                               aux=None if mode == "store" else aux, gemv=True, group=group, **lora)
+                               saved=None if mode == "store" else aux, gemv=True, group=group, **lora)
         return run([launch], out, aux)
 
     alone = outputs(1)
@@ -510,7 +510,7 @@ def test_matmul_gate_up_and_add():
     assert_close(got, residual.double() + matmul_reference(x, weight), FLOAT_RTOL, "add")
     res, aux = upload(residual.numpy()), poisoned((tokens, 2 * f + 8))
     got, kept = run([matmul_launch(upload(x.numpy()), proj, res, tokens=tokens, out_stride=2 * f, mode="add",
-                                   aux=aux)], res, aux)
+                                   saved=aux)], res, aux)
     assert_close(got, residual.double() + matmul_reference(x, weight), FLOAT_RTOL, "add keeping the sums")
     assert torch.equal(kept[:, : 2 * f], got) and kept[:, 2 * f:].isnan().all()  # the sums, in rows of aux's width
 
@@ -537,7 +537,7 @@ def test_rmsnorm_quantise_and_lora_down(tokens, k, rank, per_row, reductions):
     xn, codes, meta, h, rstd = (poisoned((tokens, stride)), poisoned((tokens, stride // 4), "u32"),
                                 poisoned((2 * tokens,)), poisoned((tokens, rank)), poisoned((tokens,)))
     launch = rmsnorm_launch(upload(x.numpy()), upload(norm.weight.detach().numpy()), xn, tokens=tokens, k=k, eps=1e-5,
-                            codes=codes, meta=meta, lora_a=upload(a), h=h, rank=rank, rstd=rstd, per_row=per_row)
+                            codes=codes, scales_and_sums=meta, lora_a=upload(a), h=h, rank=rank, rstd=rstd, per_row=per_row)
     got_xn, got_codes, got_meta, got_h, got_rstd = run([launch], xn, codes, meta, h, rstd)
     with torch.no_grad():
         y = norm(x)  # transformers' own module

@@ -83,7 +83,7 @@ def test_projection_on_the_matrix_units_gives_the_gemms_integers(mode, divide, t
         out = upload(residual.numpy().copy()) if mode == "add" else poisoned((tokens, width))
         aux = poisoned((tokens, rows + 4))
         launch = bitlinear_launch(xq, xm, proj, out, tokens=tokens, out_stride=width, mode=mode, h=upload(h.numpy()),
-                                  lora_rank=rank, lora=upload(table), lora_b=upload(lb), segments=1, aux=aux,
+                                  lora_rank=rank, lora=upload(table), lora_b=upload(lb), segments=1, saved=aux,
                                   gemv=False, mma=mma, tile=PROJECTION_TILES[tile] if mma else None)
         assert launch.kernel.name == ("bitlinear_mma.wgsl:gemm" if mma else "bitlinear.wgsl:gemm")
         got[mma] = run([launch], out, aux)

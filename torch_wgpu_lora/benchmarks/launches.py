@@ -112,7 +112,7 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
             previous = device.configure(subgroups=enabled)
             try:
                 out[f"{name}_{reductions}"] = timed([rmsnorm_launch(x, g, xn, tokens=1, k=k, eps=1e-5, codes=codes,
-                                                                    meta=meta, lora_a=a, h=h, rank=lora, per_row=False)])
+                                                                    scales_and_sums=meta, lora_a=a, h=h, rank=lora, per_row=False)])
             finally:
                 device.configure(previous)
 

@@ -43,8 +43,9 @@ HIDDEN, FFN, KV = 2560, 6912, 640  # BitNet-2B-4T: hidden, FFN, key/value width 
 PROJECTIONS = {"qkv": (HIDDEN + 2 * KV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * FFN, HIDDEN),
                "down": (HIDDEN, FFN)}
 TILES = {
-    "projection": [MmaTile(), MmaTile(kstep=64), MmaTile(sub_m=2, sub_n=4, tm=4, tn=2), MmaTile(sub_m=2, sub_n=2, tm=4, tn=4),
-                   MmaTile(sub_m=4, sub_n=2, tm=1, tn=4), MmaTile(sub_m=2, sub_n=2, tm=2, tn=4)],
+    "projection": [MmaTile(), MmaTile(kstep=64), MmaTile(sub_m=2, sub_n=4, tm=4, tn=2),
+                   MmaTile(sub_m=2, sub_n=2, tm=4, tn=4), MmaTile(sub_m=4, sub_n=2, tm=1, tn=4),
+                   MmaTile(sub_m=2, sub_n=2, tm=2, tn=4)],
     "input_grad": [MmaTile(sub_m=4, digits=4), MmaTile(sub_m=4, digits=4, kstep=64),
                    MmaTile(sub_m=4, digits=4, tm=1, tn=4), MmaTile(sub_m=4, digits=4, sub_n=1, tm=2, tn=4),
                    MmaTile(sub_m=4, digits=4, tm=2, tn=2), MmaTile(sub_m=4, digits=4, sub_n=4, tm=1, tn=2)],
@@ -94,7 +95,8 @@ def ceiling(log: Callable[[str], None]) -> dict[str, Any]:
         k = kernel(f"subgroup_matrix_ceiling_{ty}.wgsl", "ceiling", device, SUBGROUPS=subgroups)
         launch = Launch.build(k, (workgroups, 1, 1), [out], (iters if not device.is_cpu else 16,))
         seconds = gpu_seconds([launch], repeats=3, inner=1)
-        ops = 2 * config["m"] * config["n"] * config["k"] * 8 * (iters if not device.is_cpu else 16) * subgroups * workgroups
+        runs = iters if not device.is_cpu else 16
+        ops = 2 * config["m"] * config["n"] * config["k"] * 8 * runs * subgroups * workgroups
         rows[ty] = dict(config=config, seconds=seconds, rate=ops / seconds)
         log(f"ceiling {ty} {config['m']}x{config['n']}x{config['k']}: {ops / seconds / 1e12:.1f} T op/s")
     return rows
@@ -204,10 +206,12 @@ def backend_kernels(log: Callable[[str], None]) -> dict[str, float]:
         codes, meta = Buffer((tokens, HIDDEN // 4), "u32"), Buffer((2 * tokens,))
         a = upload(g.standard_normal((rank, HIDDEN), dtype=np.float32))
         h = Buffer((tokens, rank))
-        launch = rmsnorm_launch(x, w, xn, tokens=tokens, k=HIDDEN, eps=1e-5, codes=codes, meta=meta, lora_a=a, h=h,
+        launch = rmsnorm_launch(x, w, xn, tokens=tokens, k=HIDDEN, eps=1e-5, codes=codes, scales_and_sums=meta,
+                                lora_a=a, h=h,
                                 rank=rank, per_row=False)
         out[f"rmsnorm_{tokens}_lora"] = gpu_seconds([launch]) * 1e6
-        plain = rmsnorm_launch(x, w, xn, tokens=tokens, k=HIDDEN, eps=1e-5, codes=codes, meta=meta, per_row=False)
+        plain = rmsnorm_launch(x, w, xn, tokens=tokens, k=HIDDEN, eps=1e-5, codes=codes, scales_and_sums=meta,
+                               per_row=False)
         out[f"rmsnorm_{tokens}"] = gpu_seconds([plain]) * 1e6
     proj = _ternary(HIDDEN + 2 * KV, HIDDEN, g)
     codes = upload(g.integers(-127, 128, (1, 4 * proj.weight.shape[1]), dtype=np.int32).astype(np.uint32))

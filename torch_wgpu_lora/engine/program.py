@@ -226,7 +226,7 @@ def _norm(context: PassContext, x: Buffer, weight: Buffer, site: Site | None, io
     dropout = (context.adapters.site_dropout(layer, name, context.dropout) if lora and context.dropout is not None
                else None)
     return rmsnorm_launch(x, weight, io.xn, tokens=context.rows, k=k, eps=context.config.rms_eps, codes=codes,
-                          meta=context.scales_and_sums if codes is not None else None,
+                          scales_and_sums=context.scales_and_sums if codes is not None else None,
                           lora_a=site.a if lora else None, h=io.h if lora else None, rank=site.rank if lora else 0,
                           rstd=io.rstd, dropout=dropout, device=context.workspace.device)
 
@@ -242,10 +242,10 @@ def _project(context: PassContext, proj: Projection, io: SiteIO, codes: Buffer |
     device = context.workspace.device
     if context.config.quantised:
         return bitlinear_launch(codes, context.scales_and_sums, proj, out, tokens=context.rows,
-                                out_stride=out.shape[-1], mode=mode, aux=saved, gemv=context.gemv, norm=norm, rope=rope,
+                                out_stride=out.shape[-1], mode=mode, saved=saved, gemv=context.gemv, norm=norm, rope=rope,
                                 attention=attention, device=device, **lora)
     return matmul_launch(io.xn, proj, out, tokens=context.rows, out_stride=out.shape[-1], mode=mode,
-                         bf16=context.weights.bf16, aux=saved, gemv=context.gemv, device=device, **lora)
+                         bf16=context.weights.bf16, saved=saved, gemv=context.gemv, device=device, **lora)
 
 
 def emit_layer(program: Program, context: PassContext, index: int, io: LayerIO) -> None:

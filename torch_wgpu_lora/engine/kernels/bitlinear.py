@@ -1,6 +1,6 @@
 """Ternary BitLinear projections (``bitlinear.wgsl``) and their torch reference.
 
->>> # launch = bitlinear_launch(codes, meta, projection, out, tokens=n, out_stride=q_size)
+>>> # launch = bitlinear_launch(codes, scales_and_sums, projection, out, tokens=n, out_stride=q_size)
 >>> # rec.launch(launch)
 
 ``gemv`` serves few tokens (decoding), ``gemm`` many (prefill, training); both give the same
@@ -57,19 +57,19 @@ def gemv_spread(group: int, normalises: bool = False) -> bool:
     return group > 1 and not normalises
 
 
-def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_stride: int,
-                     out_offset: int = 0, mode: str = "store", h: Buffer | None = None, lora_rank: int = 0,
+def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, out: Buffer, *, tokens: int,
+                     out_stride: int, out_offset: int = 0, mode: str = "store", h: Buffer | None = None, lora_rank: int = 0,
                      lora: Buffer | None = None, lora_b: Buffer | None = None, segments: int = 0,
-                     aux: Buffer | None = None, gemv: bool | None = None, lanes: int | None = None,
+                     saved: Buffer | None = None, gemv: bool | None = None, lanes: int | None = None,
                      norm: tuple[Buffer, Buffer, float] | None = None, rope: RopeTarget | None = None,
                      attention: DecodePartials | None = None, tile_tokens: int | None = None,
                      group: int | None = None, spread: bool | None = None, mma: bool | None = None,
                      tile: MmaTile | None = None, device: Device | None = None) -> Launch:
     """One launch computing ``proj`` over ``tokens`` rows of activation codes into ``out``.
 
-    ``codes``: u32 [tokens, k_words · 4] (``norm.rmsnorm_launch`` writes them), ``meta``: f32 [2 · tokens]
+    ``codes``: u32 [tokens, k_words · 4] (``norm.rmsnorm_launch`` writes them), ``scales_and_sums``: f32 [2 · tokens]
     (scales, then code sums). LoRA (``segments`` > 0): ``h`` [tokens, lora_rank] and the
-    segment table ``lora`` (``lora_table``) whose B offsets index ``lora_b`` (f32). ``aux``: what the
+    segment table ``lora`` (``lora_table``) whose B offsets index ``lora_b`` (f32). ``saved``: what the
     epilogue also keeps, f32 [tokens, ≥ rows]: the raw gate/up pairs (``"gate_up"``), or the sums of
     an ``"add"`` (the residual stream after it). ``gemv`` (default: up to ``gemv_max_tokens`` tokens and
     rows of up to ``GEMV_MAX_FEATURES``): the GEMV path; its ``lanes``: threads a weight row, a power
@@ -81,7 +81,7 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     ``tile``: its workgroup's shape (default ``gemms.default_tile``).
 
     Decoding's fusions (``gemv`` only): ``norm`` = (x, weight, eps) normalises x's rows (f32 [tokens, ≥ k])
-    with RMSNorm and quantises them inside the launch, writing ``codes`` and ``meta`` rather than
+    with RMSNorm and quantises them inside the launch, writing ``codes`` and ``scales_and_sums`` rather than
     reading them (``gemv_normalises(k)`` says whether a row fits); with ``attention`` the rows it
     normalises are attention's output, merged from these decode partials as they are read (norm's
     x is then not read); mode ``"rope"`` rotates the fused q/k/v rows: queries into ``out``, keys
@@ -111,18 +111,18 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
     if attention and rope:
         raise ValueError("attention partials feed o_proj and mode 'rope' is the q/k/v projection's: not one launch")
     pad = dummy(device)
-    buffers = {4: proj.scale, 5: out, 6: h or pad, 7: lora or pad, 8: lora_b or pad, 9: aux or dummy(device, "aux")}
+    buffers = {4: proj.scale, 5: out, 6: h or pad, 7: lora or pad, 8: lora_b or pad, 9: saved or dummy(device, "saved")}
     entry = "gemv" if gemv else "gemm"
-    constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=aux is not None)
+    constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=saved is not None)
     if not gemv and (matrix_units_win(device, tokens, proj) if mma is None else mma):
         shape = mma_shape(device, tile or default_tile("projection"), transposed=False)
-        buffers.update({1: codes, 2: meta, 3: proj.weight})
+        buffers.update({1: codes, 2: scales_and_sums, 3: proj.weight})
         on_units = variant("projection", "matrix_units")
         return Launch.build(kernel(on_units.file, on_units.entry, device, **constants,
                                    **shape.tile.constants(transposed=False)),
                             (-(-proj.rows // shape.block_n), -(-tokens // shape.block_tokens), 1), buffers,
                             (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank, segments,
-                             aux.shape[-1] if aux is not None else 0, tokens, 4 * k_words, k_words))
+                             saved.shape[-1] if saved is not None else 0, tokens, 4 * k_words, k_words))
     x_stride, cache_len, tokens_per_seq = 0, 0, 1
     if gemv:  # the weights bound as vec4 words (binding 10); K is padded to 64, so rows are whole vec4s
         group = GEMV_GROUP if group is None else group
@@ -141,18 +141,18 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
         grid = (-(-proj.rows // (128 // lanes)), -(-tokens // group), 1)
         buffers[10] = proj.weight  # each gemv entry point binds only what it uses (bitlinear.wgsl)
         if not norm:
-            buffers.update({1: codes, 2: meta})
+            buffers.update({1: codes, 2: scales_and_sums})
     else:
         tile_tokens = tile_tokens or gemm_tile_tokens(device)
         if tile_tokens not in (32, 64):
             raise ValueError(f"gemm tiles hold 32 or 64 tokens, not {tile_tokens}")
         constants.update(TILE_TOKENS=tile_tokens)
         grid = (-(-proj.rows // 64), -(-tokens // tile_tokens), 1)
-        buffers.update({1: codes, 2: meta, 3: proj.weight})
+        buffers.update({1: codes, 2: scales_and_sums, 3: proj.weight})
     if norm:
         x, weight, eps = norm
         constants.update(K=proj.k, EPS=eps)
-        buffers.update({12: weight, 13: codes, 14: meta})
+        buffers.update({12: weight, 13: codes, 14: scales_and_sums})
         x_stride = x.shape[-1]
         if attention:
             entry = "gemv_combine"
@@ -172,7 +172,7 @@ def bitlinear_launch(codes: Buffer, meta: Buffer, proj: Projection, out: Buffer,
         entry += "_rope"
     kern = kernel("bitlinear.wgsl", entry, device, **constants)
     return Launch.build(kern, grid, buffers, (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank,
-                                              segments, aux.shape[-1] if aux is not None else 0, x_stride, cache_len,
+                                              segments, saved.shape[-1] if saved is not None else 0, x_stride, cache_len,
                                               tokens_per_seq))
 
 
@@ -185,11 +185,11 @@ def matrix_units_win(device: Device, tokens: int, proj: Projection) -> bool:
         return matrix_units_wanted_where_there_are_none(device)
     k_words = proj.weight.shape[1]
     codes = Buffer((tokens, 4 * k_words), "u32", device)
-    meta, out = Buffer((2 * tokens,), device=device), Buffer((tokens, proj.rows), device=device)
+    scales_and_sums, out = Buffer((2 * tokens,), device=device), Buffer((tokens, proj.rows), device=device)
 
     def build(mma: bool) -> Callable[[], list[Launch]]:
-        return lambda: [bitlinear_launch(codes, meta, proj, out, tokens=tokens, out_stride=proj.rows, gemv=False,
-                                         mma=mma, device=device)]
+        return lambda: [bitlinear_launch(codes, scales_and_sums, proj, out, tokens=tokens, out_stride=proj.rows,
+                                         gemv=False, mma=mma, device=device)]
 
     return fastest(device, "projection", (tokens, proj.rows, proj.k),
                    {"matrix_units": build(True), "general": build(False)}) == "matrix_units"

@@ -38,9 +38,9 @@ def gemv_group(tokens: int) -> int:
 def matmul_launch(x: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_stride: int, out_offset: int = 0,
                   mode: str = "store", bf16: bool = False, h: Buffer | None = None, lora_rank: int = 0,
                   lora: Buffer | None = None, lora_b: Buffer | None = None, segments: int = 0,
-                  aux: Buffer | None = None, gemv: bool | None = None, group: int | None = None,
+                  saved: Buffer | None = None, gemv: bool | None = None, group: int | None = None,
                   device: Device | None = None) -> Launch:
-    """One launch computing ``out (+)= x·Wᵀ`` for ``tokens`` rows of ``x`` (f32 [tokens, K64]); ``aux``
+    """One launch computing ``out (+)= x·Wᵀ`` for ``tokens`` rows of ``x`` (f32 [tokens, K64]); ``saved``
     as ``bitlinear_launch``'s (the raw gate/up pairs, or the sums of an ``"add"``). ``gemv``: the GEMV
     path (default: up to ``gemv_max_tokens`` tokens), ``group``: its tokens a workgroup, 1 to
     ``GEMV_GROUP_MAX`` (default ``gemv_group``)."""
@@ -52,7 +52,7 @@ def matmul_launch(x: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_
     if w_words * (8 if bf16 else 4) != 4 * x_words:
         raise ValueError(f"x rows hold {4 * x_words} floats; the weight rows {w_words * (8 if bf16 else 4)}")
     gemv = tokens <= gemv_max_tokens(device) if gemv is None else gemv
-    constants = dict(MODE=MODES[mode], BF16=bf16, SAVE=aux is not None)
+    constants = dict(MODE=MODES[mode], BF16=bf16, SAVE=saved is not None)
     if gemv:
         group = gemv_group(tokens) if group is None else group
         if not 1 <= group <= GEMV_GROUP_MAX:
@@ -63,9 +63,10 @@ def matmul_launch(x: Buffer, proj: Projection, out: Buffer, *, tokens: int, out_
         grid = (-(-proj.rows // 64), -(-tokens // 64), 1)
     kern = kernel("matmul.wgsl", "gemv" if gemv else "gemm_tiled", device, **constants)
     pad = dummy(device)
-    return Launch.build(kern, grid, (x, proj.weight, out, h or pad, lora or pad, lora_b or pad, aux or dummy(device, "aux")),
+    return Launch.build(kern, grid, (x, proj.weight, out, h or pad, lora or pad, lora_b or pad,
+                                     saved or dummy(device, "saved")),
                         (tokens, 4 * x_words, proj.rows, w_words, x_words, x.shape[-1], out_stride, out_offset,
-                         lora_rank, segments, aux.shape[-1] if aux is not None else 0))
+                         lora_rank, segments, saved.shape[-1] if saved is not None else 0))
 
 
 def matmul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

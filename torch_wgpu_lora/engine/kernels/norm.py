@@ -1,7 +1,7 @@
 """RMSNorm with BitLinear's activation quantisation and the LoRA down-projections fused
 (``norm.wgsl``), and the torch reference of each step.
 
->>> # rec.launch(rmsnorm_launch(x, weight, xn, tokens=n, k=hidden, eps=1e-5, codes=c, meta=m))
+>>> # rec.launch(rmsnorm_launch(x, weight, xn, tokens=n, k=hidden, eps=1e-5, codes=c, scales_and_sums=m))
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ ROWS_MAX_STEPS = 16384
 
 
 def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: int, eps: float,
-                   codes: Buffer | None = None, meta: Buffer | None = None, lora_a: Buffer | None = None,
+                   codes: Buffer | None = None, scales_and_sums: Buffer | None = None, lora_a: Buffer | None = None,
                    h: Buffer | None = None, rank: int = 0, rstd: Buffer | None = None, per_row: bool | None = None,
                    dropout: SiteDropout | None = None, device: Device | None = None) -> Launch:
     """One launch normalising ``tokens`` rows of ``x`` (f32 [tokens, ≥ k]) into ``out`` (f32 [tokens,
-    stride], stride = k padded to a multiple of 64); with ``codes`` and ``meta`` it also quantises
+    stride], stride = k padded to a multiple of 64); with ``codes`` and ``scales_and_sums`` it also quantises
     them (u32 [tokens, stride / 4], f32 [2 · tokens]);
     with ``rank`` > 0 it writes ``h = y·Aᵀ`` into the first ``rank`` columns of ``h`` ([tokens, ≥ rank])
     from ``lora_a`` [rank, stride] (with ``dropout``, each adapter's h from its own dropout of y); with
@@ -48,7 +48,8 @@ def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: in
             raise ValueError(f"rows of {k} features are too long for one workgroup of this adapter")
         kern = kernel("norm.wgsl", "rmsnorm", device, QUANT=quant, SAVE=rstd is not None, K=k, STRIDE=stride, WG=group,
                       **drop)
-    buffers = {1: x, 2: weight, 3: out, 4: codes or dummy(device, "codes"), 5: meta or dummy(device, "meta"),
+    buffers = {1: x, 2: weight, 3: out, 4: codes or dummy(device, "codes"),
+               5: scales_and_sums or dummy(device, "scales_and_sums"),
                6 if rows else 9: lora_a or dummy(device), 7: h or dummy(device, "h"), 8: rstd or dummy(device, "rstd"),
                10: dropout.state if drop else dummy(device)}
     h_stride = h.shape[-1] if h is not None else 0

@@ -31,7 +31,7 @@ The algorithms:
 
 * ``flash``: tiles with an online softmax, forward and backward; any position, any length;
 * ``decode``: flash decoding, split over the keys, for few query tokens;
-* ``kept``: S, P and dS kept whole with GEMMs over them, for passes from position 0 whose
+* ``whole_scores``: S, P and dS kept whole with GEMMs over them, for passes from position 0 whose
   scores fit ``policy.SCORES_SCRATCH_BYTES`` (``policy`` says when, and when a training step
   keeps every layer's P for its backward).
 
@@ -47,7 +47,7 @@ from __future__ import annotations
 from ....runtime import Buffer, Launch
 from ...workspace import Workspace
 from . import decode as decoding
-from . import flash, kept
+from . import flash, whole_scores
 from .decode import DecodePartials, decode_partials, decode_splits
 from .flash import BackwardTile, PrefillTile, backward_tile, backward_tiles, prefill_tile, prefill_tiles
 from .policy import SCORES_SCRATCH_BYTES, keeps_probabilities, kept_scores_bytes, scores_kept_whole, sum_splits
@@ -104,7 +104,7 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
 
     ``from_start`` (not decoding): the caller promises that the pass's queries start at position 0
     (training, a prompt; a pass that does not gets NaN in ``out`` and ``lse``). Then, where S fits
-    ``SCORES_SCRATCH_BYTES``, attention runs over S kept whole (``kept``). ``scores`` (f32,
+    ``SCORES_SCRATCH_BYTES``, attention runs over S kept whole (``whole_scores``). ``scores`` (f32,
     ``kept_scores_bytes`` of the pass): the caller's buffer for S, which then holds P, to give to
     ``attention_backward_launches`` (``keeps_probabilities`` says when a training step does);
     without it S lives in the workspace's scratch, which the next layer overwrites.
@@ -128,10 +128,10 @@ def attention_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
     kept_path = not decode and from_start and scores_kept_whole(batch, heads, tokens)
     _check_scores(scores, kept_path, batch, heads, tokens)
     if kept_path:
-        scores_of = kept.KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, workspace, scores,
-                                    positions)
+        scores_of = whole_scores.WholeScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, workspace,
+                                             scores, positions)
         lse_rows = lse if lse is not None else workspace.scratch("attention lse", (batch * tokens * heads,))
-        return kept.forward_launches(scores_of, q, k_cache, v_cache, out, starts, lengths, lse_rows)
+        return whole_scores.forward_launches(scores_of, q, k_cache, v_cache, out, starts, lengths, lse_rows)
     if decode:
         return decoding.decode_launches(q, k_cache, v_cache, out, starts, lengths, lse, splits=splits,
                                         partials=partials, workspace=workspace, **shape)
@@ -160,7 +160,7 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
 
     ``row_dot`` first, then the flash backward (``dq``, ``dkdv``; ``tile`` and ``splits`` override
     its choices, ``splits`` also the GEMMs'), or, for a pass ``from_start`` whose P fits
-    ``SCORES_SCRATCH_BYTES``, the kept-scores GEMMs (``kept``), reading the forward's P from
+    ``SCORES_SCRATCH_BYTES``, the kept-scores GEMMs (``whole_scores``), reading the forward's P from
     ``scores`` where it was kept there instead of computing S again.
     """
     _check_shape("attention backward", heads, kv_heads, head_dim, batch, tokens, max_len)
@@ -177,10 +177,10 @@ def attention_backward_launches(q: Buffer, k_cache: Buffer, v_cache: Buffer, out
     _check_scores(scores, kept_path, batch, heads, tokens)
     row_dot, rd = flash.row_dot_launch(out, d_out, workspace=workspace, **shape)
     if kept_path:
-        scores_of = kept.KeptScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, workspace, scores,
-                                    positions)
-        return [row_dot, *kept.backward_launches(scores_of, q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v, starts,
-                                                 lengths, rd, splits)]
+        scores_of = whole_scores.WholeScores(batch, tokens, heads, kv_heads, head_dim, max_len, scale, workspace,
+                                             scores, positions)
+        return [row_dot, *whole_scores.backward_launches(scores_of, q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v,
+                                                         starts, lengths, rd, splits)]
     return [row_dot, *flash.backward_launches(q, k_cache, v_cache, lse, d_out, d_q, d_k, d_v, starts, lengths, rd,
                                               tile=tile, splits=splits, workspace=workspace, positions=positions,
                                               **shape)]

@@ -9,7 +9,7 @@ where the forward's P was kept), dV = Pᵀ dO and dK = scale · dSᵀ q (``atten
 dQ = scale · dS k (``attention_apply.wgsl``), each GEMM's sum cut into ``policy.sum_splits``
 ranges added up by a ``split_sum`` launch.
 
-A packed pass (``KeptScores.positions``: several examples in a row) masks in the softmax and in
+A packed pass (``WholeScores.positions``: several examples in a row) masks in the softmax and in
 the backward's P: each query's P is zero outside its own example, and the GEMMs, which read P
 and dS, follow from it.
 """
@@ -23,11 +23,11 @@ from ...workspace import Workspace
 from .. import bound_positions, dummy
 from .policy import kept_scores_bytes, sum_splits
 
-__all__ = ["KeptScores", "backward_launches", "forward_launches"]
+__all__ = ["WholeScores", "backward_launches", "forward_launches"]
 
 
 @dataclass(frozen=True)
-class KeptScores:
+class WholeScores:
     """The shapes and scratch of a pass whose score matrices are kept whole (``from_start``):
     S or P, and the backward's dS, ``[batch·heads·padded, padded]`` (the workspace's scratch, shared
     by the layers of a step, which run one after another), with ``padded`` = tokens rounded up to 64.
@@ -128,30 +128,30 @@ class KeptScores:
                               max_len=self.max_len, head_dim=self.head_dim, scale=float(scale)), splits)
 
 
-def forward_launches(kept: KeptScores, q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
-                              starts: Buffer, lengths: Buffer, lse: Buffer) -> list[Launch]:
+def forward_launches(whole: WholeScores, q: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer,
+                    starts: Buffer, lengths: Buffer, lse: Buffer) -> list[Launch]:
     """S = q·Kᵀ kept whole, its rows' softmax in place (P, and lse), then O = P·V: a GEMM, a row
     kernel and a GEMM on the shared 8 × 8 tile where the flash kernel runs at about 13% of the
     float32 rate."""
-    unused = dummy(kept.device)
-    return [kept.scores(0, q, k_cache, lengths, unused, unused), kept.softmax(starts, lengths, lse),
-            *kept.apply(kept.scratch(), v_cache, out, starts, lengths, 1.0, None)]
+    unused = dummy(whole.device)
+    return [whole.scores(0, q, k_cache, lengths, unused, unused), whole.softmax(starts, lengths, lse),
+            *whole.apply(whole.scratch(), v_cache, out, starts, lengths, 1.0, None)]
 
 
-def backward_launches(kept: KeptScores, q: Buffer, k_cache: Buffer, v_cache: Buffer, lse: Buffer,
-                               d_out: Buffer, d_q: Buffer, d_k: Buffer, d_v: Buffer, starts: Buffer, lengths: Buffer,
-                               rd: Buffer, splits: int | None) -> list[Launch]:
+def backward_launches(whole: WholeScores, q: Buffer, k_cache: Buffer, v_cache: Buffer, lse: Buffer,
+                      d_out: Buffer, d_q: Buffer, d_k: Buffer, d_v: Buffer, starts: Buffer, lengths: Buffer,
+                      rd: Buffer, splits: int | None) -> list[Launch]:
     """After row_dot: P and dS of every causal pair kept whole (two launches of
-    ``attention_scores.wgsl``: S again, then P and dS; one, dS, where ``kept.probabilities`` holds the
+    ``attention_scores.wgsl``: S again, then P and dS; one, dS, where ``whole.probabilities`` holds the
     forward's P), then dV = Pᵀ dO, dK = scale · dSᵀ q (``attention_kv_grad.wgsl``) and
     dQ = scale · dS k (``attention_apply.wgsl``), each a GEMM on the shared 8 × 8 tile whose sum is
     cut into ``splits`` ranges (``sum_splits`` by default) added up by a ``split_sum`` launch."""
-    sc, ds = kept.scratch(), kept.scratch(grads=True)
-    if kept.probabilities is not None:
-        scores = [kept.scores(2, d_out, v_cache, lengths, lse, rd)]
+    sc, ds = whole.scratch(), whole.scratch(grads=True)
+    if whole.probabilities is not None:
+        scores = [whole.scores(2, d_out, v_cache, lengths, lse, rd)]
     else:
-        scores = [kept.scores(0, q, k_cache, lengths, lse, rd), kept.scores(1, d_out, v_cache, lengths, lse, rd)]
+        scores = [whole.scores(0, q, k_cache, lengths, lse, rd), whole.scores(1, d_out, v_cache, lengths, lse, rd)]
     return [*scores,
-            *kept.kv_grad(sc, d_out, d_v, starts, lengths, 1.0, splits),
-            *kept.kv_grad(ds, q, d_k, starts, lengths, kept.scale, splits),
-            *kept.apply(ds, k_cache, d_q, starts, lengths, kept.scale, splits)]
+            *whole.kv_grad(sc, d_out, d_v, starts, lengths, 1.0, splits),
+            *whole.kv_grad(ds, q, d_k, starts, lengths, whole.scale, splits),
+            *whole.apply(ds, k_cache, d_q, starts, lengths, whole.scale, splits)]
