@@ -306,6 +306,50 @@ if __name__ == "__main__":
 
 # -- torch.compile -----------------------------------------------------------------------------------
 
+# After the runtime's import: transformers' BitLinear.activation_quant as transformers compiles it (int8
+# codes and per-token scales) on a fixed input, computed with the inductor cache the process finds; where
+# MODE is "check", again after dropping every compiled kernel and disabling the caches (code generated
+# afresh for this process's vector width). Prints the capability, whether the scales are finite and
+# whether the two computations agree.
+ACTIVATION_QUANT = """
+import torch
+import torch_wgpu_lora.runtime
+
+@torch.compile
+def activation_quant(x):
+    scale = 127 / x.abs().max(dim=-1, keepdim=True).values.clamp(min=1e-5)
+    return (x * scale).round().clamp(-128, 127).to(torch.int8), scale
+
+x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+cached = activation_quant(x)
+torch.compiler.reset()
+torch.compiler.config.force_disable_caches = True
+fresh = activation_quant(x) if MODE == "check" else cached
+print(torch.backends.cpu.get_cpu_capability(), bool(cached[1].isfinite().all()),
+      all(torch.equal(a, b) for a, b in zip(cached, fresh)))
+"""
+
+
+def test_a_lower_cpu_capability_does_not_reuse_kernels_compiled_for_a_higher_one(tmp_path):
+    """inductor's on-disk cache does not key a compiled graph by the vector width it generated C++
+    for: a process at a lower ``ATEN_CPU_CAPABILITY`` rebuilt the cached code for its own width
+    (AVX2 code under ``default``: a compile error; AVX-512 code under AVX2: half of every row left
+    unprocessed, NaN gradients). Importing the runtime keys them apart: a process at the next lower
+    capability, sharing the cache of one at the host's own, computes exactly what it computes from
+    kernels generated afresh (the same kernels on the same data, so bit for bit)."""
+    def run(capability: str | None, mode: str) -> list[str]:
+        done = run_python(f"MODE = {mode!r}\n" + ACTIVATION_QUANT,
+                          {"ATEN_CPU_CAPABILITY": capability, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.split()[-3:]
+
+    host, finite, _ = run(None, "fill")
+    assert finite == "True"
+    assert host != "DEFAULT", "this host's torch has no vectorised CPU kernels: no lower capability to run"
+    lower = "avx2" if host == "AVX512" else "default"
+    assert run(lower, "check") == [lower.upper(), "True", "True"]
+
+
 def test_a_compiled_fullgraph_call_can_be_the_first_webgpu_use():
     """The device is made while torch.compile traces (fullgraph: no graph break allowed); the compiled
     LoRALinear and the compiled op give what float64 torch gives, and only then is the device there."""

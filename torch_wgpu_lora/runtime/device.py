@@ -47,6 +47,16 @@ Settings (shader checks, subgroups, the buffer pool's bound) belong to the devic
 
 Under ``torch.compile`` the device is made (or found) as the compiler traces the first call that
 needs it, outside the traced graph: ``get_device`` is a constant to the compiler.
+
+Compiled CPU kernels and the CPU's vector width. What runs beside the kernels on the CPU is often
+compiled by inductor: transformers compiles BitNet's activation quantisation, and users compile
+models holding ``LoRALinear``. Inductor's on-disk cache (torch 2.13) keys a compiled graph without
+the vector width it generated C++ for, which ``ATEN_CPU_CAPABILITY`` and the CPU choose, so a
+process at another width rebuilds the cached code for its own: AVX2 code under ``default`` does
+not compile, and AVX-512 code under AVX2 processes half of every row and leaves the rest of its
+outputs unwritten (NaN gradients). Importing the runtime (every torch path of this package does)
+adds the capability to torch's cache-key tag (``torch.compiler.config.cache_key_tag``), so that
+each capability compiles and caches its own kernels.
 """
 
 from __future__ import annotations
@@ -438,6 +448,16 @@ def choose_backend(wanted: str | None, pick: Callable[[list[Any]], AdapterChoice
 
 def _pick(adapters: list[Any]) -> AdapterChoice:
     return choose_adapter(adapters, os.environ.get(ADAPTER_ENV), local_rank_from_env())
+
+
+def _cache_key_tag_with_cpu_capability(tag: str) -> str:
+    """``tag`` (torch's compile cache-key tag) with this process's CPU capability added once."""
+    capability = f"cpu-capability:{torch.backends.cpu.get_cpu_capability()}"
+    return tag if capability in tag.split(",") else ",".join(filter(None, (tag, capability)))
+
+
+# See the module's docstring: without it, kernels compiled at another CPU capability are rebuilt here.
+torch.compiler.config.cache_key_tag = _cache_key_tag_with_cpu_capability(torch.compiler.config.cache_key_tag)
 
 
 @torch.compiler.assume_constant_result
