@@ -16,7 +16,7 @@ import json
 import multiprocessing
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import gguf
 import numpy as np
@@ -245,34 +245,47 @@ def _without_locks() -> None:
     adapter_files.locked_dir = lambda *args, **kwargs: contextlib.nullcontext()
 
 
-def _wait_for_start(ready: multiprocessing.Event, go: multiprocessing.Event, seconds: float) -> float:
+# A race goes on until the savers have saved RACE_SAVES times and the loader has loaded RACE_LOADS
+# whole saves, each side going on until both have: every counted load ran while saves went on, on any
+# machine however slow. RACE_LIMIT seconds stop a race that cannot get there (the test then fails on
+# the counts).
+RACE_SAVES, RACE_LOADS, RACE_LIMIT = 20, 20, 120.0
+
+
+def _racing(ready: multiprocessing.Event, go: multiprocessing.Event, saves: Any, loads: Any) -> Callable[[], bool]:
+    """Say this process is ready and wait for the start; then whether the race goes on."""
     ready.set()
     go.wait(timeout=300)
-    return time.monotonic() + seconds
+    until = time.monotonic() + RACE_LIMIT
+    return lambda: (saves.value < RACE_SAVES or loads.value < RACE_LOADS) and time.monotonic() < until
 
 
-def save_in_turns(checkpoint: str, folder: str, seconds: float, locks: bool, ready, go, results) -> None:
-    """Save SAVES[0], SAVES[1], SAVES[0], ... into ``folder`` for ``seconds``; put the number of saves."""
+def save_in_turns(checkpoint: str, folder: str, locks: bool, ready, go, saves, loads, results) -> None:
+    """Save SAVES[0], SAVES[1], SAVES[0], ... into ``folder`` while the race goes on, counting each
+    save in ``saves``; put the number of saves."""
     if not locks:
         _without_locks()
     models = [adapter_of(checkpoint, alpha, value) for alpha, value in SAVES]
-    until, saves = _wait_for_start(ready, go, seconds), 0
-    while time.monotonic() < until:
-        save_adapter(models[saves % 2], folder)
-        saves += 1
-    results.put(("saves", saves))
+    going, done = _racing(ready, go, saves, loads), 0
+    while going():
+        save_adapter(models[done % 2], folder)
+        done += 1
+        with saves.get_lock():
+            saves.value += 1
+    results.put(("saves", done))
 
 
-def load_in_turns(checkpoint: str, folder: str, seconds: float, locks: bool, ready, go, results) -> None:
-    """Load ``folder`` again and again for ``seconds``; put what each load gave: a whole save, a
-    mixed one, the refusal that says the folder was being written, or any other error."""
+def load_in_turns(checkpoint: str, folder: str, locks: bool, ready, go, saves, loads, results) -> None:
+    """Load ``folder`` again and again while the race goes on, counting whole loads in ``loads``; put
+    what each load gave: a whole save, a mixed one, the refusal that says the folder was being
+    written, or any other error."""
     if not locks:
         _without_locks()
     model = adapter_of(checkpoint, *SAVES[0])
     outcomes: dict[str, int] = {"whole": 0, "being written": 0}
     others: list[str] = []
-    until = _wait_for_start(ready, go, seconds)
-    while time.monotonic() < until:
+    going = _racing(ready, go, saves, loads)
+    while going():
         try:
             load_adapter(model, folder)
         except ValueError as err:
@@ -290,6 +303,7 @@ def load_in_turns(checkpoint: str, folder: str, seconds: float, locks: bool, rea
         whole = [{(alpha, alpha / 4, value)} for alpha, value in SAVES]
         if got in whole:
             outcomes["whole"] += 1
+            loads.value += 1  # this process alone writes it
         else:
             others.append(f"mixed: {sorted(got)}")
     results.put(("loads", outcomes, others))
