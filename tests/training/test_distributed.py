@@ -477,8 +477,10 @@ def test_a_killed_or_hung_rank_ends_the_other_with_a_clear_error_within_the_time
     if failure == "killed":  # rank 1 died in step 3's callback: its closed sockets end the wait at once
         assert status[1] == 3 and results[1] is None
         assert waited <= timeout
-    else:  # rank 1 slept through the timeout: rank 0 gave up after it, not before, and not much later
-        assert timeout - 1 <= waited <= timeout + 10
+    else:  # rank 1 slept through the timeout: rank 0 gave up after it, not before, and not much later:
+        # its step 4's own work comes first, as long as a step takes on this machine (its step 3's time)
+        step = stopped["seen"]["3"] - stopped["seen"]["2"]
+        assert timeout - 1 <= waited <= timeout + 10 + 2 * step, (waited, step)
         assert status[1] == 0 and results[1][failure]["error"] == "RankLost"  # rank 1 woke to a dead run
 
 
