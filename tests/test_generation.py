@@ -152,9 +152,13 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 
 def test_top_p_keeps_the_top_token_when_rounding_leaves_less_than_one_minus_p():
-    logits = torch.randn(64, generator=torch.Generator().manual_seed(0))
-    total = torch.sort(logits).values.softmax(-1).cumsum(-1)[-1]
-    assert total <= 1 - 1e-9  # float32 cumsum of these probabilities ends just below 1
+    # Logits whose float32 cumulative probability (as top_p_filter sums it) ends below 1, and so at or
+    # below 1 - 1e-9 in float32: which random ones do depends on how this CPU rounds; most do.
+    def total(logits: torch.Tensor) -> float:
+        return torch.sort(logits).values.softmax(-1).cumsum(-1)[-1].item()
+
+    candidates = (torch.randn(64, generator=torch.Generator().manual_seed(seed)) for seed in range(32))
+    logits = next(x for x in candidates if total(x) < 1)
     kept = top_p_filter(logits, 1e-9).isfinite()
     assert kept.sum() == 1 and kept[logits.argmax()]
 
