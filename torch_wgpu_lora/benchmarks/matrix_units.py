@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import time
 from typing import Any, Callable
 
@@ -30,11 +29,11 @@ import numpy as np
 import torch
 
 from ..engine.kernels.bitlinear import bitlinear_launch, bitlinear_t_launch
-from ..engine.kernels.gemms import MmaTile, int8_matrix_units, mma_shape, variant
+from ..engine.kernels.gemms import MmaTile, default_tile, gpu_seconds, int8_matrix_units, mma_shape, variant
 from ..engine.kernels.norm import rmsnorm_launch
 from ..engine.weights import Projection, pack_ternary
 from ..engine.workspace import Workspace
-from ..runtime import Buffer, Launch, Recorder, get_device, kernel, upload
+from ..runtime import Buffer, Launch, get_device, kernel, upload
 from ..runtime.kernels import subgroup_matrix_config
 from .report import write_json
 
@@ -43,42 +42,13 @@ HIDDEN, FFN, KV = 2560, 6912, 640  # BitNet-2B-4T: hidden, FFN, key/value width 
 PROJECTIONS = {"qkv": (HIDDEN + 2 * KV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * FFN, HIDDEN),
                "down": (HIDDEN, FFN)}
 TILES = {
-    "projection": [MmaTile(), MmaTile(kstep=64), MmaTile(sub_m=2, sub_n=4, tm=4, tn=2),
-                   MmaTile(sub_m=2, sub_n=2, tm=4, tn=4), MmaTile(sub_m=4, sub_n=2, tm=1, tn=4),
-                   MmaTile(sub_m=2, sub_n=2, tm=2, tn=4)],
-    "input_grad": [MmaTile(sub_m=4, digits=4), MmaTile(sub_m=4, digits=4, kstep=64),
-                   MmaTile(sub_m=4, digits=4, tm=1, tn=4), MmaTile(sub_m=4, digits=4, sub_n=1, tm=2, tn=4),
-                   MmaTile(sub_m=4, digits=4, tm=2, tn=2), MmaTile(sub_m=4, digits=4, sub_n=4, tm=1, tn=2)],
+    "projection": [MmaTile(), MmaTile(kstep=64), MmaTile(sub_m=4, sub_n=2, tm=1, tn=4),
+                   MmaTile(sub_m=4, sub_n=4, tm=2, tn=4, kstep=64), MmaTile(sub_m=4, sub_n=4, tm=4, tn=2, kstep=64),
+                   MmaTile(sub_m=2, sub_n=4, tm=4, tn=4, kstep=64)],
+    "input_grad": [default_tile("input_grad"), MmaTile(sub_m=4, digits=4),
+                   MmaTile(sub_m=4, digits=4, sub_n=2, tm=4, tn=4, kstep=64),
+                   MmaTile(sub_m=4, digits=4, sub_n=4, tm=2, tn=4, kstep=64)],
 }
-
-
-# Seconds of work before the first timing: an idle H100 starts at a low clock (345 MHz seen), and the
-# first figures of a run came out up to 6x slow without this.
-WARM_UP_S = 1.0
-_warmed: set[int] = set()
-
-
-def gpu_seconds(launches: list[Launch], repeats: int = 5, inner: int = 3) -> float:
-    """The median GPU seconds of ``launches`` (recorded ``inner`` times a submit, divided), after
-    two untimed runs (compiling, first touches) and, the first time in a process, ``WARM_UP_S`` of them."""
-    device = get_device()
-    until = time.perf_counter() + (0.0 if id(device) in _warmed else WARM_UP_S)
-    _warmed.add(id(device))
-    runs = 0
-    while runs < 2 or time.perf_counter() < until:
-        rec = Recorder(device, timestamps=True)
-        for launch in launches:
-            rec.launch(launch)
-        rec.submit()
-        runs += 1
-    times = []
-    for _ in range(repeats):
-        rec = Recorder(device, timestamps=True)
-        for _ in range(inner):
-            for launch in launches:
-                rec.launch(launch)
-        times.append(rec.submit() / inner)
-    return statistics.median(times)
 
 
 def ceiling(log: Callable[[str], None]) -> dict[str, Any]:
@@ -94,7 +64,7 @@ def ceiling(log: Callable[[str], None]) -> dict[str, Any]:
         out = Buffer((workgroups * subgroups * 8 * config["m"] * config["n"],), "i32" if ty == "i8" else "f32")
         k = kernel(f"subgroup_matrix_ceiling_{ty}.wgsl", "ceiling", device, SUBGROUPS=subgroups)
         launch = Launch.build(k, (workgroups, 1, 1), [out], (iters if not device.is_cpu else 16,))
-        seconds = gpu_seconds([launch], repeats=3, inner=1)
+        seconds = gpu_seconds(device, [launch], repeats=3, inner=1)
         runs = iters if not device.is_cpu else 16
         ops = 2 * config["m"] * config["n"] * config["k"] * 8 * runs * subgroups * workgroups
         rows[ty] = dict(config=config, seconds=seconds, rate=ops / seconds)
@@ -143,7 +113,7 @@ def gemms(tokens_list: list[int], ceilings: dict[str, Any], log: Callable[[str],
                 try:
                     if tile is not None:
                         mma_shape(device, tile, transposed=kind == "input_grad")
-                    seconds = gpu_seconds(build())
+                    seconds = gpu_seconds(device, build())
                 except (ValueError, RuntimeError) as e:
                     log(f"  {kind} {name} {tokens} {tile}: {str(e)[:160]}")
                     continue
@@ -209,15 +179,15 @@ def backend_kernels(log: Callable[[str], None]) -> dict[str, float]:
         launch = rmsnorm_launch(x, w, xn, tokens=tokens, k=HIDDEN, eps=1e-5, codes=codes, scales_and_sums=meta,
                                 lora_a=a, h=h,
                                 rank=rank, per_row=False)
-        out[f"rmsnorm_{tokens}_lora"] = gpu_seconds([launch]) * 1e6
+        out[f"rmsnorm_{tokens}_lora"] = gpu_seconds(device, [launch]) * 1e6
         plain = rmsnorm_launch(x, w, xn, tokens=tokens, k=HIDDEN, eps=1e-5, codes=codes, scales_and_sums=meta,
                                per_row=False)
-        out[f"rmsnorm_{tokens}"] = gpu_seconds([plain]) * 1e6
+        out[f"rmsnorm_{tokens}"] = gpu_seconds(device, [plain]) * 1e6
     proj = _ternary(HIDDEN + 2 * KV, HIDDEN, g)
     codes = upload(g.integers(-127, 128, (1, 4 * proj.weight.shape[1]), dtype=np.int32).astype(np.uint32))
     meta = upload(np.array([1.0, 0.0], np.float32))
     y = Buffer((1, proj.rows))
-    out["gemv_qkv_1"] = gpu_seconds([bitlinear_launch(codes, meta, proj, y, tokens=1, out_stride=proj.rows,
+    out["gemv_qkv_1"] = gpu_seconds(device, [bitlinear_launch(codes, meta, proj, y, tokens=1, out_stride=proj.rows,
                                                       gemv=True)]) * 1e6
     for name, us in out.items():
         log(f"{device.backend.name} {name}: {us:.1f} us")

@@ -20,6 +20,8 @@ integer work of one plane.
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -131,9 +133,12 @@ def mma_shape(device: Device, tile: MmaTile, transposed: bool) -> MmaShape:
 
 
 def default_tile(kind: str) -> MmaTile:
-    """The tile each matrix-unit kind runs unless told otherwise."""
+    """The tile each matrix-unit kind runs unless told otherwise: the fastest at a training step's
+    shapes on an H100 (benchmarks/RESULTS.md, "On the matrix units"). The input gradient's holds 64
+    tokens' four digit planes against 128 columns: its planes are four times the bytes of the
+    weights' codes they multiply, so it takes more tokens and fewer columns than the forward's."""
     if kind == "input_grad":
-        return MmaTile(digits=INPUT_GRAD_DIGITS, sub_m=INPUT_GRAD_DIGITS)
+        return MmaTile(digits=INPUT_GRAD_DIGITS, sub_m=INPUT_GRAD_DIGITS, sub_n=4, tm=4, tn=2, kstep=64)
     return MmaTile()
 
 
@@ -182,11 +187,32 @@ def variant(kind: str, name: str) -> Variant:
                    f"{[(v.kind, v.name) for v in VARIANTS]}")
 
 
+# Seconds each timing first runs its work: an idle H100 drops to a low clock (345 MHz seen) in the
+# moments a new kernel takes to compile, and work timed straight after came out up to 6× slow.
+WARM_UP_S = 0.3
+
+
+def gpu_seconds(device: Device, launches: list[Launch], repeats: int = 5, inner: int = 3) -> float:
+    """The median GPU seconds (timestamps) of ``launches``, recorded ``inner`` times a submit and
+    divided, ``repeats`` submits, after running them for ``WARM_UP_S``."""
+    def submit() -> float:
+        rec = Recorder(device, timestamps=True)
+        for _ in range(inner):
+            for launch in launches:
+                rec.launch(launch)
+        return rec.submit() / inner
+
+    until = time.perf_counter() + WARM_UP_S
+    while time.perf_counter() < until:
+        submit()
+    return statistics.median(submit() for _ in range(repeats))
+
+
 def fastest(device: Device, kind: str, shape: tuple[int, ...], candidates: dict[str, Callable[[], list[Launch]]],
             ) -> str:
     """The name of the fastest of ``candidates`` (variant name → a function building its launches at
-    ``shape``) on ``device``: each is timed once per (kind, shape) with timestamps (three runs, the
-    best), and the answer kept in the device's state. The variants give the same values, or values
+    ``shape``) on ``device``: each is timed once per (kind, shape) (``gpu_seconds``), and the answer
+    kept in the device's state. The variants give the same values, or values
     within the kind's stated accuracy, so the choice changes only the time. With one candidate, or
     without timestamps, the first. The device's ``gemms`` setting, where it names a variant, wins:
     ValueError where that variant is not among the candidates (the device cannot run it)."""
@@ -202,15 +228,6 @@ def fastest(device: Device, kind: str, shape: tuple[int, ...], candidates: dict[
     choices = device.owned("gemm_choices", dict)
     key = (kind, tuple(shape), tuple(names))
     if key not in choices:
-        seconds = {}
-        for name, build in candidates.items():
-            launches = build()
-            times = []
-            for _ in range(3):
-                rec = Recorder(device, timestamps=True)
-                for launch in launches:
-                    rec.launch(launch)
-                times.append(rec.submit())
-            seconds[name] = min(times)
+        seconds = {name: gpu_seconds(device, build()) for name, build in candidates.items()}
         choices[key] = min(names, key=seconds.__getitem__)
     return choices[key]
