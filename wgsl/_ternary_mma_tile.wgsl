@@ -27,8 +27,10 @@
 // The including file declares Params with a_tokens (rows of a plane), a_words (u32 words a row of
 // A), rows (the weights' rows), t_words (u32 words a weight row), the bindings AQ
 // (array<vec4<u32>>) and T4 (array<vec4<u32>>), and
-//   fn finish(t: u32, lane: u32, sg: u32, n0: u32, c0: u32, i: u32, j: u32): the epilogue of result
-//     matrix (i, j) of every subgroup, staged at As[sg · SM_M · SM_N] (put_results calls it).
+//   fn finish(t: u32, lane: u32, sg: u32, n0: u32, c0: u32, i: u32): the epilogue of row i of every
+//     subgroup's result matrices, staged side by side at Staged[sg · SM_M · RESULT_ROW] as SM_M rows
+//     of RESULT_ROW = TN · SM_N (put_results calls it: a row of matrices a round, stores along rows
+//     of RESULT_ROW columns).
 
 alias L = subgroup_matrix_left<i8, SM_K, SM_M>;
 alias R = subgroup_matrix_right<i8, SM_N, SM_K>;
@@ -50,14 +52,16 @@ override T_STRIDE: u32 = KSTEP + PAD;              // bytes a staged row of weig
 override A_LOADS: u32 = (BM * KSTEP / 16u + WG - 1u) / WG;         // vec4 loads a thread a step (≤ 8)
 override T_LOADS: u32 = (BN * KSTEP / 64u + WG - 1u) / WG;          // of 64 weights each
 
-// Workgroup memory for the staged rows: half the device's each (SM_STORAGE, which the runtime writes
-// too), a constant, as subgroupMatrixLoad takes arrays of a constant length (gemms.mma_shape checks
-// that a tile fits).
-const STAGED_WORDS: u32 = SM_STORAGE / 8u;
+override A_WORDS: u32 = BM * A_STRIDE / 4u;  // the staged A [BM][A_STRIDE] bytes, then the weights
+override RESULT_ROW: u32 = TN * SM_N;          // columns of a subgroup's row of result matrices
+
+// Workgroup memory: the device's (SM_STORAGE, which the runtime writes too), a constant, as
+// subgroupMatrixLoad takes arrays of a constant length (gemms.mma_shape checks that the staged step,
+// and the results put_results stages after the loop, fit).
+const STAGED_WORDS: u32 = SM_STORAGE / 4u;
 const ZERO_CODES: u32 = 0x55555555u;  // sixteen weights of value 0 (code 1)
 
-var<workgroup> As: array<i32, STAGED_WORDS>;  // [BM][KSTEP + PAD] bytes; after the loop, put_result's
-var<workgroup> Ts: array<i32, STAGED_WORDS>;  // [T_ROWS][T_COLS + PAD] bytes
+var<workgroup> Staged: array<i32, STAGED_WORDS>;  // A's rows, then the weights' [BN][T_STRIDE] bytes
 
 // The four int8 weights of bit pair `shift / 2` of each byte lane: code c = t + 1 → t (no byte
 // borrows: every byte is at least 0x80 when 1 is taken away).
@@ -142,8 +146,8 @@ fn load_t(v: u32, c0: u32, kk: u32) -> vec4<u32> {
 fn put_a(v: u32, a: vec4<u32>) {
   if (v >= BM * KSTEP / 16u) { return; }
   let b = ((v / (KSTEP / 16u)) * A_STRIDE + 16u * (v % (KSTEP / 16u))) / 4u;
-  As[b] = bitcast<i32>(a.x); As[b + 1u] = bitcast<i32>(a.y); As[b + 2u] = bitcast<i32>(a.z);
-  As[b + 3u] = bitcast<i32>(a.w);
+  Staged[b] = bitcast<i32>(a.x); Staged[b + 1u] = bitcast<i32>(a.y); Staged[b + 2u] = bitcast<i32>(a.z);
+  Staged[b + 3u] = bitcast<i32>(a.w);
 }
 
 // Four int8 weights from four codes c = t + 1 in the bytes of a word (no byte borrows: every byte is
@@ -164,23 +168,23 @@ fn put_t(v: u32, w: vec4<u32>) {
       let r1 = unpack4xU8((w.y >> (2u * pair)) & 0x03030303u);
       let r2 = unpack4xU8((w.z >> (2u * pair)) & 0x03030303u);
       let r3 = unpack4xU8((w.w >> (2u * pair)) & 0x03030303u);
-      let b = ((col + 4u * pair) * T_STRIDE + j) / 4u;
-      Ts[b] = signed(pack4xU8(vec4<u32>(r0.x, r1.x, r2.x, r3.x)));
-      Ts[b + T_STRIDE / 4u] = signed(pack4xU8(vec4<u32>(r0.y, r1.y, r2.y, r3.y)));
-      Ts[b + T_STRIDE / 2u] = signed(pack4xU8(vec4<u32>(r0.z, r1.z, r2.z, r3.z)));
-      Ts[b + 3u * T_STRIDE / 4u] = signed(pack4xU8(vec4<u32>(r0.w, r1.w, r2.w, r3.w)));
+      let b = A_WORDS + ((col + 4u * pair) * T_STRIDE + j) / 4u;
+      Staged[b] = signed(pack4xU8(vec4<u32>(r0.x, r1.x, r2.x, r3.x)));
+      Staged[b + T_STRIDE / 4u] = signed(pack4xU8(vec4<u32>(r0.y, r1.y, r2.y, r3.y)));
+      Staged[b + T_STRIDE / 2u] = signed(pack4xU8(vec4<u32>(r0.z, r1.z, r2.z, r3.z)));
+      Staged[b + 3u * T_STRIDE / 4u] = signed(pack4xU8(vec4<u32>(r0.w, r1.w, r2.w, r3.w)));
     }
     return;
   }
-  let b = ((v / (KSTEP / 64u)) * T_STRIDE + 64u * (v % (KSTEP / 64u))) / 4u;
-  Ts[b] = unpacked(w.x, 0u); Ts[b + 1u] = unpacked(w.x, 2u); Ts[b + 2u] = unpacked(w.x, 4u);
-  Ts[b + 3u] = unpacked(w.x, 6u);
-  Ts[b + 4u] = unpacked(w.y, 0u); Ts[b + 5u] = unpacked(w.y, 2u); Ts[b + 6u] = unpacked(w.y, 4u);
-  Ts[b + 7u] = unpacked(w.y, 6u);
-  Ts[b + 8u] = unpacked(w.z, 0u); Ts[b + 9u] = unpacked(w.z, 2u); Ts[b + 10u] = unpacked(w.z, 4u);
-  Ts[b + 11u] = unpacked(w.z, 6u);
-  Ts[b + 12u] = unpacked(w.w, 0u); Ts[b + 13u] = unpacked(w.w, 2u); Ts[b + 14u] = unpacked(w.w, 4u);
-  Ts[b + 15u] = unpacked(w.w, 6u);
+  let b = A_WORDS + ((v / (KSTEP / 64u)) * T_STRIDE + 64u * (v % (KSTEP / 64u))) / 4u;
+  Staged[b] = unpacked(w.x, 0u); Staged[b + 1u] = unpacked(w.x, 2u); Staged[b + 2u] = unpacked(w.x, 4u);
+  Staged[b + 3u] = unpacked(w.x, 6u);
+  Staged[b + 4u] = unpacked(w.y, 0u); Staged[b + 5u] = unpacked(w.y, 2u); Staged[b + 6u] = unpacked(w.y, 4u);
+  Staged[b + 7u] = unpacked(w.y, 6u);
+  Staged[b + 8u] = unpacked(w.z, 0u); Staged[b + 9u] = unpacked(w.z, 2u); Staged[b + 10u] = unpacked(w.z, 4u);
+  Staged[b + 11u] = unpacked(w.z, 6u);
+  Staged[b + 12u] = unpacked(w.w, 0u); Staged[b + 13u] = unpacked(w.w, 2u); Staged[b + 14u] = unpacked(w.w, 4u);
+  Staged[b + 15u] = unpacked(w.w, 6u);
 }
 
 // Step kk's global loads (A_LOADS and T_LOADS of them) into f.
@@ -224,11 +228,12 @@ fn stage(f: ptr<function, Fetched>, t: u32) {
 
 // Right matrix j of the subgroup's column sc at sub-step q of the staged step.
 fn right(sc: u32, j: u32, q: u32) -> R {
-  return subgroupMatrixLoad<R>(&Ts, (sc * TN * SM_N + j * SM_N) * T_STRIDE + q * SM_K, true, T_STRIDE);
+  return subgroupMatrixLoad<R>(&Staged, 4u * A_WORDS + (sc * TN * SM_N + j * SM_N) * T_STRIDE + q * SM_K, true,
+                               T_STRIDE);
 }
 
 fn left(sr: u32, i: u32, q: u32) -> L {
-  return subgroupMatrixLoad<L>(&As, (sr * TM * SM_M + i * SM_M) * A_STRIDE + q * SM_K, false, A_STRIDE);
+  return subgroupMatrixLoad<L>(&Staged, (sr * TM * SM_M + i * SM_M) * A_STRIDE + q * SM_K, false, A_STRIDE);
 }
 
 // Sub-step q of the staged step: the subgroup's TM × TN products.
@@ -282,29 +287,45 @@ fn multiply(acc: ptr<function, Acc>, t: u32, sr: u32, sc: u32, tok0: u32, c0: u3
   }
 }
 
-// Result matrix (i, j) of every subgroup through As into the including file's finish.
-fn put_result(m: O, t: u32, lane: u32, sg: u32, n0: u32, c0: u32, i: u32, j: u32) {
-  subgroupMatrixStore(&As, sg * SM_M * SM_N, m, false, SM_N);
-  workgroupBarrier();
-  finish(t, lane, sg, n0, c0, i, j);
-  workgroupBarrier();
+// Result matrix j of the subgroup's row being put, beside the row's others (RESULT_ROW columns a row).
+fn stage_result(m: O, sg: u32, j: u32) {
+  subgroupMatrixStore(&Staged, sg * SM_M * RESULT_ROW + j * SM_N, m, false, RESULT_ROW);
 }
 
+// Each row i of every subgroup's result matrices through Staged into the including file's finish.
 fn put_results(acc: ptr<function, Acc>, t: u32, lane: u32, sg: u32, n0: u32, c0: u32) {
-  put_result((*acc).c00, t, lane, sg, n0, c0, 0u, 0u);
-  if (TN > 1u) { put_result((*acc).c01, t, lane, sg, n0, c0, 0u, 1u); }
-  if (TN > 2u) { put_result((*acc).c02, t, lane, sg, n0, c0, 0u, 2u); }
-  if (TN > 3u) { put_result((*acc).c03, t, lane, sg, n0, c0, 0u, 3u); }
-  if (TM > 1u) { put_result((*acc).c10, t, lane, sg, n0, c0, 1u, 0u); }
-  if (TM > 1u && TN > 1u) { put_result((*acc).c11, t, lane, sg, n0, c0, 1u, 1u); }
-  if (TM > 1u && TN > 2u) { put_result((*acc).c12, t, lane, sg, n0, c0, 1u, 2u); }
-  if (TM > 1u && TN > 3u) { put_result((*acc).c13, t, lane, sg, n0, c0, 1u, 3u); }
-  if (TM > 2u) { put_result((*acc).c20, t, lane, sg, n0, c0, 2u, 0u); }
-  if (TM > 2u && TN > 1u) { put_result((*acc).c21, t, lane, sg, n0, c0, 2u, 1u); }
-  if (TM > 2u && TN > 2u) { put_result((*acc).c22, t, lane, sg, n0, c0, 2u, 2u); }
-  if (TM > 2u && TN > 3u) { put_result((*acc).c23, t, lane, sg, n0, c0, 2u, 3u); }
-  if (TM > 3u) { put_result((*acc).c30, t, lane, sg, n0, c0, 3u, 0u); }
-  if (TM > 3u && TN > 1u) { put_result((*acc).c31, t, lane, sg, n0, c0, 3u, 1u); }
-  if (TM > 3u && TN > 2u) { put_result((*acc).c32, t, lane, sg, n0, c0, 3u, 2u); }
-  if (TM > 3u && TN > 3u) { put_result((*acc).c33, t, lane, sg, n0, c0, 3u, 3u); }
+  stage_result((*acc).c00, sg, 0u);
+  if (TN > 1u) { stage_result((*acc).c01, sg, 1u); }
+  if (TN > 2u) { stage_result((*acc).c02, sg, 2u); }
+  if (TN > 3u) { stage_result((*acc).c03, sg, 3u); }
+  workgroupBarrier();
+  finish(t, lane, sg, n0, c0, 0u);
+  workgroupBarrier();
+  if (TM > 1u) {
+    stage_result((*acc).c10, sg, 0u);
+    if (TN > 1u) { stage_result((*acc).c11, sg, 1u); }
+    if (TN > 2u) { stage_result((*acc).c12, sg, 2u); }
+    if (TN > 3u) { stage_result((*acc).c13, sg, 3u); }
+    workgroupBarrier();
+    finish(t, lane, sg, n0, c0, 1u);
+    workgroupBarrier();
+  }
+  if (TM > 2u) {
+    stage_result((*acc).c20, sg, 0u);
+    if (TN > 1u) { stage_result((*acc).c21, sg, 1u); }
+    if (TN > 2u) { stage_result((*acc).c22, sg, 2u); }
+    if (TN > 3u) { stage_result((*acc).c23, sg, 3u); }
+    workgroupBarrier();
+    finish(t, lane, sg, n0, c0, 2u);
+    workgroupBarrier();
+  }
+  if (TM > 3u) {
+    stage_result((*acc).c30, sg, 0u);
+    if (TN > 1u) { stage_result((*acc).c31, sg, 1u); }
+    if (TN > 2u) { stage_result((*acc).c32, sg, 2u); }
+    if (TN > 3u) { stage_result((*acc).c33, sg, 3u); }
+    workgroupBarrier();
+    finish(t, lane, sg, n0, c0, 3u);
+    workgroupBarrier();
+  }
 }

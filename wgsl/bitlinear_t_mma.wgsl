@@ -99,21 +99,23 @@ fn digits(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   }
 }
 
-// Result matrix (i, j) of every subgroup (SM_M tokens, SM_N features; subgroup row d: digit plane d),
-// staged at As[sg · SM_M · SM_N]: the planes' products summed, four features an invocation.
-fn finish(t: u32, lane: u32, sg: u32, n0: u32, k0: u32, i: u32, j: u32) {
-  let quads = SM_M * SM_N / 4u;
+// Row i of every subgroup's result matrices (SM_M tokens, RESULT_ROW features; subgroup row d: digit
+// plane d), staged at Staged[sg · SM_M · RESULT_ROW]: the planes' products summed, four features an
+// invocation.
+fn finish(t: u32, lane: u32, sg: u32, n0: u32, k0: u32, i: u32) {
+  let quads = SM_M * RESULT_ROW / 4u;
   for (var e = t; e < SUB_N * quads; e += WG) {
-    let col = e / quads;                  // the subgroup column whose matrix this is
-    let r = (e % quads) / (SM_N / 4u);    // its row
-    let c = 4u * (e % (SM_N / 4u));       // its first column
+    let col = e / quads;                       // the subgroup column whose row of matrices this is
+    let r = (e % quads) / (RESULT_ROW / 4u);   // its row
+    let c = 4u * (e % (RESULT_ROW / 4u));      // its first column
     let n = n0 + i * SM_M + r;
-    let k = k0 + col * TN * SM_N + j * SM_N + c;
+    let k = k0 + col * RESULT_ROW + c;
     if (n < p.tokens && k < p.k) {
       var v = vec4<f32>(0.0);
       for (var d = DIGITS; d > 0u; d--) {
-        let at = ((d - 1u) * SUB_N + col) * SM_M * SM_N + r * SM_N + c;
-        v = v * (1.0 / 128.0) + vec4<f32>(f32(As[at]), f32(As[at + 1u]), f32(As[at + 2u]), f32(As[at + 3u]));
+        let at = ((d - 1u) * SUB_N + col) * SM_M * RESULT_ROW + r * RESULT_ROW + c;
+        v = v * (1.0 / 128.0) + vec4<f32>(f32(Staged[at]), f32(Staged[at + 1u]), f32(Staged[at + 2u]),
+                                          f32(Staged[at + 3u]));
       }
       let s = DSR[n];
       if (s == NOT_FINITE) {

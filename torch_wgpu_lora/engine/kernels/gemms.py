@@ -73,13 +73,14 @@ class MmaShape:
         return self.tile.sub_n * self.tile.tn * self.n
 
     @property
-    def results_bytes(self) -> int:  # every subgroup's result matrix staged for the epilogue (put_result)
-        return 4 * self.tile.sub_m * self.tile.sub_n * self.m * self.n
+    def results_bytes(self) -> int:  # every subgroup's row of result matrices staged for the epilogue (put_results)
+        return 4 * self.tile.sub_m * self.tile.sub_n * self.m * self.n * self.tile.tn
 
-    def staged_bytes(self) -> tuple[int, int]:
+    @property
+    def staged_bytes(self) -> int:
         """Bytes of workgroup memory a step of A and of the weights take."""
         t = self.tile
-        return self.block_tokens * t.digits * (t.kstep + t.pad), self.block_n * (t.kstep + t.pad)
+        return (self.block_tokens * t.digits + self.block_n) * (t.kstep + t.pad)
 
 
 def int8_matrix_units(device: Device) -> bool:
@@ -122,10 +123,9 @@ def mma_shape(device: Device, tile: MmaTile, transposed: bool) -> MmaShape:
         problems.append("at most 8 vec4 loads a thread a step (LOADS_MAX)")
     if threads > int(device.limits["max-compute-invocations-per-workgroup"]):
         problems.append(f"at most {device.limits['max-compute-invocations-per-workgroup']} invocations")
-    staged_a, staged_t = shape.staged_bytes()
-    room = int(device.limits["max-compute-workgroup-storage-size"]) // 2  # _ternary_mma_tile.wgsl's STAGED_WORDS
-    if max(staged_a, staged_t, shape.results_bytes) > room:
-        problems.append(f"the staged rows ({staged_a} and {staged_t} bytes) and results ({shape.results_bytes}) "
+    room = int(device.limits["max-compute-workgroup-storage-size"])  # _ternary_mma_tile.wgsl's STAGED_WORDS
+    if max(shape.staged_bytes, shape.results_bytes) > room:
+        problems.append(f"the staged step ({shape.staged_bytes} bytes) and the results ({shape.results_bytes}) "
                         f"within {room} bytes each")
     if problems:
         raise ValueError(f"matrix-unit tile {tile} on {shape.m}×{shape.n}×{shape.k} matrices: needs " + "; ".join(problems))
