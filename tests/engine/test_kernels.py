@@ -720,3 +720,23 @@ def test_the_gemms_setting_picks_the_variant_the_measured_rule_would_weigh():
             fastest(device, "input_grad", (1, 2, 3), {"general": candidates["general"]})
     finally:
         device.configure(previous)
+
+
+def test_a_gemm_timing_runs_its_work_for_the_warm_up_before_it_times_it():
+    # an idle GPU's clock drops while a kernel compiles: the measured rule and the benchmark time
+    # GEMMs only after running them for WARM_UP_S, and the median of the timed submits is the answer
+    import time
+
+    from torch_wgpu_lora.engine.kernels import gemms
+    from torch_wgpu_lora.runtime import get_device
+
+    device = get_device()
+    g = torch.Generator().manual_seed(0)
+    codes, scales, xq, xm = _codes(4, 64, g)
+    proj = _projection(torch.randint(-1, 2, (8, 64), generator=g, dtype=torch.int8), torch.rand(8, generator=g) + 0.5,
+                       True)
+    launch = bitlinear_launch(xq, xm, proj, poisoned((4, 8)), tokens=4, out_stride=8, gemv=False, mma=False)
+    started = time.perf_counter()
+    seconds = gemms.gpu_seconds(device, [launch], repeats=3, inner=2)
+    assert time.perf_counter() - started >= gemms.WARM_UP_S
+    assert 0 < seconds < gemms.WARM_UP_S
