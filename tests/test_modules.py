@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from torch_wgpu_lora import LoRALinear, lora
+from torch_wgpu_lora.modules import LoRASum, PerRowLoRA
 from torch_wgpu_lora.init import hesper_uniform
 
 TOL = 1e-5  # float32 output of magnitude ~1 from sums of 64 terms; kernel vs torch order
@@ -76,6 +77,64 @@ def test_merge_refuses_quantised_bases():
     layer = LoRALinear(AutoBitLinear(64, 48, bias=False, online_quant=True), r=4)
     with pytest.raises(TypeError, match="need a plain nn.Linear base layer; this one is AutoBitLinear"):
         layer.merge()
+
+
+def test_merge_refuses_an_adapter_that_would_break_the_weight():
+    layer = make(backend="torch")
+    with torch.no_grad():
+        layer.lora_B[3, 1] = float("nan")
+    before = layer.base_layer.weight.detach().clone()
+    with pytest.raises(ValueError, match="would put non-finite values into the base weight"):
+        layer.merge()
+    assert torch.equal(layer.base_layer.weight, before) and not layer.merged
+
+
+def adapters_of_one_base(backend):
+    """Three adapters (ranks 8, 4, 2) on one nn.Linear(64, 48), random A and B."""
+    torch.manual_seed(0)
+    base = nn.Linear(64, 48)
+    adapters = [LoRALinear(base, r=r, lora_alpha=16, backend=backend, init="peft") for r in (8, 4, 2)]
+    with torch.no_grad():
+        for adapter in adapters:
+            adapter.lora_B.normal_()
+    return base, adapters
+
+
+def delta64(adapter, x):
+    """The adapter's effect in float64, from its parameters: scaling · x Aᵀ Bᵀ."""
+    return adapter.scaling * (x.double() @ adapter.lora_A.double().T) @ adapter.lora_B.double().T
+
+
+@pytest.mark.parametrize("backend", ["wgpu", "torch"])
+def test_per_row_lora_gives_each_row_its_adapter(backend):
+    base, (a, b, c) = adapters_of_one_base(backend)
+    x = torch.randn(5, 7, 64, generator=torch.Generator().manual_seed(2))
+    rows = [b, None, a, b, c]
+    with torch.no_grad():
+        got = PerRowLoRA(base, rows)(x)
+    for i, adapter in enumerate(rows):
+        expected = nn.functional.linear(x[i].double(), base.weight.double(), base.bias.double())
+        if adapter is not None:
+            expected = expected + delta64(adapter, x[i])
+        assert torch.allclose(got[i].double(), expected, atol=TOL), f"row {i}"
+    with pytest.raises(ValueError, match=r"given for a batch of 5 rows .* input has shape \[4, 7, 64\]"):
+        PerRowLoRA(base, rows)(x[:4])
+    with pytest.raises(ValueError, match="wrap another base layer"):
+        PerRowLoRA(nn.Linear(64, 48), rows)
+
+
+@pytest.mark.parametrize("backend", ["wgpu", "torch"])
+def test_lora_sum_adds_the_adapters_effects(backend):
+    base, (a, b, c) = adapters_of_one_base(backend)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    together = LoRASum({"a": a, "c": c})
+    expected = nn.functional.linear(x.double(), base.weight.double(), base.bias.double()) + delta64(a, x) + delta64(c, x)
+    with torch.no_grad():
+        assert torch.allclose(together(x).double(), expected, atol=TOL)
+        c.disabled = True  # a disabled adapter adds nothing
+        assert torch.allclose(together(x).double(), expected - delta64(c, x), atol=TOL)
+    with pytest.raises(ValueError, match="wrap different base layers"):
+        LoRASum({"a": a, "other": LoRALinear(nn.Linear(64, 48), r=2)})
 
 
 def test_dropout_applies_in_training_only():

@@ -11,9 +11,15 @@ output = base_layer(x) + scaling · lora_B(lora_A(dropout(x))), scaling = lora_a
 (lora_alpha / sqrt(r) with ``use_rslora``). While ``disabled`` is set, output = base_layer(x).
 Naming follows PEFT (``lora_A`` [r, in], ``lora_B`` [out, r]); they are Parameters
 rather than Linear modules, and adapter files map them to PEFT's ``lora_A.weight``.
+
+Several adapters of one base layer (each a ``LoRALinear`` wrapping the same module) run together
+as PEFT runs them: ``LoRASum`` adds their effects (PEFT's several active adapters), and
+``PerRowLoRA`` gives each row of a batch its own adapter or none (PEFT's ``adapter_names``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -88,17 +94,22 @@ class LoRALinear(nn.Module):
     def _plain_linear_weight(self) -> torch.Tensor:
         if type(self.base_layer) is not nn.Linear:
             raise TypeError(f"merge()/unmerge() need a plain nn.Linear base layer; this one is "
-                            f"{type(self.base_layer).__name__}, whose weights are quantised and "
-                            "cannot absorb the adapter")
+                            f"{type(self.base_layer).__name__}, whose weights are quantised: W + scaling·B·A is "
+                            "not ternary, so quantising it again would change what the layer computes")
         return self.base_layer.weight
 
     @torch.no_grad()
     def merge(self) -> None:
-        """Fold scaling·B·A into the base weight; forward then skips the adapter."""
+        """Fold scaling·B·A into the base weight; forward then skips the adapter. A merge that would
+        leave non-finite values in the weight (a broken adapter) is refused before anything is written."""
         weight = self._plain_linear_weight()
         if self.merged:
             raise RuntimeError("adapter is already merged")
-        weight += (self.scaling * self.lora_B @ self.lora_A).to(weight.dtype)
+        merged = weight + (self.scaling * self.lora_B @ self.lora_A).to(weight.dtype)
+        if not torch.isfinite(merged).all():
+            raise ValueError(f"merging this adapter ({self.extra_repr()}) would put non-finite values into the base "
+                             "weight: its lora_A / lora_B are broken (NaN, infinite or overflowing)")
+        weight.copy_(merged)
         self.merged = True
 
     @torch.no_grad()
@@ -113,3 +124,84 @@ class LoRALinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
                 f"lora_alpha={self.lora_alpha}, backend={self._backend!r}")
+
+
+def _shared_base(adapters: Sequence[LoRALinear]) -> nn.Module:
+    """The one base layer every adapter in ``adapters`` wraps (ValueError if they wrap different ones)."""
+    if not adapters or not all(isinstance(a, LoRALinear) for a in adapters):
+        raise TypeError("expected one or more LoRALinear adapters")
+    base = adapters[0].base_layer
+    if any(a.base_layer is not base for a in adapters):
+        raise ValueError("the adapters wrap different base layers; several adapters run together on one base layer")
+    return base
+
+
+class LoRASum(nn.Module):
+    """Several adapters of one base layer active at once, as PEFT runs its several active adapters:
+    output = base_layer(x) + the sum of each adapter's ``delta(x)`` (a disabled or merged adapter adds
+    nothing). ``adapters``: name -> ``LoRALinear``, each wrapping the same base layer; ``names``
+    keeps the names (``adapters``, a ModuleList, holds the modules in that order)."""
+
+    def __init__(self, adapters: dict[str, LoRALinear]) -> None:
+        super().__init__()
+        base = _shared_base(list(adapters.values()))
+        self.names = tuple(adapters)
+        self.adapters = nn.ModuleList(adapters.values())
+        self.in_features, self.out_features = base.in_features, base.out_features
+
+    @property
+    def base_layer(self) -> nn.Module:
+        return self.adapters[0].base_layer
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base layer's weight (what code that inspects ``proj.weight`` expects)."""
+        return self.base_layer.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base_layer(x)
+        for adapter in self.adapters:
+            if not (adapter.disabled or adapter.merged):
+                result = result + adapter.delta(x).to(result.dtype)
+        return result
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, adapters={list(self.names)}"
+
+
+class PerRowLoRA(nn.Module):
+    """A base layer whose batch rows each take their own adapter, as PEFT's ``adapter_names``
+    mixed batches do: row i of the output is base_layer(x)[i] + ``rows[i].delta(x[i])``, or
+    base_layer(x)[i] where ``rows[i]`` is None. The rows' adapters are used, not owned: they are
+    not submodules (their Parameters stay where they belong). For inference: the adapters'
+    dropout runs as their ``training`` flags say."""
+
+    def __init__(self, base_layer: nn.Module, rows: Sequence[LoRALinear | None]) -> None:
+        super().__init__()
+        adapters = [a for a in rows if a is not None]
+        if adapters and _shared_base(adapters) is not base_layer:
+            raise ValueError("the rows' adapters wrap another base layer than the one given")
+        self.base_layer = base_layer
+        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
+        self._groups: dict[int, tuple[LoRALinear, list[int]]] = {}
+        for i, adapter in enumerate(rows):
+            if adapter is not None:
+                self._groups.setdefault(id(adapter), (adapter, []))[1].append(i)
+        self._rows = len(rows)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[0] != self._rows:
+            raise ValueError(f"this layer's adapters are given for a batch of {self._rows} rows (one adapter name a "
+                             f"row), but its input has shape {list(x.shape)}")
+        result = self.base_layer(x)
+        for adapter, rows in self._groups.values():
+            index = torch.tensor(rows, device=x.device)
+            result = result.index_add(0, index, adapter.delta(x.index_select(0, index)).to(result.dtype))
+        return result
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows={self._rows}"
