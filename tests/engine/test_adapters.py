@@ -100,6 +100,25 @@ def test_the_engine_follows_the_active_adapter_and_disable_adapter(checkpoint):
     assert_runs_the_adapters(engine(IDS).logits, expected_default, reference)
 
 
+def test_several_adapters_at_once_are_refused_by_the_engine_naming_the_torch_path(checkpoint):
+    model = two_adapters(checkpoint).eval()
+    engine = BitNetEngine(model)
+    expected = engine(IDS).logits
+    per_row = "runs the model's active adapter on every row; adapter_names (an adapter a row) runs on the torch path"
+    with pytest.raises(ValueError, match=re.escape(f"BitNetEngine.forward {per_row}, the transformers model itself: "
+                                                   "engine.model(..., adapter_names=[...])")):
+        engine(IDS, adapter_names=["default", "wide"])
+    with pytest.raises(ValueError, match=re.escape(f"BitNetEngine.generate {per_row}")):
+        engine.generate(input_ids=IDS, adapter_names=["default", "wide"], max_new_tokens=2)
+    model.set_adapter(["default", "wide"])  # q_proj and v_proj hold both
+    with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn.q_proj runs several adapters at once "
+                                                   "(default, wide: set_adapter was given a list), which BitNetEngine "
+                                                   "does not")):
+        engine(IDS)
+    model.set_adapter("default")
+    assert torch.equal(engine(IDS).logits, expected)  # the same adapter, the same program
+
+
 def test_training_steps_follow_the_active_adapter_and_each_optimizer_keeps_its_moments(checkpoint):
     # A step of "default", one of "wide" (another layout: the engine's flat moments are made anew),
     # then one of "default" again: "default" ends as two steps of a fresh engine leave it, bit for bit

@@ -328,3 +328,104 @@ def test_trl_sft_trainer_trains_our_adapters_on_chat_data(dense, pristine, tmp_p
     theirs = PeftModel.from_pretrained(copy.deepcopy(pristine), str(tmp_path / "saved")).eval()
     assert_matches(model.eval(), logits(theirs), logits(pristine))
     assert json.loads((tmp_path / "saved" / "adapter_config.json").read_text())["r"] == 4
+
+
+# -- several adapters in one batch, several active adapters ---------------------------------------
+
+ROWS = torch.randint(3, 300, (3, 8), generator=torch.Generator().manual_seed(5))  # three prompts, one a row
+ROW_ADAPTERS = ["other", "__base__", "default"]
+
+
+def two_adapter_pair(pristine, tmp_path):
+    """peft's model with "default" (r=4 on q_proj, v_proj) and "other" (r=2 on every linear module, with
+    dropout), random, and ours holding the same adapters (loaded from peft's files), all on the torch backend."""
+    theirs = get_peft_model(copy.deepcopy(pristine), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    theirs.add_adapter("other", peft.LoraConfig(r=2, target_modules="all-linear", lora_alpha=4, lora_dropout=0.3))
+    randomize(theirs, seed=8).eval()
+    theirs.save_pretrained(tmp_path / "peft")
+    ours = load_adapter(copy.deepcopy(pristine), tmp_path / "peft")
+    ours.load_adapter(tmp_path / "peft" / "other", adapter_name="other")
+    for name in ("other", "default"):
+        ours.set_adapter(name)
+        set_backend(ours, "torch")
+    return theirs, ours
+
+
+def assert_rows_match(ours, theirs, theirs64, base):
+    """Each row of ``ours`` is peft's row within TOL of the largest |logit|, or, where larger, twice
+    peft's float32 distance from its float64 evaluation ``theirs64`` (the module docstring)."""
+    scale = theirs.abs().max().item()
+    bound = max(TOL * scale, 2 * (theirs.double() - theirs64).abs().max().item())
+    for row in range(len(theirs)):
+        err = (ours[row] - theirs[row]).abs().max().item()
+        assert err <= bound, f"row {row}: max |ours - peft| = {err:.3g}, bound {bound:.3g}"
+        if not torch.equal(theirs[row], base[row]):
+            assert (theirs[row] - base[row]).abs().max() > 1000 * bound, f"row {row}: the adapter barely matters"
+
+
+def test_adapter_names_give_each_row_its_adapter_as_peft_does(pristine, tmp_path):
+    theirs, ours = two_adapter_pair(pristine, tmp_path)
+    ours.train().set_adapter("other")  # "other" in training mode, then put aside: no dropout in an eval batch
+    ours.set_adapter("default")
+    ours.eval()
+    with torch.no_grad():
+        expected = theirs(input_ids=ROWS, adapter_names=ROW_ADAPTERS).logits
+        expected64 = copy.deepcopy(theirs).double()(input_ids=ROWS, adapter_names=ROW_ADAPTERS).logits
+        base = pristine(input_ids=ROWS).logits
+        got = ours(input_ids=ROWS, adapter_names=ROW_ADAPTERS).logits
+    assert_rows_match(got, expected, expected64, base)
+    assert torch.equal(got[1], base[1])  # "__base__": the base model's own modules and ops, exactly
+    assert not torch.equal(expected[0], base[0]) and not torch.equal(expected[2], base[2])
+    assert ours.active_adapter == "default" and lora_modules(ours)  # the model is as it was
+
+
+def test_generate_with_adapter_names_gives_each_row_what_peft_gives(pristine, tmp_path):
+    theirs, ours = two_adapter_pair(pristine, tmp_path)
+    settings = dict(input_ids=ROWS, attention_mask=torch.ones_like(ROWS), adapter_names=ROW_ADAPTERS,
+                    max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = theirs.generate(**settings, output_scores=True, return_dict_in_generate=True)
+    got = ours.generate(**settings)
+    # Greedy picks are compared where peft's top two logits differ by far more than float32 rounding
+    # (1e-3 of the largest logit): nearer, another rounding may rightly pick the other token.
+    scores = torch.stack(expected.scores, dim=1)  # [rows, steps, vocab]
+    top = scores.topk(2, dim=-1).values
+    clear = (top[..., 0] - top[..., 1]) > 1e-3 * scores[scores.isfinite()].abs().max()  # EOS is -inf (min_new_tokens)
+    width = ROWS.shape[1]
+    for row in range(len(ROWS)):
+        steps = int(clear[row].long().cumprod(0).sum())  # the steps before the first near tie
+        assert steps >= 3, f"row {row}: peft's greedy choices are near ties from step {steps}"
+        assert torch.equal(got[row, :width + steps], expected.sequences[row, :width + steps]), f"row {row}"
+    assert not torch.equal(expected.sequences[0], expected.sequences[2]) or not torch.equal(ROWS[0], ROWS[2])
+
+
+def test_set_adapter_with_a_list_adds_the_adapters_effects_as_peft_does(pristine, tmp_path):
+    theirs, ours = two_adapter_pair(pristine, tmp_path)
+    theirs.base_model.set_adapter(["default", "other"])  # peft's LoraModel takes a list; PeftModel one name
+    ours.set_adapter(["default", "other"])
+    assert ours.active_adapter == ["default", "other"] and ours.active_adapters == ["default", "other"]
+    assert_matches(ours, logits(theirs), logits(pristine))
+    with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn.q_proj runs several adapters at once "
+                                                   "(default, other: set_adapter was given a list); this needs one")):
+        save_adapter(ours, tmp_path / "one")
+    with ours.disable_adapter():
+        assert torch.equal(logits(ours), logits(pristine))
+    ours.set_adapter("other")
+    theirs.base_model.set_adapter("other")
+    assert_matches(ours, logits(theirs), logits(pristine))
+    with pytest.raises(ValueError, match=r"no adapter named 'nope'"):
+        ours.set_adapter(["other", "nope"])
+    with pytest.raises(TypeError, match="an adapter name or a non-empty list of names"):
+        ours.set_adapter([])
+
+
+def test_adapter_names_are_refused_where_peft_refuses_them(pristine, tmp_path):
+    _, ours = two_adapter_pair(pristine, tmp_path)
+    with pytest.raises(ValueError, match=re.escape("adapter_names names no adapter of this model: ['nope']")):
+        ours(input_ids=ROWS, adapter_names=["default", "nope", "__base__"])
+    with pytest.raises(ValueError, match="adapter_names has 2 names for a batch of 3 rows"):
+        ours(input_ids=ROWS, adapter_names=["default", "other"])
+    with pytest.raises(TypeError, match="adapter_names must be a list of adapter names"):
+        ours(input_ids=ROWS, adapter_names="default")
+    ours.train()
+    with pytest.raises(ValueError, match=r"adapter_names is for inference \(as in PEFT\): call model.eval\(\) first"):
+        ours(input_ids=ROWS, adapter_names=ROW_ADAPTERS)

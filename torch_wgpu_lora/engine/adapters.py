@@ -43,7 +43,7 @@ from torch import nn
 
 from ..integrations.bitnet import PROJECTIONS, projection
 from ..integrations.peft import peft_layers
-from ..modules import LoRALinear
+from ..modules import LoRALinear, LoRASum
 from ..runtime import Buffer, Device, Recorder, upload, write
 from .config import EngineConfig, pad
 from .kernels.projection import lora_table
@@ -104,11 +104,16 @@ def refuse_peft_layers(model: nn.Module) -> None:
 
 
 def check_adapters(model: nn.Module, config: EngineConfig) -> None:
-    """ValueError naming the first adapter of ``model`` that the engine cannot run: a PEFT layer, or a
-    ``LoRALinear`` anywhere but on the seven projections of the decoder layers (e.g. on ``lm_head``)."""
+    """ValueError naming the first adapter of ``model`` that the engine cannot run: a PEFT layer, several
+    adapters at once on one projection (a ``LoRASum``), or a ``LoRALinear`` anywhere but on the seven
+    projections of the decoder layers (e.g. on ``lm_head``)."""
     refuse_peft_layers(model)
     runnable = {id(projection(layer, name)) for layer in model.model.layers[: config.layers] for name in PROJECTIONS}
     for name, module in model.named_modules():
+        if isinstance(module, LoRASum):
+            raise ValueError(f"{name} runs several adapters at once ({', '.join(module.names)}: set_adapter was given "
+                             "a list), which BitNetEngine does not: it runs one adapter a projection. set_adapter(name), "
+                             "or run the model on the torch path")
         if isinstance(module, LoRALinear) and id(module) not in runnable:
             raise ValueError(f"{name} has a LoRA adapter, which BitNetEngine cannot run: it runs adapters on the "
                              f"decoder layers' projections ({', '.join(PROJECTIONS)}) only. Remove it, or run the "

@@ -68,6 +68,8 @@ NEUTRAL = {"num_beams": 1, "num_beam_groups": 1, "typical_p": 1.0, "no_repeat_ng
 # generate()'s own arguments besides the config, each refused unless left empty
 HOOKS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model",
          "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate")
+PER_ROW_ADAPTERS = ("BitNetEngine.{call} runs the model's active adapter on every row; adapter_names (an adapter a "
+                    "row) runs on the torch path, the transformers model itself: {route}")
 TORCH_PATH = ("generate on the torch path instead: torch_wgpu_lora.generate(..., engine='torch'), or the "
               "transformers model's own generate (engine.model.generate(...))")
 
@@ -90,6 +92,8 @@ def _resolve(model_config: Any, generation_config: Any, kwargs: dict) -> tuple[A
 
 def _check_supported(config: Any, rest: dict) -> None:
     """Refuse, naming it, every setting that would make transformers generate something the engine does not."""
+    if rest.pop("adapter_names", None) is not None:
+        raise ValueError(PER_ROW_ADAPTERS.format(call="generate", route="engine.model.generate(..., adapter_names=[...])"))
     for name in HOOKS:
         value = rest.pop(name, None)
         if value is not None and value is not False and not (isinstance(value, (list, tuple)) and not value):

@@ -48,7 +48,7 @@ from ..runtime.buffers import pool_for, staging_for
 from .adapters import EngineAdapters, check_adapters, refuse_peft_layers
 from .config import EngineConfig
 from .generate import DecodeSession, GenerationRequest, Generated
-from .generate_api import TransformersCall
+from .generate_api import PER_ROW_ADAPTERS, TransformersCall
 from .inputs import check_inputs, check_prompts, pad_micro_batch
 from .plan import ForwardPlan, KVCache
 from .step import DEFAULT_BUCKET_BYTES, OptimizerStep, check_bucket_bytes
@@ -182,6 +182,8 @@ class BitNetEngine(nn.Module):
         then computes the adapters' gradients in the same submit as the loss, and the logits
         (a [batch, tokens, vocab] readback) are returned only when ``return_logits=True``.
         """
+        if unused.get("adapter_names") is not None:
+            raise ValueError(PER_ROW_ADAPTERS.format(call="forward", route="engine.model(..., adapter_names=[...])"))
         if unused.get("use_cache") or unused.get("past_key_values") is not None or unused.get("cache") is not None:
             raise ValueError("BitNetEngine keeps its KV cache on the GPU; use torch_wgpu_lora.generate for decoding")
         if position_ids is not None and attention_mask is not None:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ALL_LINEAR, LoraConfig
-from ..modules import LoRALinear
+from ..modules import LoRALinear, LoRASum
 from .gguf import is_gguf_path, load_gguf_bitnet, load_gguf_tokenizer
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -287,7 +287,14 @@ def add_lora_layers(model: nn.Module, config: Any = None, **fields: Any) -> nn.M
 
 
 def lora_modules(model: nn.Module) -> "OrderedDict[str, LoRALinear]":
-    """The model's LoRALinear modules by qualified name, in model order."""
+    """The model's LoRALinear modules by qualified name, in model order: one adapter a module. A model
+    running several adapters at once on a module (``LoRASum``, from ``set_adapter`` with a list) is
+    refused, naming the module: what reads one adapter a module (saving one adapter, training with
+    ``twl.train``, the engine, ...) would take the wrong one."""
+    for name, m in model.named_modules():
+        if isinstance(m, LoRASum):
+            raise ValueError(f"{name} runs several adapters at once ({', '.join(m.names)}: set_adapter was given a "
+                             "list); this needs one adapter a module: set_adapter(name) first")
     return OrderedDict((n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear))
 
 

@@ -5,6 +5,8 @@
 >>> # with model.disable_adapter(): base_logits = model(ids).logits
 >>> # model.load_adapter("other/adapter", adapter_name="other"); model.set_adapter("other")
 >>> # model.save_pretrained("out")              # PEFT's layout, as transformers' Trainer.save_model calls it
+>>> # model(**batch, adapter_names=["default", "other", "__base__"])  # an adapter a row, as PEFT's mixed batches
+>>> # model.set_adapter(["default", "other"])  # both at once, their effects added
 >>> # ours = from_peft(peft_model)             # a PeftModel's LoRA layers as ours, sharing its Parameters
 
 **The model API.** ``apply_lora`` and ``load_adapter``, which the package exports, put adapters on
@@ -23,6 +25,14 @@ everything else are unchanged.
 Named adapters: the active adapter's ``LoRALinear`` modules are in the model, the others are
 kept aside and swapped in by ``set_adapter``. Parameters, optimizers and ``BitNetEngine``
 therefore see the active adapter alone (the engine re-lays out its adapters when they change).
+
+Several adapters at once, as PEFT runs them. ``set_adapter([names])`` makes several adapters
+active, their effects added (a module that more than one of them adapts holds a ``LoRASum``;
+what needs one adapter a module, such as ``twl.train``, ``save_adapter`` or ``BitNetEngine``,
+refuses it, naming the module). ``adapter_names=[...]`` in the model's call or in ``generate``
+gives each row of the batch its own adapter (``"__base__"``: none), whichever are active: for
+inference, refused in training mode, with merged adapters and for unknown names, as in PEFT.
+``BitNetEngine`` refuses ``adapter_names`` and points to the model itself.
 
 **PEFT models.** ``from_peft`` turns a ``PeftModel`` (or a base model ``get_peft_model`` wrapped)
 into a transformers model holding our adapters that shares every tensor with it: the LoRA layers
@@ -45,13 +55,14 @@ import torch
 from torch import nn
 
 from ..config import LoraConfig
-from ..modules import LoRALinear
+from ..modules import LoRALinear, LoRASum, PerRowLoRA
 from . import adapter_files
 from . import bitnet
 
-__all__ = ["DEFAULT_ADAPTER", "LoraModelMixin", "apply_lora", "from_peft", "load_adapter", "peft_layers"]
+__all__ = ["BASE_ROW", "DEFAULT_ADAPTER", "LoraModelMixin", "apply_lora", "from_peft", "load_adapter", "peft_layers"]
 
 DEFAULT_ADAPTER = "default"  # PEFT's name for the first adapter, saved in the folder itself
+BASE_ROW = "__base__"  # PEFT's name, in adapter_names, for a row that runs the base model alone
 
 
 class LoraModelMixin:
@@ -64,12 +75,19 @@ class LoraModelMixin:
 
     _lora_adapters: dict[str, dict[str, LoRALinear]]
     _lora_configs: dict[str, LoraConfig | None]
-    _active_adapter: str | None
+    _active_adapters: list[str]
 
     @property
-    def active_adapter(self) -> str | None:
-        """The name of the adapter in use (None when every adapter was deleted)."""
-        return self._active_adapter
+    def active_adapter(self) -> str | list[str] | None:
+        """The name of the adapter in use; the list of names where ``set_adapter`` was given several
+        (as PEFT's ``LoraModel`` keeps it); None when every adapter was deleted."""
+        active = self._active_adapters
+        return None if not active else active[0] if len(active) == 1 else list(active)
+
+    @property
+    def active_adapters(self) -> list[str]:
+        """The names of the adapters in use, always a list (PEFT's ``active_adapters``)."""
+        return list(self._active_adapters)
 
     @property
     def adapter_names(self) -> list[str]:
@@ -89,7 +107,7 @@ class LoraModelMixin:
     @contextmanager
     def disable_adapter(self) -> Iterator[None]:
         """Within the context the model computes what its base model computes (the adapters add nothing)."""
-        modules = bitnet.lora_modules(self).values()
+        modules = [m for m in self.modules() if isinstance(m, LoRALinear)]  # several a module after set_adapter([...])
         saved = [m.disabled for m in modules]
         try:
             for m in modules:
@@ -105,6 +123,7 @@ class LoraModelMixin:
         if not isinstance(adapter_name, str):  # transformers' PeftAdapterMixin.add_adapter(adapter_config, adapter_name)
             adapter_name, peft_config = peft_config or DEFAULT_ADAPTER, adapter_name
         self._check_new_name(adapter_name)
+        self._check_unmerged("add_adapter")
         if peft_config is None:
             raise TypeError("add_adapter needs a LoraConfig (torch_wgpu_lora's or peft's)")
         with self._bare():
@@ -116,22 +135,32 @@ class LoraModelMixin:
         """Load the adapter at ``model_id`` (a PEFT folder or a Hesper file) as ``adapter_name``; it is
         not made active (``set_adapter``). ``residual_base``: as ``adapter_files.load_adapter_file``."""
         self._check_new_name(adapter_name)
+        self._check_unmerged("load_adapter")
         with self._bare():
             adapter_files.load_adapter_file(self, model_id, residual_base=residual_base)
             self._take_new(adapter_name)
 
-    def set_adapter(self, adapter_name: str) -> None:
-        """Make ``adapter_name`` the adapter in use."""
-        if adapter_name not in self._lora_adapters:
-            raise ValueError(f"no adapter named {adapter_name!r}; the adapters are {self.adapter_names}")
-        if adapter_name == self._active_adapter:
+    def set_adapter(self, adapter_name: str | list[str]) -> None:
+        """Make ``adapter_name`` the adapter in use, or, given a list of names, run those adapters
+        together, their effects added, as PEFT's ``LoraModel.set_adapter`` and transformers'
+        ``set_adapter`` do (a module that several of them adapt becomes a ``LoRASum``; what needs one
+        adapter a module, such as ``twl.train`` or ``BitNetEngine``, refuses that, naming it).
+        ``lora_config`` is then the first one's."""
+        names = [adapter_name] if isinstance(adapter_name, str) else adapter_name
+        if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"set_adapter takes an adapter name or a non-empty list of names, got {adapter_name!r}")
+        for name in names:
+            if name not in self._lora_adapters:
+                raise ValueError(f"no adapter named {name!r}; the adapters are {self.adapter_names}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"set_adapter was given an adapter twice: {list(names)}")
+        if list(names) == self._active_adapters:
             return
+        self._check_unmerged("set_adapter")
         self._swap_out()
-        for name, module in self._lora_adapters[adapter_name].items():
-            module.train(self.training)
-            self.set_submodule(name, module)
-        self._active_adapter = adapter_name
-        self.lora_config = self._lora_configs[adapter_name]
+        self._active_adapters = list(names)
+        self._swap_in()
+        self.lora_config = self._lora_configs[names[0]]
 
     def delete_adapter(self, adapter_name: str | list[str]) -> None:
         """Delete an adapter (or several: transformers' form). Deleting the active one makes the
@@ -139,12 +168,14 @@ class LoraModelMixin:
         for name in [adapter_name] if isinstance(adapter_name, str) else list(adapter_name):
             if name not in self._lora_adapters:
                 raise ValueError(f"no adapter named {name!r}; the adapters are {self.adapter_names}")
-            if name == self._active_adapter:
+            self._check_unmerged("delete_adapter")
+            if name in self._active_adapters:
                 self._swap_out()
-                self._active_adapter = None
-                self.lora_config = None
+                self._active_adapters = [n for n in self._active_adapters if n != name]
+                self._swap_in()
+                self.lora_config = self._lora_configs[self._active_adapters[0]] if self._active_adapters else None
             del self._lora_adapters[name], self._lora_configs[name]
-            if self._active_adapter is None and self._lora_adapters:
+            if not self._active_adapters and self._lora_adapters:
                 self.set_adapter(next(iter(self._lora_adapters)))
 
     def save_pretrained(self, save_directory: str | os.PathLike, *, selected_adapters: list[str] | None = None,
@@ -163,15 +194,87 @@ class LoraModelMixin:
         unknown = [n for n in names if n not in self._lora_adapters]
         if unknown:
             raise ValueError(f"selected_adapters {unknown} are not adapters of this model; they are {self.adapter_names}")
-        active = self._active_adapter
+        active = self._active_adapters
         try:
             for name in names:
                 self.set_adapter(name)
                 folder = Path(save_directory) if name == DEFAULT_ADAPTER else Path(save_directory) / name
                 adapter_files.save_adapter(self, folder)
         finally:
-            if active is not None:
+            if active:
                 self.set_adapter(active)
+
+    # -- several adapters in one batch (PEFT's adapter_names) ----------------------------------
+
+    def __call__(self, *args: Any, adapter_names: list[str] | None = None, **kwargs: Any) -> Any:
+        """The model's forward; with ``adapter_names`` (one name a row of the batch, ``"__base__"``
+        for none) each row runs with its own adapter, as in PEFT's mixed batches (``per_row_adapters``)."""
+        if adapter_names is None:
+            return super().__call__(*args, **kwargs)
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None:
+            raise ValueError("adapter_names gives one adapter a row of the batch: pass input_ids or inputs_embeds")
+        with self.per_row_adapters(adapter_names, len(ids)):
+            return super().__call__(*args, **kwargs)
+
+    def generate(self, *args: Any, adapter_names: list[str] | None = None, **kwargs: Any) -> Any:
+        """transformers' ``generate``; with ``adapter_names`` (one name an input row, ``"__base__"`` for
+        none) each row is generated with its own adapter, as PEFT's ``generate`` does. Rows that
+        beam search or ``num_return_sequences`` repeat keep their row's adapter."""
+        if adapter_names is None:
+            return super().generate(*args, **kwargs)
+        config = kwargs.get("generation_config") or self.generation_config
+        copies = max(kwargs.get("num_beams", config.num_beams) or 1,
+                     kwargs.get("num_return_sequences", config.num_return_sequences) or 1)
+        if isinstance(adapter_names, (list, tuple)):
+            adapter_names = [name for name in adapter_names for _ in range(copies)]
+        ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None:
+            raise ValueError("adapter_names gives one adapter a row of the batch: pass input_ids or inputs_embeds")
+        with self.per_row_adapters(adapter_names, copies * len(ids)):
+            return super().generate(*args, **kwargs)
+
+    @contextmanager
+    def per_row_adapters(self, adapter_names: list[str], rows: int) -> Iterator[None]:
+        """Within the context, row i of a batch of ``rows`` runs with adapter ``adapter_names[i]``
+        (``"__base__"``: no adapter), whichever adapters are active, as PEFT's ``adapter_names``:
+        every adapted module becomes a ``PerRowLoRA`` for the duration. For inference only, as in
+        PEFT: refused in training mode, with merged adapters, and for names of no adapter. Inside
+        ``disable_adapter()`` every row runs the base model, as in PEFT."""
+        if not isinstance(adapter_names, (list, tuple)) or not all(isinstance(n, str) for n in adapter_names):
+            raise TypeError(f"adapter_names must be a list of adapter names, one a row, got {adapter_names!r}")
+        if len(adapter_names) != rows:
+            raise ValueError(f"adapter_names has {len(adapter_names)} names for a batch of {rows} rows; give one a row "
+                             f"({BASE_ROW!r} for a row without adapter)")
+        if self.training:
+            raise ValueError("adapter_names is for inference (as in PEFT): call model.eval() first")
+        unknown = sorted({n for n in adapter_names if n != BASE_ROW} - set(self._lora_adapters))
+        if unknown:
+            raise ValueError(f"adapter_names names no adapter of this model: {unknown}; the adapters are "
+                             f"{self.adapter_names} (and {BASE_ROW!r} for a row without adapter)")
+        self._check_unmerged("adapter_names")
+        sites = {name for modules in self._lora_adapters.values() for name in modules}
+        placed = {name: self.get_submodule(name) for name in sites}
+        disabled = any(m.disabled for m in self.modules() if isinstance(m, LoRALinear))
+        used = {id(m): m for n in set(adapter_names) - {BASE_ROW} for m in self._lora_adapters[n].values()}
+        modes = {key: m.training for key, m in used.items()}
+        try:
+            for m in used.values():
+                m.eval()  # a kept-aside adapter keeps the mode it last had in the model
+            for name in sites:
+                row_modules = [None if disabled or n == BASE_ROW else self._lora_adapters[n].get(name)
+                               for n in adapter_names]
+                self.set_submodule(name, PerRowLoRA(bitnet.base_layer(placed[name]), row_modules))
+            yield
+        finally:
+            for name, module in placed.items():
+                self.set_submodule(name, module)
+            for key, m in used.items():
+                m.train(modes[key])
 
     # -- the adapters kept aside ---------------------------------------------------------------
 
@@ -183,10 +286,30 @@ class LoraModelMixin:
                              "another name")
 
     def _swap_out(self) -> None:
-        """Put the base layers back in place of the active adapter's modules."""
-        if self._active_adapter is not None:
-            for name, module in self._lora_adapters[self._active_adapter].items():
-                self.set_submodule(name, module.base_layer)
+        """Put the base layers back in place of the active adapters' modules."""
+        for name, modules in self._active_sites().items():
+            self.set_submodule(name, next(iter(modules.values())).base_layer)
+
+    def _swap_in(self) -> None:
+        """Put the active adapters' modules in place of their base layers: an adapter alone on a
+        module as it is, several on one module as a ``LoRASum``."""
+        for name, modules in self._active_sites().items():
+            placed = next(iter(modules.values())) if len(modules) == 1 else LoRASum(modules)
+            self.set_submodule(name, placed.train(self.training))
+
+    def _active_sites(self) -> dict[str, dict[str, LoRALinear]]:
+        """Each module the active adapters adapt, by qualified name: their LoRALinear modules there, by adapter."""
+        sites: dict[str, dict[str, LoRALinear]] = {}
+        for adapter in self._active_adapters:
+            for name, module in self._lora_adapters[adapter].items():
+                sites.setdefault(name, {})[adapter] = module
+        return sites
+
+    def _check_unmerged(self, action: str) -> None:
+        merged = [n for n, modules in self._active_sites().items() if any(m.merged for m in modules.values())]
+        if merged:
+            raise ValueError(f"{action}: the active adapters are merged into the base weights (e.g. of {merged[0]}); "
+                             "call unmerge_adapter() first")
 
     @contextmanager
     def _bare(self) -> Iterator[None]:
@@ -198,18 +321,16 @@ class LoraModelMixin:
         finally:
             for name, module in bitnet.lora_modules(self).items():  # the new adapter (kept aside by _take_new)
                 self.set_submodule(name, module.base_layer)
-            if self._active_adapter is not None:
-                for name, module in self._lora_adapters[self._active_adapter].items():
-                    self.set_submodule(name, module)
-            self.lora_config = self._lora_configs.get(self._active_adapter)
+            self._swap_in()
+            self.lora_config = self._lora_configs[self._active_adapters[0]] if self._active_adapters else None
 
     def _take_new(self, adapter_name: str) -> None:
         """Keep the adapter just applied to the bare model as ``adapter_name`` (``_bare`` takes it out)."""
         modules = bitnet.lora_modules(self)
         self._lora_adapters[adapter_name] = dict(modules)
         self._lora_configs[adapter_name] = getattr(self, "lora_config", None)
-        if self._active_adapter is None:  # the first adapter of a model without one is the one in use
-            self._active_adapter = adapter_name
+        if not self._active_adapters:  # the first adapter of a model without one is the one in use
+            self._active_adapters = [adapter_name]
 
 
 _CLASSES: dict[type, type] = {}
@@ -229,7 +350,7 @@ def with_adapter_api(model: nn.Module, adapter_name: str = DEFAULT_ADAPTER) -> n
     model.__class__ = _CLASSES[cls]
     model._lora_adapters = {adapter_name: dict(bitnet.lora_modules(model))}
     model._lora_configs = {adapter_name: getattr(model, "lora_config", None)}
-    model._active_adapter = adapter_name
+    model._active_adapters = [adapter_name]
     return model
 
 
