@@ -28,9 +28,9 @@ from transformers import AutoTokenizer, BitNetForCausalLM
 
 import torch_wgpu_lora as twl
 from torch_wgpu_lora.integrations.adapter_files import save_adapter
-from torch_wgpu_lora.integrations.bitnet import lora_modules, set_backend
+from torch_wgpu_lora.integrations.bitnet import load_bitnet, lora_modules, set_backend
 from torch_wgpu_lora.integrations.peft import from_peft, load_adapter
-from torch_wgpu_lora.integrations.tiny import CHAT_TEMPLATE, build_tiny_tokenizer
+from torch_wgpu_lora.integrations.tiny import CHAT_TEMPLATE, build_tiny_bitnet, build_tiny_tokenizer
 from torch_wgpu_lora.modules import LoRALinear
 
 from .helpers import logits, randomize
@@ -429,3 +429,90 @@ def test_adapter_names_are_refused_where_peft_refuses_them(pristine, tmp_path):
     ours.train()
     with pytest.raises(ValueError, match=r"adapter_names is for inference \(as in PEFT\): call model.eval\(\) first"):
         ours(input_ids=ROWS, adapter_names=ROW_ADAPTERS)
+    ours.eval().merge_adapter()
+    with pytest.raises(ValueError, match=r"adapter_names: the active adapters are merged .* unmerge_adapter\(\) first"):
+        ours(input_ids=ROWS, adapter_names=ROW_ADAPTERS)
+    with pytest.raises(ValueError, match=r"set_adapter: the active adapters are merged .* unmerge_adapter\(\) first"):
+        ours.set_adapter("other")  # the merged adapter would stay in the weights, put aside
+
+
+# -- merging ----------------------------------------------------------------------------------------
+
+def weight_bound(weight):
+    """Float32 rounding of one merge: the sum W + s·B·A rounds once more than either term, and the
+    rank-r product's own rounding is below that at these sizes; 4 ulps of the largest weight."""
+    return 4 * torch.finfo(torch.float32).eps * weight.abs().max().item()
+
+
+def test_merge_and_unload_on_the_dense_flavour_gives_what_peft_gives(pristine, tmp_path):
+    theirs, ours = two_adapter_pair(pristine, tmp_path)
+    ours.set_adapter("other")  # every linear module but lm_head
+    theirs.set_adapter("other")
+    unmerged = logits(ours)
+    peft_merged = copy.deepcopy(theirs).merge_and_unload()
+    pristine_weights = dict(pristine.state_dict())
+
+    ours.merge_adapter()
+    assert all(m.merged for m in lora_modules(ours).values())
+    assert_matches(ours, unmerged, logits(pristine))  # the merged model computes what the adapters did
+    for name, weight in peft_merged.state_dict().items():
+        ours_weight = ours.get_submodule(name.rsplit(".", 1)[0]).weight if name.endswith("proj.weight") \
+            else ours.state_dict()[name]
+        assert (ours_weight - weight).abs().max() <= weight_bound(weight), name
+    ours.unmerge_adapter()  # the base weights back, the adapters running again
+    assert not any(m.merged for m in lora_modules(ours).values())
+    for name, module in lora_modules(ours).items():
+        original = pristine_weights[f"{name}.weight"]
+        assert (module.weight - original).abs().max() <= 2 * weight_bound(original), name
+    assert_matches(ours, unmerged, logits(pristine))
+
+    merged = ours.merge_and_unload()
+    assert merged is ours and type(merged) is BitNetForCausalLM and not lora_modules(merged)
+    assert not hasattr(merged, "merge_adapter")  # a plain transformers model again, as peft's result is
+    assert_matches(merged, logits(peft_merged), logits(pristine))
+    assert_matches(merged, unmerged, logits(pristine))
+
+
+def test_merging_several_active_adapters_gives_what_peft_gives(pristine, tmp_path):
+    theirs, ours = two_adapter_pair(pristine, tmp_path)
+    with pytest.raises(ValueError, match=re.escape("merge_adapter merges active adapters; ['other'] are not active")):
+        ours.merge_adapter(["other"])
+    theirs.base_model.set_adapter(["default", "other"])
+    ours.set_adapter(["default", "other"])
+    expected = copy.deepcopy(theirs).merge_and_unload()
+    merged = ours.merge_and_unload()
+    assert type(merged) is BitNetForCausalLM and not lora_modules(merged)
+    assert_matches(merged, logits(expected), logits(pristine))
+
+
+def test_unload_and_get_base_model_follow_peft(pristine, tmp_path):
+    theirs, ours = two_adapter_pair(pristine, tmp_path)
+    assert ours.get_base_model() is ours  # as PeftModel.get_base_model(): the model holding the adapters
+    assert torch.equal(logits(ours.get_base_model()), logits(ours))
+    unloaded = ours.unload()
+    assert type(unloaded) is BitNetForCausalLM and not lora_modules(unloaded)
+    assert torch.equal(logits(unloaded), logits(pristine))
+    assert torch.equal(logits(theirs.unload()), logits(pristine))  # peft's unload: the same base model
+
+
+@pytest.mark.parametrize("flavour, held", [
+    ("online", "AutoBitLinear (the online flavour) ternarises its weight W on every forward"),
+    ("packed", "BitLinear (the packed flavour) holds W as ternary values and a scale"),
+    ("packed-autobitlinear", "AutoBitLinear (the packed flavour) holds W as ternary values and a scale"),
+])
+def test_merging_a_quantised_flavour_is_refused_saying_why_and_how_to_serve_instead(tmp_path, flavour, held):
+    model = twl.apply_lora(load_bitnet(build_tiny_bitnet(tmp_path, flavour=flavour)), r=4,
+                           target_modules=["q_proj"], backend="torch")
+    randomize(model, seed=4)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    for merge in (model.merge_adapter, model.merge_and_unload):
+        with pytest.raises(ValueError) as refusal:
+            merge()
+        message = str(refusal.value)
+        assert message.startswith(f"model.layers.0.self_attn.q_proj: cannot merge the adapter exactly. {held}; "
+                                  "W + scaling·B·A is no longer ternary"), message
+        for route in ("model.save_pretrained(folder)", "PeftModel.from_pretrained(base, folder)",
+                      "format='gguf'", "llama.cpp applies with --lora"):
+            assert route in message
+    assert all(torch.equal(t, before[name]) for name, t in model.state_dict().items())  # nothing was written
+    assert not any(m.merged for m in lora_modules(model).values())

@@ -7,6 +7,7 @@
 >>> # model.save_pretrained("out")              # PEFT's layout, as transformers' Trainer.save_model calls it
 >>> # model(**batch, adapter_names=["default", "other", "__base__"])  # an adapter a row, as PEFT's mixed batches
 >>> # model.set_adapter(["default", "other"])  # both at once, their effects added
+>>> # merged = model.merge_and_unload()         # dense flavour only: a plain BitNetForCausalLM
 >>> # ours = from_peft(peft_model)             # a PeftModel's LoRA layers as ours, sharing its Parameters
 
 **The model API.** ``apply_lora`` and ``load_adapter``, which the package exports, put adapters on
@@ -33,6 +34,13 @@ refuses it, naming the module). ``adapter_names=[...]`` in the model's call or i
 gives each row of the batch its own adapter (``"__base__"``: none), whichever are active: for
 inference, refused in training mode, with merged adapters and for unknown names, as in PEFT.
 ``BitNetEngine`` refuses ``adapter_names`` and points to the model itself.
+
+Merging. ``merge_adapter`` / ``unmerge_adapter``, ``merge_and_unload`` and ``unload`` as PEFT's,
+and ``get_base_model`` (this model, adapters in place, as ``PeftModel.get_base_model()``). A
+merge is exact (up to float rounding) on the dense flavour only: on the online and packed
+flavours W + scaling·B·A is no longer ternary, and quantising it again would change the model,
+so the merge is refused, saying so and naming the ways to serve the adapter beside the base
+(PEFT's layout with transformers or peft, the LoRA GGUF with llama.cpp).
 
 **PEFT models.** ``from_peft`` turns a ``PeftModel`` (or a base model ``get_peft_model`` wrapped)
 into a transformers model holding our adapters that shares every tensor with it: the LoRA layers
@@ -276,6 +284,66 @@ class LoraModelMixin:
             for key, m in used.items():
                 m.train(modes[key])
 
+    # -- merging (exact on the dense flavour only) ----------------------------------------------
+
+    def merge_adapter(self, adapter_names: list[str] | None = None, safe_merge: bool = False) -> None:
+        """Fold the active adapters (``adapter_names``: those of them, by default all) into the base
+        weights, as PEFT's ``merge_adapter``; the model then computes the same without running them.
+        Exact on the dense flavour (``nn.Linear`` projections) up to float rounding. On the quantised
+        flavours it is refused, saying why (``_refuse_quantised_merge``). A merge that would put
+        non-finite values into a weight is always refused before anything is written (``safe_merge``,
+        PEFT's option for that check, is accepted and changes nothing)."""
+        names = self.active_adapters if adapter_names is None else adapter_names
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"adapter_names must be a list of adapter names, got {adapter_names!r}")
+        inactive = [n for n in names if n not in self._active_adapters]
+        if inactive:
+            raise ValueError(f"merge_adapter merges active adapters; {inactive} are not active (the active ones: "
+                             f"{self.active_adapters}); set_adapter them first")
+        modules = [(site, m) for site, by_adapter in self._active_sites().items()
+                   for adapter, m in by_adapter.items() if adapter in names and not m.merged]
+        for site, m in modules:
+            if type(m.base_layer) is not nn.Linear:
+                _refuse_quantised_merge(site, m.base_layer)
+        for _, m in modules:
+            m.merge()
+
+    def unmerge_adapter(self) -> None:
+        """Take every merged adapter out of the base weights again (PEFT's ``unmerge_adapter``): up to
+        float rounding, the weights are the base model's again and the adapters run as before."""
+        for by_adapter in self._active_sites().values():
+            for m in by_adapter.values():
+                if m.merged:
+                    m.unmerge()
+
+    def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False,
+                         adapter_names: list[str] | None = None) -> nn.Module:
+        """``merge_adapter(adapter_names)``, then ``unload()``: the base model with the adapters folded
+        into its weights, as PEFT's ``merge_and_unload`` returns it (dense flavour only, exact up to
+        float rounding; on the quantised flavours refused, saying why). ``progressbar`` is accepted
+        and ignored (the merge is quick)."""
+        self.merge_adapter(adapter_names, safe_merge=safe_merge)
+        return self.unload()
+
+    def unload(self) -> nn.Module:
+        """The base model back, every adapter removed without merging (PEFT's ``unload``; adapters
+        merged before stay in the weights): its projections are the base layers again, its class
+        its own (``BitNetForCausalLM``), and it no longer has this API. Any flavour. Returns the
+        model (changed in place, as PEFT's ``unload`` changes the model it wraps)."""
+        self._swap_out()
+        cls = next(c for c in type(self).__mro__[1:] if c is not LoraModelMixin and not issubclass(c, LoraModelMixin))
+        del self._lora_adapters, self._lora_configs, self._active_adapters
+        if "lora_config" in self.__dict__:
+            del self.lora_config
+        self.__class__ = cls
+        return self
+
+    def get_base_model(self) -> nn.Module:
+        """The transformers model under the adapters (PEFT's ``get_base_model``). Here that model is
+        this one, adapters in place, as ``PeftModel.get_base_model()`` returns the model holding
+        PEFT's layers; ``unload()`` takes the adapters out."""
+        return self
+
     # -- the adapters kept aside ---------------------------------------------------------------
 
     def _check_new_name(self, adapter_name: Any) -> None:
@@ -331,6 +399,25 @@ class LoraModelMixin:
         self._lora_configs[adapter_name] = getattr(self, "lora_config", None)
         if not self._active_adapters:  # the first adapter of a model without one is the one in use
             self._active_adapters = [adapter_name]
+
+
+def _refuse_quantised_merge(site: str, layer: nn.Module) -> None:
+    """ValueError saying why an adapter on the quantised ``layer`` (module ``site``) cannot be merged,
+    and how to serve it instead."""
+    # transformers' class (the packed BitLinear is our STE subclass of it: the name users know is its base's)
+    kind = next((c.__name__ for c in type(layer).__mro__ if c.__module__.startswith("transformers.")),
+                type(layer).__name__)
+    if getattr(layer, "online_quant", False):
+        held = f"{kind} (the online flavour) ternarises its weight W on every forward"
+    else:
+        held = f"{kind} (the packed flavour) holds W as ternary values and a scale"
+    raise ValueError(
+        f"{site}: cannot merge the adapter exactly. {held}; W + scaling·B·A is no longer ternary, so quantising it "
+        "again would give a model that computes something else than the base model with its adapter. Only the "
+        "dense flavour (nn.Linear projections) merges exactly. Serve the adapter beside the base model instead: "
+        "model.save_pretrained(folder) writes it in PEFT's layout, which PeftModel.from_pretrained(base, folder) "
+        "or transformers' base.load_adapter(folder) runs on this checkpoint; twl.save_adapter(model, "
+        "'adapter.gguf', format='gguf') writes a LoRA GGUF that llama.cpp applies with --lora")
 
 
 _CLASSES: dict[type, type] = {}
