@@ -398,6 +398,25 @@ def test_generate_with_adapter_names_gives_each_row_what_peft_gives(pristine, tm
     assert not torch.equal(expected.sequences[0], expected.sequences[2]) or not torch.equal(ROWS[0], ROWS[2])
 
 
+def test_beam_search_keeps_each_rows_adapter_on_its_beams_as_peft_does(pristine, tmp_path):
+    # One new token, two beams: the beams' scores are each row's two best next-token log-probabilities
+    # under its adapter. Scores, not tokens, are compared (sorted): a near tie between two tokens
+    # changes which token a beam holds, not the scores.
+    theirs, ours = two_adapter_pair(pristine, tmp_path)
+    settings = dict(input_ids=ROWS, attention_mask=torch.ones_like(ROWS), adapter_names=ROW_ADAPTERS, num_beams=2,
+                    num_return_sequences=2, max_new_tokens=1, do_sample=False, pad_token_id=0,
+                    output_scores=True, return_dict_in_generate=True)
+    expected = theirs.generate(**settings).sequences_scores.view(len(ROWS), 2).sort(dim=1).values
+    got = ours.generate(**settings).sequences_scores.view(len(ROWS), 2).sort(dim=1).values
+    base = {k: v for k, v in settings.items() if k != "adapter_names"}
+    base = pristine.generate(**base).sequences_scores.view(len(ROWS), 2).sort(dim=1).values
+    # Log-probabilities of magnitude ~5 from logits within ~1e-6 relative of peft's (a few ulps of
+    # float32 each): 2e-5 leaves tenfold room over that rounding, and the adapters move these scores
+    # by far more (> 5e-3 on the adapted rows: this tiny model's next-token distribution is flat).
+    assert (got - expected).abs().max() < 2e-5, (got, expected)
+    assert (expected[[0, 2]] - base[[0, 2]]).abs().amax(dim=1).min() > 5e-3
+
+
 def test_set_adapter_with_a_list_adds_the_adapters_effects_as_peft_does(pristine, tmp_path):
     theirs, ours = two_adapter_pair(pristine, tmp_path)
     theirs.base_model.set_adapter(["default", "other"])  # peft's LoraModel takes a list; PeftModel one name
