@@ -4,6 +4,7 @@ tiny BitNet with WebGPU LoRA adapters."""
 
 import copy
 import json
+import re
 from importlib import resources
 from types import SimpleNamespace
 
@@ -395,3 +396,52 @@ def test_lists_chats_and_streamers_refuse_what_they_cannot_take(model, tokenizer
         generate(model, tokenizer, [{"role": "user", "content": PROMPT}])
     with pytest.raises(ValueError, match="chat message 0 needs a string 'content'"):
         generate(model, tokenizer, [{"role": "user"}])
+
+
+# -- an adapter a prompt (PEFT's adapter_names) ---------------------------------------------------
+
+def test_adapter_names_continue_each_prompt_with_its_adapter_as_peft_does(paths, tokenizer, tmp_path):
+    import peft
+
+    from torch_wgpu_lora.integrations.bitnet import set_backend
+
+    pristine = BitNetForCausalLM.from_pretrained(paths[0]).eval()
+    theirs = peft.get_peft_model(copy.deepcopy(pristine), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    theirs.add_adapter("other", peft.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=generator))
+    theirs.eval().save_pretrained(tmp_path / "peft")
+    ours = torch_wgpu_lora.load_adapter(copy.deepcopy(pristine), tmp_path / "peft")
+    ours.load_adapter(tmp_path / "peft" / "other", adapter_name="other")
+    ours.set_adapter("other")
+    set_backend(ours, "torch")
+    ours.set_adapter("default")
+    set_backend(ours, "torch")
+    prompts, names = [PROMPT, "Add two and three.", PROMPT], ["other", "__base__", "default"]
+
+    got = generate(ours, tokenizer, prompts, max_new_tokens=NEW_TOKENS, repetition_penalty=1.0,
+                   eos_token_id=[], return_ids=True, adapter_names=names)
+    for prompt, name, result in zip(prompts, names, got):
+        ids = prompt_ids(tokenizer, prompt)
+        expected = theirs.generate(ids, attention_mask=torch.ones_like(ids), adapter_names=[name],
+                                   max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                   eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+        # Greedy picks are compared up to peft's first near tie (top two logits within 1e-3 of the
+        # largest): from there another float32 rounding may rightly pick the other token.
+        scores = torch.cat(expected.scores)
+        top = scores.topk(2, dim=-1).values
+        steps = int(((top[:, 0] - top[:, 1]) > 1e-3 * scores.abs().max()).long().cumprod(0).sum())
+        assert steps >= 3, f"{name}: peft's greedy choices are near ties from step {steps}"
+        assert result.token_ids[:steps] == expected.sequences[0, ids.shape[1]:][:steps].tolist(), name
+    assert got[0].token_ids != got[2].token_ids  # the same prompt, two adapters
+
+    with pytest.raises(ValueError, match=r"adapter_names must be a list of one adapter name a prompt \(3 prompts\)"):
+        generate(ours, tokenizer, prompts, max_new_tokens=2, adapter_names=names[:2])
+    with pytest.raises(ValueError, match="this BitNetForCausalLM has none"):
+        generate(pristine, tokenizer, PROMPT, max_new_tokens=2, adapter_names=["default"])
+    with pytest.raises(ValueError, match=re.escape("adapter_names (an adapter a prompt) runs on the torch path: "
+                                                   "BitNetEngine runs the model's active adapter on every row")):
+        generate(BitNetEngine(ours), tokenizer, PROMPT, max_new_tokens=2, adapter_names=["default"])

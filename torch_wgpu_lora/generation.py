@@ -19,6 +19,7 @@ Hugging Face's own ``model.generate()`` works too with ``LoRALinear`` modules in
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from .engine import BitNetEngine, GenerationRequest
+from .integrations.peft import LoraModelMixin
 from .limits import SEED_LIMIT, check_context, check_seed, model_context
 from .logits import check_processing, process_logits
 from .prompts import check_unicode, format_prompt
@@ -163,7 +165,7 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
              strategy: str = "greedy", temperature: float = 1.0, top_k: int = 40, top_p: float = 0.9,
              repetition_penalty: float = 1.1, eos_token_id: int | Iterable[int] | None = None,
              seed: int | None = None, use_template: bool = False, return_ids: bool = False,
-             streamer: Any = None) -> str | Generation | list[str] | list[Generation]:
+             streamer: Any = None, adapter_names: list[str] | None = None) -> str | Generation | list[str] | list[Generation]:
     """Continue ``prompt`` with up to ``max_new_tokens`` tokens; return the new text.
 
     ``model`` is a transformers causal LM (LoRA adapters in place or not), or a
@@ -194,6 +196,10 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
     ``streamer`` (one prompt): a transformers streamer (``TextStreamer``,
     ``TextIteratorStreamer``) that gets the prompt's ids, then each new token as it comes.
 
+    ``adapter_names`` (a list, one name a prompt, ``"__base__"`` for none; the torch path, on a
+    model with named adapters): each prompt is continued with its own adapter, as PEFT's
+    ``generate(..., adapter_names=...)`` does (``LoraModelMixin.per_row_adapters``).
+
     ``return_ids=True`` returns a ``Generation`` (text, new token ids, prompt ids, whether
     EOS ended it) instead of the text. The model runs in eval mode without gradients; its
     training flag is restored afterwards.
@@ -206,6 +212,8 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
     if streamer is not None and len(prompts) != 1:
         raise ValueError(f"a streamer prints one generation; {len(prompts)} prompts were given")
     engine = model if isinstance(model, BitNetEngine) else None
+    if adapter_names is not None:
+        _check_adapter_names(model, adapter_names, len(prompts))
     eos = _eos_ids(eos_token_id, tokenizer, engine.model if engine is not None else model)
     prompt_ids = [_prompt_ids(p, tokenizer, use_template) for p in prompts]
     for ids in prompt_ids:
@@ -225,8 +233,9 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
                                     on_token=stream if streamer is not None else None)
         results = engine.generate_batch(request)
     else:
-        results = [_generate_on_torch(model, ids, max_new_tokens, eos, seed, streamer, **sampling)
-                   for ids, seed in zip(prompt_ids, seeds)]
+        names = adapter_names or [None] * len(prompts)
+        results = [_generate_on_torch(model, ids, max_new_tokens, eos, seed, streamer, name, **sampling)
+                   for ids, seed, name in zip(prompt_ids, seeds, names)]
     if streamer is not None:
         streamer.end()
     out = [Generation(text=tokenizer.decode(new_ids, skip_special_tokens=True), token_ids=new_ids, prompt_ids=ids,
@@ -236,9 +245,24 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
     return out if several else out[0]
 
 
+def _check_adapter_names(model: Any, adapter_names: Any, prompts: int) -> None:
+    """Refuse ``adapter_names`` that ``generate`` cannot honour, saying why."""
+    if isinstance(model, BitNetEngine):
+        raise ValueError("adapter_names (an adapter a prompt) runs on the torch path: BitNetEngine runs the model's "
+                         "active adapter on every row; generate with the transformers model itself "
+                         "(twl.generate(engine.model, ...))")
+    if not isinstance(model, LoraModelMixin):
+        raise ValueError(f"adapter_names picks among a model's named adapters, and this {type(model).__name__} has "
+                         "none (apply_lora or load_adapter give a model its adapters and PEFT's adapter API)")
+    if not isinstance(adapter_names, list) or len(adapter_names) != prompts:
+        raise ValueError(f"adapter_names must be a list of one adapter name a prompt ({prompts} prompts), got "
+                         f"{adapter_names!r}")
+
+
 def _generate_on_torch(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos: set[int], seed: int,
-                       streamer: Any, strategy: str, **processing: Any) -> tuple[list[int], bool]:
-    """One prompt's (new ids, whether EOS ended them) from transformers' model with a KV cache."""
+                       streamer: Any, adapter: str | None, strategy: str, **processing: Any) -> tuple[list[int], bool]:
+    """One prompt's (new ids, whether EOS ended them) from transformers' model with a KV cache, with
+    the named ``adapter`` (``LoraModelMixin.per_row_adapters``) where one is given."""
     if max_new_tokens == 0:
         return [], False
     device = next(model.parameters()).device
@@ -249,7 +273,7 @@ def _generate_on_torch(model: nn.Module, prompt_ids: list[int], max_new_tokens: 
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), model.per_row_adapters([adapter], 1) if adapter is not None else nullcontext():
             return _decode_loop(model, torch.tensor([prompt_ids], device=device), max_new_tokens, eos, generator,
                                 streamer, strategy=strategy, **processing)
     finally:
