@@ -453,6 +453,11 @@ def test_adapter_names_are_refused_where_peft_refuses_them(pristine, tmp_path):
         ours(input_ids=ROWS, adapter_names=ROW_ADAPTERS)
     with pytest.raises(ValueError, match=r"set_adapter: the active adapters are merged .* unmerge_adapter\(\) first"):
         ours.set_adapter("other")  # the merged adapter would stay in the weights, put aside
+    with pytest.raises(ValueError, match=r"delete_adapter: the active adapters are merged"):
+        ours.delete_adapter("default")
+    ours.add_adapter("third", peft.LoraConfig(r=2, target_modules=["k_proj"]))  # beside a merged adapter: fine
+    ours.delete_adapter(["other", "third"])
+    assert ours.adapter_names == ["default"] and ours.active_adapter == "default"
 
 
 # -- merging ----------------------------------------------------------------------------------------

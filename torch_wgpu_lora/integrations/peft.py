@@ -131,7 +131,6 @@ class LoraModelMixin:
         if not isinstance(adapter_name, str):  # transformers' PeftAdapterMixin.add_adapter(adapter_config, adapter_name)
             adapter_name, peft_config = peft_config or DEFAULT_ADAPTER, adapter_name
         self._check_new_name(adapter_name)
-        self._check_unmerged("add_adapter")
         if peft_config is None:
             raise TypeError("add_adapter needs a LoraConfig (torch_wgpu_lora's or peft's)")
         with self._bare():
@@ -143,7 +142,6 @@ class LoraModelMixin:
         """Load the adapter at ``model_id`` (a PEFT folder or a Hesper file) as ``adapter_name``; it is
         not made active (``set_adapter``). ``residual_base``: as ``adapter_files.load_adapter_file``."""
         self._check_new_name(adapter_name)
-        self._check_unmerged("load_adapter")
         with self._bare():
             adapter_files.load_adapter_file(self, model_id, residual_base=residual_base)
             self._take_new(adapter_name)
@@ -176,8 +174,8 @@ class LoraModelMixin:
         for name in [adapter_name] if isinstance(adapter_name, str) else list(adapter_name):
             if name not in self._lora_adapters:
                 raise ValueError(f"no adapter named {name!r}; the adapters are {self.adapter_names}")
-            self._check_unmerged("delete_adapter")
             if name in self._active_adapters:
+                self._check_unmerged("delete_adapter")  # its merge would stay in the weights
                 self._swap_out()
                 self._active_adapters = [n for n in self._active_adapters if n != name]
                 self._swap_in()
