@@ -13,6 +13,14 @@ most ``FLIP_SHARE`` of all codes). With the codes pinned, everything else is flo
 arithmetic and can be held to float tolerances. The straight-through gradient is kept:
 the substituted codes pass gradients as transformers' quantisation does.
 
+**llama.cpp's rule** (``rule="q8_K"``). llama.cpp multiplies its ternary weights (TQ1_0, TQ2_0)
+with activations quantised to Q8_K: blocks of 256 consecutive values of a row, each with its own
+factor, as ggml's ``quantize_row_q8_K_ref`` (ggml/src/ggml-quants.c): ``iscale = -127 / m`` with m
+the block's value of largest magnitude (the first, sign kept), code ``min(127, round(iscale · x))``
+(round half to even), value ``code · d`` with ``d = 1 / iscale`` in float32 (a block of zeros: codes
+and d 0). ``q8_k_codes`` computes them; fed with llama.cpp's own, transformers' modules compute what
+llama.cpp does, to float rounding.
+
 >>> # stats = FeedStats()
 >>> # with feeding_codes(model, codes, stats):       # codes[(layer, site)] = (codes [B, T, K], scales)
 >>> #     loss = model(input_ids=ids, labels=labels).loss
@@ -37,6 +45,7 @@ from .bitnet import PROJECTION_SITES, projection_modules
 # quantisation (a wrong scale, a wrong element) lands far from a tie almost always.
 TIE = 2e-3
 FLIP_SHARE = 1e-3
+Q8_K_BLOCK = 256  # values per ggml Q8_K block
 
 
 @dataclass
@@ -51,12 +60,32 @@ class FeedStats:
     sites: set = field(default_factory=set)
 
 
+def q8_k_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml's Q8_K quantisation of float32 ``x`` [..., K] (K a multiple of 256), as the module
+    docstring gives it: (codes [..., K], d [..., K / 256, 1], the values iscale · x before rounding
+    [..., K]); codes · d per block is the value llama.cpp multiplies."""
+    if x.dtype != torch.float32 or x.shape[-1] % Q8_K_BLOCK:
+        raise ValueError(f"Q8_K quantises float32 rows of whole {Q8_K_BLOCK}-value blocks, not {x.dtype} {list(x.shape)}")
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // Q8_K_BLOCK, Q8_K_BLOCK)
+    largest = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))  # argmax: the first, as ggml's strict >
+    # one float32 division each, as ggml's (a Python number over a tensor is a reciprocal and a product)
+    iscale = torch.where(largest == 0, 0.0, torch.full_like(largest, -127.0) / largest)
+    value = iscale * blocks
+    codes = value.round().clamp(max=127)
+    d = torch.where(largest == 0, 0.0, torch.ones_like(iscale) / iscale)
+    return codes.reshape(x.shape), d, value.reshape(x.shape)
+
+
 @contextlib.contextmanager
-def feeding_codes(model: nn.Module, codes: dict, stats: FeedStats) -> Iterator[FeedStats]:
+def feeding_codes(model: nn.Module, codes: dict, stats: FeedStats, rule: str = "per-token") -> Iterator[FeedStats]:
     """Inside the block, every activation quantisation of ``model``'s projections uses
-    ``codes[(layer, site)]`` ([batch, tokens, K] codes and per-token scales; sites as in
-    ``PROJECTION_SITES``) instead of its own rounding, after checking each difference is a
-    near-tie flip (AssertionError otherwise)."""
+    ``codes[(layer, site)]`` instead of its own rounding (sites as in ``PROJECTION_SITES``), after
+    checking each difference is a near-tie flip (AssertionError otherwise). ``rule="per-token"``
+    (transformers'): [batch, tokens, K] codes and per-token scales (value = code / scale);
+    ``rule="q8_K"`` (llama.cpp's, ``q8_k_codes``): [batch, tokens, K] codes and per-block d
+    [batch, tokens, K / 256, 1] (value = code · d)."""
+    if rule not in ("per-token", "q8_K"):
+        raise ValueError(f"rule must be 'per-token' or 'q8_K', got {rule!r}")
     bitnet = sys.modules["transformers.integrations.bitnet"]
     site_of = {module: (layer, PROJECTION_SITES[name]) for layer, name, module in projection_modules(model)}
     current: list = []
@@ -66,9 +95,13 @@ def feeding_codes(model: nn.Module, codes: dict, stats: FeedStats) -> Iterator[F
         key = current.pop()
         ours, _ = codes[key]
         x = x.detach().to(torch.promote_types(x.dtype, torch.float32))  # a float64 reference stays exact
-        scale = 127 / x.abs().max(dim=-1, keepdim=True).values.clamp(min=1e-5)
-        value = x * scale
-        theirs = value.round().clamp(-128, 127)
+        if rule == "q8_K":
+            theirs, _, value = q8_k_codes(x)
+            scale = codes[key][1]  # here d, the other side's: value = code · d
+        else:
+            scale = 127 / x.abs().max(dim=-1, keepdim=True).values.clamp(min=1e-5)
+            value = x * scale
+            theirs = value.round().clamp(-128, 127)
         flips = ours != theirs
         distance = (value - value.floor() - 0.5).abs()
         if not bool((distance[flips] < TIE).all()):
@@ -84,6 +117,9 @@ def feeding_codes(model: nn.Module, codes: dict, stats: FeedStats) -> Iterator[F
         return ours, scale
 
     def bitlinear_quant(self: nn.Module, input: torch.Tensor, num_bits: int = 8) -> tuple[torch.Tensor, ...]:
+        if rule == "q8_K":
+            raise ValueError("transformers' packed BitLinear divides by one scale per token; Q8_K codes are fed to "
+                             "AutoBitLinear models (those loaded from GGUF files)")
         q, scale = substitute(input)
         return q.to(torch.int8), scale
 
@@ -91,7 +127,11 @@ def feeding_codes(model: nn.Module, codes: dict, stats: FeedStats) -> Iterator[F
         @staticmethod
         def apply(activation: torch.Tensor) -> torch.Tensor:
             q, scale = substitute(activation)
-            return activation + ((q / scale).to(activation.dtype) - activation).detach()
+            if rule == "q8_K":  # code · d per block, as llama.cpp's dot products weigh them
+                dequantised = (q.reshape(*q.shape[:-1], -1, Q8_K_BLOCK) * scale).reshape(q.shape)
+            else:
+                dequantised = q / scale
+            return activation + (dequantised.to(activation.dtype) - activation).detach()
 
     saved = bitnet.BitLinear.activation_quant, bitnet.ActQuant
     bitnet.BitLinear.activation_quant = bitlinear_quant
