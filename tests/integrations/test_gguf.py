@@ -39,13 +39,15 @@ TEXTS = ["Name a primary colour. Red is one!", "Hello world, this is a tokenizer
 LOGIT_RTOL = 1e-4  # as tests/engine/test_model.py: float32 sums in other orders, ~1e-6 of the scale
 
 # (ternary type, float type, architecture, config): every type at least once; the published 2B-4T
-# file is i2_s with an F16 embedding under bitnet-b1.58.
+# file is i2_s with an F16 embedding under bitnet-b1.58. llama.cpp's bitnet is SiLU-gated (bitnet.cpp's
+# two architectures ReLU²), so its cases are SiLU models, which the engine (ReLU² only) does not run.
 CASES = {
     "i2_s-F16-bitnet-b1.58": ("i2_s", "F16", "bitnet-b1.58", {}),
-    "TQ1_0-F32-bitnet-untied": ("TQ1_0", "F32", "bitnet", dict(tie_word_embeddings=False)),
+    "TQ1_0-F32-bitnet-untied": ("TQ1_0", "F32", "bitnet", dict(tie_word_embeddings=False, hidden_act="silu")),
     "TQ2_0-BF16-bitnet-25": ("TQ2_0", "BF16", "bitnet-25", {}),
-    "TQ2_0-with-scale-tensors": ("TQ2_0-unit", "F32", "bitnet", {}),
+    "TQ2_0-with-scale-tensors": ("TQ2_0-unit", "F32", "bitnet", dict(hidden_act="silu")),
 }
+ENGINE_CASES = [name for name, (_, _, arch, _) in CASES.items() if arch != "bitnet"]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,7 @@ def test_torch_logits_equal_the_source(case):
     assert torch.equal(torch_logits(case["model"], ids, mask), torch_logits(case["source"], ids, mask))
 
 
+@pytest.mark.parametrize("case", ENGINE_CASES, indirect=True)
 def test_engine_logits_match_transformers_fed_the_engines_codes(case):
     model = case["model"]
     ids, mask = ids_and_mask(model.config.vocab_size, [12, 7])
@@ -118,7 +121,8 @@ def test_engine_logits_match_transformers_fed_the_engines_codes(case):
 
 
 def test_greedy_generation_matches_the_source(case, tokenizer):
-    for runner in (lambda m: m, BitNetEngine):  # transformers' modules, then the engine
+    engine = [BitNetEngine] if case["arch"] != "bitnet" else []
+    for runner in (lambda m: m, *engine):  # transformers' modules, then the engine (ReLU² models)
         ours, theirs = (generate(runner(m), tokenizer, "Name a primary colour.", max_new_tokens=10,
                                  return_ids=True) for m in (case["model"], case["source"]))
         assert ours.token_ids == theirs.token_ids and ours.prompt_ids == theirs.prompt_ids
@@ -172,7 +176,7 @@ def test_tokenizer_round_trips_against_the_one_the_file_was_made_from(case, toke
 
 
 def test_a_file_without_a_tokenizer_loads_and_says_so_when_one_is_needed(tmp_path):
-    source = gguf_source(tmp_path / "source")
+    source = gguf_source(tmp_path / "source", hidden_act="silu")
     path = write_model_gguf(tmp_path / "model.gguf", source, "TQ2_0-unit", "F32", "bitnet")
     model = load_bitnet(path)
     assert torch.equal(model.model.embed_tokens.weight, source.model.embed_tokens.weight)
@@ -255,9 +259,20 @@ def test_llama_cpps_bitnet_without_an_activation_is_silu(tmp_path):
     metadata = gguf_metadata(source, "bitnet")
     del metadata["bitnet.hidden_activation"]
     model = load_bitnet(write_gguf(tmp_path / "m.gguf", "bitnet", metadata, gguf_tensors(source, "TQ2_0-unit", "F32")))
-    assert model.config.hidden_act == "silu"  # llama.cpp's default for its bitnet architecture
+    assert model.config.hidden_act == "silu"  # what llama.cpp's bitnet graph computes
     with pytest.raises(ValueError, match="relu2 FFN; this model's hidden_act is 'silu'"):
         BitNetEngine(model)
+
+
+def test_a_bitnet_file_naming_another_activation_than_llama_cpps_is_refused(tmp_path):
+    """llama.cpp runs every bitnet file SiLU-gated (tests/integrations/test_llama_cpp.py checks that it
+    does); a file saying relu2 would mean one model here and another there."""
+    source = gguf_source(tmp_path / "source")  # a ReLU² BitNet, as bitnet-b1.58-2B-4T
+    path = write_model_gguf(tmp_path / "m.gguf", source, "TQ2_0", "F32", "bitnet")
+    with pytest.raises(ValueError, match=r"bitnet.hidden_activation is 'relu2'; llama.cpp computes the bitnet "
+                                         r"architecture's FFN with SiLU and ignores this key.*bitnet-b1.58 or "
+                                         r"bitnet-25 \(general.architecture\)"):
+        load_bitnet(path)
 
 
 @pytest.mark.parametrize("case", ["TQ2_0-BF16-bitnet-25"], indirect=True)
@@ -418,9 +433,9 @@ BAD_FILES = {
            ("what the file holds", "general.type", "not a string", 3,
             r"general.type is 3; what the file holds must be stored as a string, not as uint32"),
        ]},
-    "an activation transformers does not have": (
+    "an activation llama.cpp's bitnet does not compute": (
         lambda s, m, t: ("bitnet", {**as_architecture(m, "bitnet"), "bitnet.hidden_activation": "swishy"}, t),
-        r"bitnet.hidden_activation is 'swishy'; transformers has no activation of that name"),
+        r"bitnet.hidden_activation is 'swishy'; llama.cpp computes the bitnet architecture's FFN with SiLU"),
     "layers numbered with a gap": (
         lambda s, m, t: ("bitnet-b1.58", m, {k.replace("blk.1.", "blk.2."): v for k, v in t.items()}),
         r"holds tensors of layer blk.2 but none of blk.1"),

@@ -33,8 +33,10 @@ bfloat16, as transformers does). Its config comes from the metadata:
   ``A.rope.freq_base`` (default 10000, llama.cpp's; finite, above 1); counts stored as integers;
 * ``vocab_size``: the rows of ``token_embd`` (``A.vocab_size``, and the tokenizer's
   ``tokenizer.ggml.tokens``, if given, must agree, as llama.cpp requires);
-* ``hidden_act``: ``relu2`` for ``bitnet-b1.58`` and ``bitnet-25``; for ``bitnet``,
-  ``A.hidden_activation`` (a name transformers' ``ACT2FN`` knows), else ``silu`` (llama.cpp's rules);
+* ``hidden_act``: what the reference program computes for the architecture: ``relu2`` for
+  bitnet.cpp's ``bitnet-b1.58`` and ``bitnet-25``, ``silu`` for llama.cpp's ``bitnet`` (its graph,
+  src/models/bitnet.cpp, gates the FFN with SiLU and reads no activation key). A ``bitnet`` file
+  whose ``A.hidden_activation`` names another activation is refused: llama.cpp would run it as SiLU;
 * ``bos_token_id``, ``pad_token_id``: ``tokenizer.ggml.bos_token_id``, ``...padding_token_id``;
   ``eos_token_id``: ``tokenizer.ggml.eos_token_id``, with ``...eot_token_id`` when that differs
   (llama.cpp ends generation at both); each, where given, an integer in [0, vocab) (llama.cpp
@@ -277,7 +279,6 @@ def _config(file: _File) -> Any:
     """The BitNetConfig the file's metadata and tensor table describe, every value read checked for
     its type, its range and its agreement with the tensors before anything is built."""
     from transformers import BitNetConfig
-    from transformers.activations import ACT2FN
 
     arch, meta = file.architecture, file.meta
     vocab = file.vocabulary()
@@ -333,10 +334,15 @@ def _config(file: _File) -> Any:
     if arch in RELU2_ARCHITECTURES:
         activation = "relu2"
     else:
+        # llama.cpp's bitnet graph (src/models/bitnet.cpp) gates its FFN with SiLU whatever this key says;
+        # a file claiming another activation would give other logits there than here
         key = f"{arch}.hidden_activation"
         activation = meta.string(key, "the FFN activation", "silu")
-        if activation not in ACT2FN:
-            raise meta.refuse(key, activation, "transformers has no activation of that name")
+        if activation != "silu":
+            raise meta.refuse(key, activation, f"llama.cpp computes the {arch} architecture's FFN with SiLU and "
+                                               "ignores this key, so the file would mean another model there; a "
+                                               "squared-ReLU BitNet (bitnet-b1.58-2B-4T) is bitnet.cpp's "
+                                               f"{' or '.join(RELU2_ARCHITECTURES)} (general.architecture)")
     ids = {kind: meta.token_id(f"tokenizer.ggml.{kind}_token_id", vocab) for kind in ("bos", "eos", "eot", "padding")}
     eos_ids = [i for i in dict.fromkeys((ids["eos"], ids["eot"])) if i is not None]
     return BitNetConfig(
