@@ -595,7 +595,8 @@ def test_gguf_adapter_errors(tmp_path):
     modules = dict(model.named_modules())
     modules["model.layers.1.mlp.up_proj"].lora_alpha = 6.0
     modules["model.layers.1.mlp.up_proj"].scaling = 6.0 / 4
-    with pytest.raises(ValueError, match="do not share one lora_alpha: .* a GGUF adapter has one alpha"):
+    with pytest.raises(ValueError, match=r"do not share one llama.cpp alpha \(lora_alpha, or lora_alpha·√r under "
+                                         r"rsLoRA\): .* a GGUF adapter has one alpha \(adapter.lora.alpha\)"):
         save_adapter(model, tmp_path / "a.gguf", format="gguf")
     with pytest.raises(ValueError, match="is a folder; format='gguf' writes one file"):
         save_adapter(adapted(gguf_source(tmp_path / "other")), tmp_path, format="gguf")
@@ -606,6 +607,24 @@ def test_gguf_adapter_errors(tmp_path):
     with pytest.raises(ValueError, match="lora_alpha=0.1 is not exactly a float32"):
         save_adapter(odd, tmp_path / "odd.gguf", format="gguf")
     assert not list(tmp_path.glob("*.gguf"))  # nothing written on error
+
+
+def test_gguf_adapters_llama_cpp_cannot_scale_as_we_do_are_refused(tmp_path):
+    """llama.cpp scales by one alpha / each tensor's rank (tests/integrations/test_llama_cpp.py runs the
+    adapters it can): rsLoRA at two ranks needs two alphas, and a gate/up .scale of 0 zeroes any adapter."""
+    mixed = add_lora_layers(gguf_source(tmp_path / "mixed"), r=4, lora_alpha=8, use_rslora=True,
+                            rank_pattern={"v_proj": 16})
+    with pytest.raises(ValueError, match=r"do not share one llama.cpp alpha .*q_proj has 16.0.*v_proj has 32.0"):
+        save_adapter(mixed, tmp_path / "mixed.gguf", format="gguf")
+    source = gguf_source(tmp_path / "source", hidden_act="silu")
+    tensors = gguf_tensors(source, "TQ2_0-unit", "F32")
+    tensors["blk.1.ffn_up.scale"] = (np.zeros(1, dtype=np.float32), None, (1,))
+    model = load_bitnet(write_gguf(tmp_path / "m.gguf", "bitnet", gguf_metadata(source, "bitnet"), tensors))
+    assert model.config.gguf_gate_up_scales["model.layers.1.mlp.up_proj"] == 0.0
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj: the base GGUF's .scale of this projection is "
+                                         r"0, and llama.cpp multiplies the adapter's term by it"):
+        save_adapter(adapted(model), tmp_path / "zero.gguf", format="gguf")
+    assert [path.name for path in tmp_path.glob("*.gguf")] == ["m.gguf"]  # no adapter written
 
 
 def test_without_the_gguf_package_the_error_names_the_install(tmp_path, monkeypatch):

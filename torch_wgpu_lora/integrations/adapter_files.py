@@ -32,7 +32,8 @@ where dim is q_proj's in_features (the hidden size) and kvDim is v_proj's out_fe
 It holds exactly Q and V adapters in every layer with one rank; dropout is not stored.
 
 **GGUF** (``format="gguf"``, written only): a LoRA adapter GGUF that llama.cpp loads with
-``--lora``, with one alpha for all modules; ``integrations.gguf`` describes it.
+``--lora`` and runs as this package runs the adapters (rsLoRA and files whose gate/up carry
+``.scale`` tensors included), with one alpha for all modules; ``integrations.gguf`` describes it.
 
 **Integrity.** Files we write carry a checksum, so that a damaged file (a flipped bit on
 disk, a bad copy) is refused rather than loaded into different generations: PEFT weights
@@ -91,7 +92,7 @@ from ..config import LoraConfig
 from ..files import locked_dir, make_temp_dir, sync_dir, write_atomic, write_temp
 from ..modules import LoRALinear
 from .bitnet import add_lora_layers, is_linear_like, layer_index, lora_modules, lora_targets
-from .gguf import save_gguf_adapter
+from .gguf import llama_cpp_alpha, save_gguf_adapter
 
 FORMATS = ("peft", "hesper")
 SAVE_FORMATS = (*FORMATS, "gguf")  # GGUF LoRA adapters are written for llama.cpp (integrations.gguf)
@@ -146,8 +147,9 @@ def save_adapter(model: nn.Module, path: str | os.PathLike, format: str = "peft"
         _save_hesper(model, modules, path)
     else:
         _check_scaling(modules)
-        save_gguf_adapter(model, modules, path, _uniform(modules, "lora_alpha", lambda m: m.lora_alpha,
-                                                         "a GGUF adapter has one alpha (adapter.lora.alpha)"))
+        save_gguf_adapter(model, modules, path, _uniform(
+            modules, "llama.cpp alpha (lora_alpha, or lora_alpha·√r under rsLoRA)", llama_cpp_alpha,
+            "a GGUF adapter has one alpha (adapter.lora.alpha), by which llama.cpp scales each module / r"))
     return path
 
 

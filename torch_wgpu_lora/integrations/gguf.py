@@ -61,7 +61,9 @@ so ggml [in, out] is torch [out, in]):
   architectures with NeoX RoPE (``rotate_half``, as transformers), so its converters do not permute
   Q and K (llama.cpp: conversion/bitnet.py; microsoft/BitNet: utils/convert-ms-to-gguf-bitnet.py);
 * ``blk.i.<projection>.scale`` (optional, one float): llama.cpp multiplies that projection's output
-  by it (src/models/bitnet.cpp), so it multiplies the projection's scale here.
+  by it (src/models/bitnet.cpp), so it multiplies the projection's scale here. Those of ``ffn_gate``
+  and ``ffn_up`` are kept as ``model.config.gguf_gate_up_scales`` (module name → scale), for the
+  adapters saved from the model (below).
 
 **Ternary types.** A BitNet projection has one scale per tensor.
 
@@ -95,7 +97,20 @@ llama.cpp loads with ``--lora``, as its convert_lora_to_gguf.py writes one: ``ge
 ``adapter``, ``general.architecture`` the base model's, ``adapter.type`` ``lora``,
 ``adapter.lora.alpha``, and for each adapted projection ``<tensor>.weight.lora_a`` = lora_A
 [r, in] and ``<tensor>.weight.lora_b`` = lora_B [out, r] as F32 (``blk.3.attn_q.weight.lora_a``).
-llama.cpp scales each by alpha / r, r its own rank.
+What llama.cpp computes with it (src/llama-graph.cpp, ``build_lora_mm`` and ``build_ffn``;
+src/llama-adapter.h, ``get_scale``), and what is written so that it computes our adapters:
+
+* it scales each adapter by alpha / r, r the rank of that tensor pair: ``adapter.lora.alpha`` is
+  ``llama_cpp_alpha``, lora_alpha (lora_alpha · √r under rsLoRA, whose scale is lora_alpha / √r;
+  the float32 nearest it, so llama.cpp's factor is ours to float32 rounding). It is one value for
+  the file, so adapters needing different ones (different lora_alpha, or rsLoRA at different
+  ranks) are refused;
+* for q/k/v/o/down it multiplies the base product by the projection's ``.scale`` tensor before
+  adding the adapter's term, as we do; for gate and up (``build_ffn``) it adds the term first and
+  multiplies the sum by ``ffn_gate_s`` / ``ffn_up_s``. So for a model loaded from a file with those
+  tensors (``gguf_gate_up_scales``), gate and up adapters are written with lora_B divided by that
+  scale (float32), which llama.cpp's multiplication undoes. Serve such an adapter with that
+  base file; a scale of 0 leaves no adapter llama.cpp can apply, and is refused.
 """
 
 from __future__ import annotations
@@ -509,6 +524,19 @@ def _state_dict(file: _File, config: Any, dtype: torch.dtype) -> dict[str, torch
     return state
 
 
+def _gate_up_scales(file: _File, config: Any) -> dict[str, float]:
+    """The ``.scale`` tensors of the gate and up projections, by module name: llama.cpp multiplies
+    their adapters' terms by them too (``save_gguf_adapter`` undoes that)."""
+    scales = {}
+    for i in range(config.num_hidden_layers):
+        for tensor_name in ("ffn_gate", "ffn_up"):
+            extra = file.tensors.get(f"blk.{i}.{tensor_name}.scale")
+            if extra is not None:
+                scales[f"model.layers.{i}.{GGUF_PROJECTIONS[tensor_name]}"] = float(
+                    np.array(file.raw(extra)).view("<f4")[0])
+    return scales
+
+
 # -- public API ------------------------------------------------------------------------------------
 
 def load_gguf_bitnet(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -530,6 +558,7 @@ def load_gguf_bitnet(path: str | os.PathLike, dtype: torch.dtype = torch.float32
     if unfilled:  # transformers decides where the state dict lands; never leave a tensor at its random init
         raise RuntimeError(f"{file.path}: transformers did not load {unfilled[:4]} from the file's tensors")
     model.config.name_or_path = str(file.path)
+    model.config.gguf_gate_up_scales = _gate_up_scales(file, config)
     return model
 
 
@@ -576,37 +605,71 @@ def gguf_tensor_name(module: str) -> str:
     return f"blk.{match[1]}.{names[match[2]]}.weight"
 
 
+def llama_cpp_alpha(module: LoRALinear) -> float:
+    """The ``adapter.lora.alpha`` under which llama.cpp, scaling by alpha / r, scales ``module``'s
+    adapter as it runs here: lora_alpha, or lora_alpha · √r under rsLoRA (scale lora_alpha / √r).
+
+    >>> from torch import nn
+    >>> llama_cpp_alpha(LoRALinear(nn.Linear(8, 8), r=4, lora_alpha=3, use_rslora=True))
+    6.0
+    """
+    return module.lora_alpha * math.sqrt(module.r) if module.use_rslora else module.lora_alpha
+
+
 def save_gguf_adapter(model: nn.Module, modules: dict[str, LoRALinear], path: str | os.PathLike,
-                      lora_alpha: float) -> Path:
+                      alpha: float) -> Path:
     """Write ``modules`` (the model's LoRA adapters, by module name) to ``path`` atomically as a
-    llama.cpp LoRA GGUF with ``adapter.lora.alpha`` = ``lora_alpha`` (the module docstring says how).
+    llama.cpp LoRA GGUF with ``adapter.lora.alpha`` = ``alpha`` as float32, which must be every
+    module's ``llama_cpp_alpha`` (the module docstring says what is written, and why).
     ``general.architecture`` is the base model's: ``model.config.gguf_architecture`` when it was
     loaded from a GGUF, else llama.cpp's ``bitnet``. ``save_adapter(model, path, format="gguf")``
     checks that the adapters share that alpha and calls this.
 
-    >>> # save_gguf_adapter(model, lora_modules(model), "adapter.gguf", lora_alpha=16.0)
+    >>> # save_gguf_adapter(model, lora_modules(model), "adapter.gguf", alpha=16.0)
     """
     gguf = _gguf()
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{path} is a folder; format='gguf' writes one file")
-    if float(np.float32(lora_alpha)) != lora_alpha:
-        raise ValueError(f"lora_alpha={lora_alpha!r} is not exactly a float32, which adapter.lora.alpha stores; "
-                         "use a value float32 holds exactly (e.g. an integer)")
+    for name, module in modules.items():
+        if float(np.float32(module.lora_alpha)) != module.lora_alpha:
+            raise ValueError(f"{name}: lora_alpha={module.lora_alpha!r} is not exactly a float32, in which "
+                             "llama.cpp computes its adapter's scale; use a value float32 holds exactly (e.g. an "
+                             "integer)")
     names = {name: gguf_tensor_name(name) for name in modules}  # every name checked before anything is written
     architecture = getattr(model.config, "gguf_architecture", DEFAULT_ADAPTER_ARCHITECTURE)
+    lora_b = {name: _llama_cpp_lora_b(model, name, module) for name, module in modules.items()}
     with tempfile.TemporaryDirectory() as scratch:
         # gguf writes files, not bytes: build it in scratch space, then replace the target atomically.
         scratch_file = Path(scratch) / "adapter.gguf"
         writer = gguf.GGUFWriter(scratch_file, architecture)
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
-        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, lora_alpha)
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
         for module, name in names.items():
             writer.add_tensor(f"{name}.lora_a", modules[module].lora_A.detach().float().numpy())
-            writer.add_tensor(f"{name}.lora_b", modules[module].lora_B.detach().float().numpy())
+            writer.add_tensor(f"{name}.lora_b", lora_b[module])
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
         return write_atomic(path, scratch_file.read_bytes())
+
+
+def _llama_cpp_lora_b(model: nn.Module, name: str, module: LoRALinear) -> np.ndarray:
+    """lora_B of ``module`` as written for llama.cpp (float32): divided by the base file's ``.scale``
+    of a gate or up projection, which llama.cpp multiplies the adapter's term by (``build_ffn``)."""
+    lora_b = module.lora_B.detach().float()
+    scale = getattr(model.config, "gguf_gate_up_scales", {}).get(name)
+    if scale is None:
+        return lora_b.numpy()
+    if scale == 0:
+        raise ValueError(f"{name}: the base GGUF's .scale of this projection is 0, and llama.cpp multiplies the "
+                         "adapter's term by it (build_ffn), so no adapter there can have an effect in llama.cpp; "
+                         "leave this module out of the adapter")
+    with np.errstate(over="ignore"):
+        written = lora_b.numpy() / np.float32(scale)  # one float32 division per element
+    if not np.isfinite(written).all():
+        raise ValueError(f"{name}: lora_B divided by the base GGUF's .scale {scale:g} of this projection (which "
+                         "llama.cpp multiplies the adapter's term by) overflows float32")
+    return written
