@@ -832,3 +832,79 @@ def test_train_flags_of_the_training_loop(capsys, tiny, tmp_path):
                "schedule must be one of transformers' schedulers")
     usage_error(capsys, ["train", "--model", "m", "--data", "d", "--lr-scheduler-kwargs", "[1]"],
                 "must be a JSON object")
+
+
+def test_train_runs_a_trl_style_config_as_trl_parses_it(capsys, tiny, tmp_path):
+    # The keys of `trl sft --config` (ScriptArguments, SFTConfig, ModelConfig), read by TRL's own parser
+    # as the reference: the run has TRL's values, each meaning what transformers' Trainer makes of it.
+    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+
+    from .training.helpers import transformers_plan
+
+    run = tmp_path / "run"
+    path = config_file(tmp_path, f"""# a TRL-style file
+model_name_or_path: {tiny['dense']}
+dataset_name: {tiny['data']}
+output_dir: {run}
+learning_rate: 2.0e-2
+num_train_epochs: 1.5
+per_device_train_batch_size: 2
+gradient_accumulation_steps: 1
+lr_scheduler_type: cosine
+warmup_steps: 0.25
+weight_decay: 0.1
+max_grad_norm: 0.5
+seed: 7
+save_steps: 0.5
+max_length: 128
+packing: false
+report_to: none
+dtype: float32
+use_peft: true
+lora_r: 4
+lora_alpha: 16
+lora_dropout: 0.0
+lora_target_modules: [q_proj, v_proj, o_proj]
+use_rslora: true
+""")
+    # bf16 is TRL's default on a GPU; this machine has none (the file leaves it out: train refuses it)
+    script, sft, model_config = TrlParser((ScriptArguments, SFTConfig, ModelConfig)).parse_args_and_config(
+        ["--config", str(path), "--bf16", "false", "--use_cpu", "true"])
+    assert main(["train", "--config", str(path), "--no-progress"]) == EXIT_OK
+    plan = transformers_plan(sft, len(RECORDS))
+    assert f"trained {plan['max_steps']} steps" in capsys.readouterr().out and plan["max_steps"] == 3
+    assert [json.loads(line)["lr"] for line in (run / "metrics.jsonl").read_text().splitlines()] == plan["lrs"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    assert plan["save_steps"] == 2
+    state = json.loads((run / "checkpoints" / "step-000003" / "state.json").read_text())
+    settings = state["trainer"]["settings"]
+    assert (settings["lr"], settings["batch_size"], settings["gradient_accumulation_steps"], settings["seed"],
+            settings["max_grad_norm"], settings["schedule"]) == \
+        (sft.learning_rate, sft.per_device_train_batch_size, sft.gradient_accumulation_steps, sft.seed,
+         sft.max_grad_norm, sft.lr_scheduler_type.value)
+    assert state["optimizer"]["param_groups"][0]["weight_decay"] == sft.weight_decay
+    adapter = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"], set(adapter["target_modules"]),
+            adapter["use_rslora"]) == (model_config.lora_r, model_config.lora_alpha, model_config.lora_dropout,
+                                       set(model_config.lora_target_modules), model_config.use_rslora)
+    assert (script.dataset_name, sft.output_dir, model_config.model_name_or_path) == \
+        (str(tiny["data"]), str(run), str(tiny["dense"]))
+
+
+def test_a_trl_style_config_is_refused_by_name_where_train_differs(capsys, tiny, tmp_path):
+    head = f"model_name_or_path: {tiny['dense']}\ndataset_name: {tiny['data']}\noutput_dir: {tmp_path / 'run'}\n"
+    for text, message in [
+            ("logging_steps: 10\n", "unknown option 'logging_steps'"),
+            ("use_peft: false\n", "use_peft is False; train trains LoRA adapters only, so it takes use_peft: true"),
+            ("lr: 1.0e-3\nlearning_rate: 1.0e-3\n", "'lr' and 'learning_rate' are the same option"),
+            ("lora_r: 4\nrank: 8\n", "'lora_r' and 'rank' are the same option"),
+            ("warmup_steps: 2.5\n", "warmup_steps: must be a whole number of steps >= 0 or a fraction in (0, 1)"),
+            ("dtype: auto\n", "dtype is 'auto'; give one of float32, bfloat16")]:
+        fails_with(capsys, ["train", "--config", str(config_file(tmp_path, head + text))], message)
+    assert not (tmp_path / "run").exists()
+    # on the command line, one option under two names is refused too (argparse would keep the last)
+    common = ["train", "--model", str(tiny["dense"]), "--data", str(tiny["data"]), "--output", str(tmp_path / "run")]
+    fails_with(capsys, [*common, "--lr", "1e-3", "--learning-rate=1e-2"], "--lr and --learning-rate are the same "
+                                                                           "option; give one")
+    fails_with(capsys, [*common, "--output-dir", str(tmp_path / "other")], "--output and --output-dir are the same "
+                                                                           "option; give one")

@@ -24,7 +24,19 @@ option before anything runs: flags true or false; ``resume`` true (the bare ``--
 newest checkpoint in --output) or a checkpoint path; integers; finite numbers (YAML's ``1e-4``
 included); strings (a name that looks like a number quoted); ``targets`` and ``report_to`` a
 name or a list of names; ``lr_scheduler_kwargs`` a mapping; null leaves an option at its
-default. An option also given on the command line takes the command line's value. One
+default. An option also given on the command line takes the command line's value.
+
+Options also have the names of transformers' ``TrainingArguments`` and TRL's ``SFTConfig``,
+``ModelConfig`` and ``ScriptArguments`` where they mean what those mean (``--learning-rate`` for
+``--lr``, ``--num-train-epochs``, ``--per-device-train-batch-size``, ``--gradient-accumulation-steps``,
+``--lr-scheduler-type``, ``--save-steps``, ``--output-dir``, ``--model-name-or-path``,
+``--dataset-name`` (a local data file), ``--lora-r``, ``--lora-alpha``, ``--lora-dropout``,
+``--lora-target-modules``, ``--resume-from-checkpoint``; ``--warmup-steps`` and ``--save-steps``
+take a fraction of the run's steps as transformers does), so a TRL-style file (``trl sft
+--config``'s keys: ``model_name_or_path``, ``dataset_name``, ``learning_rate``, ``use_peft: true``,
+``lora_r``, ...) drives ``train --config`` as it is. One option under two of its names, in a file
+or on the command line, is refused; so is every key train does not have (``logging_steps``,
+``eval_strategy``, ...), by name. One
 ``--config`` a command (files are not merged); no YAML anchors or aliases (nested aliases
 expand exponentially); at most 1 MiB. Options are spelled out in full on every command:
 argparse's abbreviations are off, so no abbreviation hides which option of a file it overrides.
@@ -149,6 +161,29 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return int(value) if value == int(value) else value
+
+
+def _steps(text: str) -> float:
+    """A number of steps as transformers' warmup_steps and save_steps take it: whole (0 included), or a
+    fraction in (0, 1) of the run's steps (``training.names.interval_steps`` checks the rest)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf or (value >= 1 and value != int(value)):
+        raise argparse.ArgumentTypeError(f"must be a whole number of steps >= 0 or a fraction in (0, 1) of the "
+                                         f"run's steps, got {text!r}")
+    return int(value) if value == int(value) else value
+
+
 def _seed(text: str) -> int:
     """A seed for every RNG the commands seed; numpy's legacy seed (the Trainer's) is the narrowest range."""
     try:
@@ -192,7 +227,7 @@ def _load(model: str, dtype: str, with_tokenizer: bool) -> tuple[Any, Any]:
 
 
 def _add_model(parser: argparse.ArgumentParser, required: bool = True, default_help: str = "") -> None:
-    parser.add_argument("--model", required=required, metavar="PATH",
+    parser.add_argument("--model", "--model-name-or-path", dest="model", required=required, metavar="PATH",
                         help="BitNet checkpoint folder (config.json, *.safetensors, tokenizer files), e.g. "
                              "microsoft/bitnet-b1.58-2B-4T-bf16 downloaded with `hf download`, or a GGUF file "
                              "(bitnet.cpp's i2_s, llama.cpp's TQ1_0/TQ2_0; needs the gguf extra)" + default_help)
@@ -239,7 +274,8 @@ def _train(args: argparse.Namespace) -> int:
         parallel.on_rank0(check_output, "checking the output folder on rank 0")
     # Check the settings and read the data first: a mistake in them should not wait for a large model to load.
     lora_config = LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=args.targets,
-                             lora_dropout=args.dropout, seed=args.seed, backend=args.backend)
+                             lora_dropout=args.dropout, use_rslora=args.use_rslora, seed=args.seed,
+                             backend=args.backend)
     missing = ("", *args.na_values)
     records = read_records(args.data, na_values=missing)
     eval_records = None if args.eval_data is None else read_records(args.eval_data, na_values=missing)
@@ -247,14 +283,15 @@ def _train(args: argparse.Namespace) -> int:
         _require_webgpu()
     model, tokenizer = _load(args.model, args.dtype, with_tokenizer=True)
     apply_lora(model, lora_config)
-    trainer = Trainer(model, tokenizer, records, eval_data=eval_records, output_dir=output, epochs=args.epochs,
-                      engine=args.engine,
-                      max_steps=args.max_steps, batch_size=args.batch_size,
-                      gradient_accumulation_steps=args.grad_accum, lr=args.lr, weight_decay=args.weight_decay,
-                      max_grad_norm=args.max_grad_norm, schedule=args.schedule, warmup_ratio=args.warmup_ratio,
-                      warmup_steps=args.warmup_steps, scheduler_kwargs=args.lr_scheduler_kwargs,
+    trainer = Trainer(model, tokenizer, records, eval_data=eval_records, output_dir=output,
+                      num_train_epochs=args.epochs, engine=args.engine,
+                      max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+                      gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr,
+                      weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                      lr_scheduler_type=args.schedule, warmup_ratio=args.warmup_ratio,
+                      warmup_steps=args.warmup_steps, lr_scheduler_kwargs=args.lr_scheduler_kwargs,
                       max_length=args.max_length, packing=args.packing, group_by_length=args.group_by_length,
-                      seed=args.seed, save_every=args.save_every, eval_every=args.eval_every,
+                      seed=args.seed, save_steps=args.save_every, eval_every=args.eval_every,
                       early_stopping_patience=args.early_stopping_patience,
                       early_stopping_threshold=args.early_stopping_threshold, save_best=args.save_best,
                       report_to=args.report_to, progress=not args.no_progress, overwrite=args.overwrite,
@@ -445,38 +482,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="read options from a YAML or JSON file (keys: the options' "
                    "names; values checked against each option); options given on the command line win")
     _add_model(p)
-    p.add_argument("--data", required=True, metavar="FILE", help="training records: JSON array, JSONL, Parquet or CSV")
+    p.add_argument("--data", "--dataset-name", dest="data", required=True, metavar="FILE",
+                   help="training records: a JSON array, JSONL, Parquet or CSV file")
     p.add_argument("--eval-data", metavar="FILE", help="evaluation records (loss at the end and every --eval-every)")
     p.add_argument("--na-values", type=_names, default=(), metavar="TEXTS",
                    help="comma-separated cell texts of a CSV or TSV data file read as missing values besides the "
                    "empty cell, e.g. NA,null (default: none; a cell reading NA is that text)")
-    p.add_argument("--output", default=trainer["output_dir"], metavar="DIR", help="output folder (default: %(default)s)")
-    p.add_argument("--rank", type=int, default=lora["r"], help="LoRA rank r (default: %(default)s)")
-    p.add_argument("--alpha", type=float, default=lora["lora_alpha"], help="lora_alpha; scaling = alpha / r "
-                   "(default: %(default)s)")
-    p.add_argument("--targets", type=_targets, default=lora["target_modules"], metavar="NAMES",
+    p.add_argument("--output", "--output-dir", dest="output", default=trainer["output_dir"], metavar="DIR",
+                   help="output folder (default: %(default)s)")
+    p.add_argument("--rank", "--lora-r", dest="rank", type=int, default=lora["r"],
+                   help="LoRA rank r (default: %(default)s)")
+    p.add_argument("--alpha", "--lora-alpha", dest="alpha", type=float, default=lora["lora_alpha"],
+                   help="lora_alpha; scaling = alpha / r (default: %(default)s)")
+    p.add_argument("--targets", "--lora-target-modules", dest="targets", type=_targets,
+                   default=lora["target_modules"], metavar="NAMES",
                    help="comma-separated module names to adapt, all-linear, or a regular expression a whole module "
                    "name matches (default: q_proj,v_proj)")
-    p.add_argument("--dropout", type=float, default=lora["lora_dropout"], help="LoRA dropout (default: %(default)s)")
+    p.add_argument("--dropout", "--lora-dropout", dest="dropout", type=float, default=lora["lora_dropout"],
+                   help="LoRA dropout (default: %(default)s)")
+    p.add_argument("--use-rslora", action="store_true", help="rank-stabilised scaling alpha / sqrt(r)")
     length = p.add_mutually_exclusive_group()
     # No default here: one would hide a conflict with --max-steps (argparse sees a given default as not given).
-    length.add_argument("--epochs", type=int, help="passes over the data (default: 1)")
+    length.add_argument("--epochs", "--num-train-epochs", dest="epochs", type=_positive_number,
+                        help="passes over the data; a fraction runs that share of the last pass (default: 1)")
     length.add_argument("--max-steps", type=int, help="exactly this many optimiser steps (instead of --epochs)")
-    p.add_argument("--batch-size", type=int, default=trainer["batch_size"], help="examples per micro-batch "
+    p.add_argument("--batch-size", "--per-device-train-batch-size", dest="batch_size", type=int,
+                   default=trainer["per_device_train_batch_size"], help="examples per micro-batch, per process "
                    "(default: %(default)s)")
-    p.add_argument("--grad-accum", type=int, default=trainer["gradient_accumulation_steps"],
+    p.add_argument("--grad-accum", "--gradient-accumulation-steps", dest="grad_accum", type=int,
+                   default=trainer["gradient_accumulation_steps"],
                    help="micro-batches per optimiser step (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=trainer["lr"], help="peak learning rate (default: %(default)s)")
+    p.add_argument("--lr", "--learning-rate", dest="lr", type=float, default=trainer["learning_rate"],
+                   help="peak learning rate (default: %(default)s)")
     p.add_argument("--weight-decay", type=float, default=trainer["weight_decay"],
                    help="AdamW's decoupled weight decay (default: %(default)s)")
-    p.add_argument("--lr-scheduler", "--schedule", dest="schedule", default=trainer["schedule"], metavar="NAME",
+    p.add_argument("--lr-scheduler", "--lr-scheduler-type", "--schedule", dest="schedule",
+                   default=trainer["lr_scheduler_type"], metavar="NAME",
                    help="learning-rate schedule, any of transformers' (linear, cosine, cosine_with_restarts, "
                    "polynomial, constant, constant_with_warmup, inverse_sqrt, cosine_with_min_lr, warmup_stable_decay, "
                    "reduce_lr_on_plateau, ...) (default: %(default)s)")
     p.add_argument("--lr-scheduler-kwargs", type=_json_object, metavar="JSON",
                    help="the schedule's own options as a JSON object, e.g. '{\"min_lr_rate\": 0.1}'")
     warmup = p.add_mutually_exclusive_group()
-    warmup.add_argument("--warmup-steps", type=int, help="optimiser steps spent warming up")
+    warmup.add_argument("--warmup-steps", type=_steps, help="optimiser steps spent warming up, or a fraction in "
+                        "(0, 1) of them (as in transformers)")
     warmup.add_argument("--warmup-ratio", type=float, help="share of the steps spent warming up (default: 0.06)")
     p.add_argument("--max-grad-norm", type=float, default=trainer["max_grad_norm"],
                    help="clip the gradient norm to this; 0 = no clipping (default: %(default)s)")
@@ -490,8 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-by-length", action="store_true", help="batch examples of similar length together")
     p.add_argument("--seed", type=_seed, default=trainer["seed"], help="seeds the adapters' init, the data order "
                    "and dropout (default: %(default)s)")
-    p.add_argument("--save-every", type=int, default=trainer["save_every"], help="checkpoint every N steps; 0 = "
-                   "only at the end (default: %(default)s)")
+    p.add_argument("--save-every", "--save-steps", dest="save_every", type=_steps, default=trainer["save_steps"],
+                   help="checkpoint every N steps, or after each such fraction in (0, 1) of them; 0 = only at the "
+                   "end (default: %(default)s)")
     p.add_argument("--eval-every", type=int, default=trainer["eval_every"], help="evaluate every N steps; 0 = "
                    "only at the end (default: %(default)s)")
     p.add_argument("--early-stopping-patience", type=int, default=trainer["early_stopping_patience"], metavar="N",
@@ -505,7 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"also log to these trackers, comma-separated: {', '.join(REPORTERS)} (their packages are "
                    "optional)")
     earlier = p.add_mutually_exclusive_group()
-    earlier.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+    earlier.add_argument("--resume", "--resume-from-checkpoint", dest="resume", nargs="?", const=True, default=None,
+                         metavar="CHECKPOINT",
                          help="continue the run in --output from its newest checkpoint, or from CHECKPOINT")
     earlier.add_argument("--overwrite", action="store_true", help="replace an earlier run's output in --output "
                          "(its adapter, metrics and checkpoints); without it such a folder is refused")
@@ -725,7 +776,8 @@ def _config_kind(action: argparse.Action) -> str:
         return "flag"
     if action.nargs == "?" and action.const is True:
         return "flag-or-path"
-    kinds = {int: "integer", _positive_int: "integer", _seed: "integer", float: "number", _targets: "names",
+    kinds = {int: "integer", _positive_int: "integer", _seed: "integer", float: "number", _positive_number: "number",
+             _steps: "number", _targets: "names",
              _names: "names", _json_object: "mapping", None: "string"}
     if action.type not in kinds:
         raise TypeError(f"train option {action.option_strings[0]} has no kind for --config files (cli._config_kind)")
@@ -793,6 +845,8 @@ def _with_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     refused."""
     if not argv or argv[0] != "train":
         return argv
+    options = parser.train_options
+    _check_spellings(options, argv[1:])
     rest, paths = list(argv[1:]), []
     i = 0
     while i < len(rest):
@@ -809,7 +863,7 @@ def _with_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     if len(paths) > 1:
         raise UsageError(f"--config given {len(paths)} times ({', '.join(paths)}); give one file (files are not "
                          "merged)")
-    path, options = paths[0], parser.train_options
+    path = paths[0]
     given = {options[t.split("=", 1)[0]].dest for t in rest if t.split("=", 1)[0] in options}
     excluded = set(given)
     for group in _TRAIN_EXCLUSIVE:
@@ -819,6 +873,11 @@ def _with_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     keys: dict[str, str] = {}  # dest -> the file's key that names it
     set_by_file = set()
     for key, value in _read_config(path).items():
+        if key == "use_peft":  # TRL's switch for training a LoRA adapter (ModelConfig), which is all train does
+            if value is not True:
+                raise UsageError(f"--config {path}: use_peft is {value!r}; train trains LoRA adapters only, so it "
+                                 "takes use_peft: true (or no use_peft)")
+            continue
         flag = "--" + str(key).replace("_", "-")
         action = options.get(flag)
         if action is None or flag == "--config":
@@ -838,6 +897,20 @@ def _with_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
         if len(both) > 1:
             raise UsageError(f"--config {path}: {both[0]} and {both[1]} cannot be given together")
     return ["train", *tokens, *rest]
+
+
+def _check_spellings(options: dict[str, argparse.Action], tokens: list[str]) -> None:
+    """Refuse one option given under two of its names on the command line (--lr and --learning-rate):
+    argparse would keep the last silently."""
+    spelled: dict[str, str] = {}
+    for token in tokens:
+        flag = token.split("=", 1)[0]
+        action = options.get(flag)
+        if action is None or action.dest == "help":
+            continue
+        first = spelled.setdefault(action.dest, flag)
+        if first != flag:
+            raise UsageError(f"{first} and {flag} are the same option; give one")
 
 
 # Options of train that exclude each other (argparse's mutually exclusive groups), by dest.

@@ -440,7 +440,8 @@ def test_an_earlier_runs_output_is_replaced_only_when_asked(base, tmp_path):
 
 
 def test_length_and_seed_are_checked(base, tmp_path):
-    with pytest.raises(ValueError, match=r"give epochs or max_steps, not both \(got epochs=1, max_steps=3\)"):
+    with pytest.raises(ValueError, match=r"give num_train_epochs or max_steps, not both \(got num_train_epochs=1, "
+                                         r"max_steps=3\)"):
         Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path, epochs=1, max_steps=3))
     assert Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path)).total_steps == 4  # one epoch
     with pytest.raises(ValueError, match=r"seed must be below 2\*\*32 \(numpy's seed range\), got 4294967296"):
@@ -611,7 +612,7 @@ def test_a_plateau_schedule_follows_the_evaluation_loss(base, tmp_path):
             assert record["lr"] == optimizer.param_groups[0]["lr"]
         else:
             reference.step(record["eval_loss"])
-    with pytest.raises(ValueError, match=r"schedule='reduce_lr_on_plateau' follows the evaluation loss: give "
+    with pytest.raises(ValueError, match=r"lr_scheduler_type='reduce_lr_on_plateau' follows the evaluation loss: give "
                                          r"eval_data and eval_every > 0"):
         Trainer(fresh_model(base), base[1], RECORDS, **options(tmp_path, schedule="reduce_lr_on_plateau"))
 

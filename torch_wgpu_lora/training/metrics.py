@@ -98,7 +98,8 @@ def perplexity(loss: float) -> float:
 
 
 class Reporters:
-    """The experiment trackers ``report_to`` names (``REPORTERS``, one name or several), each written
+    """The experiment trackers ``report_to`` names (``REPORTERS``, one name or several; ``"none"``, as in
+    transformers, or an empty list for none), each written
     through its library's own writer: TensorBoard's ``SummaryWriter`` (event files in ``folder``) and
     ``wandb.log`` (a run started in ``folder``'s parent). Each record's numbers are logged at its
     step, under ``train/<name>`` or ``eval/<name>`` (``eval_loss`` → ``eval/loss``). The writers open
@@ -110,6 +111,8 @@ class Reporters:
 
     def __init__(self, report_to: str | Sequence[str], folder: str | os.PathLike) -> None:
         names = (report_to,) if isinstance(report_to, str) else tuple(report_to)
+        if names == ("none",):  # transformers' value for no tracker
+            names = ()
         unknown = [name for name in names if name not in REPORTERS]
         if unknown:
             raise ValueError(f"report_to takes {REPORTERS}, got {unknown[0]!r}")

@@ -3,14 +3,22 @@
 >>> # from torch_wgpu_lora import apply_lora, load_bitnet, train
 >>> # model = apply_lora(load_bitnet("bitnet-bf16"), r=8)
 >>> # tokenizer = AutoTokenizer.from_pretrained("bitnet-bf16")
->>> # result = train(model, tokenizer, "alpaca.json", output_dir="run", epochs=3)
+>>> # result = train(model, tokenizer, "alpaca.json", output_dir="run", num_train_epochs=3)
 >>> # result.adapter            # run/adapter: PEFT folder of the last good adapter
 
+The options have the names of transformers' ``TrainingArguments`` (and TRL's ``SFTConfig``) where
+they share its meaning (``training.names``): ``learning_rate``, ``num_train_epochs``,
+``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``max_steps``, ``warmup_steps``,
+``lr_scheduler_type``, ``lr_scheduler_kwargs``, ``weight_decay``, ``max_grad_norm``, ``seed``,
+``save_steps``, ``save_total_limit``, ``output_dir``, ``max_length``, ``packing``,
+``group_by_length``, ``report_to``; ``lr``, ``epochs``, ``batch_size``, ``schedule``,
+``scheduler_kwargs`` and ``save_every`` are short names for some of them.
+
 One optimiser step consumes ``gradient_accumulation_steps`` micro-batches of
-``batch_size`` whole sequences. The loss is the mean cross-entropy over every response
+``per_device_train_batch_size`` whole sequences. The loss is the mean cross-entropy over every response
 token (and EOS) of the step: each micro-batch's summed loss is divided by the step's
 total count of such tokens before its backward, so accumulating k micro-batches gives
-the gradient of one batch of k·``batch_size`` sequences. Then global-norm clipping
+the gradient of one batch of k·``per_device_train_batch_size`` sequences. Then global-norm clipping
 (``max_grad_norm``, 0 = off), a ``WgpuAdamW`` update of the adapter, and one step of
 the LR schedule (which follows the step count, skipped steps included).
 
@@ -20,7 +28,7 @@ Non-finite values: a step whose loss or gradient norm is not finite changes noth
 (``output_dir/adapter`` and the checkpoints) is never replaced by a broken one.
 
 Files under ``output_dir``: ``metrics.jsonl`` (one line per step and per evaluation),
-``checkpoints/step-NNNNNN`` (``save_every`` steps and at the end; the newest
+``checkpoints/step-NNNNNN`` (every ``save_steps`` steps and at the end; the newest
 ``save_total_limit`` are kept), ``adapter/`` (the adapter of the newest checkpoint),
 ``best-adapter/`` (``save_best``: the adapter of the lowest evaluation loss so far),
 ``runs/`` (``report_to="tensorboard"``) and ``loss.png`` (if matplotlib is installed).
@@ -39,7 +47,7 @@ Data-parallel training: a ``Trainer`` made in each process of an initialised
 -m torch_wgpu_lora train ...``, ``accelerate launch``, or a program of one's own) trains one
 adapter over all of them; ``training.distributed`` says what they exchange. Each epoch's
 seeded order is dealt out among the ranks as ``DistributedSampler`` deals it (``data.shard``),
-so with ``batch_size`` b on each of W ranks, each step covers the examples one process with
+so with ``per_device_train_batch_size`` b on each of W ranks, each step covers the examples one process with
 batch W·b would. Each step all-reduces the labelled-token count first and scales every rank's
 loss by the global count, then all-reduces the flattened adapter gradients (with the loss; on
 the engine in buckets of ``ddp_bucket_cap_mb`` while the backward runs, as DDP's buckets):
@@ -82,6 +90,7 @@ from .checkpoint import (DamagedCheckpoint, checkpoint_name, checkpoint_step, la
 from .data import Example, collate, encode_records, epoch_order, length_grouped_order, pack, read_records, shard
 from .distributed import DataParallel, RankLost
 from .metrics import MetricsLog, Reporters, perplexity, plot_loss
+from .names import accepts_short_names, interval_steps
 from .schedule import make_scheduler, metric_driven, warmup_steps as ratio_warmup
 
 __all__ = ["TrainResult", "Trainer", "TrainerCallback", "TrainingStopped", "accumulate_gradients", "earlier_run",
@@ -253,12 +262,14 @@ class Trainer:
     sequence of ``max_length`` tokens (``data.pack``: each example attends to itself only, on
     either path); ``group_by_length=True`` batches examples of similar length together
     (``data.length_grouped_order``).
-    Training runs ``epochs`` passes over the data, or exactly ``max_steps`` optimiser steps
-    (passing over the data as often as needed); give one of them, or neither for one epoch.
+    Training runs ``num_train_epochs`` passes over the data (a fraction of an epoch: that share of
+    its steps, rounded up, as in transformers), or exactly ``max_steps`` optimiser steps (passing
+    over the data as often as needed); give one of them, or neither for one epoch.
     ``seed`` (in [0, 2**32)) fixes the data order and seeds Python's, numpy's and torch's
     RNGs (LoRA dropout) at the start of a fresh run.
-    ``eval_every`` (steps, 0 = only at the end) evaluates on ``eval_data``; ``save_every``
-    (steps, 0 = only at the end) writes a checkpoint. ``progress=False`` hides the bar.
+    ``eval_every`` (steps, 0 = only at the end) evaluates on ``eval_data``; ``save_steps``
+    (steps, or a fraction in (0, 1) of the run's steps as in transformers; 0 = only at the end)
+    writes a checkpoint. ``progress=False`` hides the bar.
     ``overwrite=True`` lets a fresh run replace an earlier run's output in ``output_dir``
     (its checkpoints are deleted when training starts); without it that is refused.
     ``max_length`` cuts each example to that many tokens. An example still longer than the
@@ -269,9 +280,10 @@ class Trainer:
     record (a training step's or an evaluation's dict, as in ``metrics.jsonl``) right after it is
     written, e.g. to draw a live loss plot in a notebook.
 
-    Schedule: ``schedule`` is any transformers scheduler (``training.schedule``), warming up for
-    ``warmup_steps`` steps or a ``warmup_ratio`` of them (default 0.06), with ``scheduler_kwargs``
-    its own options; "reduce_lr_on_plateau" and "greedy" follow the evaluation loss (they need
+    Schedule: ``lr_scheduler_type`` is any transformers scheduler (``training.schedule``), warming
+    up for ``warmup_steps`` steps (a fraction in (0, 1): that share of the steps, rounded up, as in
+    transformers) or a ``warmup_ratio`` of them (transformers 4's name; default 0.06), with
+    ``lr_scheduler_kwargs`` its own options; "reduce_lr_on_plateau" and "greedy" follow the evaluation loss (they need
     ``eval_data`` and ``eval_every``). Evaluation: ``early_stopping_patience`` (evaluations, 0 =
     off) and ``early_stopping_threshold`` stop a run that no longer improves; ``save_best`` keeps
     the adapter of the lowest evaluation loss in ``output_dir/best-adapter``, and
@@ -288,7 +300,7 @@ class Trainer:
 
     In an initialised ``torch.distributed`` group of more than one process, every process makes
     its own ``Trainer`` with the same arguments and they train together (see the module
-    docstring): ``batch_size`` is per process, ``seed`` also seeds each rank's own random
+    docstring): ``per_device_train_batch_size`` is per process, ``seed`` also seeds each rank's own random
     streams (rank 0 takes ``seed`` itself), ``callback`` runs on every rank with the global
     record, the progress bar and every file belong to rank 0, and ``check_every`` (steps, 0 =
     only at checkpoints) says how often the ranks compare checksums of their adapters. The
@@ -300,14 +312,16 @@ class Trainer:
     >>> # result = trainer.train()             # or trainer.train(resume_from=True) after a stop
     """
 
+    @accepts_short_names
     def __init__(self, model: torch.nn.Module, tokenizer: Any, data: Any, *, eval_data: Any = None,
-                 output_dir: str | Path = "lora-output", epochs: int | None = None, max_steps: int | None = None,
-                 batch_size: int = 4, gradient_accumulation_steps: int = 1, lr: float = 2e-4,
+                 output_dir: str | Path = "lora-output", num_train_epochs: float | None = None,
+                 max_steps: int | None = None, per_device_train_batch_size: int = 4,
+                 gradient_accumulation_steps: int = 1, learning_rate: float = 2e-4,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-7, weight_decay: float = 0.01,
-                 max_grad_norm: float = 1.0, schedule: str = "cosine", warmup_ratio: float | None = None,
-                 warmup_steps: int | None = None, scheduler_kwargs: dict[str, Any] | None = None,
+                 max_grad_norm: float = 1.0, lr_scheduler_type: str = "cosine", warmup_ratio: float | None = None,
+                 warmup_steps: float | None = None, lr_scheduler_kwargs: dict[str, Any] | None = None,
                  max_length: int = 512, packing: bool = False, group_by_length: bool = False, seed: int = 42,
-                 save_every: int = 100, eval_every: int = 0, save_total_limit: int = 2, max_bad_steps: int = 3,
+                 save_steps: float = 100, eval_every: int = 0, save_total_limit: int = 2, max_bad_steps: int = 3,
                  early_stopping_patience: int = 0, early_stopping_threshold: float = 0.0, save_best: bool = False,
                  load_best_at_end: bool = False, report_to: str | Sequence[str] = (), progress: bool = True,
                  plot: bool = True, overwrite: bool = False,
@@ -319,12 +333,11 @@ class Trainer:
         self.params = lora_parameters(model)
         if not self.params:
             raise ValueError("the model has no LoRA adapters to train; call apply_lora(model, ...) first")
-        self.batch_size = _positive_int("batch_size", batch_size)
+        self.batch_size = _positive_int("per_device_train_batch_size", per_device_train_batch_size)
         self.accumulation = _positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
         self.seed = _positive_int("seed", seed, allow_zero=True)
         if self.seed >= SEED_LIMIT:
             raise ValueError(f"seed must be below 2**32 (numpy's seed range), got {seed!r}")
-        self.save_every = _positive_int("save_every", save_every, allow_zero=True)
         self.eval_every = _positive_int("eval_every", eval_every, allow_zero=True)
         self.save_total_limit = _positive_int("save_total_limit", save_total_limit)
         self.max_bad_steps = _positive_int("max_bad_steps", max_bad_steps)
@@ -361,7 +374,8 @@ class Trainer:
             raise ValueError(f"eval_data: {err}") from None
         needs_eval = [name for name, on in (("early_stopping_patience", self.early_stopping_patience),
                                             ("save_best", save_best), ("load_best_at_end", load_best_at_end),
-                                            (f"schedule={schedule!r}", metric_driven(schedule))) if on]
+                                            (f"lr_scheduler_type={lr_scheduler_type!r}",
+                                             metric_driven(lr_scheduler_type))) if on]
         if needs_eval and (self.eval_examples is None or not self.eval_every):
             raise ValueError(f"{needs_eval[0]} follows the evaluation loss: give eval_data and eval_every > 0")
         if load_best_at_end and not save_best:
@@ -371,26 +385,33 @@ class Trainer:
         self.rank, self.world_size = (0, 1) if self.dist is None else (self.dist.rank, self.dist.world_size)
         per_rank = math.ceil(len(self.examples) / self.world_size)  # each rank's shard of an epoch (data.shard)
         steps_per_epoch = math.ceil(math.ceil(per_rank / self.batch_size) / self.accumulation)
-        if max_steps is not None and epochs is not None:
-            raise ValueError(f"give epochs or max_steps, not both (got epochs={epochs!r}, max_steps={max_steps!r})")
+        if max_steps is not None and num_train_epochs is not None:
+            raise ValueError(f"give num_train_epochs or max_steps, not both (got num_train_epochs={num_train_epochs!r}, "
+                             f"max_steps={max_steps!r})")
         if max_steps is None:
-            self.total_steps = _positive_int("epochs", 1 if epochs is None else epochs) * steps_per_epoch
+            epochs = 1 if num_train_epochs is None else num_train_epochs
+            if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not 0 < epochs < math.inf:
+                raise ValueError(f"num_train_epochs must be a number > 0, got {epochs!r}")
+            # a fraction of an epoch runs that share of its steps, rounded up, as in transformers
+            self.total_steps = math.ceil(epochs * steps_per_epoch)
         else:
             self.total_steps = _positive_int("max_steps", max_steps)
+        self.save_every = interval_steps("save_steps", save_steps, self.total_steps)
         if not isinstance(overwrite, bool):
             raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
         self.overwrite = overwrite
         self.engine = choose_engine(model, engine)
-        self.optimizer = WgpuAdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.optimizer = WgpuAdamW(self.params, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
         if warmup_steps is not None and warmup_ratio is not None:
             raise ValueError(f"give warmup_steps or warmup_ratio, not both (got {warmup_steps!r} and {warmup_ratio!r})")
         if warmup_steps is None:
             warmup_ratio = _WARMUP_RATIO if warmup_ratio is None else warmup_ratio
             warmup = ratio_warmup(self.total_steps, warmup_ratio)
         else:
-            warmup = warmup_steps
-        self.scheduler = make_scheduler(self.optimizer, schedule, self.total_steps, warmup, scheduler_kwargs)
-        self.metric_schedule = metric_driven(schedule)
+            warmup = interval_steps("warmup_steps", warmup_steps, self.total_steps)
+        self.scheduler = make_scheduler(self.optimizer, lr_scheduler_type, self.total_steps, warmup,
+                                        lr_scheduler_kwargs)
+        self.metric_schedule = metric_driven(lr_scheduler_type)
         self.output_dir = Path(output_dir)
         self.checkpoints = self.output_dir / "checkpoints"
         self.adapter_path = self.output_dir / "adapter"
@@ -404,8 +425,8 @@ class Trainer:
         self.settings = {
             "data": _fingerprint(self.examples), "batch_size": self.batch_size,
             "gradient_accumulation_steps": self.accumulation, "total_steps": self.total_steps,
-            "seed": self.seed, "schedule": schedule, "warmup_ratio": warmup_ratio, "warmup_steps": warmup_steps,
-            "scheduler_kwargs": scheduler_kwargs, "lr": lr, "betas": list(betas), "eps": eps,
+            "seed": self.seed, "schedule": lr_scheduler_type, "warmup_ratio": warmup_ratio, "warmup_steps": warmup_steps,
+            "scheduler_kwargs": lr_scheduler_kwargs, "lr": learning_rate, "betas": list(betas), "eps": eps,
             "weight_decay": weight_decay, "max_grad_norm": max_grad_norm, "world_size": self.world_size,
             "packing": packing, "group_by_length": group_by_length,
         }
@@ -754,13 +775,13 @@ class Trainer:
                  f"{self.checkpoints / checkpoint_name(self.last_saved)}" if self.last_saved is not None
                  else "no adapter had been saved yet")
         return (f"training stopped at step {step}: {self.bad_streak} steps in a row had a non-finite loss or "
-                f"gradient (try a lower lr or max_grad_norm > 0); {saved}")
+                f"gradient (try a lower learning_rate or max_grad_norm > 0); {saved}")
 
 
 def train(model: torch.nn.Module, tokenizer: Any, data: Any, *, resume_from: str | Path | bool | None = None,
           **options: Any) -> TrainResult:
     """``Trainer(model, tokenizer, data, **options).train(resume_from)`` in one call.
 
-    >>> # result = train(model, tokenizer, "alpaca.json", output_dir="run", max_steps=100, lr=2e-4)
+    >>> # result = train(model, tokenizer, "alpaca.json", output_dir="run", max_steps=100, learning_rate=2e-4)
     """
     return Trainer(model, tokenizer, data, **options).train(resume_from=resume_from)
