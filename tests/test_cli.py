@@ -260,7 +260,7 @@ def test_a_lone_surrogate_in_data_or_prompt(capsys, tiny, tmp_path):
     ("wgpu", "temperature=1e-45 is not a normal float32 number"),  # the engine samples on the GPU in float32
 ])
 def test_a_temperature_too_small_for_float32(capsys, tiny, engine, message):
-    fails_with(capsys, ["generate", "--model", str(tiny["dense"]), "--prompt", "Hi", "--strategy", "top_p",
+    fails_with(capsys, ["generate", "--model", str(tiny["dense"]), "--prompt", "Hi", "--do-sample",
                         "--temperature", "1e-45", "--seed", "0", "--engine", engine], message)
 
 

@@ -3,6 +3,7 @@ seeding, EOS, templates, lists of prompts, chat messages, streamers and argument
 tiny BitNet with WebGPU LoRA adapters."""
 
 import copy
+import inspect
 import json
 import re
 from importlib import resources
@@ -83,17 +84,17 @@ def test_greedy_matches_hf_generate_token_for_token(model, tokenizer):
     assert len(set(theirs)) > 1  # a degenerate single-token output would prove little
 
 
-@pytest.mark.parametrize("strategy, hf_filters", [("top_k", dict(top_k=5, top_p=1.0)),
-                                                  ("top_p", dict(top_k=0, top_p=0.8)),
-                                                  ("top_k_top_p", dict(top_k=5, top_p=0.8))])
-def test_seeded_sampling_matches_hf_generate_under_the_same_seed(model, tokenizer, strategy, hf_filters):
+@pytest.mark.parametrize("filters", [dict(top_k=5, top_p=1.0), dict(top_k=0, top_p=0.8), dict(top_k=5, top_p=0.8),
+                                     dict(top_k=None, top_p=None), dict()])
+def test_seeded_sampling_matches_hf_generate_under_the_same_seed(model, tokenizer, filters):
     # HF draws with torch.multinomial from the global generator; ours from a local one
-    # seeded alike, so the same processed logits give the same draws.
-    ours = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, strategy=strategy, temperature=0.8,
-                    top_k=5, top_p=0.8, repetition_penalty=1.2, seed=3, return_ids=True)
+    # seeded alike, so the same processed logits give the same draws. The same arguments mean the
+    # same in both (top_k 0 or None: no top-k; top_p 1.0 or None: no top-p; left out: the defaults).
+    ours = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=0.8,
+                    repetition_penalty=1.2, seed=3, return_ids=True, **filters)
     torch.manual_seed(3)
     theirs = hf_new_ids(model, tokenizer, PROMPT, do_sample=True, temperature=0.8, repetition_penalty=1.2,
-                        **hf_filters)
+                        **filters)
     assert ours.token_ids == theirs
 
 
@@ -198,12 +199,12 @@ def test_process_logits_equals_hf_chain(strategy):
 
 def test_seeded_sampling_is_reproducible_and_leaves_global_rng_alone(model, tokenizer):
     state = torch.get_rng_state()
-    first = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, strategy="top_p", top_p=0.95, seed=7,
+    first = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=0, top_p=0.95, seed=7,
                      return_ids=True)
     assert torch.equal(torch.get_rng_state(), state)
-    again = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, strategy="top_p", top_p=0.95, seed=7,
+    again = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=0, top_p=0.95, seed=7,
                      return_ids=True)
-    other = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, strategy="top_p", top_p=0.95, seed=8,
+    other = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=0, top_p=0.95, seed=8,
                      return_ids=True)
     assert first == again
     assert first.token_ids != other.token_ids
@@ -211,7 +212,7 @@ def test_seeded_sampling_is_reproducible_and_leaves_global_rng_alone(model, toke
 
 def test_top_k_of_one_samples_the_greedy_tokens(model, tokenizer):
     greedy = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, return_ids=True)
-    sampled = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, strategy="top_k", top_k=1,
+    sampled = generate(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=1,
                        temperature=0.5, seed=0, return_ids=True)
     assert sampled.token_ids == greedy.token_ids
 
@@ -273,11 +274,12 @@ def test_training_flag_is_restored(model, tokenizer):
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    (dict(strategy="beam"), ValueError, "strategy must be one of"),
+    (dict(do_sample="yes"), ValueError, "do_sample must be True or False, got 'yes'"),
     (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\], got 0.0"),
     (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\], got 1.5"),
-    (dict(top_k=0), ValueError, "top_k must be an integer >= 1, got 0"),
-    (dict(strategy="top_k", temperature=0.0), ValueError, "temperature must be > 0 for sampling"),
+    (dict(top_k=-1), ValueError, r"top_k must be an integer >= 0 \(0 or None: no top-k filter, as in transformers\), "
+                                 "got -1"),
+    (dict(do_sample=True, temperature=0.0), ValueError, r"temperature must be > 0 for sampling \(do_sample=True\)"),
     (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be an integer >= 0, got -1"),
     (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be > 0"),
     (dict(seed="1"), ValueError, r"seed must be an integer in \[0, 2\*\*32\) \(the engine's sampler uses 32 bits\) or "
@@ -290,7 +292,7 @@ def test_training_flag_is_restored(model, tokenizer):
                                            r"at character 3"),
     (dict(prompt={"instruction": "Add.", "input": "\ud800"}), ValueError,
      r"the prompt's 'input' is not valid Unicode: it holds a lone surrogate '\\ud800' at character 0"),
-    (dict(strategy="top_p", temperature=1e-45), ValueError,
+    (dict(do_sample=True, temperature=1e-45), ValueError,
      r"temperature=1e-45 is too small: logits / temperature overflow float32, so the next-token probabilities are "
      r"not finite"),
     (dict(prompt=""), ValueError, "prompt is empty"),
@@ -302,6 +304,17 @@ def test_bad_arguments_are_rejected(model, tokenizer, kwargs, error, message):
     kwargs = {"prompt": PROMPT, **kwargs}
     with pytest.raises(error, match=message):
         generate(model, tokenizer, max_new_tokens=kwargs.pop("max_new_tokens", 1), **kwargs)
+
+
+def test_the_defaults_are_transformers_generate_defaults():
+    # transformers' own defaults for what neither a call nor a model's generation config sets
+    from transformers import GenerationConfig
+
+    theirs = GenerationConfig._get_default_generation_params()
+    defaults = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
+    for name in ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty"):
+        assert defaults[name] == theirs[name], name
+    assert "strategy" not in defaults  # do_sample is the one way to choose sampling
 
 
 def test_greedy_ignores_temperature(model, tokenizer):
@@ -347,7 +360,7 @@ def test_a_list_of_prompts_gives_each_prompts_result_on_both_paths(model, chat_t
                [{"role": "user", "content": "Name a flower."}]]
     engine = BitNetEngine(model)
     for runner in (model, engine):
-        for options in (dict(), dict(strategy="top_k_top_p", top_k=5, top_p=0.9, seed=11)):
+        for options in (dict(), dict(do_sample=True, top_k=5, top_p=0.9, seed=11)):
             together = generate(runner, chat_tokenizer, prompts, max_new_tokens=NEW_TOKENS, return_ids=True,
                                  **options)
             alone = [generate(runner, chat_tokenizer, p, max_new_tokens=NEW_TOKENS, return_ids=True,
@@ -364,8 +377,7 @@ def test_chat_messages_are_rendered_with_the_tokenizers_chat_template(model, cha
     assert ours.prompt_ids == ids[0].tolist()
     assert chat_tokenizer.decode(ids[0]).endswith("### assistant:\n")
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                         eos_token_id=chat_tokenizer.eos_token_id, pad_token_id=chat_tokenizer.pad_token_id,
-                         repetition_penalty=1.1)
+                         eos_token_id=chat_tokenizer.eos_token_id, pad_token_id=chat_tokenizer.pad_token_id)
     assert ours.token_ids == out[0, ids.shape[1]:].tolist()
 
 

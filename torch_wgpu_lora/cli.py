@@ -333,7 +333,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import choose_engine
 
     runner = choose_engine(model, args.engine) or model
-    options = dict(max_new_tokens=args.max_new_tokens, strategy=args.strategy, temperature=args.temperature,
+    options = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                    use_template=args.template)
     if args.prompts_file is not None:
@@ -458,7 +458,6 @@ def build_parser() -> argparse.ArgumentParser:
     from .config import BACKENDS, LoraConfig
     from .demo import DEMO_STEPS, run_demo
     from .generation import generate
-    from .logits import STRATEGIES
     from .engine import ENGINES
     from .training.data import LONG_EXAMPLES
     from .training.metrics import REPORTERS
@@ -598,14 +597,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", help="the record's input, placed under '### Input:' in the template")
     p.add_argument("--template", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the Alpaca template (default: on)")
-    p.add_argument("--strategy", choices=STRATEGIES, default=sampling["strategy"],
-                   help="decoding strategy (default: %(default)s)")
+    p.add_argument("--do-sample", action="store_true", help="sample (after --temperature, --top-k, --top-p) "
+                   "instead of taking the most likely token, as transformers' do_sample")
     p.add_argument("--temperature", type=float, default=sampling["temperature"],
                    help="sampling temperature (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=sampling["top_k"], help="top_k sampling: keep this many tokens "
-                   "(default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=sampling["top_p"], help="top_p sampling: nucleus probability "
-                   "(default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=sampling["top_k"], help="with --do-sample: keep this many tokens; "
+                   "0 = all (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=sampling["top_p"], help="with --do-sample: keep the nucleus of "
+                   "this probability; 1.0 = all (default: %(default)s)")
     p.add_argument("--repetition-penalty", type=float, default=sampling["repetition_penalty"],
                    help="CTRL's penalty on seen tokens; 1.0 = off (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=sampling["max_new_tokens"],

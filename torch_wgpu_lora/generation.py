@@ -2,16 +2,18 @@
 
 >>> # model = BitNetForCausalLM.from_pretrained(path); apply_lora(model); tokenizer = AutoTokenizer.from_pretrained(path)
 >>> # generate(model, tokenizer, "Name a primary colour.", use_template=True)  # the new text
->>> # generate(model, tokenizer, {"instruction": "Add the numbers.", "input": "2 and 3"}, strategy="top_p", seed=0)
+>>> # generate(model, tokenizer, {"instruction": "Add the numbers.", "input": "2 and 3"}, do_sample=True, seed=0)
 >>> # result = generate(model, tokenizer, "Once upon a time", max_new_tokens=16, return_ids=True)
 >>> # result.text, result.token_ids, result.finished_by_eos
 >>> # generate(engine, tokenizer, ["Name a colour.", "Add 2 and 3."])        # a list: every prompt at once
 >>> # generate(model, tokenizer, [{"role": "user", "content": "Hi!"}])        # chat messages
 >>> # generate(model, tokenizer, "Once upon a time", streamer=TextStreamer(tokenizer, skip_prompt=True))
 
-Each step processes the next-token logits in Hugging Face's order (``logits``: repetition
-penalty, then, sampling only, temperature, then top-k or top-p filtering); greedy takes the
-argmax, sampling draws from the softmax with a local ``torch.Generator``.
+The decoding arguments are transformers' (``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+``repetition_penalty``), with its defaults and meanings. Each step processes the next-token
+logits in Hugging Face's order (``logits``: repetition penalty, then, sampling only, temperature,
+then top-k and top-p filtering); greedy takes the argmax, sampling draws from the softmax with a
+local ``torch.Generator``.
 
 Hugging Face's own ``model.generate()`` works too with ``LoRALinear`` modules in place.
 """
@@ -30,7 +32,7 @@ from torch import nn
 from .engine import BitNetEngine, GenerationRequest
 from .integrations.peft import LoraModelMixin
 from .limits import SEED_LIMIT, check_context, check_seed, model_context
-from .logits import check_processing, process_logits
+from .logits import process_logits, sampling_settings
 from .prompts import check_unicode, format_prompt
 
 Prompt = str | Mapping[str, str] | list[Mapping[str, str]]  # text, an Alpaca record, or chat messages
@@ -49,9 +51,7 @@ class Generation:
     finished_by_eos: bool
 
 
-def _check_arguments(max_new_tokens: int, strategy: str, temperature: float, top_k: int, top_p: float,
-                     repetition_penalty: float, seed: int | None) -> None:
-    check_processing(strategy, temperature, top_k, top_p, repetition_penalty)
+def _check_arguments(max_new_tokens: int, seed: int | None) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     check_seed(seed)
@@ -123,7 +123,7 @@ def _non_finite_message(raw_logits: torch.Tensor, temperature: float) -> str:
     if not torch.isfinite(raw_logits).all():
         return "the model's next-token logits are not finite (NaN or infinite): its weights or adapter are broken"
     return (f"temperature={temperature!r} is too small: logits / temperature overflow float32, so the "
-            "next-token probabilities are not finite; use a larger temperature, or strategy='greedy' for the "
+            "next-token probabilities are not finite; use a larger temperature, or do_sample=False for the "
             "most likely token")
 
 
@@ -162,8 +162,8 @@ def _decode_loop(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int
 
 
 def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], max_new_tokens: int = 128,
-             strategy: str = "greedy", temperature: float = 1.0, top_k: int = 40, top_p: float = 0.9,
-             repetition_penalty: float = 1.1, eos_token_id: int | Iterable[int] | None = None,
+             do_sample: bool = False, temperature: float = 1.0, top_k: int | None = 50, top_p: float = 1.0,
+             repetition_penalty: float = 1.0, eos_token_id: int | Iterable[int] | None = None,
              seed: int | None = None, use_template: bool = False, return_ids: bool = False,
              streamer: Any = None, adapter_names: list[str] | None = None) -> str | Generation | list[str] | list[Generation]:
     """Continue ``prompt`` with up to ``max_new_tokens`` tokens; return the new text.
@@ -179,10 +179,10 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
     continued (on the engine all at once, each exactly as it would be alone) and a list of
     results comes back, one per prompt, in order.
 
-    ``strategy``: ``"greedy"`` (argmax; ``temperature``, ``top_k``, ``top_p`` and ``seed``
-    unused), ``"top_k"``, ``"top_p"`` or ``"top_k_top_p"`` (sampling from the ``top_k`` most
-    likely tokens, from the nucleus of probability ``top_p``, or from the nucleus within the
-    top k, after dividing the logits by ``temperature``).
+    Decoding, as transformers' ``generate`` (its defaults too): ``do_sample=False`` takes the most
+    likely token (``temperature``, ``top_k``, ``top_p`` and ``seed`` unused); ``do_sample=True``
+    divides the logits by ``temperature``, keeps the ``top_k`` most likely tokens (0 or None: all),
+    then the nucleus of probability ``top_p`` among them (1.0: all), and draws.
     ``repetition_penalty`` applies CTRL's rule to every prompt and generated token (1.0: off).
     ``seed`` (in [0, 2**32)) makes sampling reproducible (``None``: a fresh random seed each
     call); the i-th prompt of a list draws with ``seed + i`` (mod 2**32). Greedy results are the
@@ -204,7 +204,7 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
     EOS ended it) instead of the text. The model runs in eval mode without gradients; its
     training flag is restored afterwards.
     """
-    _check_arguments(max_new_tokens, strategy, temperature, top_k, top_p, repetition_penalty, seed)
+    _check_arguments(max_new_tokens, seed)
     several = isinstance(prompt, list) and not _is_chat(prompt)
     prompts = prompt if several else [prompt]
     if not prompts:
@@ -214,14 +214,15 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
     engine = model if isinstance(model, BitNetEngine) else None
     if adapter_names is not None:
         _check_adapter_names(model, adapter_names, len(prompts))
-    eos = _eos_ids(eos_token_id, tokenizer, engine.model if engine is not None else model)
+    transformers_model = engine.model if engine is not None else model
+    sampling = sampling_settings(do_sample, temperature, top_k, top_p, repetition_penalty,
+                                 transformers_model.config.vocab_size)
+    eos = _eos_ids(eos_token_id, tokenizer, transformers_model)
     prompt_ids = [_prompt_ids(p, tokenizer, use_template) for p in prompts]
     for ids in prompt_ids:
         check_context(model_context(model), len(ids), max_new_tokens)
     first_seed = int(torch.randint(0, 2**31, (1,))) if seed is None else seed
     seeds = [(first_seed + i) % SEED_LIMIT for i in range(len(prompts))]
-    sampling = dict(strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p,
-                    repetition_penalty=repetition_penalty)
     if streamer is not None:
         streamer.put(torch.tensor([prompt_ids[0]]))
     if engine is not None:

@@ -61,8 +61,8 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, seen_ids: torch.Tensor, strategy: str = "greedy",
-                   temperature: float = 1.0, top_k: int = 40, top_p: float = 0.9,
-                   repetition_penalty: float = 1.1, banned_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   temperature: float = 1.0, top_k: int = 50, top_p: float = 1.0,
+                   repetition_penalty: float = 1.0, banned_ids: torch.Tensor | None = None) -> torch.Tensor:
     """One step's next-token logits [vocab] as ``generate`` samples (or argmaxes) them.
 
     ``seen_ids`` are the prompt and generated tokens so far. Greedy applies the repetition
@@ -99,5 +99,33 @@ def check_processing(strategy: str, temperature: float, top_k: int, top_p: float
     if not _is_number(repetition_penalty) or not repetition_penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0 (1.0 means no penalty), got {repetition_penalty!r}")
     if strategy != "greedy" and (not _is_number(temperature) or not temperature > 0):
-        raise ValueError(f"temperature must be > 0 for sampling (strategy={strategy!r}), got {temperature!r}; "
-                         "use strategy='greedy' for deterministic decoding")
+        raise ValueError(f"temperature must be > 0 for sampling (do_sample=True), got {temperature!r}; "
+                         "use do_sample=False for greedy decoding")
+
+
+def sampling_settings(do_sample: bool, temperature: float | None, top_k: int | None, top_p: float | None,
+                      repetition_penalty: float | None, vocab: int) -> dict[str, Any]:
+    """transformers' decoding arguments as ``process_logits``' settings (checked, a ValueError naming a
+    bad one): greedy unless ``do_sample``; sampling divides by ``temperature``, then keeps the
+    ``top_k`` most likely tokens unless ``top_k`` is 0 or None, then the nucleus ``top_p`` unless it is
+    1.0 or None, as transformers' ``generate`` does (a temperature or penalty of None: 1.0, as there).
+
+    >>> sampling_settings(True, 0.7, 0, 0.9, None, vocab=100)["strategy"]
+    'top_p'
+    """
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k must be an integer >= 0 (0 or None: no top-k filter, as in transformers), got "
+                         f"{top_k!r}")
+    top_p = 1.0 if top_p is None else top_p
+    top_k = min(top_k or vocab, vocab)  # all of the vocabulary: no filter
+    strategy = "greedy"
+    if do_sample:
+        filter_k = top_k < vocab
+        filter_p = _is_number(top_p) and top_p < 1.0
+        strategy = "top_k_top_p" if filter_k and filter_p else "top_p" if filter_p else "top_k"
+    settings = dict(strategy=strategy, temperature=1.0 if temperature is None else temperature, top_k=top_k,
+                    top_p=top_p, repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty)
+    check_processing(**settings)
+    return settings

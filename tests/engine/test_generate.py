@@ -120,14 +120,14 @@ def test_any_number_of_tokens_a_submit_and_eos_give_the_torch_models_tokens(toke
     assert by_eos and tokens == expected[: first + 1]
 
 
-def test_sampling_is_reproducible_per_seed_and_follows_the_strategy(tokenizer):
+def test_sampling_is_reproducible_per_seed_and_follows_the_filters(tokenizer):
     model = tiny_model("dense", adapters=True, seed=5)
     engine = BitNetEngine(model)
     prompt = "Name a primary colour."
-    a = generate(engine, tokenizer, prompt, max_new_tokens=12, strategy="top_k", top_k=3, temperature=0.7, seed=11,
-                 return_ids=True, eos_token_id=[])
-    b = generate(engine, tokenizer, prompt, max_new_tokens=12, strategy="top_k", top_k=3, temperature=0.7, seed=11,
-                 return_ids=True, eos_token_id=[])
+    a = generate(engine, tokenizer, prompt, max_new_tokens=12, do_sample=True, top_k=3, temperature=0.7, seed=11,
+                 repetition_penalty=1.1, return_ids=True, eos_token_id=[])
+    b = generate(engine, tokenizer, prompt, max_new_tokens=12, do_sample=True, top_k=3, temperature=0.7, seed=11,
+                 repetition_penalty=1.1, return_ids=True, eos_token_id=[])
     assert a.token_ids == b.token_ids
     # every sampled token was among the 3 most likely (after the penalty) at its step
     ids = a.prompt_ids + a.token_ids
@@ -137,8 +137,8 @@ def test_sampling_is_reproducible_per_seed_and_follows_the_strategy(tokenizer):
         position = len(a.prompt_ids) + i - 1
         processed = process_logits(logits[position], torch.tensor(ids[: position + 1]), repetition_penalty=1.1)
         assert token in torch.topk(processed, 3).indices.tolist()
-    others = {tuple(generate(engine, tokenizer, prompt, max_new_tokens=12, strategy="top_p", top_p=0.95,
-                             temperature=1.5, seed=s, return_ids=True, eos_token_id=[]).token_ids) for s in range(4)}
+    others = {tuple(generate(engine, tokenizer, prompt, max_new_tokens=12, do_sample=True, top_k=0,
+                             top_p=0.95, temperature=1.5, seed=s, return_ids=True, eos_token_id=[]).token_ids) for s in range(4)}
     assert len(others) > 1  # seeds matter
 
 

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ..limits import check_context
+from ..logits import sampling_settings
 from .config import EngineConfig
 from .generate import GenerationRequest, Generated
 
@@ -215,7 +216,8 @@ class TransformersCall:
                              "tokenizer=tokenizer)), as transformers' generate asks")
         if (stop_strings or eos) and not pads:
             raise ValueError("rows that end early are padded with pad_token_id: give pad_token_id (or eos_token_id)")
-        sampling = _sampling(resolved, config.vocab)
+        sampling = sampling_settings(bool(resolved.do_sample), resolved.temperature, resolved.top_k, resolved.top_p,
+                                     resolved.repetition_penalty, config.vocab)
         rows = [p for p in prompts for _ in range(copies)]
         if streamer is not None and len(rows) != 1:
             raise ValueError(f"a streamer prints one sequence (transformers' TextStreamer takes batch 1); this call "
@@ -241,19 +243,6 @@ class TransformersCall:
         for row, (tokens, _) in enumerate(generated):
             out[row, width:width + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         return out
-
-
-def _sampling(config: Any, vocab: int) -> dict[str, Any]:
-    """The sampler's settings: greedy, or top-k and/or top-p after the temperature (all tokens kept
-    when neither filters: top-k over the whole vocabulary)."""
-    penalty = 1.0 if config.repetition_penalty is None else config.repetition_penalty
-    if not config.do_sample:
-        return dict(strategy="greedy", repetition_penalty=penalty)
-    top_k = config.top_k if config.top_k else None
-    top_p = config.top_p if config.top_p is not None and config.top_p < 1.0 else None
-    strategy = "top_k_top_p" if top_k and top_p else "top_p" if top_p else "top_k"
-    return dict(strategy=strategy, temperature=1.0 if config.temperature is None else config.temperature,
-                top_k=min(top_k or vocab, vocab), top_p=top_p or 1.0, repetition_penalty=penalty)
 
 
 def _row_hook(rows: list[list[int]], streamer: Any, tokenizer: Any, stop_strings: Any) -> Any:
