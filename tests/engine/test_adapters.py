@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import tempfile
+from pathlib import Path
 
 import peft
 import pytest
@@ -56,6 +57,32 @@ def test_an_adapter_on_lm_head_is_refused_naming_it(checkpoint):
     model = twl.apply_lora(load_bitnet(checkpoint), r=4, target_modules=("q_proj", "lm_head"))
     with pytest.raises(ValueError, match=re.escape("lm_head has a LoRA adapter, which BitNetEngine cannot run")):
         BitNetEngine(model)
+
+
+def test_the_engines_refusals_name_a_way_that_runs(checkpoint, tmp_path):
+    # WITHOUT_ENGINE, which the refusals end with, names engine='torch' of train and Trainer and the
+    # CLI's --engine torch: the refused model trains that way, and every command with --engine takes torch.
+    from torch_wgpu_lora.cli import build_parser
+    from torch_wgpu_lora.engine.config import WITHOUT_ENGINE
+
+    from .helpers import tiny_tokenizer
+
+    model = twl.apply_lora(load_bitnet(checkpoint), r=4, target_modules=("q_proj", "lm_head"))
+    with pytest.raises(ValueError) as refused:
+        BitNetEngine(model)
+    assert str(refused.value).endswith(WITHOUT_ENGINE) and "engine='torch'" in WITHOUT_ENGINE
+    result = twl.train(model, tiny_tokenizer(), [{"prompt": "Hi", "completion": " there"}], engine="torch",
+                       max_steps=1, output_dir=tmp_path, progress=False, plot=False)
+    assert result.steps == 1 and result.loss is not None
+    commands = build_parser()._subparsers._group_actions[0].choices
+    with_engine = {name: action for name, command in commands.items() for action in command._actions
+                   if "--engine" in action.option_strings}
+    assert set(with_engine) == {"train", "generate", "gradcheck", "demo"}
+    assert all("torch" in action.choices for action in with_engine.values())
+    # no other message of the package sends anyone to an engine option of its own wording
+    package = Path(twl.__file__).parent
+    naming = sorted(str(f.relative_to(package)) for f in package.rglob("*.py") if "engine='torch'" in f.read_text())
+    assert naming == ["engine/config.py"]
 
 
 def test_the_trainers_auto_choice_falls_back_to_torch_for_what_the_engine_refuses(checkpoint):

@@ -7,6 +7,7 @@ alone and in a batch; streamers get the text returned; bad input refused."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -15,7 +16,8 @@ from transformers import GenerationConfig, TextIteratorStreamer, TextStreamer
 from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from torch_wgpu_lora import BitNetEngine
+from torch_wgpu_lora import BitNetEngine, generate
+from torch_wgpu_lora.engine.generate_api import TORCH_PATH
 from torch_wgpu_lora.integrations.tiny import FLAVOURS
 
 from .helpers import engine_choice_is_explained_by_a_flip, tiny_model, tiny_tokenizer
@@ -163,7 +165,7 @@ def test_bad_input_and_unsupported_settings_are_refused_clearly(dense, tokenizer
     inputs = encode(tokenizer)
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     limit = model.config.max_position_embeddings
-    torch_path = "generate on the torch path instead"
+    torch_path = re.escape(TORCH_PATH)
     cases = [
         (dict(input_ids=ids[:0]), ValueError, r"input_ids holds no prompt: shape \(0, "),
         (dict(input_ids=torch.full((2, limit - 3), 5), max_new_tokens=10), ValueError,
@@ -190,6 +192,34 @@ def test_bad_input_and_unsupported_settings_are_refused_clearly(dense, tokenizer
     for kwargs, error, message in cases:
         with pytest.raises(error, match=message):
             engine.generate(**kwargs)
+
+
+@pytest.mark.parametrize("refused", [dict(num_beams=2), dict(typical_p=0.5), dict(no_repeat_ngram_size=2),
+                                     dict(logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.5)]))])
+def test_what_the_engine_refuses_runs_where_its_refusal_says(dense, tokenizer, refused):
+    model, engine = dense
+    inputs = encode(tokenizer)
+    with pytest.raises(ValueError) as refusal:
+        engine.generate(**inputs, max_new_tokens=3, **refused)
+    assert str(refusal.value).endswith(TORCH_PATH) and "engine.model.generate(...)" in TORCH_PATH
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        out = engine.model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, **refused)
+    assert out.shape == (len(PROMPTS), inputs["input_ids"].shape[1] + 3)
+
+
+def test_transformers_text_generation_pipeline_runs_the_engine(dense, tokenizer):
+    # transformers' own pipeline, given the engine as its model: the tokens of the engine's generate and
+    # of the same pipeline over the transformers model (the dense model: exactly, as above)
+    from transformers import pipeline
+
+    model, engine = dense
+    options = dict(max_new_tokens=NEW, do_sample=False, return_tensors=True, eos_token_id=tokenizer.eos_token_id)
+    on_engine = pipeline("text-generation", model=engine, tokenizer=tokenizer)(PROMPTS[0], **options)
+    with torch.compiler.set_stance("force_eager"):
+        on_model = pipeline("text-generation", model=model, tokenizer=tokenizer)(PROMPTS[0], **options)
+    ours = generate(engine, tokenizer, PROMPTS[0], max_new_tokens=NEW, return_ids=True)
+    assert on_engine[0]["generated_token_ids"] == on_model[0]["generated_token_ids"] == ours.prompt_ids + ours.token_ids
+    assert len(set(ours.token_ids)) > 1
 
 
 # Prompt lengths from one token (a BOS alone) up, and past the 64-key attention tile.

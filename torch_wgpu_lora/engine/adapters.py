@@ -45,7 +45,7 @@ from ..integrations.bitnet import PROJECTIONS, projection
 from ..integrations.peft import peft_layers
 from ..modules import LoRALinear, LoRASum
 from ..runtime import Buffer, Device, Recorder, upload, write
-from .config import EngineConfig, pad
+from .config import WITHOUT_ENGINE, EngineConfig, pad
 from .kernels.projection import lora_table
 from .kernels.dropout import NO_SPLIT, SiteDropout, dropout_mask_reference, site_key
 
@@ -100,7 +100,7 @@ def refuse_peft_layers(model: nn.Module) -> None:
     for name, module in peft_layers(model):
         raise ValueError(f"{name} is a PEFT layer ({type(module).__name__}), which BitNetEngine does not run; convert "
                          "the model with torch_wgpu_lora.integrations.peft.from_peft(model) (its adapters become "
-                         "torch_wgpu_lora's, sharing their Parameters), or run it on the torch path (engine='torch')")
+                         f"torch_wgpu_lora's, sharing their Parameters), or {WITHOUT_ENGINE}")
 
 
 def check_adapters(model: nn.Module, config: EngineConfig) -> None:
@@ -116,8 +116,8 @@ def check_adapters(model: nn.Module, config: EngineConfig) -> None:
                              "or run the model on the torch path")
         if isinstance(module, LoRALinear) and id(module) not in runnable:
             raise ValueError(f"{name} has a LoRA adapter, which BitNetEngine cannot run: it runs adapters on the "
-                             f"decoder layers' projections ({', '.join(PROJECTIONS)}) only. Remove it, or run the "
-                             "model on the torch path (engine='torch')")
+                             f"decoder layers' projections ({', '.join(PROJECTIONS)}) only. Remove it, or "
+                             f"{WITHOUT_ENGINE}")
 
 
 def _layout(model: nn.Module, config: EngineConfig) -> list[list[tuple[str, LoRALinear]]]:

@@ -71,8 +71,8 @@ HOOKS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "s
          "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate")
 PER_ROW_ADAPTERS = ("BitNetEngine.{call} runs the model's active adapter on every row; adapter_names (an adapter a "
                     "row) runs on the torch path, the transformers model itself: {route}")
-TORCH_PATH = ("generate on the torch path instead: torch_wgpu_lora.generate(..., engine='torch'), or the "
-              "transformers model's own generate (engine.model.generate(...))")
+TORCH_PATH = ("generate with the transformers model the engine runs instead: engine.model.generate(...) (its "
+              "LoRA layers compute on WebGPU or torch as their backend says)")
 
 
 def _resolve(model_config: Any, generation_config: Any, kwargs: dict) -> tuple[Any, dict]:

@@ -46,7 +46,7 @@ from ..loss import causal_lm_loss
 from ..runtime import Device, get_device
 from ..runtime.buffers import pool_for, staging_for
 from .adapters import EngineAdapters, check_adapters, refuse_peft_layers
-from .config import EngineConfig
+from .config import WITHOUT_ENGINE, EngineConfig
 from .generate import DecodeSession, GenerationRequest, Generated
 from .generate_api import PER_ROW_ADAPTERS, TransformersCall
 from .inputs import check_inputs, check_prompts, pad_micro_batch
@@ -74,7 +74,7 @@ class BitNetEngine(nn.Module):
         self.engine_config = EngineConfig.from_model(model)
         if self.engine_config.projection_norm_eps is not None:
             raise ValueError("BitNetEngine does not run BitLinear layers with their own RMSNorm "
-                             "(quantization_config.use_rms_norm); use the torch path for this model")
+                             f"(quantization_config.use_rms_norm); {WITHOUT_ENGINE}")
         check_adapters(model, self.engine_config)
         self.device = device or get_device()
         self.model = model
@@ -106,6 +106,16 @@ class BitNetEngine(nn.Module):
     def config(self) -> Any:
         """The transformers config of the model (as ``model.config``)."""
         return self.model.config
+
+    @property
+    def generation_config(self) -> Any:
+        """The model's generation defaults (``model.generation_config``), which ``generate`` starts from."""
+        return self.model.generation_config
+
+    @staticmethod
+    def can_generate() -> bool:
+        """transformers' question to a model (its ``pipeline`` asks it): the engine has ``generate``."""
+        return True
 
     def plan(self, batch: int, tokens: int, logits: str = "all", dropout: bool = False,
              packed: bool = False) -> ForwardPlan:
@@ -389,7 +399,7 @@ class _EngineLoss(torch.autograd.Function):
             raise RuntimeError("BitNetEngine's loss can be differentiated once: its gradients come from the "
                                "engine's backward kernels, which have no derivative of their own, so "
                                "create_graph=True (double backward, a gradient penalty) is not supported; "
-                               "run the model on the torch path (engine='torch') for that")
+                               f"for that, {WITHOUT_ENGINE}")
         ctx.saved_tensors  # noqa: B018 - the version check
         return (None, None, None, None, None, None, *(g * grad for g in ctx.grads))
 
