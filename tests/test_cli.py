@@ -429,6 +429,9 @@ def test_generate_for_a_prompts_file_in_batches_resumes_after_an_interruption(ca
         prompt = {k: record[k] for k in ("instruction", "input") if k in record} or record["prompt"]
         assert result == {**record, "generated_text": python_generation(tiny["dense"], None, prompt,
                                                                         max_new_tokens=6)}
+    # without --output, the same records go to standard output, and nothing else does
+    assert main(command + ["--no-progress"]) == EXIT_OK
+    assert capsys.readouterr().out == full.read_text()
 
     calls = []
     real = prompts_file.generate
@@ -468,8 +471,6 @@ def test_generate_for_a_prompts_file_refuses_bad_records_and_another_files_outpu
     prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n" + json.dumps({"prompt": "Bye"}) + "\n")
     out.write_text(json.dumps({"prompt": "Other", "generated_text": "x"}) + "\n")
     fails_with(capsys, command, f"{out}: line 1 is not the result of record 1 of {prompts}")
-    fails_with(capsys, ["generate", "--model", str(tiny["dense"]), "--prompts-file", str(prompts)],
-               "--prompts-file needs --output")
     fails_with(capsys, command + ["--stream"], "--input and --stream go with --prompt")
     fails_with(capsys, ["generate", "--model", str(tiny["dense"]), "--prompt", "Hi", "--output", str(out)],
                "--output goes with --prompts-file")

@@ -6,7 +6,7 @@ Subcommands::
     torch-wgpu-lora train --model DIR --data train.jsonl --output run
     torch-wgpu-lora train --config run.yaml --lr 1e-4   # options from a file; the command line wins
     torch-wgpu-lora generate --model DIR --adapter run/adapter --prompt "Name a primary colour." [--stream]
-    torch-wgpu-lora generate --model DIR --prompts-file prompts.jsonl --output results.jsonl
+    torch-wgpu-lora generate --model DIR --prompts-file prompts.jsonl [--output results.jsonl]
     torch-wgpu-lora gradcheck --model DIR      # per-layer gradient parity table, WebGPU vs PyTorch
     torch-wgpu-lora info [--json]              # the WebGPU adapter, backend and limits
     torch-wgpu-lora bench [--quick]            # the LoRA op benchmark (torch_wgpu_lora.benchmarks)
@@ -317,8 +317,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .integrations.peft import load_adapter
 
     if args.prompts_file is not None:
-        if args.output is None:
-            raise UsageError("--prompts-file needs --output, the JSONL file the results go to")
         if args.input is not None or args.stream:
             raise UsageError("--input and --stream go with --prompt; each record of --prompts-file holds its prompt")
     elif args.output is not None:
@@ -341,7 +339,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         total, new = generate_file(runner, tokenizer, args.prompts_file, args.output, batch_size=args.batch_size,
                                    progress=not args.no_progress, **options)
-        print(f"{args.output}: {total} records ({new} generated now, {total - new} by an earlier run)")
+        if args.output is not None:  # else the records went to standard output, which holds them alone
+            print(f"{args.output}: {total} records ({new} generated now, {total - new} by an earlier run)")
         return EXIT_OK
     prompt: Any = args.prompt
     if args.input is not None:
@@ -581,15 +580,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "adapter. The prompt goes into the Alpaca template the trainer uses, unless "
                             "--no-template. With --prompts-file, generate for every record of a JSONL file "
                             "(each with instruction (and input), prompt, or chat messages), in batches, into "
-                            "--output: each record with generated_text added. A run that stopped is continued "
-                            "by the same command: records already in --output are skipped.")
+                            "--output, or standard output without it: each record with generated_text added. A run "
+                            "into --output that stopped is continued by the same command: records already in "
+                            "--output are skipped.")
     _add_model(p)
     p.add_argument("--adapter", metavar="PATH", help="a PEFT adapter folder or a Hesper .lora file")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the instruction (or, with --no-template, the raw text)")
     source.add_argument("--prompts-file", metavar="FILE", help="JSONL records to generate for, one object a line: "
                         "instruction (and input), prompt, or messages")
-    p.add_argument("--output", metavar="FILE", help="with --prompts-file: the JSONL file of results")
+    p.add_argument("--output", metavar="FILE", help="with --prompts-file: the JSONL file of results (default: "
+                   "standard output)")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="with --prompts-file: prompts generated at "
                    "once (default: %(default)s)")
     p.add_argument("--stream", action="store_true", help="print the text as its tokens come")
