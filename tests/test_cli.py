@@ -317,7 +317,8 @@ def test_an_earlier_runs_output_needs_overwrite(capsys, tiny, tmp_path):
     fails_with(capsys, train, f"{run} already holds adapter, metrics.jsonl, loss.png of an earlier run: pass "
                               "--overwrite to replace it, or choose another --output")
     assert (run / "adapter" / "adapter_model.safetensors").read_bytes() == adapter
-    usage_error(capsys, train + ["--overwrite", "--resume"], "argument --resume: not allowed with argument --overwrite")
+    usage_error(capsys, train + ["--overwrite", "--resume"], "argument --resume/--resume-from-checkpoint: not allowed "
+                                                             "with argument --overwrite")
     assert main(train + ["--overwrite", "--rank", "4"]) == EXIT_OK
     assert (run / "adapter" / "adapter_model.safetensors").read_bytes() != adapter
 

@@ -24,22 +24,22 @@ option before anything runs: flags true or false; ``resume`` true (the bare ``--
 newest checkpoint in --output) or a checkpoint path; integers; finite numbers (YAML's ``1e-4``
 included); strings (a name that looks like a number quoted); ``targets`` and ``report_to`` a
 name or a list of names; ``lr_scheduler_kwargs`` a mapping; null leaves an option at its
-default. An option also given on the command line takes the command line's value.
+default. An option also given on the command line takes the command line's value. One
+``--config`` a command (files are not merged); no YAML anchors or aliases (nested aliases
+expand exponentially); at most 1 MiB. Options are spelled out in full on every command:
+argparse's abbreviations are off, so no abbreviation hides which option of a file it overrides.
 
 Options also have the names of transformers' ``TrainingArguments`` and TRL's ``SFTConfig``,
 ``ModelConfig`` and ``ScriptArguments`` where they mean what those mean (``--learning-rate`` for
 ``--lr``, ``--num-train-epochs``, ``--per-device-train-batch-size``, ``--gradient-accumulation-steps``,
 ``--lr-scheduler-type``, ``--save-steps``, ``--output-dir``, ``--model-name-or-path``,
 ``--dataset-name`` (a local data file), ``--lora-r``, ``--lora-alpha``, ``--lora-dropout``,
-``--lora-target-modules``, ``--resume-from-checkpoint``; ``--warmup-steps`` and ``--save-steps``
+``--lora-target-modules``, ``--resume-from-checkpoint``, ``--use-rslora``; ``--warmup-steps`` and ``--save-steps``
 take a fraction of the run's steps as transformers does), so a TRL-style file (``trl sft
 --config``'s keys: ``model_name_or_path``, ``dataset_name``, ``learning_rate``, ``use_peft: true``,
 ``lora_r``, ...) drives ``train --config`` as it is. One option under two of its names, in a file
 or on the command line, is refused; so is every key train does not have (``logging_steps``,
-``eval_strategy``, ...), by name. One
-``--config`` a command (files are not merged); no YAML anchors or aliases (nested aliases
-expand exponentially); at most 1 MiB. Options are spelled out in full on every command:
-argparse's abbreviations are off, so no abbreviation hides which option of a file it overrides.
+``eval_strategy``, ...), by name.
 
 Several processes (data-parallel training, ``torchrun --nproc-per-node N -m torch_wgpu_lora
 train ...`` or ``accelerate launch``): ``train`` makes the torch.distributed process group

@@ -223,9 +223,9 @@ def run_demo(model_path: str | os.PathLike | None = None, output_dir: str | os.P
     with torch.compiler.set_stance("force_eager"):  # see the module docstring
         model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype)
         apply_lora(model, lora_config)
-        trainer = Trainer(model, tokenizer, records, output_dir=output_dir, max_steps=steps, batch_size=batch_size,
-                          lr=lr, max_length=max_length, seed=seed, save_every=0, progress=progress, overwrite=True,
-                          engine=engine)
+        trainer = Trainer(model, tokenizer, records, output_dir=output_dir, max_steps=steps,
+                          per_device_train_batch_size=batch_size, learning_rate=lr, max_length=max_length, seed=seed,
+                          save_steps=0, progress=progress, overwrite=True, engine=engine)
         runner = trainer.engine or model
         _prepare_output(output_dir, settings)  # after the Trainer checked every argument
         batches = [collate(trainer.examples[i:i + batch_size], trainer.pad_token_id)
@@ -234,7 +234,7 @@ def run_demo(model_path: str | os.PathLike | None = None, output_dir: str | os.P
 
         def show_model() -> tuple[float, str]:
             loss = evaluate(runner, batches)
-            text = generate(runner, tokenizer, prompt, max_new_tokens=max_new_tokens, repetition_penalty=1.0)
+            text = generate(runner, tokenizer, prompt, max_new_tokens=max_new_tokens)
             out(f"  loss (mean per response token, {len(trainer.examples)} examples): {loss:.4f}")
             out(f"  greedy generation: {text!r}")
             return loss, text

@@ -8,8 +8,9 @@ Each record of IN is a JSON object with one of:
 * ``"messages"``: chat messages (``{"role", "content"}`` objects), in the tokenizer's chat template.
 
 Its other fields ride along: record i of OUT is record i of IN with ``"generated_text"`` added.
-Without OUT, each batch's lines go to standard output as soon as they are generated. OUT is rewritten whole after each batch (temp + rename, ``files.write_atomic``), so however a run
-ends, OUT holds whole records; a later run with the same IN and OUT continues after them (each
+Without OUT, each batch's lines go to standard output as soon as they are generated. OUT is
+rewritten whole after each batch (temp + rename, ``files.write_atomic``), so however a run ends,
+OUT holds whole records; a later run with the same IN and OUT continues after them (each
 line checked against its record first). Record i draws with ``seed + i``, so a resumed run gives
 what an uninterrupted one gives (greedy: whatever the seed; ``engine.generate``: a prompt's tokens
 do not depend on its batch).

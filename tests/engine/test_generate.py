@@ -137,8 +137,8 @@ def test_sampling_is_reproducible_per_seed_and_follows_the_filters(tokenizer):
         position = len(a.prompt_ids) + i - 1
         processed = process_logits(logits[position], torch.tensor(ids[: position + 1]), repetition_penalty=1.1)
         assert token in torch.topk(processed, 3).indices.tolist()
-    others = {tuple(generate(engine, tokenizer, prompt, max_new_tokens=12, do_sample=True, top_k=0,
-                             top_p=0.95, temperature=1.5, seed=s, return_ids=True, eos_token_id=[]).token_ids) for s in range(4)}
+    others = {tuple(generate(engine, tokenizer, prompt, max_new_tokens=12, do_sample=True, top_k=0, top_p=0.95,
+                             temperature=1.5, seed=s, return_ids=True, eos_token_id=[]).token_ids) for s in range(4)}
     assert len(others) > 1  # seeds matter
 
 

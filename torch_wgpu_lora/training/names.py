@@ -14,7 +14,7 @@ some of them, taken as aliases. Giving an option under both names is refused, na
 >>> f(lr=0.5, learning_rate=0.1)
 Traceback (most recent call last):
 ...
-TypeError: lr and learning_rate are the same option (learning_rate, as transformers' TrainingArguments names it); give one
+TypeError: lr and learning_rate are the same option (transformers' name: learning_rate); give one
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def accepts_short_names(function: Callable[..., Any]) -> Callable[..., Any]:
         for short, name in SHORT_NAMES.items():
             if short in kwargs:
                 if name in kwargs:
-                    raise TypeError(f"{short} and {name} are the same option ({name}, as transformers' "
-                                    "TrainingArguments names it); give one")
+                    raise TypeError(f"{short} and {name} are the same option (transformers' name: {name}); "
+                                    "give one")
                 kwargs[name] = kwargs.pop(short)
         return function(*args, **kwargs)
 

@@ -386,8 +386,8 @@ class Trainer:
         per_rank = math.ceil(len(self.examples) / self.world_size)  # each rank's shard of an epoch (data.shard)
         steps_per_epoch = math.ceil(math.ceil(per_rank / self.batch_size) / self.accumulation)
         if max_steps is not None and num_train_epochs is not None:
-            raise ValueError(f"give num_train_epochs or max_steps, not both (got num_train_epochs={num_train_epochs!r}, "
-                             f"max_steps={max_steps!r})")
+            raise ValueError(f"give num_train_epochs or max_steps, not both (got num_train_epochs="
+                             f"{num_train_epochs!r}, max_steps={max_steps!r})")
         if max_steps is None:
             epochs = 1 if num_train_epochs is None else num_train_epochs
             if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not 0 < epochs < math.inf:
@@ -425,8 +425,9 @@ class Trainer:
         self.settings = {
             "data": _fingerprint(self.examples), "batch_size": self.batch_size,
             "gradient_accumulation_steps": self.accumulation, "total_steps": self.total_steps,
-            "seed": self.seed, "schedule": lr_scheduler_type, "warmup_ratio": warmup_ratio, "warmup_steps": warmup_steps,
-            "scheduler_kwargs": lr_scheduler_kwargs, "lr": learning_rate, "betas": list(betas), "eps": eps,
+            "seed": self.seed, "schedule": lr_scheduler_type, "warmup_ratio": warmup_ratio,
+            "warmup_steps": warmup_steps, "scheduler_kwargs": lr_scheduler_kwargs, "lr": learning_rate,
+            "betas": list(betas), "eps": eps,
             "weight_decay": weight_decay, "max_grad_norm": max_grad_norm, "world_size": self.world_size,
             "packing": packing, "group_by_length": group_by_length,
         }
