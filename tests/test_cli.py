@@ -855,9 +855,13 @@ gradient_accumulation_steps: 1
 lr_scheduler_type: cosine
 warmup_steps: 0.25
 weight_decay: 0.1
+adam_beta1: 0.8
+adam_beta2: 0.99
+adam_epsilon: 1.0e-6
 max_grad_norm: 0.5
 seed: 7
 save_steps: 0.5
+save_total_limit: 3
 max_length: 128
 packing: false
 report_to: none
@@ -884,7 +888,9 @@ use_rslora: true
             settings["max_grad_norm"], settings["schedule"]) == \
         (sft.learning_rate, sft.per_device_train_batch_size, sft.gradient_accumulation_steps, sft.seed,
          sft.max_grad_norm, sft.lr_scheduler_type.value)
-    assert state["optimizer"]["param_groups"][0]["weight_decay"] == sft.weight_decay
+    group = state["optimizer"]["param_groups"][0]
+    assert (group["weight_decay"], group["betas"], group["eps"]) == \
+        (sft.weight_decay, [sft.adam_beta1, sft.adam_beta2], sft.adam_epsilon)
     adapter = json.loads((run / "adapter" / "adapter_config.json").read_text())
     assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"], set(adapter["target_modules"]),
             adapter["use_rslora"]) == (model_config.lora_r, model_config.lora_alpha, model_config.lora_dropout,

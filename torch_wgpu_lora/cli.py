@@ -32,7 +32,8 @@ argparse's abbreviations are off, so no abbreviation hides which option of a fil
 Options also have the names of transformers' ``TrainingArguments`` and TRL's ``SFTConfig``,
 ``ModelConfig`` and ``ScriptArguments`` where they mean what those mean (``--learning-rate`` for
 ``--lr``, ``--num-train-epochs``, ``--per-device-train-batch-size``, ``--gradient-accumulation-steps``,
-``--lr-scheduler-type``, ``--save-steps``, ``--output-dir``, ``--model-name-or-path``,
+``--lr-scheduler-type``, ``--save-steps``, ``--save-total-limit``, ``--adam-beta1``, ``--adam-beta2``,
+``--adam-epsilon``, ``--output-dir``, ``--model-name-or-path``,
 ``--dataset-name`` (a local data file), ``--lora-r``, ``--lora-alpha``, ``--lora-dropout``,
 ``--lora-target-modules``, ``--resume-from-checkpoint``, ``--use-rslora``; ``--warmup-steps`` and ``--save-steps``
 take a fraction of the run's steps as transformers does), so a TRL-style file (``trl sft
@@ -287,11 +288,13 @@ def _train(args: argparse.Namespace) -> int:
                       num_train_epochs=args.epochs, engine=args.engine,
                       max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
                       gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr,
-                      weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                      weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+                      adam_epsilon=args.adam_epsilon, max_grad_norm=args.max_grad_norm,
                       lr_scheduler_type=args.schedule, warmup_ratio=args.warmup_ratio,
                       warmup_steps=args.warmup_steps, lr_scheduler_kwargs=args.lr_scheduler_kwargs,
                       max_length=args.max_length, packing=args.packing, group_by_length=args.group_by_length,
-                      seed=args.seed, save_steps=args.save_every, eval_every=args.eval_every,
+                      seed=args.seed, save_steps=args.save_every, save_total_limit=args.save_total_limit,
+                      eval_every=args.eval_every,
                       early_stopping_patience=args.early_stopping_patience,
                       early_stopping_threshold=args.early_stopping_threshold, save_best=args.save_best,
                       report_to=args.report_to, progress=not args.no_progress, overwrite=args.overwrite,
@@ -514,6 +517,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peak learning rate (default: %(default)s)")
     p.add_argument("--weight-decay", type=float, default=trainer["weight_decay"],
                    help="AdamW's decoupled weight decay (default: %(default)s)")
+    p.add_argument("--adam-beta1", type=float, default=trainer["adam_beta1"],
+                   help="AdamW's first-moment decay (default: %(default)s)")
+    p.add_argument("--adam-beta2", type=float, default=trainer["adam_beta2"],
+                   help="AdamW's second-moment decay (default: %(default)s)")
+    p.add_argument("--adam-epsilon", type=float, default=trainer["adam_epsilon"],
+                   help="AdamW's epsilon (default: %(default)s)")
     p.add_argument("--lr-scheduler", "--lr-scheduler-type", "--schedule", dest="schedule",
                    default=trainer["lr_scheduler_type"], metavar="NAME",
                    help="learning-rate schedule, any of transformers' (linear, cosine, cosine_with_restarts, "
@@ -540,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", "--save-steps", dest="save_every", type=_steps, default=trainer["save_steps"],
                    help="checkpoint every N steps, or after each such fraction in (0, 1) of them; 0 = only at the "
                    "end (default: %(default)s)")
+    p.add_argument("--save-total-limit", type=_positive_int, default=trainer["save_total_limit"], metavar="N",
+                   help="keep the newest N checkpoints (default: %(default)s)")
     p.add_argument("--eval-every", type=int, default=trainer["eval_every"], help="evaluate every N steps; 0 = "
                    "only at the end (default: %(default)s)")
     p.add_argument("--early-stopping-patience", type=int, default=trainer["early_stopping_patience"], metavar="N",

@@ -18,7 +18,8 @@ from .helpers import RECORDS, transformers_plan
 from .test_trainer import base, fresh_model  # noqa: F401 - the tiny model fixture
 
 SHARED = ("learning_rate", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
-          "warmup_steps", "lr_scheduler_type", "weight_decay", "max_grad_norm", "seed", "save_steps")
+          "warmup_steps", "lr_scheduler_type", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+          "max_grad_norm", "seed", "save_steps", "save_total_limit")
 
 
 def test_the_options_transformers_names_mean_what_its_trainer_makes_of_them(base, tmp_path):
@@ -26,7 +27,8 @@ def test_the_options_transformers_names_mean_what_its_trainer_makes_of_them(base
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), learning_rate=3e-3, num_train_epochs=1.5,
                                           per_device_train_batch_size=2, gradient_accumulation_steps=2,
                                           warmup_steps=0.25, lr_scheduler_type="cosine", weight_decay=0.1,
-                                          max_grad_norm=0.5, seed=5, save_steps=0.5, report_to="none", use_cpu=True)
+                                          adam_beta1=0.8, adam_beta2=0.99, adam_epsilon=1e-6, max_grad_norm=0.5,
+                                          seed=5, save_steps=0.5, save_total_limit=3, report_to="none", use_cpu=True)
     plan = transformers_plan(args, len(RECORDS))
     run = tmp_path / "run"
     result = train(fresh_model(base), base[1], RECORDS, output_dir=run, max_length=128, progress=False, plot=False,
@@ -38,7 +40,9 @@ def test_the_options_transformers_names_mean_what_its_trainer_makes_of_them(base
     steps = [int(p.name.split("-")[1]) for p in sorted((run / "checkpoints").iterdir())]
     assert plan["save_steps"] == 2 and steps == [2, 3]  # every save_steps, and at the end
     state = json.loads((run / "checkpoints" / "step-000003" / "state.json").read_text())
-    assert state["optimizer"]["param_groups"][0]["weight_decay"] == args.weight_decay
+    group = state["optimizer"]["param_groups"][0]
+    assert (group["weight_decay"], group["betas"], group["eps"]) == \
+        (args.weight_decay, [args.adam_beta1, args.adam_beta2], args.adam_epsilon)
     assert state["trainer"]["settings"]["max_grad_norm"] == args.max_grad_norm
 
 
@@ -49,7 +53,7 @@ def test_transformers_names_are_trainer_options_and_short_names_are_aliases(base
     assert set(SHORT_NAMES.values()) <= fields and set(SHORT_NAMES.values()) <= set(parameters)
     assert not set(SHORT_NAMES) & set(parameters)
     values = {"learning_rate": 1e-3, "num_train_epochs": 2, "per_device_train_batch_size": 4,
-              "lr_scheduler_type": "linear", "lr_scheduler_kwargs": {}, "save_steps": 3}
+              "lr_scheduler_type": "linear", "lr_scheduler_kwargs": {}, "save_steps": 3, "adam_epsilon": 1e-6}
     for short, name in SHORT_NAMES.items():
         aliased = Trainer(fresh_model(base), base[1], RECORDS, output_dir=tmp_path, progress=False,
                           **{short: values[name]})
@@ -59,6 +63,17 @@ def test_transformers_names_are_trainer_options_and_short_names_are_aliases(base
         with pytest.raises(TypeError, match=f"{short} and {name} are the same option"):
             Trainer(fresh_model(base), base[1], RECORDS, output_dir=tmp_path, **{short: values[name],
                                                                                  name: values[name]})
+
+
+def test_betas_is_the_pair_of_adam_beta1_and_adam_beta2(base, tmp_path):
+    paired = Trainer(fresh_model(base), base[1], RECORDS, output_dir=tmp_path, progress=False, betas=(0.8, 0.99))
+    named = Trainer(fresh_model(base), base[1], RECORDS, output_dir=tmp_path, progress=False, adam_beta1=0.8,
+                    adam_beta2=0.99)
+    assert paired.settings == named.settings and paired.optimizer.param_groups[0]["betas"] == (0.8, 0.99)
+    with pytest.raises(TypeError, match="betas and adam_beta2 are the same option"):
+        Trainer(fresh_model(base), base[1], RECORDS, output_dir=tmp_path, betas=(0.8, 0.99), adam_beta2=0.9)
+    with pytest.raises(ValueError, match=r"betas must be a pair \(adam_beta1, adam_beta2\), got 0.9"):
+        Trainer(fresh_model(base), base[1], RECORDS, output_dir=tmp_path, betas=0.9)
 
 
 @pytest.mark.parametrize("value, steps", [(0, 0), (3, 3), (3.0, 3), (0.1, 3), (0.5, 13), (0.999, 25)])

@@ -3,8 +3,9 @@
 The ``Trainer`` and ``train`` take the names of transformers' ``TrainingArguments`` (and TRL's
 ``SFTConfig``) for the options they share with it, each meaning what it means there
 (``learning_rate``, ``num_train_epochs``, ``per_device_train_batch_size``, ``lr_scheduler_type``,
-``lr_scheduler_kwargs``, ``save_steps``, ...); ``SHORT_NAMES`` are this package's shorter names for
-some of them, taken as aliases. Giving an option under both names is refused, naming both.
+``lr_scheduler_kwargs``, ``save_steps``, ``adam_beta1``, ...); ``SHORT_NAMES`` are this package's
+shorter names for some of them, taken as aliases, and ``betas`` is the pair (``adam_beta1``,
+``adam_beta2``), as torch's AdamW takes it. Giving an option under both names is refused, naming both.
 
 >>> @accepts_short_names
 ... def f(*, learning_rate=1.0, num_train_epochs=None):
@@ -24,11 +25,13 @@ import math
 import numbers
 from typing import Any, Callable
 
-__all__ = ["SHORT_NAMES", "accepts_short_names", "interval_steps"]
+__all__ = ["BETAS", "SHORT_NAMES", "accepts_short_names", "interval_steps"]
 
 # short name -> transformers' TrainingArguments name
 SHORT_NAMES = {"lr": "learning_rate", "epochs": "num_train_epochs", "batch_size": "per_device_train_batch_size",
-               "schedule": "lr_scheduler_type", "scheduler_kwargs": "lr_scheduler_kwargs", "save_every": "save_steps"}
+               "schedule": "lr_scheduler_type", "scheduler_kwargs": "lr_scheduler_kwargs", "save_every": "save_steps",
+               "eps": "adam_epsilon"}
+BETAS = ("adam_beta1", "adam_beta2")  # what torch's AdamW takes as betas=(beta1, beta2)
 
 
 def accepts_short_names(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -42,6 +45,15 @@ def accepts_short_names(function: Callable[..., Any]) -> Callable[..., Any]:
                     raise TypeError(f"{short} and {name} are the same option (transformers' name: {name}); "
                                     "give one")
                 kwargs[name] = kwargs.pop(short)
+        if "betas" in kwargs:
+            given = [name for name in BETAS if name in kwargs]
+            if given:
+                raise TypeError(f"betas and {given[0]} are the same option (transformers' names: adam_beta1, "
+                                "adam_beta2); give one")
+            betas = kwargs.pop("betas")
+            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+                raise ValueError(f"betas must be a pair (adam_beta1, adam_beta2), got {betas!r}")
+            kwargs.update(zip(BETAS, betas))
         return function(*args, **kwargs)
 
     return wrapper

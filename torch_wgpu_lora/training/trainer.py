@@ -9,10 +9,11 @@
 The options have the names of transformers' ``TrainingArguments`` (and TRL's ``SFTConfig``) where
 they share its meaning (``training.names``): ``learning_rate``, ``num_train_epochs``,
 ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``max_steps``, ``warmup_steps``,
-``lr_scheduler_type``, ``lr_scheduler_kwargs``, ``weight_decay``, ``max_grad_norm``, ``seed``,
-``save_steps``, ``save_total_limit``, ``output_dir``, ``max_length``, ``packing``,
-``group_by_length``, ``report_to``; ``lr``, ``epochs``, ``batch_size``, ``schedule``,
-``scheduler_kwargs`` and ``save_every`` are short names for some of them.
+``lr_scheduler_type``, ``lr_scheduler_kwargs``, ``weight_decay``, ``adam_beta1``, ``adam_beta2``,
+``adam_epsilon``, ``max_grad_norm``, ``seed``, ``save_steps``, ``save_total_limit``, ``output_dir``,
+``max_length``, ``packing``, ``group_by_length``, ``report_to``; ``lr``, ``epochs``, ``batch_size``,
+``schedule``, ``scheduler_kwargs``, ``save_every`` and ``eps`` are short names for some of them,
+``betas`` the pair (``adam_beta1``, ``adam_beta2``).
 
 One optimiser step consumes ``gradient_accumulation_steps`` micro-batches of
 ``per_device_train_batch_size`` whole sequences. The loss is the mean cross-entropy over every response
@@ -317,7 +318,8 @@ class Trainer:
                  output_dir: str | Path = "lora-output", num_train_epochs: float | None = None,
                  max_steps: int | None = None, per_device_train_batch_size: int = 4,
                  gradient_accumulation_steps: int = 1, learning_rate: float = 2e-4,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-7, weight_decay: float = 0.01,
+                 adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_epsilon: float = 1e-7,
+                 weight_decay: float = 0.01,
                  max_grad_norm: float = 1.0, lr_scheduler_type: str = "cosine", warmup_ratio: float | None = None,
                  warmup_steps: float | None = None, lr_scheduler_kwargs: dict[str, Any] | None = None,
                  max_length: int = 512, packing: bool = False, group_by_length: bool = False, seed: int = 42,
@@ -401,7 +403,9 @@ class Trainer:
             raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
         self.overwrite = overwrite
         self.engine = choose_engine(model, engine)
-        self.optimizer = WgpuAdamW(self.params, lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
+        betas = (adam_beta1, adam_beta2)
+        self.optimizer = WgpuAdamW(self.params, lr=learning_rate, betas=betas, eps=adam_epsilon,
+                                   weight_decay=weight_decay)
         if warmup_steps is not None and warmup_ratio is not None:
             raise ValueError(f"give warmup_steps or warmup_ratio, not both (got {warmup_steps!r} and {warmup_ratio!r})")
         if warmup_steps is None:
@@ -427,7 +431,7 @@ class Trainer:
             "gradient_accumulation_steps": self.accumulation, "total_steps": self.total_steps,
             "seed": self.seed, "schedule": lr_scheduler_type, "warmup_ratio": warmup_ratio,
             "warmup_steps": warmup_steps, "scheduler_kwargs": lr_scheduler_kwargs, "lr": learning_rate,
-            "betas": list(betas), "eps": eps,
+            "betas": list(betas), "eps": adam_epsilon,
             "weight_decay": weight_decay, "max_grad_norm": max_grad_norm, "world_size": self.world_size,
             "packing": packing, "group_by_length": group_by_length,
         }
