@@ -113,7 +113,7 @@ def check_adapters(model: nn.Module, config: EngineConfig) -> None:
         if isinstance(module, LoRASum):
             raise ValueError(f"{name} runs several adapters at once ({', '.join(module.names)}: set_adapter was given "
                              "a list), which BitNetEngine does not: it runs one adapter a projection. set_adapter(name), "
-                             "or run the model on the torch path")
+                             f"or {WITHOUT_ENGINE}")
         if isinstance(module, LoRALinear) and id(module) not in runnable:
             raise ValueError(f"{name} has a LoRA adapter, which BitNetEngine cannot run: it runs adapters on the "
                              f"decoder layers' projections ({', '.join(PROJECTIONS)}) only. Remove it, or "
