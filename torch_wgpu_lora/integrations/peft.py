@@ -102,6 +102,14 @@ class LoraModelMixin:
         """Every adapter's name, in the order they were added."""
         return list(self._lora_adapters)
 
+    @property
+    def _hf_peft_config_loaded(self) -> bool:
+        """transformers' mark of a model holding trainable adapters (its ``PeftAdapterMixin`` sets it when
+        it attaches PEFT adapters). Its Trainer trains a quantised base (the packed flavours) only so, as
+        adapters on a frozen base, and refuses it otherwise ("purely quantized models"); with gradient
+        checkpointing it keeps the inputs' gradients flowing to the adapters."""
+        return bool(self._lora_adapters)
+
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """(trainable, all) parameter counts, as PEFT counts them."""
         params = list(self.parameters())
