@@ -35,10 +35,12 @@ setup(
     # PreTrainedTokenizerFast(gguf_file=...) builds the tokenizer of a GGUF of any architecture (5.17 and earlier
     # only of architectures transformers itself loads, which BitNet's are not).
     # Parquet/CSV data and datasets.Dataset inputs (datasets), YAML --config files (pyyaml),
-    # report_to="tensorboard" / "wandb"; TRL's SFTTrainer runs models holding our adapters (the tests use it).
+    # report_to="tensorboard" / "wandb"; TRL's SFTTrainer runs models holding our adapters (the tests use it),
+    # and torch_wgpu_lora's SFTTrainer / DPOTrainer subclass TRL's (the trl extra).
     extras_require={
         "plot": ["matplotlib>=3.7"],
         "peft": ["peft>=0.19"],
+        "trl": ["trl>=1.0", "peft>=0.19", "datasets>=2.14"],
         "gguf": ["gguf>=0.11,<0.20", "transformers>=5.18"],
         "data": ["datasets>=2.14", "pyyaml>=6"],
         "tensorboard": ["tensorboard>=2.12"],

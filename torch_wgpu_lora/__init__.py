@@ -34,6 +34,8 @@ _EXPORTS = {
     "Trainer": "training.trainer",
     "TrainerCallback": "training.trainer",
     "train": "training.trainer",
+    "SFTTrainer": "training.hf_trainers",
+    "DPOTrainer": "training.hf_trainers",
     "generate": "generation",
     "BitNetEngine": "engine",
 }
