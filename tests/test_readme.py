@@ -60,11 +60,12 @@ def test_the_ten_lines_run_as_written(tmp_path, monkeypatch, capsys):
 
 
 def test_coming_from_peft_and_trl_runs_as_written(tmp_path, monkeypatch, capsys):
-    folder = build_tiny_bitnet(tmp_path / "bitnet", flavour="dense")
+    # microsoft/bitnet-b1.58-2B-4T's flavour: packed ternary weights, unpacked into AutoBitLinear
+    folder = build_tiny_bitnet(tmp_path / "bitnet", flavour="packed-autobitlinear")
     build_tiny_tokenizer(folder, ["Name a primary colour. Red. Say hello in Spanish. Hola. User: Assistant:"],
                          chat_template=CHAT_TEMPLATE)
     code = section_code("Coming from PEFT / TRL")
-    assert code.count("path/to/bitnet-b1.58-2B-4T") == 1 and code.count("max_steps=20") == 2
+    assert code.count("path/to/bitnet-b1.58-2B-4T") == 1 and code.count("max_steps=20") == 3
     code = code.replace("path/to/bitnet-b1.58-2B-4T", str(folder)).replace("max_steps=20", "max_steps=2")
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
@@ -87,6 +88,10 @@ def test_coming_from_peft_and_trl_runs_as_written(tmp_path, monkeypatch, capsys)
     scale = theirs_logits.abs().max().item()
     assert (ours_logits - theirs_logits).abs().max().item() <= 1e-4 * scale
     assert (theirs_logits - base_logits).abs().max().item() > 1e-2 * scale  # the saved adapter is the trained one
+    dpo = scope["dpo"]  # its reference is the policy itself, adapters disabled: no second model
+    assert dpo.ref_model.policy is model and dpo.state.global_step == 2
+    after_sft = lora_modules(ours)
+    assert all(not torch.equal(m.lora_B, after_sft[n].lora_B) for n, m in lora_modules(model).items())  # DPO trained
 
 
 # -- the layout ----------------------------------------------------------------------------------
