@@ -44,7 +44,7 @@ PAIRS = [("Name a primary colour.", "Red."), ("Say hello in Spanish.", "Hola."),
          ("Name a fruit.", "A pear.")]
 CHATS = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in PAIRS]
 PREFERENCES = [{"prompt": q, "chosen": a, "rejected": PAIRS[(i + 1) % len(PAIRS)][1]} for i, (q, a) in enumerate(PAIRS)]
-STEPS = 5
+STEPS = 3
 
 
 @pytest.fixture(scope="module", params=FLAVOURS)
