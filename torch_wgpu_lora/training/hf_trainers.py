@@ -8,7 +8,7 @@ adapters, on every checkpoint flavour (dense, online, packed), with our kernels 
 >>> # SFTTrainer(model=load_bitnet(folder), peft_config=peft.LoraConfig(...), ...)  # our layers, from peft's config
 
 **transformers' and TRL's own classes.** A model ``apply_lora`` (or ``load_adapter``) gave adapters to
-trains with ``transformers.Trainer`` and TRL's trainers as it is: its adapters' forward and backward are
+trains with ``transformers.Trainer`` and TRL's ``SFTTrainer`` as it is: its adapters' forward and backward are
 the WebGPU kernels (``LoRALinear``, backend ``"wgpu"``), the base runs in transformers' modules, and the
 Trainer's optimizer steps the adapters alone. On the packed flavours (microsoft/bitnet-b1.58-2B-4T's
 format) transformers trains a quantised model only when it holds trainable adapters on its frozen base,
@@ -22,7 +22,9 @@ decided for our models as TRL decides it for a ``PeftModel``:
   ``PeftModel`` trained from a ``peft_config``), run by ``AdapterDisabled``, which shares every tensor
   with the policy: no second copy of the base. TRL's own ``DPOTrainer`` does not see a PEFT model in
   ours and loads the checkpoint again from ``config._name_or_path`` as the reference (a second base).
-  A reference of one's own (``ref_model=``) is used as given.
+  A reference of one's own (``ref_model=``) is used as given. (Given a ``PeftModel`` whose adapter was
+  trained before, TRL compares against a frozen copy of that adapter; here the reference is always the
+  base alone, which is the same for a fresh adapter, whose ``lora_B`` is zero.)
 * ``peft_config=`` (both trainers): our ``LoRALinear`` layers are put on the model from that config
   (``apply_lora``, which reads peft's ``LoraConfig`` and refuses by name what it does not run), where
   TRL's own trainers would build a ``PeftModel`` whose torch layers run instead of our kernels. A model
