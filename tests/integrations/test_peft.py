@@ -193,6 +193,19 @@ def test_disable_adapter_gives_the_base_models_logits(pristine):
     assert torch.equal(logits(model), adapted) and not torch.equal(adapted, logits(pristine))
 
 
+def test_transformers_adapter_switches_act_on_our_adapters(pristine):
+    # transformers' PeftAdapterMixin names, which its Trainer and users reach once the model reports
+    # adapters loaded (_hf_peft_config_loaded): disable_adapters/enable_adapters as transformers has them
+    model = randomize(twl.apply_lora(copy.deepcopy(pristine), r=4, target_modules="all-linear", backend="torch"), 6)
+    adapted = logits(model)
+    model.disable_adapters()
+    assert torch.equal(logits(model), logits(pristine))  # the base model's own modules and ops
+    model.enable_adapters()
+    assert torch.equal(logits(model), adapted)
+    with pytest.raises(ValueError, match="get_adapter_state_dict is not offered.*save_pretrained"):
+        model.get_adapter_state_dict()
+
+
 def test_named_adapters_follow_peft(pristine, tmp_path):
     theirs = get_peft_model(copy.deepcopy(pristine), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     theirs.add_adapter("other", peft.LoraConfig(r=2, target_modules="all-linear", lora_alpha=4))

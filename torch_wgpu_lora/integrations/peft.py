@@ -133,6 +133,26 @@ class LoraModelMixin:
             for m, was in zip(modules, saved):
                 m.disabled = was
 
+    def disable_adapters(self) -> None:
+        """transformers' ``disable_adapters``: the model computes what its base model computes until
+        ``enable_adapters`` (``disable_adapter`` is the same as a context)."""
+        for m in self.modules():
+            if isinstance(m, LoRALinear):
+                m.disabled = True
+
+    def enable_adapters(self) -> None:
+        """transformers' ``enable_adapters``: the adapters in use add their effect again."""
+        for m in self.modules():
+            if isinstance(m, LoRALinear):
+                m.disabled = False
+
+    def get_adapter_state_dict(self, adapter_name: str | None = None, state_dict: Any = None) -> dict:
+        """transformers' ``get_adapter_state_dict`` is not offered: a ValueError naming the ways to the
+        adapter's tensors in PEFT's layout."""
+        raise ValueError("get_adapter_state_dict is not offered for torch_wgpu_lora adapters: save_pretrained(folder) "
+                         "writes them in PEFT's layout (adapter_model.safetensors), and lora_modules(model) gives the "
+                         "LoRALinear layers themselves")
+
     def add_adapter(self, adapter_name: Any, peft_config: Any = None) -> None:
         """Add a new adapter ``adapter_name`` made from ``peft_config`` (ours or peft's LoraConfig);
         it is not made active (``set_adapter``). transformers' order, ``add_adapter(config, name)``, works too."""
