@@ -16,8 +16,8 @@ from ..integrations.bitnet import PROJECTIONS, base_layer, projection
 
 FLAVOURS = ("dense", "online", "packed", "packed-autobitlinear")
 # What the engine's refusals offer instead: the model without the engine, by the options that choose it.
-WITHOUT_ENGINE = ("run the transformers model itself, without the engine (an engine's is engine.model; train and "
-                  "Trainer take engine='torch', the CLI's commands --engine torch)")
+WITHOUT_ENGINE = ("run the transformers model itself, without the engine (an engine's is engine.model; train, "
+                  "Trainer and the TRL trainers' SFTTrainer take engine='torch', the CLI's commands --engine torch)")
 
 
 def pad(n: int, multiple: int) -> int:

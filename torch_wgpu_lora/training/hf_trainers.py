@@ -60,6 +60,7 @@ except ImportError as err:  # pragma: no cover - trl is an extra
 from trl.trainer.utils import entropy_from_logits
 
 from ..engine import BitNetEngine, choose_engine
+from ..engine.config import WITHOUT_ENGINE
 from ..integrations.bitnet import load_bitnet, lora_modules
 from ..integrations.peft import apply_lora, peft_layers
 from ..loss import IGNORE_INDEX, labelled_tokens
@@ -132,7 +133,7 @@ class EngineMixin:
             what = "compute_loss_func (or TRL's loss_type='dft')" if self.compute_loss_func is not None \
                 else "label_smoothing_factor"
             raise ValueError(f"{what} computes a loss of its own from the logits; BitNetEngine differentiates the "
-                             "causal LM loss alone: train with engine='torch'")
+                             f"causal LM loss alone: {WITHOUT_ENGINE}")
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -147,7 +148,7 @@ class EngineMixin:
                         use_cache: bool | None = None, num_items_in_batch: Any = None, **other: Any) -> Any:
         if other:
             raise ValueError(f"the batch holds {sorted(other)}, which BitNetEngine does not take (it takes input_ids, "
-                             "attention_mask or position_ids, and labels); train with engine='torch'")
+                             f"attention_mask or position_ids, and labels): {WITHOUT_ENGINE}")
         out = self.engine(input_ids, attention_mask=attention_mask, labels=labels, position_ids=position_ids,
                           use_cache=use_cache, return_logits=self.engine_returns_logits)
         if labels is not None and num_items_in_batch is not None:
