@@ -3,6 +3,10 @@
 // subgroup-matrix multiplies (_ternary_mma_tile.wgsl, W_T false: the weights' rows are the
 // outputs), then bitlinear.wgsl's epilogue (scales, LoRA segments, MODE 0 store, 1 add (SAVE: the
 // sums into AUX), 2 gate/up pairs). One plane of A: the tokens' codes.
+//
+// Split-K (SPLITS > 1, for few tokens, whose tiles alone leave the GPU idle): workgroup z sums its
+// range of K and stores the i32 sums into PART [SPLITS][tokens][rows]; split_epilogue adds the ranges
+// (integers: the same sums in any order) and runs the epilogue.
 // @subgroup-matrix i8 i32
 
 struct Params {
@@ -29,10 +33,14 @@ struct Params {
 @group(0) @binding(7) var<storage, read> LORA: array<u32>;
 @group(0) @binding(8) var<storage, read> LB: array<f32>;
 @group(0) @binding(9) var<storage, read_write> AUX: array<f32>;
+@group(0) @binding(10) var<storage, read_write> PART: array<i32>;
 
 override MODE: u32 = 0u;
 override DIVIDE: bool = true;
 override SAVE: bool = false;
+override SPLITS: u32 = 1u;
+
+var<private> split: u32;  // the workgroup's range of K (split-K)
 
 // @include _ternary_mma_tile.wgsl
 // @include _projection_epilogue.wgsl
@@ -51,7 +59,13 @@ fn finish(t: u32, lane: u32, sg: u32, n0: u32, j0: u32, i: u32) {
   let c = sg * SM_M * RESULT_ROW;
   let tn = n0 + (sg / SUB_N) * TM * SM_M + i * SM_M;
   let tj = j0 + (sg % SUB_N) * RESULT_ROW;
-  if (MODE == 2u) {  // gate/up: rows 2i, 2i + 1 together
+  if (SPLITS > 1u) {
+    for (var e = lane; e < SM_M * RESULT_ROW; e += SM_SUBGROUP) {
+      let n = tn + e / RESULT_ROW;
+      let r = tj + e % RESULT_ROW;
+      if (n < p.tokens && r < p.rows) { PART[(split * p.tokens + n) * p.rows + r] = Staged[c + e]; }
+    }
+  } else if (MODE == 2u) {  // gate/up: rows 2i, 2i + 1 together
     for (var e = 2u * lane; e < SM_M * RESULT_ROW; e += 2u * SM_SUBGROUP) {
       let n = tn + e / RESULT_ROW;
       let r = tj + e % RESULT_ROW;
@@ -73,7 +87,28 @@ fn gemm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
         @builtin(subgroup_id) sg: u32, @builtin(subgroup_invocation_id) lane: u32) {
   let n0 = wg.y * BM;
   let j0 = wg.x * BN;
+  split = wg.z;  // for finish; the range below reads wg.z itself (uniform, as multiply's barriers need)
+  let k = 16u * p.k_words;
+  let range = (k / SPLITS + KSTEP - 1u) / KSTEP * KSTEP;  // whole steps; the last range may be empty
   var acc: Acc;
-  multiply(&acc, t, sg / SUB_N, sg % SUB_N, n0, j0, 0u, 16u * p.k_words);
+  multiply(&acc, t, sg / SUB_N, sg % SUB_N, n0, j0, min(wg.z * range, k), min((wg.z + 1u) * range, k));
   put_results(&acc, t, lane, sg, n0, j0);
+}
+
+fn split_sum(n: u32, r: u32) -> i32 {
+  var sum = 0;
+  for (var s = 0u; s < SPLITS; s++) { sum += PART[(s * p.tokens + n) * p.rows + r]; }
+  return sum;
+}
+
+// The epilogue of split-K: output row (gate/up: pair) x of token y.
+@compute @workgroup_size(64)
+fn split_epilogue(@builtin(global_invocation_id) id: vec3<u32>) {
+  let n = id.y;
+  if (MODE == 2u) {
+    let r = 2u * id.x;
+    if (r + 1u < p.rows) { put_pair(n, id.x, value(n, r, split_sum(n, r)), value(n, r + 1u, split_sum(n, r + 1u))); }
+  } else if (id.x < p.rows) {
+    put(n, id.x, value(n, id.x, split_sum(n, id.x)));
+  }
 }

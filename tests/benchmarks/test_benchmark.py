@@ -189,6 +189,9 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
     result = json.loads((tmp_path / "engine.json").read_text())
     decoded = result["decode_batches"]["3"]  # three prompts decoded at once: every row's tokens counted
     assert decoded["tok_per_s"] == pytest.approx(3 * 4 / decoded["wall_s"]) and decoded["new_tokens"] == 4
+    step = decoded["step"]  # one step of the three rows on its own: its dispatches are the profile's
+    assert step["dispatches_per_step"] == result["engine"]["decode"]["dispatches_per_token"]
+    assert sum(step["kernels_us"].values()) > 0 and step["encode_ms_per_step"] > 0
     batched = result["batched"]["engine"]  # training steps and prefill passes of several sequences a step
     assert set(batched) == {"1x16", "3x16"} and all(b["train_tok_per_s"] > 0 and b["prefill_tok_per_s"] > 0
                                                     for b in batched.values())
@@ -304,7 +307,7 @@ def test_launch_benchmark_times_every_kernel_shape(tmp_path):
     from torch_wgpu_lora.benchmarks import launches
     from torch_wgpu_lora.engine.kernels.attention import backward_tiles, prefill_tiles
     from torch_wgpu_lora.engine.kernels.bitlinear import GEMV_GROUP, gemm_tile_tokens
-    from torch_wgpu_lora.engine.kernels.projection import gemv_max_tokens, input_grad_splits
+    from torch_wgpu_lora.engine.kernels.projection import gemv_max_tokens, split_k_ranges
 
     launches.main(["--small", "--out", str(tmp_path), "--repeats", "2"])
     result = json.loads((tmp_path / "launches.json").read_text())["bounds"]
@@ -329,11 +332,11 @@ def test_launch_benchmark_times_every_kernel_shape(tmp_path):
                     key.removesuffix("_chosen") for key in timed}
     assert sum(key.startswith("gemm_") for key in result) == 8
     assert f"gemm_o_64_tile{gemm_tile_tokens(device)}_chosen" in result
-    # each projection's input gradient at split counts 1, 2, 4, 8 and the one input_grad_splits picks
+    # each projection's input gradient at split counts 1, 2, 4, 8 and the one split_k_ranges picks
     hidden, ffn, _, kv_heads, head_dim = launches.SHAPES["small"][:5]
     for name, rows, k in (("qkv", hidden + 2 * kv_heads * head_dim, hidden), ("o", hidden, hidden),
                           ("gate_up", 2 * ffn, hidden), ("down", hidden, ffn)):
-        chosen = input_grad_splits(k // 64, rows, device)  # 64 tokens: one token tile
+        chosen = split_k_ranges(k // 64, rows, device)  # 64 tokens: one token tile
         timed = {key for key in result if key.startswith(f"input_grad_{name}_64_splits")}
         assert timed == {f"input_grad_{name}_64_splits{n}" + ("_chosen" if n == chosen else "")
                          for n in {1, 2, 4, 8, chosen}}

@@ -87,8 +87,8 @@ def test_bitlinear_store_matches_the_exact_integer_reference(path, divide, token
     values = torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8)
     row_scales = torch.rand(rows, generator=g) + 0.5
     out = poisoned((tokens, rows + 3))
-    launch = bitlinear_launch(xq, xm, _projection(values, row_scales, divide), out, tokens=tokens,
-                              out_stride=rows + 3, out_offset=2, **PATHS[path])
+    (launch,) = bitlinear_launch(xq, xm, _projection(values, row_scales, divide), out, tokens=tokens,
+                                 out_stride=rows + 3, out_offset=2, **PATHS[path])
     (got,) = run([launch], out)
     ref = bitlinear_reference(codes, scales, values, row_scales, divide)
     assert_close(got[:, 2:rows + 2], ref, INT_RTOL, "bitlinear")
@@ -104,15 +104,15 @@ def test_bitlinear_adds_into_a_residual_stream(path):
     row_scales = torch.rand(rows, generator=g) + 0.5
     residual = torch.randn(tokens, rows, generator=g)
     out = upload(residual.numpy())
-    launch = bitlinear_launch(xq, xm, _projection(values, row_scales, True), out, tokens=tokens, out_stride=rows,
-                              mode="add", **PATHS[path])
+    (launch,) = bitlinear_launch(xq, xm, _projection(values, row_scales, True), out, tokens=tokens, out_stride=rows,
+                                 mode="add", **PATHS[path])
     (got,) = run([launch, launch], out)  # twice: it adds, never overwrites
     assert_close(got, residual.double() + 2 * bitlinear_reference(codes, scales, values, row_scales, True), INT_RTOL,
                  "residual")
     # with aux (rows padded past the output's width), the sums are kept there too: the same values
     out, aux = upload(residual.numpy()), poisoned((tokens, rows + 24))
-    keep = bitlinear_launch(xq, xm, _projection(values, row_scales, True), out, tokens=tokens, out_stride=rows,
-                            mode="add", saved=aux, **PATHS[path])
+    (keep,) = bitlinear_launch(xq, xm, _projection(values, row_scales, True), out, tokens=tokens, out_stride=rows,
+                               mode="add", saved=aux, **PATHS[path])
     got, kept = run([keep], out, aux)
     assert_close(got, residual.double() + bitlinear_reference(codes, scales, values, row_scales, True), INT_RTOL,
                  "residual")
@@ -131,10 +131,10 @@ def test_bitlinear_gate_up_pairs_with_lora_and_saved_pairs(path):
     lb = np.concatenate([np.zeros(5, np.float32), B_gate.numpy().ravel(), B_up.numpy().ravel()])
     table = lora_table([(0, 2 * f, 2, 0, 0.5, 5, rank), (1, 2 * f, 2, rank, 2.0, 5 + f * rank, rank)])
     out, aux = poisoned((tokens, f)), poisoned((tokens, 2 * f))
-    launch = bitlinear_launch(xq, xm, _projection(values, row_scales, False), out, tokens=tokens, out_stride=f,
-                              mode="gate_up", h=upload(h.numpy()), lora_rank=2 * rank, lora=upload(table),
-                              lora_b=upload(lb),
-                              segments=2, saved=aux, **PATHS[path])
+    (launch,) = bitlinear_launch(xq, xm, _projection(values, row_scales, False), out, tokens=tokens, out_stride=f,
+                                 mode="gate_up", h=upload(h.numpy()), lora_rank=2 * rank, lora=upload(table),
+                                 lora_b=upload(lb),
+                                 segments=2, saved=aux, **PATHS[path])
     got, saved = run([launch], out, aux)
     raw = bitlinear_reference(codes, scales, values, row_scales, False)
     raw[:, 0::2] += 0.5 * h[:, :rank].double() @ B_gate.double().T
@@ -156,9 +156,9 @@ def test_bitlinear_lora_segments_on_a_fused_qkv(path):
     lb = np.concatenate([Bv.numpy().ravel(), Bq.numpy().ravel()])  # any offsets into LB
     table = lora_table([(0, 8, 1, 0, 1.5, Bv.numel(), 4), (12, 16, 1, 4, 0.25, 0, 2)])
     out = poisoned((tokens, 16))
-    launch = bitlinear_launch(xq, xm, _projection(values, row_scales, True), out, tokens=tokens, out_stride=16,
-                              h=upload(h.numpy()), lora_rank=6, lora=upload(table), lora_b=upload(lb), segments=2,
-                              **PATHS[path])
+    (launch,) = bitlinear_launch(xq, xm, _projection(values, row_scales, True), out, tokens=tokens, out_stride=16,
+                                 h=upload(h.numpy()), lora_rank=6, lora=upload(table), lora_b=upload(lb), segments=2,
+                                 **PATHS[path])
     (got,) = run([launch], out)
     ref = bitlinear_reference(codes, scales, values, row_scales, True)
     ref[:, :8] += 1.5 * h[:, :4].double() @ Bq.double().T
@@ -201,9 +201,9 @@ def test_gemv_normalises_and_quantises_its_own_input(tokens, k, rows, mode, redu
     residual = torch.randn(tokens, rows, generator=g)
     out = upload(residual.numpy()) if mode == "add" else poisoned((tokens, rows))
     codes, meta = poisoned((tokens, pad(k, 64) // 4), "u32"), poisoned((2 * tokens,))
-    launch = bitlinear_launch(codes, meta, _projection(values, row_scales, True), out, tokens=tokens, out_stride=rows,
-                              mode=mode, gemv=True,
-                              norm=(upload(x.numpy()), upload(norm.weight.detach().numpy()), 1e-5))
+    (launch,) = bitlinear_launch(codes, meta, _projection(values, row_scales, True), out, tokens=tokens, out_stride=rows,
+                                 mode=mode, gemv=True,
+                                 norm=(upload(x.numpy()), upload(norm.weight.detach().numpy()), 1e-5))
     got, got_codes, got_meta = run([launch], out, codes, meta)
     with torch.no_grad():
         y = norm(x[:, :k])  # transformers' own module
@@ -250,8 +250,8 @@ def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
         x = torch.randn(batch * T, k, generator=g)
         norm = _norm_module(k, g)
         xq, xm = poisoned((batch * T, k // 4), "u32"), poisoned((2 * batch * T,))
-        launch = bitlinear_launch(xq, xm, _projection(values, row_scales, True), q_rot,
-                                  norm=(upload(x.numpy()), upload(norm.weight.detach().numpy()), 1e-5), **options)
+        (launch,) = bitlinear_launch(xq, xm, _projection(values, row_scales, True), q_rot,
+                                     norm=(upload(x.numpy()), upload(norm.weight.detach().numpy()), 1e-5), **options)
         got_q, got_k, got_v, got_codes, got_meta = run([launch], q_rot, k_cache, v_cache, xq, xm)
         codes = torch.from_numpy(got_codes.numpy().view(np.int8).reshape(batch * T, -1).astype(np.int64))
         scales = got_meta[:batch * T]
@@ -259,7 +259,7 @@ def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
             _assert_codes_round(codes, norm(x), scales)
     else:
         codes, scales, xq, xm = _codes(batch * T, k, g)
-        launch = bitlinear_launch(xq, xm, _projection(values, row_scales, True), q_rot, **options)
+        (launch,) = bitlinear_launch(xq, xm, _projection(values, row_scales, True), q_rot, **options)
         got_q, got_k, got_v = run([launch], q_rot, k_cache, v_cache)
     raw = bitlinear_reference(codes, scales, values, row_scales, True)
     raw[:, :q_size] += 1.5 * h[:, :4].double() @ Bq.double().T
@@ -304,8 +304,8 @@ def test_gemv_normalises_attention_partials_merged_as_it_reads_them(length):
     row_scales = torch.rand(rows, generator=g) + 0.5
     codes, meta = poisoned((batch, heads * d // 4), "u32"), poisoned((2 * batch,))
     out = poisoned((batch, rows))
-    project = bitlinear_launch(codes, meta, _projection(values, row_scales, True), out, tokens=batch, out_stride=rows,
-                               gemv=True, norm=(poisoned((batch, heads * d)), upload(norm.weight.detach().numpy()),
+    (project,) = bitlinear_launch(codes, meta, _projection(values, row_scales, True), out, tokens=batch, out_stride=rows,
+                                  gemv=True, norm=(poisoned((batch, heads * d)), upload(norm.weight.detach().numpy()),
                                                 1e-5), attention=partials)
     got, got_codes, got_meta = run(attend + [project], out, codes, meta)
     attended, _ = attention_reference(q.double(), caches[0].double(), caches[1].double(),
@@ -380,8 +380,8 @@ def _grouped_case(kind: str):
             options["norm"] = (x, weight, 1e-5)
             options["attention"] = partials if kind == "combine" else None
             reads += [launch_codes, launch_meta]
-        return run([bitlinear_launch(launch_codes, launch_meta, projection, out, tokens=tokens,
-                                     out_stride=out.shape[1], **options, **lora)], *reads)
+        return run(bitlinear_launch(launch_codes, launch_meta, projection, out, tokens=tokens,
+                                     out_stride=out.shape[1], **options, **lora), *reads)
 
     return make
 
@@ -735,7 +735,7 @@ def test_a_gemm_timing_runs_its_work_for_the_warm_up_before_it_times_it():
     codes, scales, xq, xm = _codes(4, 64, g)
     proj = _projection(torch.randint(-1, 2, (8, 64), generator=g, dtype=torch.int8), torch.rand(8, generator=g) + 0.5,
                        True)
-    launch = bitlinear_launch(xq, xm, proj, poisoned((4, 8)), tokens=4, out_stride=8, gemv=False, mma=False)
+    (launch,) = bitlinear_launch(xq, xm, proj, poisoned((4, 8)), tokens=4, out_stride=8, gemv=False, mma=False)
     started = time.perf_counter()
     seconds = gemms.gpu_seconds(device, [launch], repeats=3, inner=2)
     assert time.perf_counter() - started >= gemms.WARM_UP_S

@@ -53,17 +53,19 @@ def _float32_gemm_error(dy: torch.Tensor, values: torch.Tensor, scales: torch.Te
 # The forward's tiles: the default and a small one with a short step.
 PROJECTION_TILES = {"default": None, "small": MmaTile(sub_m=2, sub_n=2, tm=1, tn=2, kstep=64)}
 # BitNet-2B's own shapes on GPUs; on a CPU adapter (lavapipe) the small ones alone.
-SHAPES = [(1, 64, 8), (37, 100, 130), (200, 2560, 256), (70, 700, 300)]
+SHAPES = [(1, 64, 8), (37, 100, 130), (40, 1100, 72), (200, 2560, 256), (70, 700, 300)]
 GPU_SHAPES = [(512, 2560, 13824), (300, 6912, 2560)]
 
 
 @pytest.mark.parametrize("tile", list(PROJECTION_TILES))
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-range", "split-k"])
 @pytest.mark.parametrize("mode", ["store", "add", "gate_up"])
 @pytest.mark.parametrize("divide", [True, False])
 @pytest.mark.parametrize("tokens,k,rows", SHAPES + GPU_SHAPES)
-def test_projection_on_the_matrix_units_gives_the_gemms_integers(mode, divide, tokens, k, rows, tile):
+def test_projection_on_the_matrix_units_gives_the_gemms_integers(mode, divide, tokens, k, rows, tile, splits):
     # the same exact integer dots and the same epilogue: equal to the general-core GEMM bit for bit,
-    # with LoRA segments and the kept sums or pairs; tokens, rows and K past the tiles included
+    # with LoRA segments and the kept sums or pairs; tokens, rows and K past the tiles included; split
+    # along K, the ranges' integer sums added by the epilogue's launch (a range may be empty)
     if (tokens, k, rows) in GPU_SHAPES and get_device().is_cpu:
         return  # minutes on a CPU adapter; the small shapes cut the same edges
     g = torch.Generator().manual_seed(tokens + k + rows)
@@ -82,11 +84,13 @@ def test_projection_on_the_matrix_units_gives_the_gemms_integers(mode, divide, t
     for mma in (True, False):
         out = upload(residual.numpy().copy()) if mode == "add" else poisoned((tokens, width))
         aux = poisoned((tokens, rows + 4))
-        launch = bitlinear_launch(xq, xm, proj, out, tokens=tokens, out_stride=width, mode=mode, h=upload(h.numpy()),
-                                  lora_rank=rank, lora=upload(table), lora_b=upload(lb), segments=1, saved=aux,
-                                  gemv=False, mma=mma, tile=PROJECTION_TILES[tile] if mma else None)
-        assert launch.kernel.name == ("bitlinear_mma.wgsl:gemm" if mma else "bitlinear.wgsl:gemm")
-        got[mma] = run([launch], out, aux)
+        launches = bitlinear_launch(xq, xm, proj, out, tokens=tokens, out_stride=width, mode=mode, h=upload(h.numpy()),
+                                    lora_rank=rank, lora=upload(table), lora_b=upload(lb), segments=1, saved=aux,
+                                    gemv=False, mma=mma, tile=PROJECTION_TILES[tile] if mma else None,
+                                    splits=splits if mma else None)
+        names = ["bitlinear_mma.wgsl:gemm", "bitlinear_mma.wgsl:split_epilogue"][:2 if splits > 1 else 1]
+        assert [launch.kernel.name for launch in launches] == (names if mma else ["bitlinear.wgsl:gemm"])
+        got[mma] = run(launches, out, aux)
     for ours, theirs in zip(got[True], got[False]):
         assert torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))  # NaN: unwritten in both
     if mode == "store":

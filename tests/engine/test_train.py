@@ -95,7 +95,7 @@ def launched(plan) -> list[str]:
 def test_adapter_gradients_with_the_input_gradients_split_over_their_rows(flavour, monkeypatch):
     # split-K, the GPUs' default at 2B shapes (CPU adapters keep one range): forced to three ranges
     # of every input-gradient GEMM, the LM head's included
-    monkeypatch.setattr(projection, "input_grad_splits", lambda workgroups, rows, device: 3)
+    monkeypatch.setattr(projection, "split_k_ranges", lambda workgroups, rows, device: 3)
     _, plan = checked_train_plan(flavour)
     assert any(kernel.endswith(":split_sum") for kernel in launched(plan))
 

@@ -232,32 +232,16 @@ def measure_engine(engine: Any, prompt: int, new_tokens: int, prefill_tokens: in
     walls = []
     for _ in range(max(1, repeats // 2)):
         t0 = time.perf_counter()
-        tokens = engine.generate_batch(request)[0].tokens
+        engine.generate_batch(request)
         walls.append(time.perf_counter() - t0)
     wall = statistics.median(walls)
-    s = engine.decode_session(1, prompt, new_tokens)
-    s.start([prompt_ids], [0], ())
-    s.cache.set_position(prompt + 1, [prompt + 2])
-    write(s.next_token, np.array([tokens[0]], np.uint32))
-    step_gpu, encode = [], []
-    for i in range(6):  # one decode step on its own: GPU time, and host time to record it
-        rec = Recorder(device, timestamps=True)
-        t0 = time.perf_counter()
-        s.record(rec, 1, prefill=False)
-        encode.append(time.perf_counter() - t0)
-        step_gpu.append(rec.submit())
-    rec = Recorder(device, per_dispatch=True)
-    s.record(rec, 1, prefill=False)
-    rec.submit()
-    per_token_gpu = statistics.median(step_gpu[2:]) if step_gpu[0] else None
-    layers = engine.engine_config.layers
+    step = decode_step_profile(engine, [prompt_ids], new_tokens)
+    per_token_gpu = step["gpu_ms_per_step"] / 1e3 if step["gpu_ms_per_step"] else None
     out["decode"] = {"prompt": prompt, "new_tokens": new_tokens, "wall_s": wall, "tok_per_s": new_tokens / wall,
-                     "tokens_per_submit": tokens_per_submit,
-                     "gpu_ms_per_token": per_token_gpu * 1e3 if per_token_gpu else None,
-                     "encode_ms_per_token": statistics.median(encode[2:]) * 1e3,
-                     "dispatches_per_token": s.decode.dispatches + len(s.decode_sampling),
-                     "dispatches_per_layer": (s.decode.dispatches - 1 - 2) / layers,
-                     "kernels_us": _families(rec.kernel_times)}
+                     "tokens_per_submit": tokens_per_submit, "gpu_ms_per_token": step["gpu_ms_per_step"],
+                     "encode_ms_per_token": step["encode_ms_per_step"],
+                     "dispatches_per_token": step["dispatches_per_step"],
+                     "dispatches_per_layer": step["dispatches_per_layer"], "kernels_us": step["kernels_us"]}
     if per_token_gpu:
         hidden = max(0.0, wall / new_tokens - per_token_gpu)
         out["decode"]["host_ms_not_hidden_per_token"] = hidden * 1e3
@@ -611,6 +595,34 @@ def measure_batched(engine: Any, config: Any, shapes: list[tuple[int, int]], ste
     return out
 
 
+def decode_step_profile(engine: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """One decode step of ``prompts`` (all of one length) at once, on its own, in the session a
+    generation of ``new_tokens`` uses: its GPU time (the median of four timed submits after two),
+    the host's time to record it, its dispatches, and each kernel's time from a run with a
+    timestamp pair a dispatch (those add each dispatch's own start-up, so they sum to more than the
+    step's GPU time)."""
+    device, batch, prompt = engine.device, len(prompts), len(prompts[0])
+    s = engine.decode_session(batch, prompt, new_tokens)
+    s.start(prompts, [0] * batch, ())
+    s.cache.set_position(prompt + 1, [prompt + 2] * batch)
+    write(s.next_token, np.zeros(batch, np.uint32))
+    step_gpu, encode = [], []
+    for _ in range(6):
+        rec = Recorder(device, timestamps=True)
+        t0 = time.perf_counter()
+        s.record(rec, 1, prefill=False)
+        encode.append(time.perf_counter() - t0)
+        step_gpu.append(rec.submit())
+    rec = Recorder(device, per_dispatch=True)
+    s.record(rec, 1, prefill=False)
+    rec.submit()
+    return {"gpu_ms_per_step": statistics.median(step_gpu[2:]) * 1e3 if step_gpu[0] else None,
+            "encode_ms_per_step": statistics.median(encode[2:]) * 1e3,
+            "dispatches_per_step": s.decode.dispatches + len(s.decode_sampling),
+            "dispatches_per_layer": (s.decode.dispatches - 1 - 2) / engine.engine_config.layers,
+            "kernels_us": _families(rec.kernel_times)}
+
+
 def measure_decode_batches(engine: Any, batches: list[int], prompt: int, new_tokens: int, repeats: int,
                            tokens_per_submit: int, log: Log) -> dict[str, Any]:
     """Greedy decoding of ``batch`` prompts of ``prompt`` random tokens at once, ``new_tokens``
@@ -626,7 +638,7 @@ def measure_decode_batches(engine: Any, batches: list[int], prompt: int, new_tok
 
         wall = _median_wall(generation, 1, repeats)
         out[str(batch)] = {"prompt": prompt, "new_tokens": new_tokens, "wall_s": wall,
-                           "tok_per_s": batch * new_tokens / wall}
+                           "tok_per_s": batch * new_tokens / wall, "step": decode_step_profile(engine, prompts, new_tokens)}
         log(f"decode, {batch} prompts at once: {out[str(batch)]}")
         engine.release_plans()
         gc.collect()

@@ -29,7 +29,7 @@ engine's kernel choices.
   GEMM;
 * ``input_grad_*``: the input gradient through each projection's ternary weights over that many
   tokens (a training step's ``bitlinear_t``, its largest kernel), per count of ranges its sum is
-  split into, the split-sum launch included (``input_grad_splits`` picks one).
+  split into, the split-sum launch included (``split_k_ranges`` picks one).
 
 ``python -m torch_wgpu_lora.benchmarks.launches --out DIR [--checks bounds,full] [--small]``
 writes ``launches.json``.
@@ -49,7 +49,7 @@ from ..engine.kernels.bitlinear import (GEMV_GROUP, bitlinear_launch, bitlinear_
                                        gemv_normalises)
 from ..engine.kernels.matmul import gemv_group as float_gemv_group, matmul_launch
 from ..engine.kernels.norm import rmsnorm_launch
-from ..engine.kernels.projection import gemv_max_tokens, input_grad_splits
+from ..engine.kernels.projection import gemv_max_tokens, split_k_ranges
 from ..engine.kernels.rope import RopeTarget, rope_launch
 from ..engine.weights import Projection
 from ..engine.workspace import Workspace
@@ -125,15 +125,15 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
         codes, meta = words(1, k // 4), upload(np.ones(2, np.float32))
         result = Buffer((1, rows // 2 if mode == "gate_up" else rows), device=device)
         for lanes in [n for n in (4, 8, 16, 32) if 64 * 16 * n >= k]:  # a thread loads at most 16 vec4 words a row
-            out[f"gemv_{name}_lanes{lanes}"] = timed([bitlinear_launch(codes, meta, proj, result, tokens=1,
+            out[f"gemv_{name}_lanes{lanes}"] = timed(bitlinear_launch(codes, meta, proj, result, tokens=1,
                                                                        out_stride=result.shape[1], mode=mode,
-                                                                       gemv=True, lanes=lanes)])
+                                                                       gemv=True, lanes=lanes))
         # decoding's fusions at the chosen lanes: the GEMV normalising its own input; q/k/v rotating
         x, g = floats(1, k), upload(rng.random(k).astype(np.float32) + 0.5)
         for lanes in (4, 8, 16, 32) if gemv_normalises(k) else ():
-            out[f"gemv_{name}_norm_lanes{lanes}"] = timed([bitlinear_launch(
+            out[f"gemv_{name}_norm_lanes{lanes}"] = timed(bitlinear_launch(
                 codes, meta, proj, result, tokens=1, out_stride=result.shape[1], mode=mode, gemv=True, lanes=lanes,
-                norm=(x, g, 1e-5))])
+                norm=(x, g, 1e-5)))
         if name == "qkv":
             cache = lengths[0]
             starts = upload(np.array([cache - 1], np.uint32))
@@ -142,8 +142,8 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
                                 kv_heads, head_dim)
             q = Buffer((1, heads * head_dim), device=device)
             for norm in (None, (x, g, 1e-5)):
-                out["gemv_qkv_rope" + ("_norm" if norm else "")] = timed([bitlinear_launch(
-                    codes, meta, proj, q, tokens=1, out_stride=q.shape[1], mode="rope", rope=target, norm=norm)])
+                out["gemv_qkv_rope" + ("_norm" if norm else "")] = timed(bitlinear_launch(
+                    codes, meta, proj, q, tokens=1, out_stride=q.shape[1], mode="rope", rope=target, norm=norm))
             out["rope"] = timed([rope_launch(result, q, target, tokens=1)])
 
     for n in lengths:
@@ -196,12 +196,12 @@ def measure(shape: str, repeats: int = 100, seed: int = 0) -> dict[str, float]:
         codes, meta = words(seq, k // 4), upload(np.concatenate([np.ones(seq, np.float32), np.zeros(seq, np.float32)]))
         result = Buffer((seq, rows // 2 if mode == "gate_up" else rows), device=device)
         for tile_tokens in (64, 32):
-            launch = bitlinear_launch(codes, meta, proj, result, tokens=seq, out_stride=result.shape[1], mode=mode,
-                                      gemv=False, tile_tokens=tile_tokens)
+            launches = bitlinear_launch(codes, meta, proj, result, tokens=seq, out_stride=result.shape[1], mode=mode,
+                                        gemv=False, tile_tokens=tile_tokens)
             out[f"gemm_{name}_{seq}_tile{tile_tokens}" + ("_chosen" if tile_tokens == chosen_tile else "")] = timed(
-                [launch], max(1, repeats // 5))
+                launches, max(1, repeats // 5))
         dy, dx = floats(seq, rows), Buffer((seq, k), device=device)
-        chosen_splits = input_grad_splits((k // 64) * -(-seq // 64), rows, device)
+        chosen_splits = split_k_ranges((k // 64) * -(-seq // 64), rows, device)
         for splits in sorted({1, 2, 4, 8, chosen_splits}):
             launches = bitlinear_t_launch(dy, proj, dx, tokens=seq, k=k, splits=splits, workspace=workspace)
             out[f"input_grad_{name}_{seq}_splits{splits}" + ("_chosen" if splits == chosen_splits else "")] = timed(
@@ -234,20 +234,20 @@ def measure_batches(weights: dict[str, Projection], projections: tuple, hidden: 
             for group in groups:
                 mark = "_chosen" if gemv_path and group == chosen else ""
                 out[f"batch_{tokens}_{name}_group{group}{mark}"] = timed(
-                    [bitlinear_launch(codes, meta, proj, result, gemv=True, group=group, **options)])
+                    bitlinear_launch(codes, meta, proj, result, gemv=True, group=group, **options))
             if tokens > 1:
                 out[f"batch_{tokens}_{name}_group{grouped}_packed"] = timed(
-                    [bitlinear_launch(codes, meta, proj, result, gemv=True, group=grouped, spread=False, **options)])
+                    bitlinear_launch(codes, meta, proj, result, gemv=True, group=grouped, spread=False, **options))
                 out[f"batch_{tokens}_{name}_gemm" + ("" if gemv_path else "_chosen")] = timed(
-                    [bitlinear_launch(codes, meta, proj, result, gemv=False, **options)])
+                    bitlinear_launch(codes, meta, proj, result, gemv=False, **options))
             if gemv_normalises(k):  # the GEMV normalising its input, as a decode step runs it
                 norm = (floats(tokens, k), upload(rng.random(k).astype(np.float32) + 0.5), 1e-5)
                 for group in sorted({chosen, grouped}):
                     out[f"batch_{tokens}_{name}_norm_group{group}"] = timed(
-                        [bitlinear_launch(codes, meta, proj, result, gemv=True, group=group, norm=norm, **options)])
+                        bitlinear_launch(codes, meta, proj, result, gemv=True, group=group, norm=norm, **options))
                 if tokens > 1:  # decoded weights take more lanes: more workgroups normalising each token
-                    out[f"batch_{tokens}_{name}_norm_group{grouped}_spread"] = timed([bitlinear_launch(
-                        codes, meta, proj, result, gemv=True, group=grouped, spread=True, norm=norm, **options)])
+                    out[f"batch_{tokens}_{name}_norm_group{grouped}_spread"] = timed(bitlinear_launch(
+                        codes, meta, proj, result, gemv=True, group=grouped, spread=True, norm=norm, **options))
     # the bf16 LM head (as many rows as one binding holds): a weight word read once for a group of
     # tokens, all of a step's (float_gemv_group), or once a token; and the GEMM
     rows = min(vocab, device.max_binding // (2 * hidden))

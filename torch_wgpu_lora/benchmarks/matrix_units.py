@@ -38,6 +38,7 @@ from ..runtime.kernels import subgroup_matrix_config
 from .report import write_json
 
 HIDDEN, FFN, KV = 2560, 6912, 640  # BitNet-2B-4T: hidden, FFN, key/value width (5 heads of 128)
+DECODE_SPLITS = (1, 2, 4, 8)  # K ranges of decoding's tiles (split-K)
 # A layer's ternary projections as (rows, K): fused q/k/v, o, fused gate/up, down.
 PROJECTIONS = {"qkv": (HIDDEN + 2 * KV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * FFN, HIDDEN),
                "down": (HIDDEN, FFN)}
@@ -45,6 +46,12 @@ TILES = {
     "projection": [MmaTile(), MmaTile(kstep=64), MmaTile(sub_m=4, sub_n=2, tm=1, tn=4),
                    MmaTile(sub_m=4, sub_n=4, tm=2, tn=4, kstep=64), MmaTile(sub_m=4, sub_n=4, tm=4, tn=2, kstep=64),
                    MmaTile(sub_m=2, sub_n=4, tm=4, tn=4, kstep=64)],
+    # decoding's projections: 16 to 64 rows, tiles of few tokens and columns (more workgroups), each
+    # also split along K (DECODE_SPLITS)
+    "decode": [MmaTile(sub_m=1, sub_n=4, tm=1, tn=1, kstep=256), MmaTile(sub_m=1, sub_n=4, tm=1, tn=1, kstep=512),
+               MmaTile(sub_m=1, sub_n=4, tm=1, tn=1), MmaTile(sub_m=1, sub_n=8, tm=1, tn=1),
+               MmaTile(sub_m=1, sub_n=2, tm=1, tn=1, kstep=256), MmaTile(sub_m=2, sub_n=4, tm=1, tn=1),
+               MmaTile(sub_m=4, sub_n=2, tm=1, tn=2), MmaTile(sub_m=2, sub_n=4, tm=2, tn=1)],
     "input_grad": [default_tile("input_grad"), MmaTile(sub_m=4, digits=4),
                    MmaTile(sub_m=4, digits=4, sub_n=2, tm=4, tn=4, kstep=64),
                    MmaTile(sub_m=4, digits=4, sub_n=4, tm=2, tn=4, kstep=64)],
@@ -94,43 +101,58 @@ def gemms(tokens_list: list[int], ceilings: dict[str, Any], log: Callable[[str],
             dy = upload(g.standard_normal((tokens, rows), dtype=np.float32))
             dx = Buffer((tokens, -(-k // 64) * 64))
             useful = 2 * tokens * rows * k
+            # (kind, variant, its tile (a GEMV: tokens a workgroup), its launches)
             cases: list[tuple[str, str, Any, Callable[[], list[Launch]]]] = [
-                ("projection", "general", None, lambda: [bitlinear_launch(codes, meta, proj, out, tokens=tokens,
-                                                                          out_stride=rows, gemv=False, mma=False)]),
-                ("input_grad", "general", None, lambda: bitlinear_t_launch(dy, proj, dx, tokens=tokens, k=k, mma=False,
-                                                                           workspace=workspace)),
+                ("projection", "general", None, lambda: bitlinear_launch(codes, meta, proj, out, tokens=tokens,
+                                                                          out_stride=rows, gemv=False, mma=False)),
             ]
+            if tokens > 64:  # a training step's sizes: the input gradient too
+                cases.append(("input_grad", "general", None, lambda: bitlinear_t_launch(dy, proj, dx, tokens=tokens, k=k,
+                                                                                        mma=False, workspace=workspace)))
+            if tokens <= 64:  # decoding's sizes: the GEMV too, a workgroup a token and the whole batch a workgroup
+                for group in (1, tokens):
+                    cases.append(("projection", "gemv", group,
+                                  lambda group=group: bitlinear_launch(codes, meta, proj, out, tokens=tokens,
+                                                                        out_stride=rows, gemv=True, group=group)))
             if mma:
-                for tile in TILES["projection"]:
-                    cases.append(("projection", "matrix_units", tile,
-                                  lambda tile=tile: [bitlinear_launch(codes, meta, proj, out, tokens=tokens,
-                                                                      out_stride=rows, gemv=False, mma=True, tile=tile)]))
-                for tile in TILES["input_grad"]:
-                    cases.append(("input_grad", "matrix_units", tile,
+                for tile in TILES["decode" if tokens <= 64 else "projection"]:
+                    for splits in DECODE_SPLITS if tokens <= 64 else (1,):
+                        cases.append(("projection", "matrix_units", (tile, splits),
+                                      lambda tile=tile, splits=splits: bitlinear_launch(
+                                          codes, meta, proj, out, tokens=tokens, out_stride=rows, gemv=False, mma=True,
+                                          tile=tile, splits=splits, workspace=workspace)))
+                for tile in TILES["input_grad"] if tokens > 64 else ():
+                    cases.append(("input_grad", "matrix_units", (tile, 1),
                                   lambda tile=tile: bitlinear_t_launch(dy, proj, dx, tokens=tokens, k=k, mma=True,
                                                                        tile=tile, workspace=workspace)))
-            for kind, name_v, tile, build in cases:
+            for kind, name_v, shape, build in cases:
+                tile, splits = shape if isinstance(shape, tuple) else (None, None)
                 try:
                     if tile is not None:
                         mma_shape(device, tile, transposed=kind == "input_grad")
                     seconds = gpu_seconds(device, build())
                 except (ValueError, RuntimeError) as e:
-                    log(f"  {kind} {name} {tokens} {tile}: {str(e)[:160]}")
+                    log(f"  {kind} {name} {tokens} {_case_name(shape)}: {str(e)[:160]}")
                     continue
                 work = variant(kind, name_v).work(tokens, rows, k)
                 row = dict(kind=kind, projection=name, tokens=tokens, rows=rows, k=k, variant=name_v,
-                           tile=None if tile is None else tile.__dict__, seconds=seconds, rate=useful / seconds,
+                           tile=None if tile is None else tile.__dict__, splits=splits,
+                           group=shape if name_v == "gemv" else None, seconds=seconds, rate=useful / seconds,
                            integer_rate=work / seconds,
                            share=(work / seconds / int8_ceiling) if (int8_ceiling and name_v == "matrix_units") else None)
                 rows_out.append(row)
-                log(f"{kind:10} {name:8} {tokens:5} {name_v:12} {'' if tile is None else _tile_name(tile):28} "
+                log(f"{kind:10} {name:8} {tokens:5} {name_v:12} {_case_name(shape):34} "
                     f"{seconds * 1e3:8.3f} ms {useful / seconds / 1e12:7.1f} T/s"
                     + (f"  {row['share'] * 100:5.1f}% of ceiling" if row["share"] else ""))
     return rows_out
 
 
-def _tile_name(t: MmaTile) -> str:
-    return f"{t.sub_m}x{t.sub_n} sg, {t.tm}x{t.tn} m, k{t.kstep}"
+def _case_name(shape: tuple[MmaTile, int] | int | None) -> str:
+    """A case's launch shape: a matrix-unit tile and its K ranges, or a GEMV's tokens a workgroup."""
+    if isinstance(shape, tuple):
+        tile, splits = shape
+        return f"{tile.sub_m}x{tile.sub_n} sg, {tile.tm}x{tile.tn} m, k{tile.kstep}, {splits} ranges"
+    return "" if shape is None else f"gemv group {shape}"
 
 
 def torch_gemms(tokens_list: list[int], log: Callable[[str], None]) -> list[dict[str, Any]]:
@@ -187,8 +209,8 @@ def backend_kernels(log: Callable[[str], None]) -> dict[str, float]:
     codes = upload(g.integers(-127, 128, (1, 4 * proj.weight.shape[1]), dtype=np.int32).astype(np.uint32))
     meta = upload(np.array([1.0, 0.0], np.float32))
     y = Buffer((1, proj.rows))
-    out["gemv_qkv_1"] = gpu_seconds(device, [bitlinear_launch(codes, meta, proj, y, tokens=1, out_stride=proj.rows,
-                                                      gemv=True)]) * 1e6
+    out["gemv_qkv_1"] = gpu_seconds(device, bitlinear_launch(codes, meta, proj, y, tokens=1, out_stride=proj.rows,
+                                                      gemv=True)) * 1e6
     for name, us in out.items():
         log(f"{device.backend.name} {name}: {us:.1f} us")
     return out

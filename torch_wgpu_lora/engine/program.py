@@ -233,7 +233,7 @@ def _norm(context: PassContext, x: Buffer, weight: Buffer, site: Site | None, io
 
 def _project(context: PassContext, proj: Projection, io: SiteIO, codes: Buffer | None, out: Buffer, mode: str,
              site: Site, saved: Buffer | None = None, norm: tuple[Buffer, Buffer, float] | None = None,
-             rope: RopeTarget | None = None, attention: DecodePartials | None = None) -> Launch:
+             rope: RopeTarget | None = None, attention: DecodePartials | None = None) -> list[Launch]:
     """Site ``site``'s projection into ``out`` (``mode``: the kernels' epilogue), its LoRA in the
     epilogue; ``saved``: where the epilogue also writes what the backward reads (o_proj's sums, the
     raw gate/up pairs)."""
@@ -243,9 +243,9 @@ def _project(context: PassContext, proj: Projection, io: SiteIO, codes: Buffer |
     if context.config.quantised:
         return bitlinear_launch(codes, context.scales_and_sums, proj, out, tokens=context.rows,
                                 out_stride=out.shape[-1], mode=mode, saved=saved, gemv=context.gemv, norm=norm, rope=rope,
-                                attention=attention, device=device, **lora)
-    return matmul_launch(io.xn, proj, out, tokens=context.rows, out_stride=out.shape[-1], mode=mode,
-                         bf16=context.weights.bf16, saved=saved, gemv=context.gemv, device=device, **lora)
+                                attention=attention, workspace=context.workspace, device=device, **lora)
+    return [matmul_launch(io.xn, proj, out, tokens=context.rows, out_stride=out.shape[-1], mode=mode,
+                         bf16=context.weights.bf16, saved=saved, gemv=context.gemv, device=device, **lora)]
 
 
 def emit_layer(program: Program, context: PassContext, index: int, io: LayerIO) -> None:
@@ -268,7 +268,7 @@ def emit_layer(program: Program, context: PassContext, index: int, io: LayerIO) 
             program.quantises((index, name), codes, context.scales_and_sums)
         if not norm:
             program.add(_norm(context, x, weight, sites[name], getattr(io, name), codes, k, index, name))
-        program.add(_project(context, proj, getattr(io, name), codes, out, mode, sites[name], saved=saved,
+        program.add(*_project(context, proj, getattr(io, name), codes, out, mode, sites[name], saved=saved,
                              norm=(x, weight, c.rms_eps) if norm else None, rope=rope,
                              attention=attention if norm else None))
 

@@ -37,7 +37,7 @@ gate/up (+ adapters), post_attention_layernorm (added into the residual gradient
 (+ adapters), attn_sub_norm, attention, RoPE, q/k/v (+ adapters), input_layernorm (added);
 layer 0 stops at the q/k/v adapters' gradients (below it no parameter trains). The input
 gradients through the projections sum over their rows in ranges on GPUs (split-K:
-``kernels.projection.input_grad_splits``).
+``kernels.projection.split_k_ranges``).
 
 The forward is ``program``'s emitter (the one the forward plans use); what a training pass keeps
 for its backward are the buffers its ``LayerIO`` hands the emitter, each allocated in the plan's

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from ...runtime import Buffer, Device, Launch, Recorder, get_device, kernel
+from ...runtime import Buffer, Device, Launch, get_device, kernel
 from ..weights import Projection
 from ..workspace import Workspace
 from . import dummy
@@ -32,7 +32,7 @@ from .attention.decode import DecodePartials
 from .dropout import SiteDropout, dropout_params
 from .gemms import (MmaTile, default_tile, fastest, int8_matrix_units, matrix_units_wanted_where_there_are_none,
                     mma_shape, variant)
-from .projection import MODES, check_vec4_rows, gemv_max_tokens, input_grad_launches, input_grad_splits
+from .projection import MODES, check_vec4_rows, gemv_max_tokens, input_grad_launches, split_k_ranges
 from .rope import RopeTarget
 
 _ROW_LOADS_MAX = 16  # gemv: vec4 registers of a weight row one thread holds (ROW_LOADS_MAX in bitlinear.wgsl)
@@ -64,8 +64,10 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
                      norm: tuple[Buffer, Buffer, float] | None = None, rope: RopeTarget | None = None,
                      attention: DecodePartials | None = None, tile_tokens: int | None = None,
                      group: int | None = None, spread: bool | None = None, mma: bool | None = None,
-                     tile: MmaTile | None = None, device: Device | None = None) -> Launch:
-    """One launch computing ``proj`` over ``tokens`` rows of activation codes into ``out``.
+                     tile: MmaTile | None = None, splits: int | None = None, workspace: Workspace | None = None,
+                     device: Device | None = None) -> list[Launch]:
+    """The launches computing ``proj`` over ``tokens`` rows of activation codes into ``out``: one,
+    or on the matrix units split along K (``splits``), two.
 
     ``codes``: u32 [tokens, k_words · 4] (``norm.rmsnorm_launch`` writes them), ``scales_and_sums``: f32 [2 · tokens]
     (scales, then code sums). LoRA (``segments`` > 0): ``h`` [tokens, lora_rank] and the
@@ -78,7 +80,10 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
     ``tile_tokens``: tokens a ``gemm`` workgroup holds, 32 or 64 (default ``gemm_tile_tokens``).
     ``mma``: run the GEMM on the GPU's matrix units (``bitlinear_mma.wgsl``: the same integers, the same
     epilogue); default ``matrix_units_win``, False where the device has no int8 subgroup matrices;
-    ``tile``: its workgroup's shape (default ``gemms.default_tile``).
+    ``tile``: its workgroup's shape (default ``gemms.default_tile`` for the token count); ``splits``: ranges
+    of K its workgroups sum apart, their i32 sums added by a second launch that runs the epilogue
+    (default ``projection.split_k_ranges``: few tokens' tiles alone leave a GPU idle), the sums kept in
+    ``workspace``'s scratch (or a buffer of their own).
 
     Decoding's fusions (``gemv`` only): ``norm`` = (x, weight, eps) normalises x's rows (f32 [tokens, ≥ k])
     with RMSNorm and quantises them inside the launch, writing ``codes`` and ``scales_and_sums`` rather than
@@ -115,14 +120,27 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
     entry = "gemv" if gemv else "gemm"
     constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=saved is not None)
     if not gemv and (matrix_units_win(device, tokens, proj) if mma is None else mma):
-        shape = mma_shape(device, tile or default_tile("projection"), transposed=False)
-        buffers.update({1: codes, 2: scales_and_sums, 3: proj.weight})
+        shape = mma_shape(device, tile or default_tile("projection", tokens), transposed=False)
+        grid = (-(-proj.rows // shape.block_n), -(-tokens // shape.block_tokens))
+        splits = splits or split_k_ranges(grid[0] * grid[1], proj.k, device)
+        if splits < 1:
+            raise ValueError(f"splits: a GEMM sums K in at least one range, not {splits}")
+        params = (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank, segments,
+                  saved.shape[-1] if saved is not None else 0, tokens, 4 * k_words, k_words)
+        shown = ((splits, tokens, proj.rows), "i32")
+        partials = (workspace.scratch("split-K partial sums", *shown) if workspace is not None
+                    else Buffer(*shown, device=device)) if splits > 1 else dummy(device, "partials")
+        buffers.update({1: codes, 2: scales_and_sums, 3: proj.weight, 10: partials})
         on_units = variant("projection", "matrix_units")
-        return Launch.build(kernel(on_units.file, on_units.entry, device, **constants,
-                                   **shape.tile.constants(transposed=False)),
-                            (-(-proj.rows // shape.block_n), -(-tokens // shape.block_tokens), 1), buffers,
-                            (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank, segments,
-                             saved.shape[-1] if saved is not None else 0, tokens, 4 * k_words, k_words))
+        constants.update(SPLITS=splits, **shape.tile.constants(transposed=False))
+        gemm = Launch.build(kernel(on_units.file, on_units.entry, device, **constants), (*grid, splits), buffers,
+                            params)
+        if splits == 1:
+            return [gemm]
+        columns = proj.rows // 2 if mode == "gate_up" else proj.rows
+        sums = {i: b for i, b in buffers.items() if i not in (1, 3)}  # the entry binds what it reads
+        return [gemm, Launch.build(kernel(on_units.file, "split_epilogue", device, **constants),
+                                   (-(-columns // 64), tokens, 1), sums, params)]
     x_stride, cache_len, tokens_per_seq = 0, 0, 1
     if gemv:  # the weights bound as vec4 words (binding 10); K is padded to 64, so rows are whole vec4s
         group = GEMV_GROUP if group is None else group
@@ -171,9 +189,9 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
         cache_len, tokens_per_seq = rope.cache_len, rope.tokens_per_seq
         entry += "_rope"
     kern = kernel("bitlinear.wgsl", entry, device, **constants)
-    return Launch.build(kern, grid, buffers, (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank,
-                                              segments, saved.shape[-1] if saved is not None else 0, x_stride, cache_len,
-                                              tokens_per_seq))
+    return [Launch.build(kern, grid, buffers, (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank,
+                                               segments, saved.shape[-1] if saved is not None else 0, x_stride,
+                                               cache_len, tokens_per_seq))]
 
 
 def matrix_units_win(device: Device, tokens: int, proj: Projection) -> bool:
@@ -188,8 +206,8 @@ def matrix_units_win(device: Device, tokens: int, proj: Projection) -> bool:
     scales_and_sums, out = Buffer((2 * tokens,), device=device), Buffer((tokens, proj.rows), device=device)
 
     def build(mma: bool) -> Callable[[], list[Launch]]:
-        return lambda: [bitlinear_launch(codes, scales_and_sums, proj, out, tokens=tokens, out_stride=proj.rows,
-                                         gemv=False, mma=mma, device=device)]
+        return lambda: bitlinear_launch(codes, scales_and_sums, proj, out, tokens=tokens, out_stride=proj.rows,
+                                        gemv=False, mma=mma, device=device)
 
     return fastest(device, "projection", (tokens, proj.rows, proj.k),
                    {"matrix_units": build(True), "general": build(False)}) == "matrix_units"
@@ -252,7 +270,7 @@ def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int
     ``dy`` (f32 [tokens, ≥ rows]), plus ``dh·A`` for the adapters (``dh`` [tokens, ≥ lora_rank] already
     scaled, ``lora_a`` their stacked A [lora_rank, K64]; with ``dropout``, each adapter's term masked
     by its dropout). ``splits``: ranges of the rows summed apart (default
-    ``projection.input_grad_splits``; their partial sums in ``workspace``'s scratch). ``mma``: on the
+    ``projection.split_k_ranges``; their partial sums in ``workspace``'s scratch). ``mma``: on the
     matrix units from int8 digits of ``dy ∘ c`` (``bitlinear_t_mma.wgsl``; default
     ``input_grad_on_matrix_units``), else on the general cores (``bitlinear_t.wgsl``); ``tile``: the
     matrix units' workgroup (default ``gemms.default_tile``)."""
@@ -282,7 +300,7 @@ def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int
     params = (tokens, proj.rows, k_words, dy.shape[-1], out.shape[-1], k, *lora_params, *dropout_params(dropout),
               tokens, a_words)
     tiles = (-(-k // shape.block_n), -(-tokens // shape.block_tokens))
-    splits = splits or input_grad_splits(tiles[0] * tiles[1], proj.rows, device)
+    splits = splits or split_k_ranges(tiles[0] * tiles[1], proj.rows, device)
     sums = {4: out, 5: dh or unused, 6: lora_a or unused,
             8: dropout.state if dropout is not None else dummy(device)}
     file = variant("input_grad", "matrix_units").file  # its entry gemm_tiled, after digits; split_sum last

@@ -132,13 +132,21 @@ def mma_shape(device: Device, tile: MmaTile, transposed: bool) -> MmaShape:
     return shape
 
 
-def default_tile(kind: str) -> MmaTile:
+DECODE_TOKENS = 64  # up to this many tokens a projection takes DECODE_TILE
+
+
+def default_tile(kind: str, tokens: int | None = None) -> MmaTile:
     """The tile each matrix-unit kind runs unless told otherwise: the fastest at a training step's
     shapes on an H100 (benchmarks/RESULTS.md, "On the matrix units"). The input gradient's holds 64
     tokens' four digit planes against 128 columns: its planes are four times the bytes of the
-    weights' codes they multiply, so it takes more tokens and fewer columns than the forward's."""
+    weights' codes they multiply, so it takes more tokens and fewer columns than the forward's.
+    A projection of up to DECODE_TOKENS tokens (decoding a batch) takes one matrix of tokens
+    against four of columns, a long K step: many small workgroups, and few steps of the sum
+    (``benchmarks/results/h100/matrix_units_decode.json``)."""
     if kind == "input_grad":
         return MmaTile(digits=INPUT_GRAD_DIGITS, sub_m=INPUT_GRAD_DIGITS, sub_n=4, tm=4, tn=2, kstep=64)
+    if tokens is not None and tokens <= DECODE_TOKENS:
+        return MmaTile(sub_m=1, sub_n=4, tm=1, tn=1, kstep=256)
     return MmaTile()
 
 

@@ -81,7 +81,7 @@ def matmul_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k
     """The input gradient of a float projection (``matmul_t.wgsl``): ``out (+)= dy·W`` (+ ``dh·A``,
     with ``dropout`` each adapter's term masked by its dropout), reading ``dy``'s columns from
     ``dy_col`` (a vocabulary chunk of the logits' gradient). ``splits``: ranges of the rows summed
-    apart (default ``projection.input_grad_splits``; their partial sums in ``workspace``'s scratch)."""
+    apart (default ``projection.split_k_ranges``; their partial sums in ``workspace``'s scratch)."""
     device = workspace.device
     check_vec4_rows(out, lora_a)
     w_words = proj.weight.shape[1]

@@ -3,7 +3,7 @@ float weights): the epilogue modes, the LoRA segment table their epilogues read,
 up to which a projection runs as a GEMV, and the input-gradient GEMMs' launch shape (a split over
 the rows' sum where that fills a GPU).
 
-Measurements behind ``input_grad_splits``: ``benchmarks/results/h200/kernel_tuning.md``.
+Measurements behind ``split_k_ranges``: ``benchmarks/results/h200/kernel_tuning.md``.
 """
 
 from __future__ import annotations
@@ -56,19 +56,19 @@ def gemv_max_tokens(device: Device) -> int:
     return 4 if device.is_cpu else 16
 
 
-INPUT_GRAD_WORKGROUPS = 1024  # input-gradient GEMMs: workgroups a launch aims at (split-K below that)
+SPLIT_K_WORKGROUPS = 1024  # GEMMs split along their sum below this many workgroups (split-K)
 
 
-def input_grad_splits(workgroups: int, rows: int, device: Device) -> int:
-    """Ranges an input-gradient GEMM of ``workgroups`` tiles splits its ``rows`` (the sum over j)
-    into: doubling while the launch has fewer than INPUT_GRAD_WORKGROUPS workgroups, at most 8,
-    each range at least 512 rows; 1 on CPU adapters, whose few cores the unsplit grid fills. (A
-    seq-512 step's GEMMs into 2560 features are 320 tiles of 64 × 64: two or three a streaming
-    multiprocessor of an H200.)"""
+def split_k_ranges(workgroups: int, length: int, device: Device) -> int:
+    """Ranges a GEMM of ``workgroups`` tiles splits its sum of ``length`` terms into (an input
+    gradient's rows, a decoding projection's features): doubling while the launch has fewer than
+    SPLIT_K_WORKGROUPS workgroups, at most 8, each range at least 512 terms; 1 on CPU adapters,
+    whose few cores the unsplit grid fills. (A seq-512 step's GEMMs into 2560 features are 320
+    tiles of 64 × 64: two or three a streaming multiprocessor of an H200.)"""
     if device.is_cpu:
         return 1
     splits = 1
-    while workgroups * splits < INPUT_GRAD_WORKGROUPS and splits < 8 and rows // (2 * splits) >= 512:
+    while workgroups * splits < SPLIT_K_WORKGROUPS and splits < 8 and length // (2 * splits) >= 512:
         splits *= 2
     return splits
 
@@ -86,7 +86,7 @@ def input_grad_launches(file: str, constants: dict, inputs: dict[int, Buffer], s
     sums = {**sums, part + 1: dropout.state if dropout is not None else dummy(device)}
     params = (*params, *dropout_params(dropout))
     tiles = (k64 // 64, -(-tokens // 64))
-    splits = splits or input_grad_splits(tiles[0] * tiles[1], rows, device)
+    splits = splits or split_k_ranges(tiles[0] * tiles[1], rows, device)
     if splits == 1:
         return [Launch.build(kernel(file, "gemm_tiled", device, **constants), (*tiles, 1),
                              {**inputs, **sums, part: dummy(device, "part")}, params)]
