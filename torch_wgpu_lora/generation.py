@@ -196,9 +196,10 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
     ``streamer`` (one prompt): a transformers streamer (``TextStreamer``,
     ``TextIteratorStreamer``) that gets the prompt's ids, then each new token as it comes.
 
-    ``adapter_names`` (a list, one name a prompt, ``"__base__"`` for none; the torch path, on a
-    model with named adapters): each prompt is continued with its own adapter, as PEFT's
-    ``generate(..., adapter_names=...)`` does (``LoraModelMixin.per_row_adapters``).
+    ``adapter_names`` (a list, one name a prompt, ``"__base__"`` for none; a model with named
+    adapters, or an engine running one): each prompt is continued with its own adapter, as PEFT's
+    ``generate(..., adapter_names=...)`` does (on the engine all at once, ``EngineAdapters.serve_rows``;
+    on the torch path ``LoraModelMixin.per_row_adapters``).
 
     ``return_ids=True`` returns a ``Generation`` (text, new token ids, prompt ids, whether
     EOS ended it) instead of the text. The model runs in eval mode without gradients; its
@@ -231,7 +232,7 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
             return False  # the streamer ends nothing
 
         request = GenerationRequest(prompt_ids, max_new_tokens, eos, seeds=seeds, sampling=sampling,
-                                    on_token=stream if streamer is not None else None)
+                                    on_token=stream if streamer is not None else None, adapter_names=adapter_names)
         results = engine.generate_batch(request)
     else:
         names = adapter_names or [None] * len(prompts)
@@ -249,9 +250,7 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
 def _check_adapter_names(model: Any, adapter_names: Any, prompts: int) -> None:
     """Refuse ``adapter_names`` that ``generate`` cannot honour, saying why."""
     if isinstance(model, BitNetEngine):
-        raise ValueError("adapter_names (an adapter a prompt) runs on the torch path: BitNetEngine runs the model's "
-                         "active adapter on every row; generate with the transformers model itself "
-                         "(twl.generate(engine.model, ...))")
+        model = model.model
     if not isinstance(model, LoraModelMixin):
         raise ValueError(f"adapter_names picks among a model's named adapters, and this {type(model).__name__} has "
                          "none (apply_lora or load_adapter give a model its adapters and PEFT's adapter API)")

@@ -7,8 +7,10 @@
 // packed four to a u32 in XQ, with s at XM[n] and Σ q (i32 bits) at XM[tokens + n]. With
 // rank > 0 it also computes the LoRA down-projections of y for every adapter reading
 // this input: H[n][r] = Σ_k A[r][k] · y_k (A: the adapters' A matrices stacked), with DROPOUT
-// of y_k · m_k (each adapter its own mask, _dropout.wgsl). With SAVE it keeps r in RS[n] for
-// the backward pass.
+// of y_k · m_k (each adapter its own mask, _dropout.wgsl). With PER_ROW each token runs one
+// adapter of the several stacked (a batch of mixed adapters): H[n][r] is 0 where token n's adapter
+// (ROWS[n]) is not rank r's (COLUMNS[r]), so the projection's epilogue adds only the token's own.
+// With SAVE it keeps r in RS[n] for the backward pass.
 
 struct Params {
   tokens: u32,
@@ -36,6 +38,8 @@ struct Params {
 @group(0) @binding(8) var<storage, read_write> RS: array<f32>;
 @group(0) @binding(9) var<storage, read> A4: array<vec4<f32>>;  // A again, 16 bytes a read (rmsnorm)
 @group(0) @binding(10) var<storage, read> DROP: array<u32>;
+@group(0) @binding(11) var<storage, read> ROWS: array<u32>;     // PER_ROW: each token's adapter
+@group(0) @binding(12) var<storage, read> COLUMNS: array<u32>;  // PER_ROW: each rank's adapter
 
 override WG: u32 = 256u;  // a multiple of 32
 override QUANT: bool = true;
@@ -43,6 +47,7 @@ override SAVE: bool = false;
 override K: u32 = 64u;       // rmsnorm: features
 override STRIDE: u32 = 64u;  // rmsnorm: K padded to a multiple of 64
 override DROPOUT: bool = false;
+override PER_ROW: bool = false;
 // The 4-feature words of a row an invocation holds (at most MAX_WORDS, below). An override, not a
 // `let`: Tint (Dawn) puts a counter into every loop whose bound it cannot prove constant, and a
 // loop with that counter is not unrolled, so the arrays it indexes leave the registers.
@@ -140,10 +145,16 @@ fn rmsnorm(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   }
 }
 
+// Rank j of token n's h: 0 where PER_ROW gives the token another adapter (a select, not a product:
+// another adapter's non-finite values stay out).
+fn h_value(n: u32, j: u32, v: f32) -> f32 {
+  return select(v, 0.0, PER_ROW && ROWS[n] != COLUMNS[j]);
+}
+
 fn store_h(n: u32, j: u32, v: vec4<f32>, t: u32) {
   if (t != 0u) { return; }
   for (var l = 0u; l < 4u; l++) {
-    if (j + l < p.rank) { H[n * p.h_stride + j + l] = v[l]; }
+    if (j + l < p.rank) { H[n * p.h_stride + j + l] = h_value(n, j + l, v[l]); }
   }
 }
 
@@ -175,7 +186,7 @@ fn rmsnorm_rows(@builtin(global_invocation_id) gid: vec3<u32>) {
       if (DROPOUT) { y *= drop_mask(key, n, k); }
       acc += y * A[j * p.stride + k];
     }
-    H[n * p.h_stride + j] = acc;
+    H[n * p.h_stride + j] = h_value(n, j, acc);
   }
   if (gid.y != 0u) { return; }
   var m = 0.0;

@@ -26,6 +26,12 @@ a PEFT layer, ...), which it would otherwise leave out. ``refresh`` follows the 
 adapters change (another active adapter: other modules or ranks) by laying them out anew; a
 disabled adapter (``LoRALinear.disabled``) runs with scaling 0.
 
+Several adapters in one batch (PEFT's ``adapter_names``): ``serve_rows`` lays out every named
+adapter of the model at once, each with its slot (its index among the model's adapter names); a
+site's ``columns`` (u32 [rank]) names the slot of each column of h, and a pass's rows name theirs
+(``row_slots``), so that the norm kernel zeroes, in each token's h, the columns of the adapters the
+token does not run (``kernels.norm``) and each projection adds the token's own adapter alone.
+
 LoRA dropout (``dropout``): adapters in training mode with ``lora_dropout`` > 0 drop features
 of their input with masks the kernels compute from a pass's seed and each adapter's key
 (``kernels.dropout``); the engine takes one probability for every adapter, as a PEFT config has.
@@ -36,13 +42,14 @@ of their input with masks the kernels compute from a pass's seed and each adapte
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..integrations.bitnet import PROJECTIONS, projection
-from ..integrations.peft import peft_layers
+from ..integrations.bitnet import PROJECTIONS, base_layer, projection
+from ..integrations.peft import BASE_ROW, peft_layers
 from ..modules import LoRALinear, LoRASum
 from ..runtime import Buffer, Device, Recorder, upload, write
 from .config import WITHOUT_ENGINE, EngineConfig, pad
@@ -52,6 +59,7 @@ from .kernels.dropout import NO_SPLIT, SiteDropout, dropout_mask_reference, site
 SITES = {"attn": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "mlp": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}
 _ALIGN = 64  # floats: 256 bytes, the largest offset alignment adapters ask of views
+NO_ADAPTER = 0xFFFFFFFF  # the slot of a row that runs no adapter (PEFT's "__base__"): no column's
 
 
 @dataclass
@@ -66,6 +74,7 @@ class Adapter:
     b_offset: int  # where its B [out, r] starts in ``params`` (floats)
     segment: int  # its header's index in the site's table
     rows: tuple[int, int, int]  # (first, end, step) of its output rows in the fused projection
+    slot: int = 0  # serving rows: its named adapter's index among the model's
 
 
 @dataclass
@@ -80,6 +89,7 @@ class Site:
     table: Buffer | None
     segments: int
     adapters: list[Adapter]
+    columns: Buffer | None = None  # serving rows: u32 [rank], each column of h's adapter slot
 
 
 def _scaling(module: LoRALinear) -> float:
@@ -120,10 +130,43 @@ def check_adapters(model: nn.Module, config: EngineConfig) -> None:
                              f"{WITHOUT_ENGINE}")
 
 
-def _layout(model: nn.Module, config: EngineConfig) -> list[list[tuple[str, LoRALinear]]]:
-    """Per layer, the (projection name, adapter) pairs the engine runs, in ``SITES`` order."""
-    return [[(n, m) for names in SITES.values() for n in names if isinstance(m := projection(layer, n), LoRALinear)]
+Placed = tuple[str, LoRALinear, int]  # (projection name, adapter, slot)
+
+
+def _layout(model: nn.Module, config: EngineConfig) -> list[list[Placed]]:
+    """Per layer, the (projection name, adapter, slot 0) of each adapter the engine runs, in ``SITES`` order."""
+    return [[(n, m, 0) for names in SITES.values() for n in names if isinstance(m := projection(layer, n), LoRALinear)]
             for layer in model.model.layers[: config.layers]]
+
+
+def named_adapters(model: nn.Module) -> dict[str, dict[str, LoRALinear]]:
+    """The model's adapters by name (``LoraModelMixin.named_adapters``), ValueError for a model without names."""
+    if not callable(getattr(model, "named_adapters", None)):
+        raise ValueError(f"adapter_names picks among a model's named adapters, and this {type(model).__name__} has "
+                         "none (torch_wgpu_lora.apply_lora or load_adapter make a model that has them)")
+    return model.named_adapters()
+
+
+def _rows_layout(model: nn.Module, config: EngineConfig) -> list[list[Placed]]:
+    """Per layer, (projection name, adapter, slot) of every named adapter of the model, in ``SITES``
+    order, each projection's adapters in the order of their names; ValueError naming an adapter the
+    engine cannot run (one off the decoder layers' projections)."""
+    where = {id(base_layer(projection(layer, n))): (i, n)
+             for i, layer in enumerate(model.model.layers[: config.layers]) for n in PROJECTIONS}
+    layers: list[list[Placed]] = [[] for _ in range(config.layers)]
+    for slot, (name, modules) in enumerate(named_adapters(model).items()):
+        for path, m in modules.items():
+            if id(m.base_layer) not in where:
+                raise ValueError(f"adapter {name!r} adapts {path}, which BitNetEngine cannot run: it runs adapters on "
+                                 f"the decoder layers' projections ({', '.join(PROJECTIONS)}) only. {WITHOUT_ENGINE}")
+            i, n = where[id(m.base_layer)]
+            layers[i].append((n, m, slot))
+    order = [n for names in SITES.values() for n in names]
+    return [sorted(placed, key=lambda p: (order.index(p[0]), p[2])) for placed in layers]
+
+
+def _signature(layout: list[list[Placed]]) -> list[list[tuple]]:
+    return [[(n, id(m), m.r, slot) for n, m, slot in layer] for layer in layout]
 
 
 class EngineAdapters:
@@ -132,35 +175,62 @@ class EngineAdapters:
     def __init__(self, model: nn.Module, config: EngineConfig, device: Device) -> None:
         self.model, self.config, self.device = model, config, device
         self.gpu_is_newer = False  # set when the engine's own optimizer step changed ``params``
+        self.serving_rows = False  # every named adapter laid out, each row choosing its own (``serve_rows``)
         self._lay_out(_layout(model, config))
+
+    def serve_rows(self, on: bool) -> None:
+        """From the next ``refresh`` on, lay out every named adapter of the model, each pass's rows
+        choosing theirs (``row_slots``; PEFT's ``adapter_names``), or (``on`` False) the adapters in use."""
+        self.serving_rows = on
 
     def refresh(self) -> bool:
         """Lay the adapters out anew if the model's changed since (other modules or ranks, e.g. after
-        ``set_adapter``); returns whether it did. Values the engine's optimizer wrote are pulled into
-        the old Parameters first. Plans built for the old layout must not be used after a True."""
-        layout = _layout(self.model, self.config)
-        if [[(n, id(m), m.r) for n, m in layer] for layer in layout] == self._signature:
+        ``set_adapter``; another ``serve_rows``); returns whether it did. Values the engine's optimizer
+        wrote are pulled into the old Parameters first. Plans built for the old layout must not be
+        used after a True."""
+        layout = (_rows_layout if self.serving_rows else _layout)(self.model, self.config)
+        if (self.serving_rows, _signature(layout)) == self._signature:
             return False
-        check_adapters(self.model, self.config)
+        if self.serving_rows:
+            refuse_peft_layers(self.model)
+        else:
+            check_adapters(self.model, self.config)
         self.pull()
         self._lay_out(layout)
         return True
 
-    def _lay_out(self, layout: list[list[tuple[str, LoRALinear]]]) -> None:
+    def row_slots(self, adapter_names: Any, rows: int) -> list[int]:
+        """Each row's adapter slot for ``adapter_names`` (one name a row, ``"__base__"`` for none, as
+        PEFT takes them), checked as PEFT checks them: ValueError or TypeError saying what is wrong."""
+        names = list(named_adapters(self.model))
+        if not isinstance(adapter_names, (list, tuple)) or not all(isinstance(n, str) for n in adapter_names):
+            raise TypeError(f"adapter_names must be a list of adapter names, one a row, got {adapter_names!r}")
+        if len(adapter_names) != rows:
+            raise ValueError(f"adapter_names has {len(adapter_names)} names for a batch of {rows} rows; give one a row "
+                             f"({BASE_ROW!r} for a row without adapter)")
+        if self.model.training:
+            raise ValueError("adapter_names is for inference (as in PEFT): call model.eval() first")
+        unknown = sorted({n for n in adapter_names if n != BASE_ROW} - set(names))
+        if unknown:
+            raise ValueError(f"adapter_names names no adapter of this model: {unknown}; the adapters are {names} "
+                             f"(and {BASE_ROW!r} for a row without adapter)")
+        return [NO_ADAPTER if n == BASE_ROW else names.index(n) for n in adapter_names]
+
+    def _lay_out(self, layout: list[list[Placed]]) -> None:
         config = self.config
-        self._signature = [[(n, id(m), m.r) for n, m in layer] for layer in layout]
+        self._signature = (self.serving_rows, _signature(layout))
         self.sites: list[dict[str, Site]] = []
         size = 0
         for index, placed in enumerate(layout):
             sites = {}
             for site, names in SITES.items():
                 k = config.intermediate if site == "down" else config.hidden
-                modules = [(n, m) for n, m in placed if n in names]
-                rank = sum(m.r for _, m in modules)
+                modules = [(n, m, slot) for n, m, slot in placed if n in names]
+                rank = sum(m.r for _, m, _ in modules)
                 a_offset, size = size, size + pad(rank * pad(k, 64), _ALIGN)
                 adapters, a_row = [], 0
-                for n, m in modules:
-                    adapters.append(Adapter(m, index, site, n, a_row, size, len(adapters), rows_of(config, n)))
+                for n, m, slot in modules:
+                    adapters.append(Adapter(m, index, site, n, a_row, size, len(adapters), rows_of(config, n), slot))
                     a_row += m.r
                     size += pad(m.lora_B.numel(), _ALIGN)
                 sites[site] = Site(k, rank, a_offset, None, None, len(adapters), adapters)
@@ -173,6 +243,9 @@ class EngineAdapters:
                 if site.rank:
                     site.a = self.params.slice(site.a_offset, (site.rank, pad(site.k, 64)))
                     site.table = upload(lora_table(self._segments(site)), self.device)
+                    if self.serving_rows:
+                        site.columns = upload(np.array([a.slot for a in site.adapters for _ in range(a.module.r)],
+                                                       np.uint32), self.device)
         self.modules = [a.module for sites in self.sites for s in sites.values() for a in s.adapters]
         self._uploaded: dict[int, torch.Tensor] = {}  # id(parameter) -> the values on the GPU
         self._scaling: dict[int, float] = {}  # id(module) -> the scaling in its segment header
@@ -215,6 +288,8 @@ class EngineAdapters:
 
         >>> # p = adapters.dropout()   # 0.05 after model.train() with lora_dropout=0.05, 0 after model.eval()
         """
+        if self.serving_rows:
+            return 0.0  # rows serving named adapters: inference (``row_slots`` refuses training mode)
         active = {}
         for a in self.adapters:
             d = a.module.lora_dropout

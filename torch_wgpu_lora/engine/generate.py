@@ -65,7 +65,8 @@ class GenerationRequest:
     once: ``eos``, the tokens that end a sequence; ``seeds``, each prompt's sampling seed (default 0);
     ``sampling``, ``DecodeSession``'s strategy, temperature, top_k, top_p, repetition_penalty and
     min_new_tokens (the defaults: greedy); ``on_token``, ``DecodeSession.generate``'s;
-    ``tokens_per_submit``, the decode steps recorded into one command buffer."""
+    ``tokens_per_submit``, the decode steps recorded into one command buffer; ``adapter_names``, one
+    name a prompt (``"__base__"`` for none, as PEFT takes them): each prompt continued with that adapter."""
 
     prompts: Sequence[Sequence[int]]
     max_new_tokens: int
@@ -74,6 +75,7 @@ class GenerationRequest:
     sampling: Mapping[str, Any] = field(default_factory=dict)
     on_token: OnToken | None = None
     tokens_per_submit: int = 8
+    adapter_names: Sequence[str] | None = None
 
 
 class Generated(NamedTuple):
@@ -119,10 +121,12 @@ class DecodeSession:
 
         self.prefill_sampling, self.decode_sampling = sampler(self.prefill), sampler(self.decode)
 
-    def start(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], eos: Collection[int]) -> None:
+    def start(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], eos: Collection[int],
+              row_slots: Sequence[int] | None = None) -> None:
         """Write a generation's inputs: the prompts (right-padded) and the row of each one's last
         token, the tokens the repetition penalty sees and the EOS tokens, each sequence's seed and
-        count, where each one stands (position 0, its prompt's length)."""
+        count, where each one stands (position 0, its prompt's length), and with ``row_slots`` each
+        one's adapter (a session whose adapters serve rows)."""
         b, t = self.batch, self.prompt_length
         if len(prompts) != b or len(seeds) != b or not all(1 <= len(p) <= t for p in prompts):
             raise ValueError(f"{len(prompts)} prompts of {[len(p) for p in prompts]} tokens and {len(seeds)} seeds "
@@ -140,6 +144,12 @@ class DecodeSession:
         state[:, ROW_SEED] = [seed & 0xFFFFFFFF for seed in seeds]
         write(self.state, state)
         self.cache.set_position(0, [len(p) for p in prompts])
+        if (row_slots is None) != (self.prefill.row_adapters is None):
+            raise ValueError("a session whose adapters serve rows generates with each row's adapter slot, and only "
+                             "such a session takes them")
+        if row_slots is not None:
+            self.prefill.set_row_slots(row_slots)
+            self.decode.set_row_slots(row_slots)
 
     def record(self, rec: Recorder, steps: int, prefill: bool) -> None:
         """Into ``rec``: the prefill and its sampler (``prefill``), then ``steps`` decode steps."""
@@ -157,15 +167,17 @@ class DecodeSession:
         write(self.cache.lengths, np.zeros(1, np.uint32), offset=4 * row)
 
     def generate(self, prompts: Sequence[Sequence[int]], eos: Collection[int], seeds: Sequence[int] | None = None,
-                 tokens_per_submit: int = 8, on_token: OnToken | None = None) -> list[Generated]:
+                 tokens_per_submit: int = 8, on_token: OnToken | None = None,
+                 row_slots: Sequence[int] | None = None) -> list[Generated]:
         """Up to ``max_new_tokens`` after each of ``prompts`` (``batch`` of them, each at most the
         session's prompt length); returns each one's new ids and whether an EOS token ended them.
         ``seeds``: each sequence's sampling seed (default 0). ``on_token(row, token)`` sees every
         token of every sequence as the tokens come back, in order, up to the sequence's last;
-        returning True ends that sequence after the token."""
+        returning True ends that sequence after the token. ``row_slots``: each sequence's adapter
+        (``EngineAdapters.row_slots``), in a session whose adapters serve rows."""
         self.adapters.sync()
         seeds = [0] * self.batch if seeds is None else list(seeds)
-        self.start(prompts, seeds, eos)
+        self.start(prompts, seeds, eos, row_slots)
         history = np.zeros(self.history.shape, np.uint32)
         tokens: list[list[int]] = [[] for _ in prompts]
         ended: list[bool | None] = [None] * self.batch  # None: running; else whether EOS ended it

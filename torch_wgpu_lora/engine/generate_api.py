@@ -69,8 +69,6 @@ NEUTRAL = {"num_beams": 1, "num_beam_groups": 1, "typical_p": 1.0, "no_repeat_ng
 # generate()'s own arguments besides the config, each refused unless left empty
 HOOKS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model",
          "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate")
-PER_ROW_ADAPTERS = ("BitNetEngine.{call} runs the model's active adapter on every row; adapter_names (an adapter a "
-                    "row) runs on the torch path, the transformers model itself: {route}")
 TORCH_PATH = ("generate with the transformers model the engine runs instead: engine.model.generate(...) (its "
               "LoRA layers compute on WebGPU or torch as their backend says)")
 
@@ -93,8 +91,6 @@ def _resolve(model_config: Any, generation_config: Any, kwargs: dict) -> tuple[A
 
 def _check_supported(config: Any, rest: dict) -> None:
     """Refuse, naming it, every setting that would make transformers generate something the engine does not."""
-    if rest.pop("adapter_names", None) is not None:
-        raise ValueError(PER_ROW_ADAPTERS.format(call="generate", route="engine.model.generate(..., adapter_names=[...])"))
     for name in HOOKS:
         value = rest.pop(name, None)
         if value is not None and value is not False and not (isinstance(value, (list, tuple)) and not value):
@@ -190,8 +186,12 @@ class TransformersCall:
         docstring); the streamer, if any, then gets the prompt, as transformers' does before the
         first token."""
         resolved, rest = _resolve(model_generation_config, generation_config, kwargs)
+        adapter_names = rest.pop("adapter_names", None)
         _check_supported(resolved, rest)
         prompts = _prompts(input_ids, attention_mask, config.vocab)
+        if isinstance(adapter_names, (list, tuple)) and len(adapter_names) != len(prompts):
+            raise ValueError(f"adapter_names has {len(adapter_names)} names for a batch of {len(prompts)} rows; give "
+                             "one a row ('__base__' for a row without adapter)")
         width = input_ids.shape[1]
         if resolved.max_new_tokens is not None:
             max_new = _int("max_new_tokens", resolved.max_new_tokens, 1)
@@ -224,9 +224,12 @@ class TransformersCall:
                              f"generates {len(rows)}")
         seeds = (torch.randint(0, 2 ** 32, (len(rows),), dtype=torch.int64).tolist() if resolved.do_sample
                  else [0] * len(rows))
+        if isinstance(adapter_names, (list, tuple)):  # the copies of a row keep its adapter, as PEFT's
+            adapter_names = [name for name in adapter_names for _ in range(copies)]
         request = GenerationRequest(rows, max_new, set(eos), seeds=seeds, sampling={"min_new_tokens": min_new,
                                                                                    **sampling},
-                                    on_token=_row_hook(rows, streamer, tokenizer, stop_strings))
+                                    on_token=_row_hook(rows, streamer, tokenizer, stop_strings),
+                                    adapter_names=adapter_names)
         if streamer is not None:
             streamer.put(input_ids.detach().cpu())
         return cls(request, input_ids.detach().cpu().long(), copies, pads[0] if pads else 0, streamer)

@@ -48,7 +48,7 @@ from ..runtime.buffers import pool_for, staging_for
 from .adapters import EngineAdapters, check_adapters, refuse_peft_layers
 from .config import WITHOUT_ENGINE, EngineConfig
 from .generate import DecodeSession, GenerationRequest, Generated
-from .generate_api import PER_ROW_ADAPTERS, TransformersCall
+from .generate_api import TransformersCall
 from .inputs import check_inputs, check_prompts, pad_micro_batch
 from .plan import ForwardPlan, KVCache
 from .step import DEFAULT_BUCKET_BYTES, OptimizerStep, check_bucket_bytes
@@ -137,13 +137,15 @@ class BitNetEngine(nn.Module):
                             lambda: TrainPlan(self.weights, self.adapters, batch, tokens, slots, dropout, packed,
                                               scratch=self.scratch))
 
-    def decode_session(self, batch: int, prompt_length: int, max_new_tokens: int, **sampling: Any) -> DecodeSession:
+    def decode_session(self, batch: int, prompt_length: int, max_new_tokens: int, serve_rows: bool = False,
+                       **sampling: Any) -> DecodeSession:
         """The KV cache, plans and sampling launches of a generation of ``batch`` prompts of up to
         ``prompt_length`` tokens, with this sampling (``engine.generate.DecodeSession``), built
-        once, then reused: building one takes tens of ms. Generation applies no LoRA dropout:
-        adapters that would (training mode) are refused."""
+        once, then reused: building one takes tens of ms. ``serve_rows``: every named adapter laid
+        out, each row running the one its slot names (``EngineAdapters.serve_rows``). Generation
+        applies no LoRA dropout: adapters that would (training mode) are refused."""
         with self.lock:
-            self._follow_adapters()
+            self._follow_adapters(serve_rows=serve_rows)
         if self.adapters.dropout():
             raise ValueError("BitNetEngine generates without LoRA dropout, and the adapters are in training mode "
                              "with lora_dropout > 0: call model.eval() first (torch_wgpu_lora.generate does)")
@@ -161,10 +163,12 @@ class BitNetEngine(nn.Module):
             self.optimizer_step.discard_ahead()
             self._plans.clear()
 
-    def _follow_adapters(self) -> None:
-        """Lay the adapters out anew when the model's changed (``EngineAdapters.refresh``): the plans,
-        the step encoded ahead and the optimizer step's flat moments of the old layout go (the
-        optimizers keep their moments, which move into the new layout at their next step)."""
+    def _follow_adapters(self, serve_rows: bool = False) -> None:
+        """Lay the adapters out anew when the model's changed (``EngineAdapters.refresh``), or when
+        ``serve_rows`` (every named adapter, each row choosing its own) differs from the last call's:
+        the plans, the step encoded ahead and the optimizer step's flat moments of the old layout go
+        (the optimizers keep their moments, which move into the new layout at their next step)."""
+        self.adapters.serve_rows(serve_rows)
         if self.adapters.refresh():
             self.release_plans()
             self.optimizer_step.release_moments()
@@ -191,9 +195,11 @@ class BitNetEngine(nn.Module):
         is differentiable by the adapters (``loss.backward()`` fills their ``.grad``): the engine
         then computes the adapters' gradients in the same submit as the loss, and the logits
         (a [batch, tokens, vocab] readback) are returned only when ``return_logits=True``.
+
+        ``adapter_names`` (one adapter name a row, ``"__base__"`` for none, as PEFT takes them): each
+        row runs its own adapter (``EngineAdapters.serve_rows``), for inference, as in PEFT.
         """
-        if unused.get("adapter_names") is not None:
-            raise ValueError(PER_ROW_ADAPTERS.format(call="forward", route="engine.model(..., adapter_names=[...])"))
+        adapter_names = unused.get("adapter_names")
         if unused.get("use_cache") or unused.get("past_key_values") is not None or unused.get("cache") is not None:
             raise ValueError("BitNetEngine keeps its KV cache on the GPU; use torch_wgpu_lora.generate for decoding")
         if position_ids is not None and attention_mask is not None:
@@ -202,26 +208,34 @@ class BitNetEngine(nn.Module):
                              "padding after a row's last example is one more example): drop the attention_mask")
         ids, lengths, positions = check_inputs(self.engine_config, input_ids, attention_mask, labels, position_ids)
         with self.lock:
-            self._follow_adapters()
+            slots = self._serve_rows(adapter_names, len(ids))
         params = [p for m in self.adapters.modules for p in (m.lora_A, m.lora_B)]
         seed = _dropout_seed() if self.adapters.dropout() else None  # one pass's masks: the loss's and its logits'
-        if labels is not None and torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        if labels is not None and torch.is_grad_enabled() and any(p.requires_grad for p in params) and slots is None:
             loss = _EngineLoss.apply(self, ids, labels.detach().cpu().long(), lengths, seed, positions, *params)
             logits = self._logits(ids, lengths, seed, positions) if return_logits else None
             return CausalLMOutputWithPast(loss=loss, logits=logits)
-        logits = self._logits(ids, lengths, seed, positions)
+        logits = self._logits(ids, lengths, seed, positions, slots)
         loss = causal_lm_loss(logits, labels.cpu().long()) if labels is not None else None
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
+    def _serve_rows(self, adapter_names: Any, rows: int) -> list[int] | None:
+        """Lay the adapters out for this call (under the lock): with ``adapter_names``, every named
+        adapter, and each row's slot returned (``EngineAdapters.row_slots``); without, the adapters
+        in use, and None."""
+        slots = self.adapters.row_slots(adapter_names, rows) if adapter_names is not None else None
+        self._follow_adapters(serve_rows=slots is not None)
+        return slots
+
     def _logits(self, ids: torch.Tensor, lengths: list[int], seed: int | None,
-                positions: torch.Tensor | None) -> torch.Tensor:
+                positions: torch.Tensor | None, slots: list[int] | None = None) -> torch.Tensor:
         """The logits of a pass; with ``seed`` (dropout active), the adapters dropping with its masks;
-        with ``positions``, of packed rows."""
+        with ``positions``, of packed rows; with ``slots``, each row running its adapter slot."""
         batch, tokens = ids.shape
         with self.lock:
             plan = self.plan(batch, tokens, dropout=seed is not None, packed=positions is not None)
             return plan.run(ids, lengths, dropout=None if seed is None else (seed, self.adapters.dropout()),
-                            positions=positions)
+                            positions=positions, row_slots=slots)
 
     def loss_and_grads(self, ids: torch.Tensor, labels: torch.Tensor, lengths: list[int],
                        codes: dict | None = None, dropout_seed: int | None = None,
@@ -254,10 +268,13 @@ class BitNetEngine(nn.Module):
         if request.max_new_tokens == 0:
             return [Generated([], False) for _ in request.prompts]
         with self.lock:  # one GPU pass at a time
+            names = request.adapter_names
+            slots = self.adapters.row_slots(names, len(request.prompts)) if names is not None else None
             session = self.decode_session(len(request.prompts), max(len(p) for p in request.prompts),
-                                          request.max_new_tokens, **request.sampling)
+                                          request.max_new_tokens, serve_rows=slots is not None, **request.sampling)
             return session.generate(request.prompts, request.eos, seeds=request.seeds,
-                                    tokens_per_submit=request.tokens_per_submit, on_token=request.on_token)
+                                    tokens_per_submit=request.tokens_per_submit, on_token=request.on_token,
+                                    row_slots=slots)
 
     def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  generation_config: Any = None, streamer: Any = None, tokenizer: Any = None,

@@ -133,6 +133,8 @@ class ForwardPlan:
         self.ids = ids if ids is not None else ws.alloc("inputs", (n,), "u32")
         self.dropout = ws.alloc("inputs", (4,), "u32") if dropout else None
         self.positions = ws.alloc("inputs", (n,), "u32") if packed else None
+        # rows serving named adapters (``EngineAdapters.serve_rows``): each token's adapter slot
+        self.row_adapters = ws.alloc("inputs", (n,), "u32") if adapters.serving_rows else None
         self.context = PassContext(
             weights, adapters, cache.batch, tokens, residual=ws.alloc("activations", (n, H)),
             qkv=ws.alloc("activations", (n, config.q_size + 2 * config.kv_size)),
@@ -144,7 +146,8 @@ class ForwardPlan:
             # float weights: a GEMV sums in another order than a GEMM, and a sequence alone may take the
             # one its batch does not (ternary weights' integer sums are the same on both paths)
             gemv=False if batch_invariant and not quant else None,
-            from_start=from_start, batch_invariant=batch_invariant, dropout=self.dropout, positions=self.positions)
+            from_start=from_start, batch_invariant=batch_invariant, dropout=self.dropout, positions=self.positions,
+            row_adapters=self.row_adapters)
         xn, h = ws.alloc("activations", (n, H)), ws.alloc("activations", (n, max(adapters.max_rank, 1)))
         site = SiteIO(xn, h)
         queries, attention = ws.alloc("activations", (n, config.q_size)), ws.alloc("activations", (n, config.q_size))
@@ -231,6 +234,16 @@ class ForwardPlan:
             raise ValueError("this plan was built without dropout (ForwardPlan(..., dropout=True))")
         write(self.dropout, dropout_state(seed, p))
 
+    def set_row_slots(self, slots: Sequence[int]) -> None:
+        """Each sequence's adapter slot (``EngineAdapters.row_slots``) for the passes that follow, in a
+        plan whose adapters serve rows."""
+        if self.row_adapters is None:
+            raise ValueError("this plan runs the adapters in use on every row; its adapters were not laid out to "
+                             "serve rows (EngineAdapters.serve_rows)")
+        if len(slots) != self.batch:
+            raise ValueError(f"{len(slots)} adapter slots for a pass of {self.batch} sequences")
+        write(self.row_adapters, np.repeat(np.asarray(slots, np.uint32), self.tokens))
+
     def read_logits(self, rec: Recorder, out: np.ndarray) -> None:
         """After the pass, copy the logits into ``out`` (float32 [rows, vocab]; "last": a row a sequence)."""
         vocab = self.config.vocab
@@ -238,14 +251,16 @@ class ForwardPlan:
             rec.read(buf, lambda view, at=first: np.copyto(out[at:at + view.shape[0]], view[:, :vocab]))
 
     def run(self, ids: torch.Tensor, lengths: list[int], dropout: tuple[int, float] | None = None,
-            codes: dict | None = None, positions: torch.Tensor | None = None) -> torch.Tensor | None:
+            codes: dict | None = None, positions: torch.Tensor | None = None,
+            row_slots: Sequence[int] | None = None) -> torch.Tensor | None:
         """Run one pass from position 0 over ``ids`` (int64 [batch, tokens], right-padded to
         ``lengths``): the adapters synced, the inputs written, the pass recorded and submitted; returns
         its logits [batch, tokens, vocab] (CPU float32) where the plan keeps every position's, else
         None. ``dropout``: (seed, probability) of the pass's LoRA dropout. ``codes``, a dict, receives
         the pass's int8 activation codes (``program.read_codes``' format), for comparisons.
         ``positions``: a packed plan's position ids (int64 [batch, tokens]: each row's examples one
-        after another, each counting 0, 1, …, with ``lengths`` the whole rows)."""
+        after another, each counting 0, 1, …, with ``lengths`` the whole rows). ``row_slots``: each
+        sequence's adapter slot, in a plan whose adapters serve rows (``set_row_slots``)."""
         if self.logits_mode == "last":
             raise ValueError("run reads every position's logits or none; this plan keeps the last position's")
         if (positions is None) != (self.positions is None):
@@ -256,6 +271,11 @@ class ForwardPlan:
             self.set_dropout(*dropout)
         if positions is not None:
             write(self.positions, positions.numpy().astype(np.uint32).reshape(-1))
+        if (row_slots is None) != (self.row_adapters is None):
+            raise ValueError("a plan whose adapters serve rows runs with each row's adapter slot, and only such a "
+                             "plan takes them")
+        if row_slots is not None:
+            self.set_row_slots(row_slots)
         write(self.ids, ids.numpy().astype(np.uint32).reshape(-1))
         self.cache.set_position(0, lengths)
         logits = torch.empty(batch * tokens, self.config.vocab, dtype=torch.float32) if self.logits else None

@@ -138,6 +138,9 @@ class PassContext:
       kept attention's sums are not split (``policy.sum_splits`` splits them by the grid's size; the
       plan also keeps float projections on one path, ``gemv`` False);
     * ``dropout``: the pass's LoRA dropout state (``kernels.dropout``), None for none;
+    * ``row_adapters``: each token's adapter slot (u32 [rows]) where the adapters serve rows
+      (``EngineAdapters.serve_rows``: a batch of mixed adapters), None for a pass whose rows run the
+      adapters in use;
     * ``positions``: a packed pass's position ids (u32 [rows]: several examples in each row, each
       numbered from 0), by which RoPE rotates and attention keeps each example to itself; None
       for a pass whose rows are one sequence each.
@@ -163,6 +166,7 @@ class PassContext:
     batch_invariant: bool = False
     dropout: Buffer | None = None
     positions: Buffer | None = None
+    row_adapters: Buffer | None = None
 
     @property
     def config(self) -> EngineConfig:
@@ -223,12 +227,14 @@ def emit_embedding(program: Program, context: PassContext, ids: Buffer) -> None:
 def _norm(context: PassContext, x: Buffer, weight: Buffer, site: Site | None, io: SiteIO, codes: Buffer | None,
           k: int, layer: int, name: str) -> Launch:
     lora = site is not None and site.rank > 0
+    serving = lora and context.row_adapters is not None
     dropout = (context.adapters.site_dropout(layer, name, context.dropout) if lora and context.dropout is not None
                else None)
     return rmsnorm_launch(x, weight, io.xn, tokens=context.rows, k=k, eps=context.config.rms_eps, codes=codes,
                           scales_and_sums=context.scales_and_sums if codes is not None else None,
                           lora_a=site.a if lora else None, h=io.h if lora else None, rank=site.rank if lora else 0,
-                          rstd=io.rstd, dropout=dropout, device=context.workspace.device)
+                          rstd=io.rstd, dropout=dropout, device=context.workspace.device,
+                          row_adapters=(context.row_adapters, site.columns) if serving else None)
 
 
 def _project(context: PassContext, proj: Projection, io: SiteIO, codes: Buffer | None, out: Buffer, mode: str,

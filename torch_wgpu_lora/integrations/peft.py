@@ -102,6 +102,10 @@ class LoraModelMixin:
         """Every adapter's name, in the order they were added."""
         return list(self._lora_adapters)
 
+    def named_adapters(self) -> dict[str, dict[str, LoRALinear]]:
+        """Every adapter, active or not, by name: {adapter name: {module name: its ``LoRALinear``}}."""
+        return {name: dict(modules) for name, modules in self._lora_adapters.items()}
+
     @property
     def _hf_peft_config_loaded(self) -> bool:
         """transformers' mark of a model holding trainable adapters (its ``PeftAdapterMixin`` sets it when

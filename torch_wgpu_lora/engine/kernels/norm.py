@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...runtime import Buffer, Device, Launch, get_device, kernel
@@ -20,43 +22,54 @@ ROWS_MAX_STEPS = 16384
 def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: int, eps: float,
                    codes: Buffer | None = None, scales_and_sums: Buffer | None = None, lora_a: Buffer | None = None,
                    h: Buffer | None = None, rank: int = 0, rstd: Buffer | None = None, per_row: bool | None = None,
-                   dropout: SiteDropout | None = None, device: Device | None = None) -> Launch:
+                   dropout: SiteDropout | None = None, row_adapters: tuple[Buffer, Buffer] | None = None,
+                   device: Device | None = None) -> Launch:
     """One launch normalising ``tokens`` rows of ``x`` (f32 [tokens, ≥ k]) into ``out`` (f32 [tokens,
     stride], stride = k padded to a multiple of 64); with ``codes`` and ``scales_and_sums`` it also quantises
     them (u32 [tokens, stride / 4], f32 [2 · tokens]);
     with ``rank`` > 0 it writes ``h = y·Aᵀ`` into the first ``rank`` columns of ``h`` ([tokens, ≥ rank])
     from ``lora_a`` [rank, stride] (with ``dropout``, each adapter's h from its own dropout of y); with
-    ``rstd`` it keeps 1/rms per token. ``per_row``: one invocation a row (no barriers; the default on
-    CPU adapters, for rows of up to ``ROWS_MAX_STEPS`` features) rather than a workgroup a row (the
-    default on GPUs)."""
+    ``rstd`` it keeps 1/rms per token. ``row_adapters`` = (rows, columns), u32 [tokens] and u32 [rank]:
+    each token runs one of the adapters stacked in ``lora_a``, its h 0 in the columns of the others
+    (rows[n] names token n's adapter, columns[r] rank r's; a batch of mixed adapters). ``per_row``: one
+    invocation a row (no barriers; the default on CPU adapters, for rows of up to ``ROWS_MAX_STEPS``
+    features) rather than a workgroup a row (the default on GPUs)."""
     device = device or get_device()
     stride = out.shape[-1]
     if stride % 64 or stride < k or x.shape[-1] < k:
         raise ValueError(f"out rows must hold k={k} padded to a multiple of 64, x rows at least k: x {x.shape}, "
                          f"out {out.shape}")
     quant = codes is not None
-    drop = dict(DROPOUT=True) if dropout is not None and rank else {}
+    dropout = dropout if rank else None
+    row_adapters = row_adapters if rank else None
+    if row_adapters is not None and (math.prod(row_adapters[0].shape) < tokens
+                                     or math.prod(row_adapters[1].shape) < rank):
+        raise ValueError(f"row_adapters name the adapters of {row_adapters[0].shape} tokens and "
+                         f"{row_adapters[1].shape} ranks; the launch has {tokens} tokens and {rank} ranks")
+    options = dict(DROPOUT=dropout is not None, PER_ROW=row_adapters is not None)
     rows = device.is_cpu and k <= ROWS_MAX_STEPS if per_row is None else per_row
     if rows and k > ROWS_MAX_STEPS:
         raise ValueError(f"rows of {k} features are too long for the invocation-a-row kernel (at most "
                          f"{ROWS_MAX_STEPS}); use per_row=False")
     if rows:
-        kern = kernel("norm.wgsl", "rmsnorm_rows", device, QUANT=quant, SAVE=rstd is not None, **drop)
+        kern = kernel("norm.wgsl", "rmsnorm_rows", device, QUANT=quant, SAVE=rstd is not None, **options)
     else:  # an invocation holds up to 8 words of 4 features: 256 invocations up to 8192 features
         group = max(256, -(-stride // (32 * 32)) * 32)
         if group > int(device.limits["max-compute-invocations-per-workgroup"]):
             raise ValueError(f"rows of {k} features are too long for one workgroup of this adapter")
         kern = kernel("norm.wgsl", "rmsnorm", device, QUANT=quant, SAVE=rstd is not None, K=k, STRIDE=stride, WG=group,
-                      **drop)
+                      **options)
     buffers = {1: x, 2: weight, 3: out, 4: codes or dummy(device, "codes"),
                5: scales_and_sums or dummy(device, "scales_and_sums"),
                6 if rows else 9: lora_a or dummy(device), 7: h or dummy(device, "h"), 8: rstd or dummy(device, "rstd"),
-               10: dropout.state if drop else dummy(device)}
+               10: dropout.state if dropout is not None else dummy(device),
+               11: row_adapters[0] if row_adapters is not None else dummy(device),
+               12: row_adapters[1] if row_adapters is not None else dummy(device)}
     h_stride = h.shape[-1] if h is not None else 0
     chunk = max(1, ROWS_MAX_STEPS // k)  # rmsnorm_rows: LoRA ranks an invocation computes
     grid = (-(-tokens // 64), max(1, -(-rank // chunk)), 1) if rows else (tokens, 1 + -(-rank // 4), 1)
     return Launch.build(kern, grid, buffers, (tokens, k, x.shape[-1], stride, stride // 4, rank, h_stride, eps,
-                                              chunk, *dropout_params(dropout if drop else None)))
+                                              chunk, *dropout_params(dropout)))
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
