@@ -127,16 +127,67 @@ def test_the_engine_follows_the_active_adapter_and_disable_adapter(checkpoint):
     assert_runs_the_adapters(engine(IDS).logits, expected_default, reference)
 
 
+ROWS3 = torch.tensor([[0, 5, 17, 42, 99, 200, 7, 3], [9, 8, 7, 6, 5, 4, 3, 2], [0, 5, 17, 42, 99, 200, 7, 3]])
+ROW_ADAPTERS = ["wide", "__base__", "default"]
+
+
+def peft_pair(checkpoint, tmp_path):
+    """peft's model with "default" (r=4 on q_proj and v_proj) and "wide" (r=2 on every linear module),
+    random, and ours holding the same adapters, loaded from peft's files."""
+    pristine = load_bitnet(checkpoint).eval()
+    theirs = peft.get_peft_model(load_bitnet(checkpoint), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    theirs.add_adapter("wide", peft.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    randomize(theirs, 4, scale=0.2).eval()
+    theirs.save_pretrained(tmp_path / "peft")
+    ours = twl.load_adapter(load_bitnet(checkpoint), tmp_path / "peft")
+    ours.load_adapter(tmp_path / "peft" / "wide", adapter_name="wide")
+    return pristine, theirs, ours.eval()
+
+
+def test_adapter_names_give_each_row_its_adapter_on_the_engine_as_peft_does(checkpoint, tmp_path):
+    pristine, theirs, ours = peft_pair(checkpoint, tmp_path)
+    engine = BitNetEngine(ours)
+    with torch.no_grad():
+        expected = theirs(input_ids=ROWS3, adapter_names=ROW_ADAPTERS).logits
+    reference = logits_of_rows(pristine)
+    got = engine(ROWS3, adapter_names=ROW_ADAPTERS).logits
+    for row in (0, 2):  # rows 0 and 2: one prompt, two adapters
+        assert_runs_the_adapters(got[row], expected[row], reference[row])
+    assert_close(got[1], reference[1], LOGIT_RTOL, "the __base__ row")
+    assert_close(got[1], expected[1], LOGIT_RTOL, "the __base__ row against peft's")
+    # the next call without adapter_names runs the active adapter on every row again, as before
+    assert_runs_the_adapters(engine(ROWS3).logits, logits_of_rows(theirs.base_model.model), reference)
+    assert ours.active_adapter == "default"
+
+
+def logits_of_rows(model):
+    return torch_logits(model, ROWS3, None)
+
+
+def test_adapter_names_on_the_engine_are_refused_where_peft_refuses_them(checkpoint, tmp_path):
+    _, _, ours = peft_pair(checkpoint, tmp_path)
+    engine = BitNetEngine(ours)
+    with pytest.raises(ValueError, match=re.escape("adapter_names names no adapter of this model: ['nope']")):
+        engine(ROWS3, adapter_names=["default", "nope", "__base__"])
+    with pytest.raises(ValueError, match="adapter_names has 2 names for a batch of 3 rows"):
+        engine(ROWS3, adapter_names=["default", "wide"])
+    with pytest.raises(ValueError, match="adapter_names has 2 names for a batch of 3 rows"):
+        engine.generate(input_ids=ROWS3, adapter_names=["default", "wide"], max_new_tokens=2)
+    with pytest.raises(TypeError, match="adapter_names must be a list of adapter names"):
+        engine(ROWS3, adapter_names="default")
+    ours.train()
+    with pytest.raises(ValueError, match=r"adapter_names is for inference \(as in PEFT\): call model.eval\(\) first"):
+        engine(ROWS3, adapter_names=ROW_ADAPTERS)
+    bare = BitNetEngine(load_bitnet(checkpoint).eval())
+    with pytest.raises(ValueError, match="adapter_names picks among a model's named adapters, and this "
+                                         "BitNetForCausalLM has none"):
+        bare(ROWS3, adapter_names=ROW_ADAPTERS)
+
+
 def test_several_adapters_at_once_are_refused_by_the_engine_naming_the_torch_path(checkpoint):
     model = two_adapters(checkpoint).eval()
     engine = BitNetEngine(model)
     expected = engine(IDS).logits
-    per_row = "runs the model's active adapter on every row; adapter_names (an adapter a row) runs on the torch path"
-    with pytest.raises(ValueError, match=re.escape(f"BitNetEngine.forward {per_row}, the transformers model itself: "
-                                                   "engine.model(..., adapter_names=[...])")):
-        engine(IDS, adapter_names=["default", "wide"])
-    with pytest.raises(ValueError, match=re.escape(f"BitNetEngine.generate {per_row}")):
-        engine.generate(input_ids=IDS, adapter_names=["default", "wide"], max_new_tokens=2)
     model.set_adapter(["default", "wide"])  # q_proj and v_proj hold both
     with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn.q_proj runs several adapters at once "
                                                    "(default, wide: set_adapter was given a list), which BitNetEngine "

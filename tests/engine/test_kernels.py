@@ -518,6 +518,37 @@ def test_matmul_gate_up_and_add():
 # -- RMSNorm, quantisation, LoRA down -------------------------------------------------------------
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["workgroup-a-row", "invocation-a-row"])
+def test_rmsnorm_lora_down_gives_each_token_its_own_adapters_columns(per_row):
+    # three adapters stacked (ranks 3, 5, 2; slots 0, 1, 2) and tokens running slot 1, 0, none
+    # (NO_ADAPTER), 2, 1: each token's h is y·Aᵀ in its adapter's columns and exactly 0 elsewhere
+    from torch_wgpu_lora.engine.adapters import NO_ADAPTER
+
+    g = torch.Generator().manual_seed(3)
+    tokens, k, ranks = 5, 200, (3, 5, 2)
+    rank = sum(ranks)
+    x = torch.randn(tokens, k, generator=g)
+    weight = torch.rand(k, generator=g) + 0.5
+    A = torch.randn(rank, k, generator=g)
+    A[ranks[0]] = float("nan")  # slot 1's first rank: never in the h of a token of another adapter
+    a = np.zeros((rank, pad(k, 64)), np.float32)
+    a[:, :k] = A.numpy()
+    rows = np.array([1, 0, NO_ADAPTER, 2, 1], np.uint32)
+    columns = np.repeat(np.arange(3, dtype=np.uint32), ranks)
+    xn, h = poisoned((tokens, pad(k, 64))), poisoned((tokens, rank))
+    launch = rmsnorm_launch(upload(x.numpy()), upload(weight.numpy()), xn, tokens=tokens, k=k, eps=1e-5,
+                            lora_a=upload(a), h=h, rank=rank, per_row=per_row,
+                            row_adapters=(upload(rows), upload(columns)))
+    (got,) = run([launch], h)
+    y = rmsnorm_reference(x, weight, 1e-5).double()
+    own = torch.from_numpy(rows.astype(np.int64))[:, None] == torch.from_numpy(columns.astype(np.int64))[None, :]
+    ref = torch.where(own, y @ A.double().T, torch.zeros((), dtype=torch.float64))
+    assert torch.equal(got[~own], torch.zeros(int((~own).sum())))  # exactly 0, NaN rank included
+    assert got[0, ranks[0]].isnan() and got[4, ranks[0]].isnan()  # slot 1's tokens keep their NaN
+    keep = own & ref.isfinite()
+    assert_close(got[keep], ref[keep], FLOAT_RTOL, "h = y·Aᵀ in each token's adapter's columns")
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["workgroup-a-row", "invocation-a-row"])
 @pytest.mark.parametrize("tokens,k,rank", [(1, 64, 6), (3, 100, 19), (17, 2560, 6), (2, 6912, 8), (70, 300, 6),
                                           (1, 9000, 6), (1, 2048, 30)])
 def test_rmsnorm_quantise_and_lora_down(tokens, k, rank, per_row, reductions):
