@@ -42,7 +42,7 @@ BITNET_2B = {"layers": 30, "hidden": 2560, "vocab": 128256}  # the shapes the ta
 # The engine's targets at BitNet-2B shapes, batch 1 unless named (tok/s, or a share)
 PREFILL_TOK_S, PREFILL_TOKENS = 40_000, 512
 DECODE_TOK_S = 1_000
-DECODE_BATCH_TOK_S = {16: 6_000, 64: 15_000}  # every row's tokens, so many prompts decoded at once
+DECODE_BATCH_TOK_S = {16: 8_000, 64: 25_000}  # every row's tokens, so many prompts decoded at once
 TRAINING_TOK_S, TRAINING_SEQ = 10_000, 512
 BATCHED_SEQS, BATCHED_OVER_BEST = 8, 2.0  # training 8 × 512 a step: 2× the best HF + PEFT configuration
 MEMORY_SHARE = 0.6  # peak GPU memory training seq 512, of HF + PEFT's
