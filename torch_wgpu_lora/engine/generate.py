@@ -17,7 +17,8 @@ A sequence's tokens are those it gets alone (greedy: exactly; sampling: for the 
 its sums do not depend on the batch around it: the prompt pass is ``batch_invariant`` (kept
 attention's sums unsplit, float projections as GEMMs), decode attention cuts each sequence's keys
 into the same spans whatever the batch (``kernels.attention.decode``), and up to
-``gemv_max_tokens`` sequences (16 on GPUs, 4 on CPU adapters) decode on the GEMV path, as one
+``gemv_max_tokens`` sequences (16 on GPUs, 8 where their matrix units run the ternary GEMMs, 4 on
+CPU adapters) decode on the GEMV path, as one
 does: each row summed as it is alone (the ternary projections' integer dots, the float
 projections' and the LM head's sums in one order; ``kernels.bitlinear``, ``kernels.matmul``).
 Past either bound the sums are ordered otherwise, a last-bit difference that can round a

@@ -122,7 +122,8 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
     if not gemv and (matrix_units_win(device, tokens, proj) if mma is None else mma):
         shape = mma_shape(device, tile or default_tile("projection", tokens), transposed=False)
         grid = (-(-proj.rows // shape.block_n), -(-tokens // shape.block_tokens))
-        splits = splits or split_k_ranges(grid[0] * grid[1], proj.k, device)
+        # at most two ranges: the sweep's best at 16 to 64 tokens (matrix_units_decode_split.json)
+        splits = splits or split_k_ranges(grid[0] * grid[1], proj.k, device, most=2)
         if splits < 1:
             raise ValueError(f"splits: a GEMM sums K in at least one range, not {splits}")
         params = (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank, segments,

@@ -140,13 +140,18 @@ def default_tile(kind: str, tokens: int | None = None) -> MmaTile:
     shapes on an H100 (benchmarks/RESULTS.md, "On the matrix units"). The input gradient's holds 64
     tokens' four digit planes against 128 columns: its planes are four times the bytes of the
     weights' codes they multiply, so it takes more tokens and fewer columns than the forward's.
-    A projection of up to DECODE_TOKENS tokens (decoding a batch) takes one matrix of tokens
-    against four of columns, a long K step: many small workgroups, and few steps of the sum
-    (``benchmarks/results/h100/matrix_units_decode.json``)."""
+    A projection of up to DECODE_TOKENS tokens (decoding a batch) takes few tokens and columns a
+    workgroup (many small workgroups), each the fastest of the sweep at its token count on the H100
+    (``benchmarks/results/h100/matrix_units_decode_split.json``, split in two along K: 89, 113 and
+    127 µs for a layer's four projections at 16, 32 and 64 tokens)."""
     if kind == "input_grad":
         return MmaTile(digits=INPUT_GRAD_DIGITS, sub_m=INPUT_GRAD_DIGITS, sub_n=4, tm=4, tn=2, kstep=64)
-    if tokens is not None and tokens <= DECODE_TOKENS:
+    if tokens is not None and tokens <= 16:
         return MmaTile(sub_m=1, sub_n=4, tm=1, tn=1, kstep=256)
+    if tokens is not None and tokens <= 32:
+        return MmaTile(sub_m=2, sub_n=4, tm=1, tn=1)
+    if tokens is not None and tokens <= DECODE_TOKENS:
+        return MmaTile(sub_m=4, sub_n=2, tm=1, tn=2)
     return MmaTile()
 
 

@@ -14,6 +14,7 @@ from ...runtime import Buffer, Device, Launch, kernel
 from ..workspace import Workspace
 from . import dummy
 from .dropout import SiteDropout, dropout_params
+from .gemms import int8_matrix_units
 
 # The epilogues of a forward projection: store the rows, add them into a residual stream, the
 # interleaved gate/up pairs → relu(gate)²·up, or (a decoding q/k/v GEMV) rotate them into the
@@ -46,20 +47,26 @@ def check_vec4_rows(out: Buffer, lora_a: Buffer | None) -> None:
 def gemv_max_tokens(device: Device) -> int:
     """Up to this many tokens a projection, ternary (``bitlinear``) or float (``matmul``: the LM
     head), runs as a GEMV, whose workgroups hold their rows' weights (a float GEMV's serving all
-    the tokens from one read of them), rather than as a GEMM tiled for hundreds of tokens: 16 on
-    GPUs; 4 on a CPU adapter, the GEMV path's share of the tests (past a few tokens the GEMM is the
-    faster there). Both paths of a projection give a token the same values but for a float
-    projection's order of sums, so a decoded sequence's tokens are the same alone and in a batch
-    of up to this many (``engine.generate``). On the H200, 16 prompts decoded at 2,099 tok/s on
-    GEMVs against 1,510 on GEMMs, and 64 prompts at 4,899 on GEMMs against at most 2,207 on GEMVs
-    (``benchmarks/results/h200/kernel_tuning.md``)."""
-    return 4 if device.is_cpu else 16
+    the tokens from one read of them), rather than as a GEMM: 16 on GPUs, 8 on GPUs whose int8
+    matrix units run the ternary GEMMs; 4 on a CPU adapter, the GEMV path's share of the tests
+    (past a few tokens the GEMM is the faster there). Both paths of a projection give a token the
+    same values but for a float projection's order of sums, so a decoded sequence's tokens are the
+    same alone and in a batch of up to this many (``engine.generate``). On the H200 (general cores),
+    16 prompts decoded at 2,099 tok/s on GEMVs against 1,510 on GEMMs, and 64 prompts at 4,899 on
+    GEMMs against at most 2,207 on GEMVs (``benchmarks/results/h200/kernel_tuning.md``). On the H100
+    through Dawn, with the GEMMs on the matrix units, 16 prompts decoded at 3,074 tok/s on GEMMs
+    against 2,279 on GEMVs (a step 4.9 against 6.7 ms; ``results/h100/engine_decode_gemv4_dawn.json``
+    and ``engine_decode_split_dawn.json``, one run); a GEMM step took 4.7 ms at 8 prompts and a GEMV
+    step grows about linearly from 1.7 ms at one, so they cross near 10 (not measured between)."""
+    if device.is_cpu:
+        return 4
+    return 8 if int8_matrix_units(device) else 16
 
 
 SPLIT_K_WORKGROUPS = 1024  # GEMMs split along their sum below this many workgroups (split-K)
 
 
-def split_k_ranges(workgroups: int, length: int, device: Device) -> int:
+def split_k_ranges(workgroups: int, length: int, device: Device, most: int = 8) -> int:
     """Ranges a GEMM of ``workgroups`` tiles splits its sum of ``length`` terms into (an input
     gradient's rows, a decoding projection's features): doubling while the launch has fewer than
     SPLIT_K_WORKGROUPS workgroups, at most 8, each range at least 512 terms; 1 on CPU adapters,
@@ -68,7 +75,7 @@ def split_k_ranges(workgroups: int, length: int, device: Device) -> int:
     if device.is_cpu:
         return 1
     splits = 1
-    while workgroups * splits < SPLIT_K_WORKGROUPS and splits < 8 and length // (2 * splits) >= 512:
+    while workgroups * splits < SPLIT_K_WORKGROUPS and splits < most and length // (2 * splits) >= 512:
         splits *= 2
     return splits
 
