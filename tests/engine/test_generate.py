@@ -11,6 +11,7 @@ import torch
 
 from torch_wgpu_lora import BitNetEngine, generate
 from torch_wgpu_lora.engine.kernels.bitlinear import GEMV_GROUP
+from torch_wgpu_lora.engine.kernels.sampling import ROW_COUNT
 from torch_wgpu_lora.engine.plan import ForwardPlan, KVCache
 from torch_wgpu_lora.engine.program import read_codes
 from torch_wgpu_lora.engine.workspace import Workspace
@@ -176,6 +177,16 @@ def test_the_prompt_pass_keeps_its_attention_scores_whole_and_decoding_cannot():
         ForwardPlan(engine.weights, engine.adapters, s.cache, 1, logits="last", decode=True, from_start=True)
 
 
+def row_state(session) -> tuple[np.ndarray, np.ndarray]:
+    """A decode session's rows as the GPU left them: each one's length and count of tokens generated."""
+    lengths, state = np.zeros(session.batch, np.uint32), np.zeros(session.state.shape, np.uint32)
+    rec = Recorder()
+    rec.read(session.cache.lengths, lengths)
+    rec.read(session.state, state)
+    rec.submit()
+    return lengths, state[:, ROW_COUNT]
+
+
 def mixed_prompts(vocab: int, lengths=(5, 9, 2, 13), seed: int = 0) -> list[list[int]]:
     """Prompts of ``lengths`` random tokens (none of the special ids 0, 1, 2)."""
     g = torch.Generator().manual_seed(seed)
@@ -202,13 +213,10 @@ def test_a_batch_generates_each_prompts_tokens_alone_on_every_flavour(flavour):
     ended = [by_eos for _, by_eos in alone]
     assert any(ended) and not all(ended)
     assert generate_batch(engine, prompts, 20, eos, repetition_penalty=1.1) == alone
-    lengths = np.zeros(len(prompts), np.uint32)
-    rec = Recorder()
     session = engine.decode_session(len(prompts), 13, 20, repetition_penalty=1.1)
-    rec.read(session.cache.lengths, lengths)
-    rec.submit()
-    for length, prompt, (tokens, by_eos) in zip(lengths, prompts, alone):
-        assert length == (0 if by_eos else len(prompt) + len(tokens))
+    lengths, counts = row_state(session)
+    assert lengths.tolist() == [0] * len(prompts)  # each row ended on the GPU: at its EOS token or its 20th
+    assert counts.tolist() == [len(tokens) for tokens, _ in alone]  # and generated nothing after
     projections = [launch for launch in session.decode.launches
                    if launch.kernel.name.split(":")[0] in ("bitlinear.wgsl", "matmul.wgsl")]
     groups = {"bitlinear.wgsl": GEMV_GROUP, "matmul.wgsl": len(prompts)}
@@ -248,11 +256,10 @@ def test_the_host_ends_a_row_where_on_token_says_and_the_others_run_on():
     alone = [generate_alone(engine, p, 12, set()) for p in prompts]
     assert got[1] == (alone[1][0][:3], False) and got[0] == alone[0] and got[2] == alone[2]
     assert [seen[r] for r in range(3)] == [tokens for tokens, _ in got]
-    lengths = np.zeros(3, np.uint32)
-    rec = Recorder()
-    rec.read(engine.decode_session(3, 8, 12).cache.lengths, lengths)  # the session the call used
-    rec.submit()
-    assert lengths.tolist() == [6 + 12, 0, 8 + 12]  # a running row: its prompt and every token chosen
+    lengths, counts = row_state(engine.decode_session(3, 8, 12))  # the session the call used
+    assert lengths.tolist() == [0, 0, 0]  # every row ended: row 1 by the host, the others at their 12th token
+    # row 1 stopped generating once the host's end reached the GPU, at most two submits after its third token
+    assert counts[0] == counts[2] == 12 and 3 <= counts[1] <= 3 + 2 * 2
 
 
 def test_batch_limits_are_stated_and_refused_before_anything_runs():

@@ -51,7 +51,7 @@ from ..limits import check_context
 from ..runtime import Pending, Recorder, write
 from .adapters import EngineAdapters
 from .config import pad
-from .kernels.sampling import EOS, ROW_SEED, SEEN, sampling_launches
+from .kernels.sampling import EOS, ROW_FIELDS, ROW_LIMIT, ROW_SEED, SEEN, sampling_launches
 from .plan import ForwardPlan, KVCache
 from .weights import EngineWeights
 from .workspace import Workspace
@@ -110,7 +110,7 @@ class DecodeSession:
         self.decode = ForwardPlan(weights, adapters, self.cache, 1, logits="last", decode=True, ids=self.next_token,
                                   workspace=ws)
         self.seen = ws.alloc("sampling", (batch, pad(config.vocab, 4)), "u32")
-        self.state = ws.alloc("sampling", (batch, 2), "u32")
+        self.state = ws.alloc("sampling", (batch, ROW_FIELDS), "u32")
         self.history = ws.alloc("sampling", (batch, max_new_tokens), "u32")
         options = dict(vocab=config.vocab, strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p,
                        repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens, workspace=ws)
@@ -140,8 +140,9 @@ class DecodeSession:
         write(self.prefill.ids, ids.reshape(-1))
         self.prefill.set_last([len(p) for p in prompts])
         write(self.seen, flags)
-        state = np.zeros((b, 2), np.uint32)
+        state = np.zeros((b, ROW_FIELDS), np.uint32)
         state[:, ROW_SEED] = [seed & 0xFFFFFFFF for seed in seeds]
+        state[:, ROW_LIMIT] = self.max_new_tokens
         write(self.state, state)
         self.cache.set_position(0, [len(p) for p in prompts])
         if (row_slots is None) != (self.prefill.row_adapters is None):
