@@ -369,6 +369,27 @@ def test_a_list_of_prompts_gives_each_prompts_result_on_both_paths(model, chat_t
             assert together == alone, (runner.__class__.__name__, options)
 
 
+def test_more_prompts_than_the_batch_size_give_each_prompts_result_in_order_on_both_paths(model, chat_tokenizer):
+    # batch_size=2 over five prompts: on the engine two rows, a finished one taking the next prompt;
+    # each result is that prompt's alone, the list in input order, and on_result gets each one once
+    # (on the engine as they complete)
+    prompts = [PROMPT, {"instruction": "Add the numbers.", "input": "2 and 3"}, "Hi",
+               [{"role": "user", "content": "Name a flower."}], "Count to three, slowly, then stop."]
+    engine = BitNetEngine(model)
+    for runner in (model, engine):
+        for options in (dict(), dict(do_sample=True, top_k=5, top_p=0.9, seed=11)):
+            results: list = []
+            together = generate(runner, chat_tokenizer, prompts, max_new_tokens=NEW_TOKENS, return_ids=True,
+                                batch_size=2, on_result=lambda i, r: results.append((i, r)), **options)
+            alone = [generate(runner, chat_tokenizer, p, max_new_tokens=NEW_TOKENS, return_ids=True,
+                              **{**options, **({"seed": 11 + i} if options else {})})
+                     for i, p in enumerate(prompts)]
+            assert together == alone, (runner.__class__.__name__, options)
+            assert sorted(results, key=lambda x: x[0]) == list(enumerate(alone))
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        generate(engine, chat_tokenizer, prompts, batch_size=0)
+
+
 def test_chat_messages_are_rendered_with_the_tokenizers_chat_template(model, chat_tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
     ours = generate(model, chat_tokenizer, messages, max_new_tokens=NEW_TOKENS, return_ids=True)
