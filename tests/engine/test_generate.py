@@ -290,6 +290,8 @@ def test_batch_limits_are_stated_and_refused_before_anything_runs():
     with pytest.raises(ValueError, match=r"batch_size must be an integer >= 1 \(or None: every prompt at once\), "
                                          "got 0"):
         generate_batch(engine, [[3, 4], [3, 4, 5, 6]], 2, set(), batch_size=0)
+    with pytest.raises(ValueError, match="tokens_per_submit must be an integer >= 1, got 0"):
+        generate_batch(engine, [[3, 4], [3, 4, 5, 6]], 2, set(), tokens_per_submit=0)
 
 
 def test_a_prompt_pass_is_told_each_rows_last_token_within_its_shape():

@@ -315,7 +315,7 @@ class DecodeSession:
         history = np.zeros(self.history.shape, np.uint32)
         tokens: list[list[int]] = [[] for _ in prompts]
         ended: list[bool | None] = [None] * n  # None: running; else whether EOS ended it
-        owner: list[int | None] = list(range(b))  # each row's prompt
+        owner = list(range(b))  # each row's prompt (the last one, once no prompt waits)
         given = [1] * b  # the tokens each row's prompt has once every submit made so far is done
         waiting = b  # the next prompt to take a row
 
@@ -357,10 +357,10 @@ class DecodeSession:
         def running(row: int) -> bool:
             """Whether the row's prompt may still take tokens past the submits made so far."""
             p = owner[row]
-            return p is not None and ended[p] is None and given[row] < limits[p]
+            return ended[p] is None and given[row] < limits[p]
 
         def snapshot() -> list[tuple[int, int, int]]:
-            return [(row, p, given[row]) for row, p in enumerate(owner) if p is not None and ended[p] is None]
+            return [(row, p, given[row]) for row, p in enumerate(owner) if ended[p] is None]
 
         queue: deque = deque()  # (submitted work, the (row, prompt, count) its readback holds), oldest first
         self.start(prompts[:b], seeds[:b], eos, limits[:b], None if row_slots is None else row_slots[:b])

@@ -274,36 +274,40 @@ class BitNetEngine(nn.Module):
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                        or batch_size < 1):
             raise ValueError(f"batch_size must be an integer >= 1 (or None: every prompt at once), got {batch_size!r}")
-        results = [Generated([], False) for _ in request.prompts]
+        per_submit = request.tokens_per_submit
+        if isinstance(per_submit, bool) or not isinstance(per_submit, int) or per_submit < 1:
+            raise ValueError(f"tokens_per_submit must be an integer >= 1, got {per_submit!r}")
+        seeds = [0] * len(limits) if request.seeds is None else list(request.seeds)
+        if len(seeds) != len(limits):
+            raise ValueError(f"{len(seeds)} seeds for {len(limits)} prompts")
         todo = [i for i, limit in enumerate(limits) if limit > 0]  # the others are done: no token asked for
-        if request.on_done is not None:
-            for i in sorted(set(range(len(limits))) - set(todo)):
-                request.on_done(i, results[i])
-        if not todo:
-            return results
         prompts = [request.prompts[i] for i in todo]
-        context, longest, most = self.engine_config.max_positions, max(len(p) for p in prompts), max(limits)
+        context = self.engine_config.max_positions
         for i in todo:
             try:
                 check_context(context, len(request.prompts[i]), limits[i])
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from None
+        longest, most = max((len(p) for p in prompts), default=0), max(limits)
         if longest + most > context:
             raise ValueError(f"prompts of up to {longest} tokens and up to {most} new tokens share KV cache rows of "
                              f"{longest + most} positions, past the model's context of {context} "
                              "(max_position_embeddings): generate the longest prompts and the longest completions in "
                              "separate requests")
-        seeds = [0] * len(limits) if request.seeds is None else list(request.seeds)
-        if len(seeds) != len(limits):
-            raise ValueError(f"{len(seeds)} seeds for {len(limits)} prompts")
+        results = [Generated([], False) for _ in request.prompts]
         on_token, on_done = request.on_token, request.on_done
+        if on_done is not None:
+            for i in sorted(set(range(len(limits))) - set(todo)):
+                on_done(i, results[i])
+        if not todo:
+            return results
         with self.lock:  # one GPU pass at a time
             names = request.adapter_names
             slots = self.adapters.row_slots(names, len(request.prompts)) if names is not None else None
             session = self.decode_session(min(batch_size or len(todo), len(todo)), longest, most,
                                           serve_rows=slots is not None, **request.sampling)
             done = session.generate(
-                prompts, request.eos, seeds=[seeds[i] for i in todo], tokens_per_submit=request.tokens_per_submit,
+                prompts, request.eos, seeds=[seeds[i] for i in todo], tokens_per_submit=per_submit,
                 max_new_tokens=[limits[i] for i in todo],
                 on_token=None if on_token is None else lambda j, token: on_token(todo[j], token),
                 on_done=None if on_done is None else lambda j, generated: on_done(todo[j], generated),
