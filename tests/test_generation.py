@@ -380,7 +380,8 @@ def test_more_prompts_than_the_batch_size_give_each_prompts_result_in_order_on_b
         for options in (dict(), dict(do_sample=True, top_k=5, top_p=0.9, seed=11)):
             results: list = []
             together = generate(runner, chat_tokenizer, prompts, max_new_tokens=NEW_TOKENS, return_ids=True,
-                                batch_size=2, on_result=lambda i, r: results.append((i, r)), **options)
+                                batch_size=2, on_result=lambda i, r: results.append((i, r)), tokens_per_submit=3,
+                                **options)
             alone = [generate(runner, chat_tokenizer, p, max_new_tokens=NEW_TOKENS, return_ids=True,
                               **{**options, **({"seed": 11 + i} if options else {})})
                      for i, p in enumerate(prompts)]

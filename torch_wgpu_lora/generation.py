@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .engine import BitNetEngine, GenerationRequest
+from .engine import TOKENS_PER_SUBMIT, BitNetEngine, GenerationRequest
 from .integrations.peft import LoraModelMixin
 from .limits import SEED_LIMIT, check_context, check_seed, model_context
 from .logits import process_logits, sampling_settings
@@ -167,7 +167,7 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
              seed: int | None = None, use_template: bool = False, return_ids: bool = False,
              streamer: Any = None, adapter_names: list[str] | None = None, batch_size: int | None = None,
              on_result: Callable[[int, str | Generation], None] | None = None,
-             ) -> str | Generation | list[str] | list[Generation]:
+             tokens_per_submit: int = TOKENS_PER_SUBMIT) -> str | Generation | list[str] | list[Generation]:
     """Continue ``prompt`` with up to ``max_new_tokens`` tokens; return the new text.
 
     ``model`` is a transformers causal LM (LoRA adapters in place or not), or a
@@ -182,7 +182,8 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
     next prompt, each exactly as it would be alone; on the torch path one after another) and a
     list of results comes back, one per prompt, in order. ``on_result(index, result)`` gets each
     prompt's result (what the list holds) as soon as it is complete: on the engine in the order
-    the prompts end, on the torch path in input order.
+    the prompts end, on the torch path in input order. ``tokens_per_submit`` (the engine): decode
+    steps a command buffer (``engine.generate.TOKENS_PER_SUBMIT`` says what more and fewer cost).
 
     Decoding, as transformers' ``generate`` (its defaults too): ``do_sample=False`` takes the most
     likely token (``temperature``, ``top_k``, ``top_p`` and ``seed`` unused); ``do_sample=True``
@@ -255,7 +256,7 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
 
         request = GenerationRequest(prompt_ids, max_new_tokens, eos, seeds=seeds, sampling=sampling,
                                     on_token=stream if streamer is not None else None, adapter_names=adapter_names,
-                                    batch_size=batch_size, on_done=finished)
+                                    batch_size=batch_size, on_done=finished, tokens_per_submit=tokens_per_submit)
         engine.generate_batch(request)
         out = [done[i] for i in range(len(prompts))]
     else:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..engine import BitNetEngine, GenerationRequest
+from ..engine import TOKENS_PER_SUBMIT, BitNetEngine, GenerationRequest
 from ..engine.kernels.attention import keeps_probabilities, scores_kept_whole
 from ..integrations.bitnet import (PROJECTIONS, add_lora_layers, lora_modules, lora_parameters, projection, set_backend,
                                    swapped_dropout)
@@ -673,7 +673,8 @@ class _CountingGenerate:
         del self.engine.generate_batch  # the instance attribute: the method shows again
 
 
-def measure_prompts_file(engine: Any, batch: int, count: int, new_tokens: int, log: Log) -> dict[str, Any]:
+def measure_prompts_file(engine: Any, batch: int, count: int, new_tokens: int, tokens_per_submit: int,
+                         log: Log) -> dict[str, Any]:
     """The prompts file's throughput (``prompts_file.generate_file``: ``batch`` rows, a finished row
     taking the next record) beside static batches of the same size (``generation.generate`` on
     ``batch`` records at a time, as the prompts file ran them before, each batch waiting for its
@@ -687,7 +688,7 @@ def measure_prompts_file(engine: Any, batch: int, count: int, new_tokens: int, l
     short and long. Record i samples with seed i either way, so both generate the same completions
     (but where a batch past ``gemv_max_tokens`` rounds a logit otherwise). tok/s counts every new
     token (``completions``: their lengths). One unmeasured run of each first (sessions and plans
-    built), then one measured."""
+    built), then one measured. ``tokens_per_submit``: both runs' decode steps a command buffer."""
     import tempfile
     from pathlib import Path
 
@@ -704,8 +705,9 @@ def measure_prompts_file(engine: Any, batch: int, count: int, new_tokens: int, l
     share = min(vocab - 3, max(1, vocab * COMPLETION_SHARE // new_tokens))  # of the ids past bos, eos, pad
     eos = sorted(int(t) for t in g.choice(np.arange(3, vocab), size=share, replace=False))
     options = dict(max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                   eos_token_id=eos, use_template=False)
-    out: dict[str, Any] = {"prompts": count, "batch": batch, "max_new_tokens": new_tokens, "eos_tokens": len(eos)}
+                   eos_token_id=eos, use_template=False, tokens_per_submit=tokens_per_submit)
+    out: dict[str, Any] = {"prompts": count, "batch": batch, "max_new_tokens": new_tokens, "eos_tokens": len(eos),
+                           "tokens_per_submit": tokens_per_submit}
     with tempfile.TemporaryDirectory() as folder:
         tokenizer = AutoTokenizer.from_pretrained(build_tiny_tokenizer(Path(folder) / "tokenizer", texts))
         lengths = [len(tokenizer(t)["input_ids"]) for t in texts]
@@ -856,7 +858,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens before decoding")
     parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens decoded")
     parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--tokens-per-submit", type=int, default=8)
+    parser.add_argument("--tokens-per-submit", type=int, default=TOKENS_PER_SUBMIT,
+                        help="decode steps a command buffer (default: %(default)s)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers + PEFT")
     parser.add_argument("--train", default="512,256", help="training sequence lengths ('' to skip)")
     parser.add_argument("--train-steps", type=int, default=3)
@@ -941,7 +944,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
     if args.prompts_file_batch:
         result["prompts_file"] = measure_prompts_file(engine, args.prompts_file_batch, args.prompts_file_count,
-                                                      args.new_tokens, log)
+                                                      args.new_tokens, args.tokens_per_submit, log)
         save()
     shapes = batched_shapes(args.batched)
     if shapes:

@@ -15,7 +15,7 @@ into transformers' layout), ``model`` (the nn.Module, its autograd loss, the pla
 generation as ``BitNetEngine.generate_batch``, the memory report).
 """
 
-from .generate import GenerationRequest, Generated
+from .generate import TOKENS_PER_SUBMIT, GenerationRequest, Generated
 from .model import ENGINES, BitNetEngine, choose_engine
 
-__all__ = ["ENGINES", "BitNetEngine", "GenerationRequest", "Generated", "choose_engine"]
+__all__ = ["ENGINES", "TOKENS_PER_SUBMIT", "BitNetEngine", "GenerationRequest", "Generated", "choose_engine"]

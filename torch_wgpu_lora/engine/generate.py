@@ -75,6 +75,10 @@ from .weights import EngineWeights
 from .workspace import Workspace
 
 OnToken = Callable[[int, int], bool]  # (prompt index, token) -> whether the prompt's generation ends after it
+# Decode steps a command buffer, by default: fewer cost more host work a token (batch 1 decodes a token in
+# about 2 ms on an H100); more leave a row whose prompt ended idle longer before the next prompt takes it
+# (the host learns of an EOS token one submit late), about 1.5 × this many steps a prompt.
+TOKENS_PER_SUBMIT = 8
 
 
 class Generated(NamedTuple):
@@ -105,7 +109,7 @@ class GenerationRequest:
     seeds: Sequence[int] | None = None
     sampling: Mapping[str, Any] = field(default_factory=dict)
     on_token: OnToken | None = None
-    tokens_per_submit: int = 8
+    tokens_per_submit: int = TOKENS_PER_SUBMIT
     adapter_names: Sequence[str] | None = None
     batch_size: int | None = None
     on_done: OnDone | None = None
@@ -288,7 +292,7 @@ class DecodeSession:
         self.fill_rows += len(rows)
 
     def generate(self, prompts: Sequence[Sequence[int]], eos: Collection[int], seeds: Sequence[int] | None = None,
-                 tokens_per_submit: int = 8, on_token: OnToken | None = None,
+                 tokens_per_submit: int = TOKENS_PER_SUBMIT, on_token: OnToken | None = None,
                  max_new_tokens: Sequence[int] | None = None, on_done: OnDone | None = None,
                  row_slots: Sequence[int] | None = None) -> list[Generated]:
         """Up to ``max_new_tokens`` (each prompt's, at most the session's; default the session's) after
