@@ -296,14 +296,14 @@ class BitNetEngine(nn.Module):
                              "separate requests")
         results = [Generated([], False) for _ in request.prompts]
         on_token, on_done = request.on_token, request.on_done
-        if on_done is not None:
-            for i in sorted(set(range(len(limits))) - set(todo)):
-                on_done(i, results[i])
-        if not todo:
-            return results
         with self.lock:  # one GPU pass at a time
             names = request.adapter_names
             slots = self.adapters.row_slots(names, len(request.prompts)) if names is not None else None
+            if on_done is not None:
+                for i in sorted(set(range(len(limits))) - set(todo)):
+                    on_done(i, results[i])
+            if not todo:
+                return results
             session = self.decode_session(min(batch_size or len(todo), len(todo)), longest, most,
                                           serve_rows=slots is not None, **request.sampling)
             done = session.generate(
