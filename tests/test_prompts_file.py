@@ -15,18 +15,20 @@ import pytest
 import torch_wgpu_lora.prompts_file as prompts_file
 from torch_wgpu_lora.prompts_file import OUTPUT_FIELD, generate_file
 
-RECORDS = [{"prompt": f"prompt {i}", "id": i} for i in range(7)]
+# record 1 holds a line separator (U+2028), which JSON keeps as it is (ensure_ascii=False) and which
+# Python's str.splitlines would take for a line break
+RECORDS = [{"prompt": f"prompt {i}" + ("\u2028two lines" if i == 1 else ""), "id": i} for i in range(7)]
 ORDER = [2, 0, 4, 1, 3, 6, 5]  # the order the records complete in
 
 
 def line(record: dict) -> str:
-    return json.dumps({**record, OUTPUT_FIELD: record["prompt"].upper()}) + "\n"
+    return json.dumps({**record, OUTPUT_FIELD: record["prompt"].upper()}, ensure_ascii=False) + "\n"
 
 
 @pytest.fixture
 def prompts(tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS), encoding="utf-8")
     return path
 
 
@@ -85,15 +87,15 @@ def test_out_is_rewritten_whole_in_order_and_an_interrupted_run_resumes(monkeypa
     with pytest.raises(KeyboardInterrupt):
         generate_file(None, None, prompts, out, batch_size=2, progress=False, seed=5)
     full = "".join(line(r) for r in RECORDS)
-    assert out.read_text() == "".join(line(r) for r in RECORDS[:3])  # 0, then 1 with 2: one write of 3
-    assert writes == [out.read_text()]
+    assert out.read_text(encoding="utf-8") == "".join(line(r) for r in RECORDS[:3])  # 0, then 1 with 2: one write
+    assert writes == [out.read_text(encoding="utf-8")]
     assert [p.name for p in tmp_path.iterdir() if p.name != "prompts.jsonl"] == ["out.jsonl"]  # no temp file
 
     writes.clear()
     completing(monkeypatch, calls)
     assert generate_file(None, None, prompts, out, batch_size=2, progress=False, seed=5) == (7, 4)
     assert calls[-1] == ([r["prompt"] for r in RECORDS[3:]], 5 + 3, 2)  # record i still draws with seed + i
-    assert out.read_text() == full
+    assert out.read_text(encoding="utf-8") == full
     assert all(full.startswith(text) for text in writes)
     # rewritten each time 2 or more records can go in: 3 and 4 (done in that order), then 5 and 6
     assert [text.count("\n") for text in writes] == [5, 7]

@@ -41,12 +41,20 @@ OUTPUT_FIELD = "generated_text"
 PROMPT_FIELDS = ("instruction", "prompt", "messages")
 
 
+def _lines(text: str) -> list[str]:
+    """JSON Lines' lines of ``text``, each with its "\\n" (the last may lack it): split at "\\n" only,
+    not at the other breaks ``str.splitlines`` knows (U+2028, which JSON strings may hold as it is)."""
+    lines = [line + "\n" for line in text.split("\n")]
+    lines[-1] = lines[-1][:-1]
+    return lines if lines[-1] else lines[:-1]
+
+
 def read_prompt_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of the JSONL file ``path`` (blank lines skipped), each checked to hold one prompt;
     ValueError naming the file and line of a bad one."""
     records = []
     text = Path(path).read_text(encoding="utf-8")
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(_lines(text), 1):
         if not line.strip():
             continue
         where = f"{path}: line {number}"
@@ -97,7 +105,7 @@ def _done(output: Path, prompts: Path, records: list[dict[str, Any]]) -> str:
     if not output.exists():
         return ""
     text = output.read_text(encoding="utf-8")
-    lines = text.splitlines(keepends=True)
+    lines = _lines(text)
     if len(lines) > len(records):
         raise ValueError(f"{output} holds {len(lines)} records, more than the {len(records)} of {prompts}: it is the "
                          "output of other prompts; choose another --output, or remove it to start over")
@@ -129,7 +137,7 @@ def generate_file(model: Any, tokenizer: Any, prompts: str | os.PathLike, output
     records = read_prompt_records(prompts)
     output = None if output is None else Path(output)
     text = "" if output is None else _done(output, prompts, records)
-    first = len(text.splitlines())
+    first = len(_lines(text))
     base = int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64)) if seed is None else seed
     results: dict[int, str] = {}  # generated, not yet written: by record number
     written, unsaved = first, 0  # records in order so far; of them, not yet in OUT
