@@ -451,7 +451,8 @@ def render_prompts_file(run: Run) -> str:
         d = data[key]
         done = d["completions"]
         rows.append([f"{what}: {label}", f"{rate(d['tok_per_s'])} tok/s",
-                     f"{done['mean']:.1f} (max {done['max']}, {done['at_limit']} at the limit)", f"{d['wall_s']:.1f} s"])
+                     f"{done['mean']:.1f} (max {done['max']}, {done['at_limit']} at the limit)",
+                     f"{d['wall_s']:.1f} s"])
     over = data["prompts_file_over_static"]
     rows[1].append(f"{times(over)}" + (f"; ≥ {times(PROMPTS_FILE_OVER_STATIC)}: "
                                        f"{_status(over >= PROMPTS_FILE_OVER_STATIC)}" if targets else ""))
