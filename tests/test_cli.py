@@ -413,9 +413,10 @@ PROMPT_RECORDS = [{"instruction": "Name a primary colour."}, {"prompt": "Count t
 
 
 def test_generate_for_a_prompts_file_in_batches_resumes_after_an_interruption(capsys, tiny, tmp_path, monkeypatch):
-    # Every record's result is the library's for its prompt; an interrupted run leaves whole
-    # records only, and the same command then generates the rest: the file an uninterrupted run
-    # writes, byte for byte.
+    # Every record's result is the library's for its prompt, in order (two rows on the engine, a
+    # finished one taking the next record); an interrupted run leaves whole records only, those done
+    # with all before them, and the same command then generates the rest: the file an uninterrupted
+    # run writes, byte for byte.
     import torch_wgpu_lora.prompts_file as prompts_file
 
     prompts = tmp_path / "prompts.jsonl"
@@ -434,25 +435,31 @@ def test_generate_for_a_prompts_file_in_batches_resumes_after_an_interruption(ca
     assert main(command + ["--no-progress"]) == EXIT_OK
     assert capsys.readouterr().out == full.read_text()
 
-    calls = []
+    done = []  # records in the order they complete (2 rows: a finished row takes the next record)
     real = prompts_file.generate
 
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
+    def interrupted(*args, on_result, **kwargs):
+        def counted(index, text):
+            on_result(index, text)
+            done.append(index)
+            if len(done) == 4:
+                raise KeyboardInterrupt
+
+        return real(*args, on_result=counted, **kwargs)
 
     monkeypatch.setattr(prompts_file, "generate", interrupted)
     out = tmp_path / "out.jsonl"
     assert main(command + ["--output", str(out), "--no-progress"]) == 130
-    assert out.read_text().splitlines(keepends=True) == full.read_text().splitlines(keepends=True)[:2]
+    # the records done with all those before them, whole and in order
+    kept = next(i for i in range(6) if i not in done)
+    assert 0 < kept < 5
+    assert out.read_text().splitlines(keepends=True) == full.read_text().splitlines(keepends=True)[:kept]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full.jsonl", "out.jsonl", "prompts.jsonl"]  # no temp file
     monkeypatch.setattr(prompts_file, "generate", real)
     capsys.readouterr()
     assert main(command + ["--output", str(out)]) == EXIT_OK
     captured = capsys.readouterr()
-    assert captured.out == f"{out}: 5 records (3 generated now, 2 by an earlier run)\n"
+    assert captured.out == f"{out}: 5 records ({5 - kept} generated now, {kept} by an earlier run)\n"
     assert "generating" in captured.err and "5/5" in captured.err  # the progress bar
     assert out.read_bytes() == full.read_bytes()
     assert main(command + ["--output", str(out), "--no-progress"]) == EXIT_OK  # nothing left to do

@@ -22,7 +22,8 @@ from transformers.generation.logits_process import (
 import torch_wgpu_lora
 from torch_wgpu_lora.engine import BitNetEngine
 from torch_wgpu_lora.generation import Generation, _eos_ids, generate
-from torch_wgpu_lora.logits import apply_repetition_penalty, process_logits, top_k_filter, top_p_filter
+from torch_wgpu_lora.logits import (apply_repetition_penalty, process_logits, sampling_settings, top_k_filter,
+                                    top_p_filter)
 from torch_wgpu_lora.integrations.bitnet import add_lora_layers, lora_modules
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet, build_tiny_tokenizer
 from torch_wgpu_lora.prompts import format_prompt
@@ -369,6 +370,28 @@ def test_a_list_of_prompts_gives_each_prompts_result_on_both_paths(model, chat_t
             assert together == alone, (runner.__class__.__name__, options)
 
 
+def test_more_prompts_than_the_batch_size_give_each_prompts_result_in_order_on_both_paths(model, chat_tokenizer):
+    # batch_size=2 over five prompts: on the engine two rows, a finished one taking the next prompt;
+    # each result is that prompt's alone, the list in input order, and on_result gets each one once
+    # (on the engine as they complete)
+    prompts = [PROMPT, {"instruction": "Add the numbers.", "input": "2 and 3"}, "Hi",
+               [{"role": "user", "content": "Name a flower."}], "Count to three, slowly, then stop."]
+    engine = BitNetEngine(model)
+    for runner in (model, engine):
+        for options in (dict(), dict(do_sample=True, top_k=5, top_p=0.9, seed=11)):
+            results: list = []
+            together = generate(runner, chat_tokenizer, prompts, max_new_tokens=NEW_TOKENS, return_ids=True,
+                                batch_size=2, on_result=lambda i, r: results.append((i, r)), tokens_per_submit=3,
+                                **options)
+            alone = [generate(runner, chat_tokenizer, p, max_new_tokens=NEW_TOKENS, return_ids=True,
+                              **{**options, **({"seed": 11 + i} if options else {})})
+                     for i, p in enumerate(prompts)]
+            assert together == alone, (runner.__class__.__name__, options)
+            assert sorted(results, key=lambda x: x[0]) == list(enumerate(alone))
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        generate(engine, chat_tokenizer, prompts, batch_size=0)
+
+
 def test_chat_messages_are_rendered_with_the_tokenizers_chat_template(model, chat_tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
     ours = generate(model, chat_tokenizer, messages, max_new_tokens=NEW_TOKENS, return_ids=True)
@@ -412,7 +435,7 @@ def test_lists_chats_and_streamers_refuse_what_they_cannot_take(model, tokenizer
 
 # -- an adapter a prompt (PEFT's adapter_names) ---------------------------------------------------
 
-@pytest.mark.parametrize("path", ["torch", "engine"])
+@pytest.mark.parametrize("path", ["torch", "engine", "engine, 2 rows"])
 def test_adapter_names_continue_each_prompt_with_its_adapter_as_peft_does(paths, tokenizer, tmp_path, path):
     import peft
 
@@ -436,8 +459,14 @@ def test_adapter_names_continue_each_prompt_with_its_adapter_as_peft_does(paths,
     prompts, names = [PROMPT, "Add two and three.", PROMPT], ["other", "__base__", "default"]
 
     model = ours if path == "torch" else BitNetEngine(ours)  # the engine: every prompt at once, on WebGPU
+    # or two rows: the third prompt takes the first's row when it ends, with its own adapter
+    rows = {"engine, 2 rows": 2}.get(path)
     got = generate(model, tokenizer, prompts, max_new_tokens=NEW_TOKENS, repetition_penalty=1.0,
-                   eos_token_id=[], return_ids=True, adapter_names=names)
+                   eos_token_id=[], return_ids=True, adapter_names=names, batch_size=rows)
+    if rows:  # the call's session (greedy, generate's defaults): one prompt filled a row another's had
+        greedy = sampling_settings(False, 1.0, 50, 1.0, 1.0, ours.config.vocab_size)
+        longest = max(len(r.prompt_ids) for r in got)
+        assert model.decode_session(2, longest, NEW_TOKENS, serve_rows=True, **greedy).fill_rows == 1
     for prompt, name, result in zip(prompts, names, got):
         ids = prompt_ids(tokenizer, prompt)
         expected = theirs.generate(ids, attention_mask=torch.ones_like(ids), adapter_names=[name],

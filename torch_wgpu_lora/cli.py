@@ -590,8 +590,9 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Continue a prompt with a BitNet checkpoint, optionally with a trained "
                             "adapter. The prompt goes into the Alpaca template the trainer uses, unless "
                             "--no-template. With --prompts-file, generate for every record of a JSONL file "
-                            "(each with instruction (and input), prompt, or chat messages), in batches, into "
-                            "--output, or standard output without it: each record with generated_text added. A run "
+                            "(each with instruction (and input), prompt, or chat messages), --batch-size at once, into "
+                            "--output, or standard output without it: each record with generated_text added, in "
+                            "order. A run "
                             "into --output that stopped is continued by the same command: records already in "
                             "--output are skipped.")
     _add_model(p)
@@ -603,7 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", metavar="FILE", help="with --prompts-file: the JSONL file of results (default: "
                    "standard output)")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="with --prompts-file: prompts generated at "
-                   "once (default: %(default)s)")
+                   "once (rows decoded together; with the engine, a finished row takes the next prompt) and records "
+                   "written to --output at a time (default: %(default)s)")
     p.add_argument("--stream", action="store_true", help="print the text as its tokens come")
     p.add_argument("--no-progress", action="store_true", help="with --prompts-file: no progress bar")
     p.add_argument("--input", help="the record's input, placed under '### Input:' in the template")

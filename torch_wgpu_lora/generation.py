@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import inspect
 from contextlib import nullcontext
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .engine import BitNetEngine, GenerationRequest
+from .engine import TOKENS_PER_SUBMIT, BitNetEngine, GenerationRequest
 from .integrations.peft import LoraModelMixin
 from .limits import SEED_LIMIT, check_context, check_seed, model_context
 from .logits import process_logits, sampling_settings
@@ -165,7 +165,9 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = 50, top_p: float = 1.0,
              repetition_penalty: float = 1.0, eos_token_id: int | Iterable[int] | None = None,
              seed: int | None = None, use_template: bool = False, return_ids: bool = False,
-             streamer: Any = None, adapter_names: list[str] | None = None) -> str | Generation | list[str] | list[Generation]:
+             streamer: Any = None, adapter_names: list[str] | None = None, batch_size: int | None = None,
+             on_result: Callable[[int, str | Generation], None] | None = None,
+             tokens_per_submit: int = TOKENS_PER_SUBMIT) -> str | Generation | list[str] | list[Generation]:
     """Continue ``prompt`` with up to ``max_new_tokens`` tokens; return the new text.
 
     ``model`` is a transformers causal LM (LoRA adapters in place or not), or a
@@ -176,8 +178,12 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
     ``prompts.format_prompt``), a dict ``{"instruction": ..., "input": ...}`` (always in the
     template), chat messages (a list of ``{"role": ..., "content": ...}``, rendered with the
     tokenizer's chat template, the assistant's turn opened), or a list of those: then each is
-    continued (on the engine all at once, each exactly as it would be alone) and a list of
-    results comes back, one per prompt, in order.
+    continued (on the engine ``batch_size`` at once, default all, a finished one's row taking the
+    next prompt, each exactly as it would be alone; on the torch path one after another) and a
+    list of results comes back, one per prompt, in order. ``on_result(index, result)`` gets each
+    prompt's result (what the list holds) as soon as it is complete: on the engine in the order
+    the prompts end, on the torch path in input order. ``tokens_per_submit`` (the engine): decode
+    steps a command buffer (``engine.generate.TOKENS_PER_SUBMIT`` says what more and fewer cost).
 
     Decoding, as transformers' ``generate`` (its defaults too): ``do_sample=False`` takes the most
     likely token (``temperature``, ``top_k``, ``top_p`` and ``seed`` unused); ``do_sample=True``
@@ -206,6 +212,8 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
     training flag is restored afterwards.
     """
     _check_arguments(max_new_tokens, seed)
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be an integer >= 1 (or None: every prompt at once), got {batch_size!r}")
     several = isinstance(prompt, list) and not _is_chat(prompt)
     prompts = prompt if several else [prompt]
     if not prompts:
@@ -226,24 +234,37 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
     seeds = [(first_seed + i) % SEED_LIMIT for i in range(len(prompts))]
     if streamer is not None:
         streamer.put(torch.tensor([prompt_ids[0]]))
+
+    def result(index: int, new_ids: list[int], by_eos: bool) -> str | Generation:
+        """Prompt ``index``'s result, handed to ``on_result`` too."""
+        generation = Generation(text=tokenizer.decode(new_ids, skip_special_tokens=True), token_ids=new_ids,
+                                prompt_ids=prompt_ids[index], finished_by_eos=by_eos)
+        out = generation if return_ids else generation.text
+        if on_result is not None:
+            on_result(index, out)
+        return out
+
     if engine is not None:
         def stream(row: int, token: int) -> bool:
             streamer.put(torch.tensor([token]))
             return False  # the streamer ends nothing
 
+        done: dict[int, str | Generation] = {}
+
+        def finished(index: int, got: Any) -> None:
+            done[index] = result(index, *got)
+
         request = GenerationRequest(prompt_ids, max_new_tokens, eos, seeds=seeds, sampling=sampling,
-                                    on_token=stream if streamer is not None else None, adapter_names=adapter_names)
-        results = engine.generate_batch(request)
+                                    on_token=stream if streamer is not None else None, adapter_names=adapter_names,
+                                    batch_size=batch_size, on_done=finished, tokens_per_submit=tokens_per_submit)
+        engine.generate_batch(request)
+        out = [done[i] for i in range(len(prompts))]
     else:
         names = adapter_names or [None] * len(prompts)
-        results = [_generate_on_torch(model, ids, max_new_tokens, eos, seed, streamer, name, **sampling)
-                   for ids, seed, name in zip(prompt_ids, seeds, names)]
+        out = [result(i, *_generate_on_torch(model, ids, max_new_tokens, eos, seed, streamer, name, **sampling))
+               for i, (ids, seed, name) in enumerate(zip(prompt_ids, seeds, names))]
     if streamer is not None:
         streamer.end()
-    out = [Generation(text=tokenizer.decode(new_ids, skip_special_tokens=True), token_ids=new_ids, prompt_ids=ids,
-                      finished_by_eos=by_eos) for ids, (new_ids, by_eos) in zip(prompt_ids, results)]
-    if not return_ids:
-        out = [g.text for g in out]
     return out if several else out[0]
 
 

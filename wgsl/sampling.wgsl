@@ -44,10 +44,11 @@
 // largest, as torch.argmax treats it). The advance of row b (one thread of the last launch):
 // history[b][count] = token, seen[b][token] |= SEEN, next_token[b] = token, count += 1, and
 // the row's next pass goes at its end: starts[b] = lengths[b], lengths[b] += 1; or, when the
-// token is an EOS token, lengths[b] = 0 (finished).
+// token is an EOS token or the row's last (count reaches its limit), lengths[b] = 0 (finished).
 //
-// Per row state (u32 [B, 2]): the sampling seed, the tokens generated. Seen flags u32
-// [B, 4 v4]: SEEN (1) the repetition penalty applies, EOS (2) an end-of-sequence token.
+// Per row state (u32 [B, 3]): the sampling seed, the tokens generated, the most it may generate.
+// Seen flags u32 [B, 4 v4]: SEEN (1) the repetition penalty applies, EOS (2) an end-of-sequence
+// token.
 //
 // Scratch (vec4<u32>, `groups` = W; scratch_rows of them per row): [0, 10W) and [10W, 20W) the partial sums of even and
 // odd search passes, 10 vec4s per workgroup: F of the 16 candidates (4 vec4s), F(lo) (.x),
@@ -107,6 +108,8 @@ const SEEN: u32 = 1u;
 const EOS: u32 = 2u;
 const SEED: u32 = 0u;   // fields of a row's state
 const COUNT: u32 = 1u;
+const LIMIT: u32 = 2u;
+const FIELDS: u32 = 3u;
 
 var<private> row: u32;   // this workgroup's sequence
 var<private> base: u32;  // its first scratch vec4
@@ -181,7 +184,7 @@ fn processed(q: u32) -> vec4<f32> {
     let f = s & vec4<u32>(SEEN);
     v = vec4<f32>(penalize(v.x, f.x), penalize(v.y, f.y), penalize(v.z, f.z), penalize(v.w, f.w));
   }
-  if (BAN != 0u && row_state[2u * row + COUNT] < p.min_new) {
+  if (BAN != 0u && row_state[FIELDS * row + COUNT] < p.min_new) {
     var neg_inf_bits = 0xff800000u;  // not a constant: WGSL's constant evaluation refuses infinities
     let neg_inf = bitcast<f32>(neg_inf_bits);
     v = select(v, vec4<f32>(neg_inf), (s & vec4<u32>(EOS)) != vec4<u32>(0u));
@@ -248,14 +251,14 @@ fn uniform01(seed: u32, count: u32) -> f32 {
 
 fn advance(token: u32) {
   if (lengths[row] == 0u) { return; }
-  let count = state[2u * row + COUNT];
+  let count = state[FIELDS * row + COUNT];
   if (count < p.history_len) { history[row * p.history_len + count] = token; }
   let at = row * 4u * p.v4 + token;
   let flags = seen_flags[at];
   seen_flags[at] = flags | SEEN;
   next_token[row] = token;
-  state[2u * row + COUNT] = count + 1u;
-  if ((flags & EOS) != 0u) {
+  state[FIELDS * row + COUNT] = count + 1u;
+  if ((flags & EOS) != 0u || count + 1u >= state[FIELDS * row + LIMIT]) {
     lengths[row] = 0u;
   } else {
     starts[row] = lengths[row];
@@ -699,7 +702,7 @@ fn draw(@builtin(local_invocation_index) t: u32, @builtin(workgroup_id) wg: vec3
   var v = 0.0;
   if (t < p.groups) { v = bitcast<vec4<f32>>(scratch[at + 10u * t])[c & 3u]; }
   level(t, v);
-  let u = uniform01(state[2u * row + SEED], state[2u * row + COUNT]);
+  let u = uniform01(state[FIELDS * row + SEED], state[FIELDS * row + COUNT]);
   let block = pick(u * level_total());
   var residual = block.residual;
   let begin = select(block.index, 0u, block.index == NONE) * p.chunk;

@@ -185,8 +185,16 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
 
     engine.main(["--small", "--layers", "1", "--no-hf", "--out", str(tmp_path), "--prefill", "16", "--prompt", "4",
                  "--new-tokens", "4", "--repeats", "1", "--train", "16", "--train-steps", "1", "--drop-in", "8",
-                 "--drop-in-steps", "2", "--batched", "1x16,3x16", "--decode-batches", "3"])
+                 "--drop-in-steps", "2", "--batched", "1x16,3x16", "--decode-batches", "3", "--prompts-file-batch", "3",
+                 "--prompts-file-count", "7"])
     result = json.loads((tmp_path / "engine.json").read_text())
+    records = result["prompts_file"]  # 7 records 3 at once: continuous batching beside static batches
+    assert records["prompts"] == 7 and records["batch"] == 3
+    for run in ("static", "prompts_file"):
+        assert records[run]["tok_per_s"] == pytest.approx(records[run]["new_tokens"] / records[run]["wall_s"])
+    # 3 rows decode as one does (the GEMV path): record i draws with seed i either way, so the same completions
+    assert records["static"]["completions"] == records["prompts_file"]["completions"]
+    assert records["static"]["new_tokens"] == records["prompts_file"]["new_tokens"] >= 7
     decoded = result["decode_batches"]["3"]  # three prompts decoded at once: every row's tokens counted
     assert decoded["tok_per_s"] == pytest.approx(3 * 4 / decoded["wall_s"]) and decoded["new_tokens"] == 4
     step = decoded["step"]  # one step of the three rows on its own: its dispatches are the profile's

@@ -198,6 +198,26 @@ def test_the_decode_batches_table_counts_every_rows_tokens(tmp_path):
     assert rows["64 prompts of 16 tokens, 128 new each"] == ["12,800 tok/s", "200 tok/s", "≥ 25,000 tok/s: **missed**"]
 
 
+def test_the_prompts_file_table_puts_continuous_batching_beside_static_batches(tmp_path):
+    result = engine_result()
+    result["prompts_file"] = {
+        "prompts": 256, "batch": 64, "max_new_tokens": 128, "eos_tokens": 4008,
+        "prompt_tokens": {"min": 5, "mean": 30.2, "max": 61},
+        "static": {"wall_s": 40.0, "new_tokens": 8000, "tok_per_s": 200.0,
+                   "completions": {"mean": 31.25, "max": 128, "at_limit": 9}},
+        "prompts_file": {"wall_s": 16.0, "new_tokens": 8000, "tok_per_s": 500.0,
+                         "completions": {"mean": 31.25, "max": 128, "at_limit": 9}},
+        "prompts_file_over_static": 2.5}
+    rows = rows_of(page_of(tmp_path, "prompts-file", result))
+    what = "256 records of 5 to 61 prompt tokens, up to 128 new, 64 at once"
+    assert rows[f"{what}: static batches"] == ["200 tok/s", "31.2 (max 128, 9 at the limit)", "40.0 s", ""]
+    assert rows[f"{what}: prompts file (continuous batching)"] == ["500 tok/s", "31.2 (max 128, 9 at the limit)",
+                                                                   "16.0 s", "2.50×; ≥ 2.00×: met"]
+    small = {**result, "hidden": 256}  # no target away from BitNet-2B's shapes
+    assert rows_of(page_of(tmp_path, "prompts-file", small))[f"{what}: prompts file (continuous batching)"][3] == \
+        "2.50×"
+
+
 def test_the_decode_batches_table_puts_hf_generate_beside_ours(tmp_path):
     result = engine_result()
     result["decode_batches"] = {"16": {"prompt": 16, "new_tokens": 128, "tok_per_s": 2000.0}}

@@ -333,12 +333,13 @@ def assert_twins_agree(engine: BitNetEngine, model: torch.nn.Module, twin: torch
 
 # -- generation ----------------------------------------------------------------------------------------
 
-def generate_batch(engine: BitNetEngine, prompts: list[list[int]], max_new_tokens: int, eos: set[int], *,
+def generate_batch(engine: BitNetEngine, prompts: list[list[int]], max_new_tokens: int | list[int], eos: set[int], *,
                    seeds: list[int] | None = None, tokens_per_submit: int = 8, on_token: Any = None,
-                   **sampling: Any) -> list[Generated]:
+                   batch_size: int | None = None, on_done: Any = None, **sampling: Any) -> list[Generated]:
     """``engine.generate_batch`` of the request these arguments make."""
     return engine.generate_batch(GenerationRequest(prompts, max_new_tokens, eos, seeds=seeds, sampling=sampling,
-                                                   on_token=on_token, tokens_per_submit=tokens_per_submit))
+                                                   on_token=on_token, tokens_per_submit=tokens_per_submit,
+                                                   batch_size=batch_size, on_done=on_done))
 
 
 def generate_alone(engine: BitNetEngine, prompt: list[int], max_new_tokens: int, eos: set[int], *, seed: int = 0,

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from torch_wgpu_lora import BitNetEngine, generate
+from torch_wgpu_lora.engine import Generated
 from torch_wgpu_lora.engine.kernels.bitlinear import GEMV_GROUP
+from torch_wgpu_lora.engine.kernels.sampling import ROW_COUNT
 from torch_wgpu_lora.engine.plan import ForwardPlan, KVCache
 from torch_wgpu_lora.engine.program import read_codes
 from torch_wgpu_lora.engine.workspace import Workspace
@@ -176,6 +178,16 @@ def test_the_prompt_pass_keeps_its_attention_scores_whole_and_decoding_cannot():
         ForwardPlan(engine.weights, engine.adapters, s.cache, 1, logits="last", decode=True, from_start=True)
 
 
+def row_state(session) -> tuple[np.ndarray, np.ndarray]:
+    """A decode session's rows as the GPU left them: each one's length and count of tokens generated."""
+    lengths, state = np.zeros(session.batch, np.uint32), np.zeros(session.state.shape, np.uint32)
+    rec = Recorder()
+    rec.read(session.cache.lengths, lengths)
+    rec.read(session.state, state)
+    rec.submit()
+    return lengths, state[:, ROW_COUNT]
+
+
 def mixed_prompts(vocab: int, lengths=(5, 9, 2, 13), seed: int = 0) -> list[list[int]]:
     """Prompts of ``lengths`` random tokens (none of the special ids 0, 1, 2)."""
     g = torch.Generator().manual_seed(seed)
@@ -202,13 +214,10 @@ def test_a_batch_generates_each_prompts_tokens_alone_on_every_flavour(flavour):
     ended = [by_eos for _, by_eos in alone]
     assert any(ended) and not all(ended)
     assert generate_batch(engine, prompts, 20, eos, repetition_penalty=1.1) == alone
-    lengths = np.zeros(len(prompts), np.uint32)
-    rec = Recorder()
     session = engine.decode_session(len(prompts), 13, 20, repetition_penalty=1.1)
-    rec.read(session.cache.lengths, lengths)
-    rec.submit()
-    for length, prompt, (tokens, by_eos) in zip(lengths, prompts, alone):
-        assert length == (0 if by_eos else len(prompt) + len(tokens))
+    lengths, counts = row_state(session)
+    assert lengths.tolist() == [0] * len(prompts)  # each row ended on the GPU: at its EOS token or its 20th
+    assert counts.tolist() == [len(tokens) for tokens, _ in alone]  # and generated nothing after
     projections = [launch for launch in session.decode.launches
                    if launch.kernel.name.split(":")[0] in ("bitlinear.wgsl", "matmul.wgsl")]
     groups = {"bitlinear.wgsl": GEMV_GROUP, "matmul.wgsl": len(prompts)}
@@ -248,11 +257,10 @@ def test_the_host_ends_a_row_where_on_token_says_and_the_others_run_on():
     alone = [generate_alone(engine, p, 12, set()) for p in prompts]
     assert got[1] == (alone[1][0][:3], False) and got[0] == alone[0] and got[2] == alone[2]
     assert [seen[r] for r in range(3)] == [tokens for tokens, _ in got]
-    lengths = np.zeros(3, np.uint32)
-    rec = Recorder()
-    rec.read(engine.decode_session(3, 8, 12).cache.lengths, lengths)  # the session the call used
-    rec.submit()
-    assert lengths.tolist() == [6 + 12, 0, 8 + 12]  # a running row: its prompt and every token chosen
+    lengths, counts = row_state(engine.decode_session(3, 8, 12))  # the session the call used
+    assert lengths.tolist() == [0, 0, 0]  # every row ended: row 1 by the host, the others at their 12th token
+    # row 1 stopped generating once the host's end reached the GPU, at most two submits after its third token
+    assert counts[0] == counts[2] == 12 and 3 <= counts[1] <= 3 + 2 * 2
 
 
 def test_batch_limits_are_stated_and_refused_before_anything_runs():
@@ -268,8 +276,22 @@ def test_batch_limits_are_stated_and_refused_before_anything_runs():
         generate_batch(engine, [], 4, set())
     with pytest.raises(ValueError, match=r"prompt 1 must be 1 or more token ids in \[0, 320\), got \[3, 320\]"):
         generate_batch(engine, [[3], [3, 320]], 4, set())
-    with pytest.raises(ValueError, match=f"need {limit + 4} positions; the model's context is {limit}"):
+    with pytest.raises(ValueError, match=f"prompt 0: a 2-token prompt and max_new_tokens={limit} need {limit + 2} "
+                                         f"positions; the model's context is {limit}"):
         generate_batch(engine, [[3, 4], [3, 4, 5, 6]], limit, set())
+    # each prompt fits with its own limit, but every row's cache holds the longest prompt and the most tokens
+    with pytest.raises(ValueError, match=f"prompts of up to 4 tokens and up to {limit - 2} new tokens share KV cache "
+                                         f"rows of {limit + 2} positions, past the model's context of {limit}"):
+        generate_batch(engine, [[3, 4], [3, 4, 5, 6]], [limit - 2, 2], set())
+    with pytest.raises(ValueError, match="max_new_tokens gives 1 limits for 2 prompts"):
+        generate_batch(engine, [[3, 4], [3, 4, 5, 6]], [2], set())
+    with pytest.raises(ValueError, match="max_new_tokens of prompt 1 must be an integer >= 0, got -1"):
+        generate_batch(engine, [[3, 4], [3, 4, 5, 6]], [2, -1], set())
+    with pytest.raises(ValueError, match=r"batch_size must be an integer >= 1 \(or None: every prompt at once\), "
+                                         "got 0"):
+        generate_batch(engine, [[3, 4], [3, 4, 5, 6]], 2, set(), batch_size=0)
+    with pytest.raises(ValueError, match="tokens_per_submit must be an integer >= 1, got 0"):
+        generate_batch(engine, [[3, 4], [3, 4, 5, 6]], 2, set(), tokens_per_submit=0)
 
 
 def test_a_prompt_pass_is_told_each_rows_last_token_within_its_shape():
@@ -282,3 +304,109 @@ def test_a_prompt_pass_is_told_each_rows_last_token_within_its_shape():
         session.prefill.set_last([0, 1])
     with pytest.raises(ValueError, match="this one keeps 'all'"):
         engine.plan(1, 3).set_last([3])
+
+
+# -- continuous batching: more prompts than rows, a finished row taking the next prompt ------------
+
+def transformers_tokens(model, prompt: list[int], max_new_tokens: int, eos: set[int], penalty: float) -> list[int]:
+    """transformers' own greedy ``generate`` of the torch model, for one prompt: its new tokens."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=sorted(eos), pad_token_id=2, repetition_penalty=penalty)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_is_transformers(model, engine, prompt: list[int], ours: list[int], theirs: list[int], flavour: str,
+                           penalty: float) -> None:
+    """``ours`` are transformers' tokens (dense: exactly), or (quantised flavours) their first
+    divergence is explained by an int8 rounding flip."""
+    if ours == theirs:
+        return
+    assert flavour != "dense", f"{ours} vs {theirs}"
+    first = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+    engine_token, fed_token = engine_choice_is_explained_by_a_flip(model, engine, prompt + ours[:first], penalty)
+    assert engine_token == ours[first] == fed_token
+
+
+CONTINUOUS_LENGTHS = (5, 9, 2, 13, 7, 1, 11, 4)
+CONTINUOUS_LIMITS = [20, 3, 3, 1, 17, 9, 6, 14]
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_continuous_batching_gives_each_prompt_its_tokens_alone_and_transformers(flavour):
+    # Eight prompts of mixed lengths and max_new_tokens through 3 cache rows, with an EOS token that
+    # ends some of them early: rows end at different steps (two together, after their third token),
+    # and each finished row takes the next prompt, prefilled alone and copied into the row. Every
+    # prompt gets exactly the tokens it gets alone (its sums do not depend on its row or its
+    # neighbours: engine.generate's docstring) and transformers' own generate gives the torch
+    # model's (quantised flavours: up to a divergence an int8 rounding flip explains). The
+    # results come back in input order, each handed to on_done as soon as it is complete.
+    model = tiny_model(flavour, adapters=True, seed=3)
+    engine = BitNetEngine(model)
+    prompts = mixed_prompts(model.config.vocab_size, CONTINUOUS_LENGTHS, seed=4)
+    options = dict(repetition_penalty=1.1, tokens_per_submit=4)
+    plain = [generate_alone(engine, p, n, set(), **options) for p, n in zip(prompts, CONTINUOUS_LIMITS)]
+    # a token some prompts choose and others never, the first (20 tokens) among them: it ends after others
+    eos = next({t} for tokens, _ in plain[1:] for t in tokens[1:] if t not in plain[0][0])
+    alone = [generate_alone(engine, p, n, eos, **options) for p, n in zip(prompts, CONTINUOUS_LIMITS)]
+    assert any(by_eos for _, by_eos in alone)
+    done: list[tuple[int, Generated]] = []
+    got = generate_batch(engine, prompts, CONTINUOUS_LIMITS, eos, batch_size=3,
+                         on_done=lambda i, result: done.append((i, result)), **options)
+    assert got == alone
+    assert sorted(done) == list(enumerate(alone)) and [i for i, _ in done] != sorted(i for i, _ in done)
+    session = engine.decode_session(3, max(CONTINUOUS_LENGTHS), max(CONTINUOUS_LIMITS), repetition_penalty=1.1)
+    assert session.fill_rows == len(prompts) - 3  # the call's session: every prompt past the first 3 filled a row
+    assert 2 in session.fills  # two rows freed at once took their prompts in one prompt pass
+    for prompt, n, (tokens, _) in zip(prompts, CONTINUOUS_LIMITS, got):
+        theirs = transformers_tokens(model, prompt, n, eos, penalty=1.1)
+        assert_is_transformers(model, engine, prompt, tokens, theirs, flavour, penalty=1.1)
+
+
+def test_continuous_batching_samples_each_prompt_as_it_is_alone_for_its_seed():
+    # Sampling: a row a prompt takes over starts from that prompt's seed and a count of 0, so each
+    # prompt draws what it draws alone with its seed, whichever row it gets and whenever.
+    model = tiny_model("packed", adapters=True, seed=5)
+    engine = BitNetEngine(model)
+    prompts = mixed_prompts(model.config.vocab_size, (4, 11, 7, 3, 9), seed=1)
+    limits, seeds = [5, 16, 2, 9, 12], [7, 8, 9, 10, 11]
+    options = dict(strategy="top_k_top_p", top_k=20, top_p=0.9, temperature=1.3, repetition_penalty=1.2)
+    alone = [generate_alone(engine, p, n, set(), seed=s, **options) for p, n, s in zip(prompts, limits, seeds)]
+    got = generate_batch(engine, prompts, limits, set(), seeds=seeds, batch_size=2, tokens_per_submit=3, **options)
+    assert got == alone
+    assert engine.decode_session(2, 11, 16, **options).fill_rows == 3
+    assert generate_batch(engine, prompts, limits, set(), seeds=[1, 2, 3, 4, 5], batch_size=2, **options) != got
+
+
+def test_a_prompt_the_host_ends_frees_its_row_for_the_next_prompt():
+    # on_token sees each prompt's tokens in order, by the prompt's index; ending prompt 0 after its
+    # second token frees its row, which takes prompt 2 before prompt 1 is done; prompts 1 and 2
+    # still get their tokens alone, and prompt 0 its first two.
+    model = tiny_model("dense", adapters=True, seed=4)
+    engine = BitNetEngine(model)
+    prompts = mixed_prompts(model.config.vocab_size, (6, 3, 8), seed=2)
+    seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+
+    def on_token(index: int, token: int) -> bool:
+        seen[index].append(token)
+        return index == 0 and len(seen[index]) == 2
+
+    got = generate_batch(engine, prompts, 30, set(), batch_size=2, tokens_per_submit=2, on_token=on_token)
+    alone = [generate_alone(engine, p, 30, set()) for p in prompts]
+    assert got == [(alone[0][0][:2], False), alone[1], alone[2]]
+    assert [seen[i] for i in range(3)] == [tokens for tokens, _ in got]
+    session = engine.decode_session(2, 8, 30)
+    assert session.fill_rows == 1
+    lengths, counts = row_state(session)
+    assert lengths.tolist() == [0, 0] and counts.tolist() == [30, 30]  # both rows' last prompts ran to their limit
+
+
+def test_prompts_with_no_new_tokens_are_done_without_a_row():
+    model = tiny_model("dense", adapters=False)
+    engine = BitNetEngine(model)
+    prompts = mixed_prompts(model.config.vocab_size, (3, 5, 4), seed=3)
+    done: list[int] = []
+    got = generate_batch(engine, prompts, [0, 4, 0], set(), on_done=lambda i, _: done.append(i))
+    assert got == [([], False), generate_alone(engine, prompts[1], 4, set()), ([], False)]
+    assert sorted(done) == [0, 1, 2]

@@ -1,6 +1,7 @@
 """The engine's kernel families against their torch references: packing, BitLinear (gemv and
 gemm, every epilogue, LoRA segments), float matmuls (f32 and bf16 weights), RMSNorm with
-activation quantisation and LoRA down-projections, embedding gather, RoPE.
+activation quantisation and LoRA down-projections, embedding gather, RoPE, rows scattered into
+chosen rows (a prompt's KV cache and decode state joining a running generation).
 
 Tolerances. Integer paths are exact: the ternary × int8 dots must equal the float64 reference
 to the last bit before scaling, so BitLinear outputs are compared at 2e-6 relative (one or two
@@ -24,6 +25,7 @@ from torch_wgpu_lora.engine.kernels.matmul import matmul_launch, matmul_referenc
 from torch_wgpu_lora.engine.kernels.norm import quantise_reference, rmsnorm_launch, rmsnorm_reference
 from torch_wgpu_lora.engine.kernels.projection import lora_table
 from torch_wgpu_lora.engine.kernels.rope import RopeTarget, rope_launch, rope_reference
+from torch_wgpu_lora.engine.kernels.scatter import kv_rows_launch, scatter_rows_launch, scatter_rows_reference
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary, unpack_hf, unpack_ternary
 from torch_wgpu_lora.runtime import upload
 
@@ -640,6 +642,36 @@ def test_gather_rows_by_index_leaves_or_zeroes_rows_past_the_table(zero_missing)
     ref = gather_rows_reference(index, table[:, :60], before[:, :60], zero_missing)
     assert torch.equal(got[:, :60], ref)
     assert torch.equal(got[:, 60:], before[:, 60:])  # features past k untouched
+
+
+@pytest.mark.parametrize("width", [3, 300])  # within one workgroup, and over two
+def test_scatter_rows_writes_the_chosen_rows_and_leaves_the_others(width):
+    # Rows of 2 blocks go to rows 3 and 0 of a destination whose blocks are longer: each block's
+    # first words are the source's, bit for bit (NaN payloads too: a copy of words), the rest stays.
+    g = torch.Generator().manual_seed(9)
+    src = torch.randn(2, 2, width, generator=g)
+    src[1, 0, 0] = float("nan")
+    before = torch.randn(4, 2, width + 5, generator=g)
+    rows = torch.tensor([3, 0])
+    dst = upload(before.numpy().copy())
+    (got,) = run([scatter_rows_launch(upload(src.numpy()), upload(rows.numpy().astype(np.uint32)), dst, count=2,
+                                      blocks=2, width=width, dst_block=width + 5, dst_row=2 * (width + 5))], dst)
+    ref = scatter_rows_reference(src, rows, before)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+def test_kv_rows_go_into_the_first_positions_of_a_longer_caches_sequences():
+    g = torch.Generator().manual_seed(10)
+    src = torch.randn(3, 2, 5, 8, generator=g)  # 3 sequences, 2 KV heads, 5 positions, head_dim 8
+    before = torch.randn(4, 2, 12, 8, generator=g)
+    dst = upload(before.numpy().copy())
+    rows = upload(np.array([2, 1, 9], np.uint32))  # the third is not copied (count 2)
+    (got,) = run([kv_rows_launch(upload(src.numpy()), rows, dst, count=2)], dst)
+    ref = before.clone()
+    ref[2, :, :5], ref[1, :, :5] = src[0], src[1]
+    assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match=r"KV rows of \(3, 2, 5, 8\) do not fit a cache of \(4, 2, 4, 8\)"):
+        kv_rows_launch(upload(src.numpy()), rows, upload(np.zeros((4, 2, 4, 8), np.float32)), count=2)
 
 
 def test_rope_matches_transformers_and_fills_the_caches():

@@ -12,12 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from torch_wgpu_lora.engine.kernels.sampling import (EOS, ROW_COUNT, ROW_SEED, SEARCH_PASSES, SEEN, inverse_cdf,
+from torch_wgpu_lora.engine.kernels.sampling import (EOS, ROW_COUNT, ROW_FIELDS, ROW_LIMIT, ROW_SEED, SEARCH_PASSES,
+                                                     SEEN, inverse_cdf,
                                                      plan_shape, sample_reference, sampling_launches, uniform)
 from torch_wgpu_lora.logits import process_logits
 from torch_wgpu_lora.runtime import Arena, Buffer, Recorder, get_device, upload, write
 
 from .helpers import kernel_workspace
+
+NO_LIMIT = 2 ** 32 - 1  # a row's token limit that no test reaches
 
 
 class Plan:
@@ -29,7 +32,7 @@ class Plan:
         self.vocab, self.batch = vocab, batch
         self.width = 4 * -(-vocab // 4)  # rows of whole vec4s
         shapes = {"logits": ((batch, self.width), "f32"), "seen": ((batch, self.width), "u32"),
-                  "state": ((batch, 2), "u32"), "starts": ((batch,), "u32"), "lengths": ((batch,), "u32"),
+                  "state": ((batch, ROW_FIELDS), "u32"), "starts": ((batch,), "u32"), "lengths": ((batch,), "u32"),
                   "history": ((batch, history), "u32"), "next_token": ((batch,), "u32")}
         # arena: every caller buffer a view of one wgpu buffer, as a model plan may keep them
         make = Arena(chunk_bytes=1 << 22).alloc if arena else Buffer
@@ -40,10 +43,10 @@ class Plan:
                                           workspace=kernel_workspace(), **options)
 
     def start(self, logits: torch.Tensor | None, seen_ids, seed=0, count=0, pos: int = 10, eos=(),
-              lengths=None) -> None:
+              lengths=None, limit=NO_LIMIT) -> None:
         """Every row's inputs: ``logits`` [vocab] (all rows) or [batch, vocab]; ``seen_ids`` a tensor
-        (all rows) or one per row; ``seed``, ``count`` and ``lengths`` one value (all rows) or one
-        per row (``lengths`` 0: a finished row; default ``pos``); ``eos`` the EOS token ids."""
+        (all rows) or one per row; ``seed``, ``count``, ``lengths`` and ``limit`` one value (all rows)
+        or one per row (``lengths`` 0: a finished row; default ``pos``); ``eos`` the EOS token ids."""
         b = self.batch
 
         def per_row(value):
@@ -58,9 +61,10 @@ class Plan:
             flags[row, ids.numpy()] |= SEEN
         flags[:, list(eos)] |= EOS
         write(self.seen, flags)
-        state = np.zeros((b, 2), np.uint32)
+        state = np.zeros((b, ROW_FIELDS), np.uint32)
         state[:, ROW_SEED] = [s & 0xFFFFFFFF for s in per_row(seed)]
         state[:, ROW_COUNT] = per_row(count)
+        state[:, ROW_LIMIT] = per_row(limit)
         write(self.state, state)
         write(self.starts, np.full(b, pos - 1, np.uint32))
         write(self.lengths, np.asarray(per_row(pos if lengths is None else lengths), np.uint32))
@@ -290,7 +294,7 @@ def test_the_state_advances_over_several_tokens_in_one_submit(strategy):
     flags = np.zeros(plan.width, np.uint32)
     flags[seen.numpy()] = SEEN
     np.testing.assert_array_equal(got["seen"][0], flags)
-    assert got["state"][0].tolist() == [seed, steps]  # the seed stays, the count advances
+    assert got["state"][0].tolist() == [seed, steps, NO_LIMIT]  # the seed stays, the count advances
     assert got["lengths"][0] == pos + steps and got["starts"][0] == pos + steps - 1  # the last pass at its end
 
 
@@ -348,7 +352,7 @@ def test_every_row_of_a_batch_is_chosen_as_it_is_alone_and_finished_rows_are_lef
     for row in range(batch):
         if lengths[row] == 0:
             assert got["next_token"][row] == 99 and not got["history"][row].any()
-            assert got["state"][row].tolist() == [seeds[row], counts[row]] and got["lengths"][row] == 0
+            assert got["state"][row].tolist() == [seeds[row], counts[row], NO_LIMIT] and got["lengths"][row] == 0
             continue
         token = int(got["next_token"][row])
         assert token == alone.choose(logits[row], seen[row], seeds[row], counts[row]), row
@@ -356,8 +360,40 @@ def test_every_row_of_a_batch_is_chosen_as_it_is_alone_and_finished_rows_are_lef
                                      options["top_p"], options["repetition_penalty"], seeds[row], counts[row])
         assert token == expect or token in accepted, (row, token, expect)
         assert got["history"][row, counts[row]] == token if counts[row] < 4 else not got["history"][row].any()
-        assert got["state"][row].tolist() == [seeds[row], counts[row] + 1]
+        assert got["state"][row].tolist() == [seeds[row], counts[row] + 1, NO_LIMIT]
         assert (got["starts"][row], got["lengths"][row]) == (lengths[row], lengths[row] + 1)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "top_p"])
+def test_a_row_ends_at_its_token_limit_and_the_others_run_on(strategy):
+    # Rows of one batch with limits of 1, 3 and none, counts from 0, four steps in one submit:
+    # each limited row takes its limit's tokens, the last of them ending it (length 0, as an EOS
+    # token does: its start, history and count stay), while the unlimited row takes all four.
+    rng = np.random.default_rng(10)
+    vocab, steps, pos = 50, 4, 10
+    x = torch.from_numpy(rng.standard_normal(vocab).astype(np.float32))
+    plan = Plan(vocab, strategy, batch=3, history=8, repetition_penalty=1.4, top_p=0.9)
+    limits = [1, 3, NO_LIMIT]
+    plan.start(x, torch.tensor([2]), seed=4, pos=pos, limit=limits)
+    rec = Recorder()
+    for _ in range(steps):
+        plan.record(rec)
+    rec.submit()
+    got = plan.read("history", "state", "starts", "lengths", "next_token")
+    alone = Plan(vocab, strategy, history=8, repetition_penalty=1.4, top_p=0.9)
+    alone.start(x, torch.tensor([2]), seed=4, pos=pos)
+    rec = Recorder()
+    for _ in range(steps):
+        alone.record(rec)
+    rec.submit()
+    unlimited = alone.read("history")["history"][0, :steps].tolist()
+    for row, taken in enumerate([1, 3, steps]):
+        assert got["history"][row, :taken].tolist() == unlimited[:taken]  # the same tokens until the end
+        assert not got["history"][row, taken:].any()
+        assert got["state"][row].tolist() == [4, taken, limits[row]]
+        assert int(got["next_token"][row]) == unlimited[taken - 1]
+    assert got["lengths"].tolist() == [0, 0, pos + steps]
+    assert got["starts"].tolist() == [pos - 1, pos + 1, pos + steps - 1]
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "top_k_top_p"])
@@ -384,7 +420,7 @@ def test_an_eos_token_ends_its_row_and_is_banned_below_min_new_tokens(strategy):
     assert (got["seen"][:, list(eos)] & EOS).all()  # the flags stay: later steps end there too
 
     v = 8
-    bufs = [Buffer((v,)), Buffer((v,), "u32"), Buffer((2,), "u32"), Buffer((1,), "u32"), Buffer((1,), "u32"),
+    bufs = [Buffer((v,)), Buffer((v,), "u32"), Buffer((3,), "u32"), Buffer((1,), "u32"), Buffer((1,), "u32"),
             Buffer((4,), "u32"), Buffer((1,), "u32")]  # logits, seen, state, starts, lengths, history, next_token
 
     def make(*buffers, **options):
@@ -414,13 +450,13 @@ def test_an_eos_token_ends_its_row_and_is_banned_below_min_new_tokens(strategy):
         make(vocab=9)
     with pytest.raises(TypeError, match="seen must be a u32 buffer, got f32"):
         make(bufs[0], Buffer((v,)), *bufs[2:])
-    with pytest.raises(ValueError, match=r"state must hold at least 2 element\(s\)"):
-        make(*bufs[:2], Buffer((1,), "u32"), *bufs[3:])
+    with pytest.raises(ValueError, match=r"state must hold at least 3 element\(s\)"):
+        make(*bufs[:2], Buffer((2,), "u32"), *bufs[3:])
     with pytest.raises(TypeError, match="history must be a runtime Buffer, got ndarray"):
         make(*bufs[:5], np.zeros(4, np.uint32), bufs[6])
     two = Buffer((2,), "u32")  # two sequences: every buffer needs a row of each
     with pytest.raises(ValueError, match=r"logits must hold at least 16 element\(s\), got shape \(8,\)"):
         make(*bufs[:4], two, *bufs[5:])
     with pytest.raises(ValueError, match="history must hold a row of max_new_tokens for each of the 2 sequences"):
-        make(Buffer((2, v)), Buffer((2, v), "u32"), Buffer((4,), "u32"), two, two, Buffer((3,), "u32"), two)
+        make(Buffer((2, v)), Buffer((2, v), "u32"), Buffer((6,), "u32"), two, two, Buffer((3,), "u32"), two)
     make(temperature=0.0, strategy="greedy")  # greedy ignores the temperature

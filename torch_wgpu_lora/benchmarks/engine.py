@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..engine import BitNetEngine, GenerationRequest
+from ..engine import TOKENS_PER_SUBMIT, BitNetEngine, GenerationRequest
 from ..engine.kernels.attention import keeps_probabilities, scores_kept_whole
 from ..integrations.bitnet import (PROJECTIONS, add_lora_layers, lora_modules, lora_parameters, projection, set_backend,
                                    swapped_dropout)
@@ -645,6 +645,103 @@ def measure_decode_batches(engine: Any, batches: list[int], prompt: int, new_tok
     return out
 
 
+# Prompts of the prompts-file figure: 4 to 48 of these words each, drawn from a seeded generator.
+PROMPT_WORDS = ("name", "a", "primary", "colour", "add", "the", "numbers", "translate", "word", "into", "french",
+                "count", "to", "three", "write", "short", "poem", "about", "sea", "explain", "why", "sky", "is", "blue",
+                "list", "planets", "summarise", "this", "paragraph", "in", "one", "sentence", "give", "example")
+PROMPT_WORDS_RANGE = (4, 48)
+COMPLETION_SHARE = 4  # completions average about max_new_tokens / 4 tokens (measure_prompts_file)
+
+
+class _CountingGenerate:
+    """Wraps ``engine.generate_batch`` to count what each call generates: the tokens and each
+    prompt's completion length."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.real, self.lengths = engine, engine.generate_batch, []
+
+    def __call__(self, request: GenerationRequest) -> Any:
+        results = self.real(request)
+        self.lengths += [len(r.tokens) for r in results]
+        return results
+
+    def __enter__(self) -> "_CountingGenerate":
+        self.engine.generate_batch = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.engine.generate_batch  # the instance attribute: the method shows again
+
+
+def measure_prompts_file(engine: Any, batch: int, count: int, new_tokens: int, tokens_per_submit: int,
+                         log: Log) -> dict[str, Any]:
+    """The prompts file's throughput (``prompts_file.generate_file``: ``batch`` rows, a finished row
+    taking the next record) beside static batches of the same size (``generation.generate`` on
+    ``batch`` records at a time, as the prompts file ran them before, each batch waiting for its
+    longest row), on ``count`` records of mixed lengths: each prompt 4 to 48 random words (a
+    seeded generator; a byte-level BPE tokenizer trained on them, built offline), then sampled
+    completions (temperature 1, the whole vocabulary) of up to ``new_tokens`` tokens that end at
+    any of ``vocab × 4 / new_tokens`` EOS tokens drawn at random. With random weights the model's
+    next-token distribution is near uniform (logits of about 0.3 to 1 standard deviation), so a
+    completion ends at each token with a probability of about 4 / new_tokens: lengths near
+    geometric, of mean about new_tokens / 4, some running to the limit, as real completions mix
+    short and long. Record i samples with seed i either way, so both generate the same completions
+    (but where a batch past ``gemv_max_tokens`` rounds a logit otherwise). tok/s counts every new
+    token (``completions``: their lengths). One unmeasured run of each first (sessions and plans
+    built), then one measured. ``tokens_per_submit``: both runs' decode steps a command buffer."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from ..generation import generate
+    from ..integrations.tiny import build_tiny_tokenizer
+    from ..prompts_file import generate_file
+
+    g = np.random.default_rng(7)
+    low, high = PROMPT_WORDS_RANGE
+    texts = [" ".join(g.choice(PROMPT_WORDS, size=int(g.integers(low, high + 1)))) for _ in range(count)]
+    vocab = engine.engine_config.vocab
+    share = min(vocab - 3, max(1, vocab * COMPLETION_SHARE // new_tokens))  # of the ids past bos, eos, pad
+    eos = sorted(int(t) for t in g.choice(np.arange(3, vocab), size=share, replace=False))
+    options = dict(max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                   eos_token_id=eos, use_template=False, tokens_per_submit=tokens_per_submit)
+    out: dict[str, Any] = {"prompts": count, "batch": batch, "max_new_tokens": new_tokens, "eos_tokens": len(eos),
+                           "tokens_per_submit": tokens_per_submit}
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = AutoTokenizer.from_pretrained(build_tiny_tokenizer(Path(folder) / "tokenizer", texts))
+        lengths = [len(tokenizer(t)["input_ids"]) for t in texts]
+        out["prompt_tokens"] = {"min": min(lengths), "mean": statistics.mean(lengths), "max": max(lengths)}
+        prompts = Path(folder) / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+        results = Path(folder) / "results.jsonl"
+
+        def prompts_file() -> None:
+            results.unlink(missing_ok=True)
+            generate_file(engine, tokenizer, prompts, results, batch_size=batch, progress=False, seed=0, **options)
+
+        def static() -> None:
+            for start in range(0, count, batch):
+                generate(engine, tokenizer, texts[start:start + batch], seed=start, **options)
+
+        for name, run in (("static", static), ("prompts_file", prompts_file)):
+            run()  # unmeasured: sessions and plans built
+            with _CountingGenerate(engine) as counted:
+                t0 = time.perf_counter()
+                run()
+                wall = time.perf_counter() - t0
+            new = sum(counted.lengths)
+            out[name] = {"wall_s": wall, "new_tokens": new, "tok_per_s": new / wall,
+                         "completions": {"mean": statistics.mean(counted.lengths), "max": max(counted.lengths),
+                                         "at_limit": sum(n == new_tokens for n in counted.lengths)}}
+            log(f"{count} records, {batch} at once, {name}: {out[name]}")
+            engine.release_plans()
+            gc.collect()
+    out["prompts_file_over_static"] = out["prompts_file"]["tok_per_s"] / out["static"]["tok_per_s"]
+    log(f"prompts file over static batches: {out['prompts_file_over_static']:.2f}×")
+    return out
+
+
 def _measure_hf_batched(config: Any, shapes: list[tuple[int, int]], steps: int, log: Log,
                         g: torch.Generator) -> dict[str, Any]:
     """``measure_batched``'s HF + PEFT part."""
@@ -761,7 +858,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens before decoding")
     parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens decoded")
     parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--tokens-per-submit", type=int, default=8)
+    parser.add_argument("--tokens-per-submit", type=int, default=TOKENS_PER_SUBMIT,
+                        help="decode steps a command buffer (default: %(default)s)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers + PEFT")
     parser.add_argument("--train", default="512,256", help="training sequence lengths ('' to skip)")
     parser.add_argument("--train-steps", type=int, default=3)
@@ -770,6 +868,11 @@ def main(argv: list[str] | None = None) -> int:
                         "HF + PEFT (sdpa) eager and compiled")
     parser.add_argument("--decode-batches", default="", metavar="SIZES",
                         help="also greedy decoding of this many prompts at once, comma-separated (e.g. 16,64)")
+    parser.add_argument("--prompts-file-batch", type=int, default=0, metavar="ROWS",
+                        help="also the prompts file's throughput (continuous batching, ROWS at once) beside static "
+                        "batches of ROWS, on --prompts-file-count records of mixed lengths, up to --new-tokens each")
+    parser.add_argument("--prompts-file-count", type=int, default=256, metavar="RECORDS",
+                        help="records of the prompts-file figure (default: %(default)s)")
     parser.add_argument("--hf-generate", default="", metavar="SIZES",
                         help="also HF + PEFT generate at these batch sizes (e.g. 1,16), eager and on a static cache "
                         "compiled")
@@ -838,6 +941,10 @@ def main(argv: list[str] | None = None) -> int:
     if decode_batches:
         result["decode_batches"] = measure_decode_batches(engine, decode_batches, args.prompt, args.new_tokens,
                                                           max(1, args.repeats // 2), args.tokens_per_submit, log)
+        save()
+    if args.prompts_file_batch:
+        result["prompts_file"] = measure_prompts_file(engine, args.prompts_file_batch, args.prompts_file_count,
+                                                      args.new_tokens, args.tokens_per_submit, log)
         save()
     shapes = batched_shapes(args.batched)
     if shapes:

@@ -49,6 +49,7 @@ MEMORY_SHARE = 0.6  # peak GPU memory training seq 512, of HF + PEFT's
 LORA_SHARE = 0.05  # of a training step's GPU time, in the kernels of the adapters' gradients
 HOST_SHARE = 0.15  # of a decoded token's wall time, host work the GPU's did not hide
 TORCH_SHARE = 0.4  # a subgroup-matrix GEMM's rate, of torch's own on the same shape
+PROMPTS_FILE_OVER_STATIC = 2.0  # the prompts file's tok/s (continuous batching), of static batches of its size
 
 KERNELS = {  # what each entry point of the per-dispatch profile computes
     "bitlinear.wgsl:gemm": "ternary projections, forward (int8 codes × ternary weights)",
@@ -437,6 +438,28 @@ def render_decode_batches(run: Run) -> str:
     return _table(["greedy decoding", "all rows", "a row", "target"], rows)
 
 
+def render_prompts_file(run: Run) -> str:
+    """The prompts file's throughput, continuous batching, beside static batches of the same size
+    (``benchmarks.engine --prompts-file-batch``): every record's new tokens a second."""
+    data = run.data["prompts_file"]
+    targets = all(run.data.get(k) == v for k, v in BITNET_2B.items())
+    prompt = data["prompt_tokens"]
+    what = (f"{data['prompts']} records of {prompt['min']} to {prompt['max']} prompt tokens, up to "
+            f"{data['max_new_tokens']} new, {data['batch']} at once")
+    rows = []
+    for key, label in (("static", "static batches"), ("prompts_file", "prompts file (continuous batching)")):
+        d = data[key]
+        done = d["completions"]
+        rows.append([f"{what}: {label}", f"{rate(d['tok_per_s'])} tok/s",
+                     f"{done['mean']:.1f} (max {done['max']}, {done['at_limit']} at the limit)",
+                     f"{d['wall_s']:.1f} s"])
+    over = data["prompts_file_over_static"]
+    rows[1].append(f"{times(over)}" + (f"; ≥ {times(PROMPTS_FILE_OVER_STATIC)}: "
+                                       f"{_status(over >= PROMPTS_FILE_OVER_STATIC)}" if targets else ""))
+    rows[0].append("")
+    return _table(["generation", "all records", "new tokens a record", "wall", "over static"], rows)
+
+
 def render_matrix_units(run: Run) -> str:
     """``benchmarks.matrix_units``: each GEMM kind at each shape, the general-core kernel and the
     matrix units' best tile, the latter's integer work as a share of the int8 ceiling measured in the
@@ -488,6 +511,7 @@ RENDERERS: dict[str, Callable[[Run], str]] = {
     "decode-bound": render_decode_bound, "drop-in": render_drop_in, "batched": render_batched,
     "gemm-rates": render_gemm_rates, "decode-batches": render_decode_batches,
     "matrix-units": render_matrix_units, "backend-kernels": render_backend_kernels,
+    "prompts-file": render_prompts_file,
 }
 
 

@@ -10,12 +10,13 @@ layer's forward and of the LM head), ``plan`` (a forward pass, built once per sh
 clip and AdamW on the GPU, the gradient exchange), ``inputs`` (the checks of what the engine is
 given: batches, position ids, a step's micro-batches, prompts), ``generate`` (batched decoding: a
 ``GenerationRequest`` and the ``DecodeSession`` that runs it with the KV cache and sampling on the
-GPU), ``generate_api`` (transformers' ``generate`` arguments translated into a request, its result
-into transformers' layout), ``model`` (the nn.Module, its autograd loss, the plan cache, batched
-generation as ``BitNetEngine.generate_batch``, the memory report).
+GPU, a finished row taking the next prompt), ``generate_api`` (transformers' ``generate`` arguments
+translated into a request, its result into transformers' layout), ``model`` (the nn.Module, its
+autograd loss, the plan cache, batched generation as ``BitNetEngine.generate_batch``, the memory
+report).
 """
 
-from .generate import GenerationRequest, Generated
+from .generate import TOKENS_PER_SUBMIT, GenerationRequest, Generated
 from .model import ENGINES, BitNetEngine, choose_engine
 
-__all__ = ["ENGINES", "BitNetEngine", "GenerationRequest", "Generated", "choose_engine"]
+__all__ = ["ENGINES", "TOKENS_PER_SUBMIT", "BitNetEngine", "GenerationRequest", "Generated", "choose_engine"]

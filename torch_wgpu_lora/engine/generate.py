@@ -1,82 +1,84 @@
-"""Generation on the engine, for a batch of prompts at once: the KV cache, the next-token choice
-and the token history all stay on the GPU; only token ids come back.
+"""Generation on the engine, for many prompts at once: the KV cache, the next-token choice and
+the token history all stay on the GPU; only token ids come back.
 
-A prefill pass runs every prompt (right-padded to the longest) and chooses each one's first
-token; then decode steps, each one pass over one position of every sequence followed by the
-sampling launches, which write each sequence's chosen token where the next step's embedding
-gather reads it and advance that sequence's position. Every sequence keeps its own position
-(its prompt's length, then one more a token), seed, token count, seen tokens (the repetition
-penalty) and end: an EOS token ends a sequence on the GPU, after which its rows cost next to
-nothing (attention reads one key of it, the sampler skips it); the host may end one the same
-way (a stop string, ``on_token``). ``tokens_per_submit`` steps are recorded into one command
-buffer; the next batch is submitted before the last one's readback is waited on, so encoding
-overlaps the GPU's work. Generation stops once every sequence has ended; tokens computed past a
-sequence's end (at most a submit's worth) are dropped.
+A ``DecodeSession`` holds ``batch`` rows: a KV cache row, a position, a seed, a token count and
+limit, seen tokens (the repetition penalty) and an end for each. A prefill pass runs the first
+``batch`` prompts (right-padded to the longest) and chooses each one's first token; then decode
+steps, each one pass over one position of every row followed by the sampling launches, which
+write each row's chosen token where the next step's embedding gather reads it and advance that
+row's position. A row ends on the GPU at an EOS token or at its last token (its prompt's
+``max_new_tokens``), after which it costs next to nothing (attention reads one key of it, the
+sampler skips it); the host may end one the same way (a stop string, ``on_token``).
+``tokens_per_submit`` steps are recorded into one command buffer; the next one is submitted
+before the last one's readback is waited on, so encoding overlaps the GPU's work.
 
-A sequence's tokens are those it gets alone (greedy: exactly; sampling: for the same seed), since
-its sums do not depend on the batch around it: the prompt pass is ``batch_invariant`` (kept
-attention's sums unsplit, float projections as GEMMs), decode attention cuts each sequence's keys
-into the same spans whatever the batch (``kernels.attention.decode``), and up to
-``gemv_max_tokens`` sequences (16 on GPUs, 8 where their matrix units run the ternary GEMMs, 4 on
-CPU adapters) decode on the GEMV path, as one
-does: each row summed as it is alone (the ternary projections' integer dots, the float
-projections' and the LM head's sums in one order; ``kernels.bitlinear``, ``kernels.matmul``).
-Past either bound the sums are ordered otherwise, a last-bit difference that can round a
-quantised model's int8 code differently, and with it change a token: a batch of more sequences
-decodes on the GEMM path (the LM head's and float weights' sums, and on GPUs unfused launches),
-and a batch whose prompt scores outgrow ``policy.SCORES_SCRATCH_BYTES`` runs its prompt pass
-with flash attention where one prompt keeps its scores whole.
+Continuous batching: with more prompts than rows, a row whose prompt has ended takes the next
+prompt at the next submit, so the batch never waits for its longest row. The host knows a row is
+done once a readback shows its EOS token or its stop, or, without waiting for one, once the
+submits it has made take the row to its last token; the submit after that starts with a fill of
+the freed rows: a prompt pass of their new prompts alone (``RowFill``: a plan of that many rows,
+its own KV cache of ``prompt_length`` positions and sampler state, batch-invariant as the first
+prefill), whose sampler chooses each one's first token, then one launch per cache layer and
+state buffer copies each row's keys, values, position, seed, count, limit, seen tokens and first
+token into the row it takes over (``kernels.scatter``), and the decode steps run on. Fills come
+in plans of powers of two rows (5 freed rows: a fill of 4 and one of 1), each built the first
+time it is needed. Tokens a row computes past a stop the host sets (at most two submits' worth)
+are dropped; the results come back in the prompts' order, each also handed to ``on_done`` as
+soon as it is complete.
 
-Limits: every prompt plus ``max_new_tokens`` must fit the model's context, a layer's keys one
-storage binding (``KVCache.max_batch``) and the batch's last-position logits one binding, each
-refused with a message before anything runs; and the batch's KV cache (``KVCache.nbytes``) must
-fit the device's memory.
+A prompt's tokens are those it gets alone (greedy: exactly; sampling: for the same seed),
+whichever row it takes and whenever, since its sums do not depend on the batch around it: the
+prompt pass (the first prefill and every fill) is ``batch_invariant`` (kept attention's sums
+unsplit, float projections as GEMMs), a fill writes exactly the keys and values it computed, decode
+attention cuts each sequence's keys into the same spans whatever the batch
+(``kernels.attention.decode``), and up to ``gemv_max_tokens`` rows (16 on GPUs, 8 where their
+matrix units run the ternary GEMMs, 4 on CPU adapters) decode on the GEMV path, as one does: each row summed as it is alone (the ternary projections'
+integer dots, the float projections' and the LM head's sums in one order; ``kernels.bitlinear``,
+``kernels.matmul``). Past either bound the sums are ordered otherwise, a last-bit difference that
+can round a quantised model's int8 code differently, and with it change a token: a batch of more
+rows decodes on the GEMM path (the LM head's and float weights' sums, and on GPUs unfused
+launches), and a prompt pass whose scores outgrow ``policy.SCORES_SCRATCH_BYTES`` runs with flash
+attention where one prompt keeps its scores whole.
+
+Limits: the longest prompt plus the most new tokens must fit the model's context (every row's
+cache holds any prompt and any completion), a layer's keys one storage binding
+(``KVCache.max_batch``) and the batch's last-position logits one binding, each refused with a
+message before anything runs; and the batch's KV cache (``KVCache.nbytes``) must fit the device's
+memory.
 
 A generation is asked for with a ``GenerationRequest`` (the prompts' token ids, how many tokens,
-the EOS tokens, seeds and sampling) and run by the engine (``BitNetEngine.generate_batch``), which
-keeps a ``DecodeSession`` per shape; each prompt gets back a ``Generated`` (its new ids, whether an
-EOS token ended them).
+the EOS tokens, seeds, sampling, and ``batch_size``, the rows decoded at once) and run by the
+engine (``BitNetEngine.generate_batch``), which keeps a ``DecodeSession`` per shape; each prompt
+gets back a ``Generated`` (its new ids, whether an EOS token ended them).
 
 >>> # engine.generate_batch(GenerationRequest([[0, 17, 42], [0, 5]], max_new_tokens=32, eos={1}))
 >>> # [Generated(tokens=[...], ended_by_eos=True), Generated(tokens=[...], ended_by_eos=False)]
+>>> # engine.generate_batch(GenerationRequest(many_prompts, max_new_tokens=128, batch_size=64))
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from ..limits import check_context
-from ..runtime import Pending, Recorder, write
+from ..runtime import Buffer, Pending, Recorder, write
 from .adapters import EngineAdapters
 from .config import pad
-from .kernels.sampling import EOS, ROW_SEED, SEEN, sampling_launches
+from .kernels.sampling import EOS, ROW_FIELDS, ROW_LIMIT, ROW_SEED, SEEN, sampling_launches
+from .kernels.scatter import kv_rows_launch, scatter_rows_launch
 from .plan import ForwardPlan, KVCache
 from .weights import EngineWeights
 from .workspace import Workspace
 
-OnToken = Callable[[int, int], bool]  # (row, token) -> whether the row ends after it
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A generation of up to ``max_new_tokens`` after each of ``prompts`` (lists of token ids), all at
-    once: ``eos``, the tokens that end a sequence; ``seeds``, each prompt's sampling seed (default 0);
-    ``sampling``, ``DecodeSession``'s strategy, temperature, top_k, top_p, repetition_penalty and
-    min_new_tokens (the defaults: greedy); ``on_token``, ``DecodeSession.generate``'s;
-    ``tokens_per_submit``, the decode steps recorded into one command buffer; ``adapter_names``, one
-    name a prompt (``"__base__"`` for none, as PEFT takes them): each prompt continued with that adapter."""
-
-    prompts: Sequence[Sequence[int]]
-    max_new_tokens: int
-    eos: Collection[int] = ()
-    seeds: Sequence[int] | None = None
-    sampling: Mapping[str, Any] = field(default_factory=dict)
-    on_token: OnToken | None = None
-    tokens_per_submit: int = 8
-    adapter_names: Sequence[str] | None = None
+OnToken = Callable[[int, int], bool]  # (prompt index, token) -> whether the prompt's generation ends after it
+# Decode steps a command buffer, by default: fewer cost more host work a token (batch 1 decodes a token in
+# about 2 ms on an H100); more leave a row whose prompt ended idle longer before the next prompt takes it
+# (the host learns of an EOS token one submit late), about 1.5 × this many steps a prompt.
+TOKENS_PER_SUBMIT = 8
 
 
 class Generated(NamedTuple):
@@ -86,12 +88,123 @@ class Generated(NamedTuple):
     ended_by_eos: bool
 
 
+OnDone = Callable[[int, Generated], None]  # (prompt index, its result), as soon as it is complete
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A generation of up to ``max_new_tokens`` after each of ``prompts`` (lists of token ids):
+    ``max_new_tokens`` one int for every prompt, or one per prompt; ``eos``, the tokens that end a
+    sequence; ``seeds``, each prompt's sampling seed (default 0); ``sampling``, ``DecodeSession``'s
+    strategy, temperature, top_k, top_p, repetition_penalty and min_new_tokens (the defaults:
+    greedy); ``on_token`` and ``on_done``, ``DecodeSession.generate``'s; ``tokens_per_submit``, the
+    decode steps recorded into one command buffer; ``adapter_names``, one name a prompt
+    (``"__base__"`` for none, as PEFT takes them): each prompt continued with that adapter;
+    ``batch_size``, the most prompts decoded at once (the KV cache's rows: past it, continuous
+    batching, the module docstring), None: every prompt."""
+
+    prompts: Sequence[Sequence[int]]
+    max_new_tokens: int | Sequence[int]
+    eos: Collection[int] = ()
+    seeds: Sequence[int] | None = None
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    on_token: OnToken | None = None
+    tokens_per_submit: int = TOKENS_PER_SUBMIT
+    adapter_names: Sequence[str] | None = None
+    batch_size: int | None = None
+    on_done: OnDone | None = None
+
+    def limits(self) -> list[int]:
+        """Each prompt's ``max_new_tokens``; ValueError naming a bad one."""
+        given = self.max_new_tokens
+        if isinstance(given, int) and not isinstance(given, bool):
+            given = [given] * len(self.prompts)
+        given = list(given)
+        if len(given) != len(self.prompts):
+            raise ValueError(f"max_new_tokens gives {len(given)} limits for {len(self.prompts)} prompts")
+        for number, n in enumerate(given):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"max_new_tokens of prompt {number} must be an integer >= 0, got {n!r}")
+        return given
+
+
+def _prompt_inputs(plan: ForwardPlan, seen: Buffer, state: Buffer, prompts: Sequence[Sequence[int]],
+                   seeds: Sequence[int], limits: Sequence[int], eos: Collection[int]) -> None:
+    """Write a prompt pass's inputs, one prompt a row of ``plan``: the prompts (right-padded) and
+    the row of each one's last token, the tokens the repetition penalty sees and the EOS tokens,
+    each row's seed, count (0) and limit, where each one stands (position 0, its prompt's length)."""
+    b, t = plan.batch, plan.tokens
+    if not len(prompts) == len(seeds) == len(limits) == b or not all(1 <= len(p) <= t for p in prompts):
+        raise ValueError(f"{len(prompts)} prompts of {[len(p) for p in prompts]} tokens, {len(seeds)} seeds and "
+                         f"{len(limits)} limits for a prompt pass of {b} prompts of 1 to {t} tokens")
+    ids = np.zeros((b, t), np.uint32)  # padding: token 0, never attended to (each row's length)
+    flags = np.zeros(seen.shape, np.uint32)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = prompt
+        flags[row, np.asarray(prompt, np.int64)] = SEEN
+    flags[:, np.asarray(sorted(eos), np.int64)] |= EOS
+    write(plan.ids, ids.reshape(-1))
+    plan.set_last([len(p) for p in prompts])
+    write(seen, flags)
+    state_rows = np.zeros((b, ROW_FIELDS), np.uint32)
+    state_rows[:, ROW_SEED] = [seed & 0xFFFFFFFF for seed in seeds]
+    state_rows[:, ROW_LIMIT] = limits
+    write(state, state_rows)
+    plan.cache.set_position(0, [len(p) for p in prompts])
+
+
+class RowFill:
+    """A prompt pass of ``count`` prompts alone that hands them to rows of a running ``session``:
+    its own KV cache of the session's ``prompt_length`` positions, sampler state and first-token
+    choice, then the launches that copy each of its rows into the session row ``rows`` names (the
+    module docstring). Its buffers live in the session's workspace."""
+
+    def __init__(self, session: DecodeSession, count: int) -> None:
+        ws, config = session.workspace, session.config
+        self.count = count
+        self.cache = KVCache(config, count, session.prompt_length, ws)
+        self.prefill = ForwardPlan(session.weights, session.adapters, self.cache, session.prompt_length,
+                                   logits="last", from_start=True, batch_invariant=True, workspace=ws)
+        self.seen = ws.alloc("sampling", (count, pad(config.vocab, 4)), "u32")
+        self.state = ws.alloc("sampling", (count, ROW_FIELDS), "u32")
+        self.history = ws.alloc("sampling", (count, 1), "u32")  # the first token
+        self.next_token = ws.alloc("inputs", (count,), "u32")
+        self.rows = ws.alloc("inputs", (count,), "u32")  # the session row each one takes over
+        self.sampling = sampling_launches(self.prefill.logits[0][1], self.seen, self.state, self.cache.starts,
+                                          self.cache.lengths, self.history, self.next_token, **session.options)
+        own = [*self.cache.keys, *self.cache.values]
+        theirs = [*session.cache.keys, *session.cache.values]
+        self.copies = [kv_rows_launch(src, self.rows, dst, count) for src, dst in zip(own, theirs)]
+        for src, dst in ((self.seen, session.seen), (self.state, session.state), (self.history, session.history),
+                         (self.next_token, session.next_token), (self.cache.starts, session.cache.starts),
+                         (self.cache.lengths, session.cache.lengths)):
+            width, dst_row = src.numel // count, dst.numel // session.batch
+            self.copies.append(scatter_rows_launch(src, self.rows, dst, count=count, blocks=1, width=width,
+                                                   dst_block=dst_row, dst_row=dst_row))
+
+    def start(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], seeds: Sequence[int],
+              limits: Sequence[int], eos: Collection[int], row_slots: Sequence[int] | None) -> None:
+        """Write the fill's inputs: the session rows to take over, ``_prompt_inputs``' of the prompts,
+        and with ``row_slots`` each one's adapter (a session whose adapters serve rows)."""
+        _prompt_inputs(self.prefill, self.seen, self.state, prompts, seeds, limits, eos)
+        write(self.rows, np.asarray(rows, np.uint32))
+        if row_slots is not None:
+            self.prefill.set_row_slots(row_slots)
+
+    def record(self, rec: Recorder) -> None:
+        """Into ``rec``: the prompt pass, its sampler, and the copies into the session's rows."""
+        self.prefill.record(rec)
+        for launch in (*self.sampling, *self.copies):
+            rec.launch(launch)
+
+
 class DecodeSession:
-    """What one generation shape keeps on the GPU: the cache of ``batch`` sequences of
+    """What one generation shape keeps on the GPU: the cache of ``batch`` rows of
     ``prompt_length + max_new_tokens`` positions, the prefill and decode plans, the sampler's
     buffers and launches (``sampling``: ``sampling_launches``' strategy, temperature, top_k,
-    top_p, repetition_penalty, min_new_tokens). Built once per shape, then reused: building one
-    takes tens of ms. ``scratch``: the engine's workspace of scratch shared between plans."""
+    top_p, repetition_penalty, min_new_tokens), and the ``RowFill`` plans made so far. Built once
+    per shape, then reused: building one takes tens of ms. ``scratch``: the engine's workspace of
+    scratch shared between plans."""
 
     def __init__(self, weights: EngineWeights, adapters: EngineAdapters, batch: int, prompt_length: int,
                  max_new_tokens: int, *, scratch: Workspace | None = None, strategy: str = "greedy",
@@ -101,7 +214,7 @@ class DecodeSession:
         check_context(config.max_positions, prompt_length, max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"a decode session generates at least one token, got max_new_tokens={max_new_tokens}")
-        self.adapters, self.config = adapters, config
+        self.weights, self.adapters, self.config = weights, adapters, config
         self.batch, self.prompt_length, self.max_new_tokens = batch, prompt_length, max_new_tokens
         self.workspace = ws = Workspace(adapters.device, shared=scratch)
         self.cache = KVCache(config, batch, prompt_length + max_new_tokens, ws)
@@ -111,40 +224,28 @@ class DecodeSession:
         self.decode = ForwardPlan(weights, adapters, self.cache, 1, logits="last", decode=True, ids=self.next_token,
                                   workspace=ws)
         self.seen = ws.alloc("sampling", (batch, pad(config.vocab, 4)), "u32")
-        self.state = ws.alloc("sampling", (batch, 2), "u32")
+        self.state = ws.alloc("sampling", (batch, ROW_FIELDS), "u32")
         self.history = ws.alloc("sampling", (batch, max_new_tokens), "u32")
-        options = dict(vocab=config.vocab, strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p,
-                       repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens, workspace=ws)
+        self.options = dict(vocab=config.vocab, strategy=strategy, temperature=temperature, top_k=top_k, top_p=top_p,
+                            repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens, workspace=ws)
 
         def sampler(plan: ForwardPlan) -> list:
             return sampling_launches(plan.logits[0][1], self.seen, self.state, self.cache.starts, self.cache.lengths,
-                                     self.history, self.next_token, **options)
+                                     self.history, self.next_token, **self.options)
 
         self.prefill_sampling, self.decode_sampling = sampler(self.prefill), sampler(self.decode)
+        self.fills: dict[int, RowFill] = {}  # by rows: powers of two, made when first needed
+        self.fill_rows = 0  # rows filled since the session was made (a prompt pass each, past the first prefill)
 
     def start(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], eos: Collection[int],
-              row_slots: Sequence[int] | None = None) -> None:
-        """Write a generation's inputs: the prompts (right-padded) and the row of each one's last
-        token, the tokens the repetition penalty sees and the EOS tokens, each sequence's seed and
-        count, where each one stands (position 0, its prompt's length), and with ``row_slots`` each
-        one's adapter (a session whose adapters serve rows)."""
-        b, t = self.batch, self.prompt_length
-        if len(prompts) != b or len(seeds) != b or not all(1 <= len(p) <= t for p in prompts):
-            raise ValueError(f"{len(prompts)} prompts of {[len(p) for p in prompts]} tokens and {len(seeds)} seeds "
-                             f"for a session of {b} prompts of 1 to {t} tokens")
-        ids = np.zeros((b, t), np.uint32)  # padding: token 0, never attended to (each row's length)
-        flags = np.zeros(self.seen.shape, np.uint32)
-        for row, prompt in enumerate(prompts):
-            ids[row, :len(prompt)] = prompt
-            flags[row, np.asarray(prompt, np.int64)] = SEEN
-        flags[:, np.asarray(sorted(eos), np.int64)] |= EOS
-        write(self.prefill.ids, ids.reshape(-1))
-        self.prefill.set_last([len(p) for p in prompts])
-        write(self.seen, flags)
-        state = np.zeros((b, 2), np.uint32)
-        state[:, ROW_SEED] = [seed & 0xFFFFFFFF for seed in seeds]
-        write(self.state, state)
-        self.cache.set_position(0, [len(p) for p in prompts])
+              limits: Sequence[int] | None = None, row_slots: Sequence[int] | None = None) -> None:
+        """Write the first prefill's inputs, one prompt a row (``batch`` of them, each at most
+        ``prompt_length`` tokens): the prompts (right-padded) and the row of each one's last token,
+        the tokens the repetition penalty sees and the EOS tokens, each row's seed, count and limit
+        (``limits``, default ``max_new_tokens``), where each one stands (position 0, its length),
+        and with ``row_slots`` each one's adapter (a session whose adapters serve rows)."""
+        limits = [self.max_new_tokens] * len(prompts) if limits is None else limits
+        _prompt_inputs(self.prefill, self.seen, self.state, prompts, seeds, limits, eos)
         if (row_slots is None) != (self.prefill.row_adapters is None):
             raise ValueError("a session whose adapters serve rows generates with each row's adapter slot, and only "
                              "such a session takes them")
@@ -167,55 +268,129 @@ class DecodeSession:
         """End sequence ``row`` from the next submit on (its length 0, as an EOS token sets it)."""
         write(self.cache.lengths, np.zeros(1, np.uint32), offset=4 * row)
 
+    def fill(self, count: int) -> RowFill:
+        """The ``RowFill`` of ``count`` rows, made the first time it is asked for."""
+        if count not in self.fills:
+            self.fills[count] = RowFill(self, count)
+        return self.fills[count]
+
+    def record_fills(self, rec: Recorder, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+                     seeds: Sequence[int], limits: Sequence[int], eos: Collection[int],
+                     row_slots: Sequence[int] | None = None) -> None:
+        """Into ``rec``: ``prompts`` taking over ``rows`` (one each; ``row_slots``, their adapters in a
+        session whose adapters serve rows), in fills of powers of two rows, the largest first; their
+        inputs written now, before the submit that runs them."""
+        at = 0
+        while at < len(rows):
+            count = 1 << ((len(rows) - at).bit_length() - 1)
+            fill = self.fill(count)
+            part = slice(at, at + count)
+            fill.start(rows[part], prompts[part], seeds[part], limits[part], eos,
+                       None if row_slots is None else row_slots[part])
+            fill.record(rec)
+            at += count
+        self.fill_rows += len(rows)
+
     def generate(self, prompts: Sequence[Sequence[int]], eos: Collection[int], seeds: Sequence[int] | None = None,
-                 tokens_per_submit: int = 8, on_token: OnToken | None = None,
+                 tokens_per_submit: int = TOKENS_PER_SUBMIT, on_token: OnToken | None = None,
+                 max_new_tokens: Sequence[int] | None = None, on_done: OnDone | None = None,
                  row_slots: Sequence[int] | None = None) -> list[Generated]:
-        """Up to ``max_new_tokens`` after each of ``prompts`` (``batch`` of them, each at most the
-        session's prompt length); returns each one's new ids and whether an EOS token ended them.
-        ``seeds``: each sequence's sampling seed (default 0). ``on_token(row, token)`` sees every
-        token of every sequence as the tokens come back, in order, up to the sequence's last;
-        returning True ends that sequence after the token. ``row_slots``: each sequence's adapter
+        """Up to ``max_new_tokens`` (each prompt's, at most the session's; default the session's) after
+        each of ``prompts`` (at least ``batch`` of them, each at most the session's prompt length),
+        ``batch`` at a time, a row taking the next prompt as soon as its own has ended (the module
+        docstring); returns each one's new ids and whether an EOS token ended them, in order.
+        ``seeds``: each prompt's sampling seed (default 0). ``on_token(index, token)`` sees every
+        token of every prompt as the tokens come back, each prompt's in order, up to its last;
+        returning True ends that prompt's generation after the token. ``on_done(index, generated)``
+        gets each prompt's result as soon as it is complete. ``row_slots``: each prompt's adapter
         (``EngineAdapters.row_slots``), in a session whose adapters serve rows."""
+        n, b = len(prompts), self.batch
+        seeds = [0] * n if seeds is None else list(seeds)
+        limits = [self.max_new_tokens] * n if max_new_tokens is None else list(max_new_tokens)
+        if n < b or len(seeds) != n or len(limits) != n or (row_slots is not None and len(row_slots) != n):
+            raise ValueError(f"{n} prompts, {len(seeds)} seeds, {len(limits)} limits and "
+                             f"{'no' if row_slots is None else len(row_slots)} adapter slots for a session of {b} rows")
+        if not all(1 <= limit <= self.max_new_tokens for limit in limits) or \
+                not all(1 <= len(p) <= self.prompt_length for p in prompts):
+            raise ValueError(f"prompts of {sorted({len(p) for p in prompts})} tokens and limits of "
+                             f"{sorted(set(limits))} tokens for a session of prompts of 1 to {self.prompt_length} "
+                             f"tokens and 1 to {self.max_new_tokens} new tokens")
         self.adapters.sync()
-        seeds = [0] * self.batch if seeds is None else list(seeds)
-        self.start(prompts, seeds, eos, row_slots)
         history = np.zeros(self.history.shape, np.uint32)
         tokens: list[list[int]] = [[] for _ in prompts]
-        ended: list[bool | None] = [None] * self.batch  # None: running; else whether EOS ended it
+        ended: list[bool | None] = [None] * n  # None: running; else whether EOS ended it
+        owner = list(range(b))  # each row's prompt (the last one, once no prompt waits)
+        given = [1] * b  # the tokens each row's prompt has once every submit made so far is done
+        waiting = b  # the next prompt to take a row
 
-        def submit(steps: int, prefill: bool) -> Pending:
+        def submit(steps: int, fills: list[tuple[int, int]] | None) -> Pending:
+            """``fills`` (row, prompt) taking over rows, then ``steps`` decode steps; None: the first prefill."""
             rec = Recorder(self.adapters.device)
-            self.record(rec, steps, prefill)
+            if fills is None:
+                self.record(rec, steps, prefill=True)
+            else:
+                rows, chosen = [r for r, _ in fills], [p for _, p in fills]
+                slots = None if row_slots is None else [row_slots[p] for p in chosen]
+                self.record_fills(rec, rows, [prompts[p] for p in chosen], [seeds[p] for p in chosen],
+                                  [limits[p] for p in chosen], eos, slots)
+                if fills and row_slots is not None:  # each row decodes with its prompt's adapter
+                    self.decode.set_row_slots([row_slots[p] for p in owner])
+                self.record(rec, steps, prefill=False)
             rec.read(self.history, history)
             return rec.submit_async()
 
-        def take(count: int) -> None:
-            """Hand on each running sequence's tokens below ``count``; end those that end."""
-            for row in range(self.batch):
-                while ended[row] is None and len(tokens[row]) < count:
-                    token = int(history[row, len(tokens[row])])
-                    tokens[row].append(token)
-                    stop = on_token(row, token) if on_token is not None else False
+        def take(rows: list[tuple[int, int, int]]) -> None:
+            """Hand on the tokens the readback holds: below ``count`` of each (row, prompt, count);
+            end the prompts that end there."""
+            for row, p, count in rows:
+                while ended[p] is None and len(tokens[p]) < count:
+                    token = int(history[row, len(tokens[p])])
+                    tokens[p].append(token)
+                    stop = on_token(p, token) if on_token is not None else False
                     if token in eos:
-                        ended[row] = True  # the GPU ended it
+                        ended[p] = True  # the GPU ended it
                     elif stop:
-                        ended[row] = False
-                        self.end_row(row)
-                    elif len(tokens[row]) == self.max_new_tokens:
-                        ended[row] = False
+                        ended[p] = False
+                        if owner[row] == p:  # not yet handed to the next prompt
+                            self.end_row(row)
+                    elif len(tokens[p]) == limits[p]:
+                        ended[p] = False  # the GPU ended it
+                    if ended[p] is not None and on_done is not None:
+                        on_done(p, Generated(tokens[p], ended[p]))
 
-        queue = [(submit(0, prefill=True), 1)]  # (submitted work, tokens chosen once it is done), oldest first
-        done = 1
-        while queue:
-            more = done < self.max_new_tokens and None in ended
-            if more:
-                steps = min(tokens_per_submit, self.max_new_tokens - done)
-                done += steps
-                queue.append((submit(steps, prefill=False), done))
-            if len(queue) > 1 or not more:  # one batch stays in flight while the next one is encoded
-                oldest, count = queue.pop(0)
-                oldest.wait()  # in submission order: the readback is the newest history
-                take(count)
+        def running(row: int) -> bool:
+            """Whether the row's prompt may still take tokens past the submits made so far."""
+            p = owner[row]
+            return ended[p] is None and given[row] < limits[p]
+
+        def snapshot() -> list[tuple[int, int, int]]:
+            return [(row, p, given[row]) for row, p in enumerate(owner) if ended[p] is None]
+
+        queue: deque = deque()  # (submitted work, the (row, prompt, count) its readback holds), oldest first
+        self.start(prompts[:b], seeds[:b], eos, limits[:b], None if row_slots is None else row_slots[:b])
+        queue.append((submit(0, None), snapshot()))
+        try:
+            while queue:
+                fills = []
+                for row in range(b):
+                    if waiting < n and not running(row):
+                        owner[row], given[row] = waiting, 1
+                        fills.append((row, waiting))
+                        waiting += 1
+                live = [row for row in range(b) if running(row)]
+                more = bool(fills or live)
+                if more:
+                    steps = min(tokens_per_submit, max((limits[owner[r]] - given[r] for r in live), default=0))
+                    for row in live:
+                        given[row] = min(given[row] + steps, limits[owner[row]])
+                    queue.append((submit(steps, fills), snapshot()))
+                if len(queue) > 1 or not more:  # one submit stays in flight while the next one is encoded
+                    oldest, rows = queue.popleft()
+                    oldest.wait()  # in submission order: the readback is the newest history
+                    take(rows)
+        finally:
+            for pending, _ in queue:  # an exception (from on_token, on_done): leave nothing in flight
+                pending.wait()
         return [Generated(row, bool(end)) for row, end in zip(tokens, ended)]
 
     def roles(self) -> dict[str, int]:

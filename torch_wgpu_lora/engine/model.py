@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..limits import check_context
 from ..loss import causal_lm_loss
 from ..runtime import Device, get_device
 from ..runtime.buffers import pool_for, staging_for
@@ -257,24 +258,63 @@ class BitNetEngine(nn.Module):
     # -- generation ---------------------------------------------------------------------------------
 
     def generate_batch(self, request: GenerationRequest) -> list[Generated]:
-        """Up to ``request.max_new_tokens`` after each of ``request.prompts``, every prompt at once on
-        the GPU (``engine.generate``: the KV cache, the next-token choice and the token history stay
+        """Up to ``request.max_new_tokens`` after each of ``request.prompts``, ``request.batch_size`` of
+        them at once on the GPU (default: all), a finished row taking the next prompt (continuous
+        batching; ``engine.generate``: the KV cache, the next-token choice and the token history stay
         there; each prompt gets the tokens it gets alone); returns each prompt's ``Generated`` (new
-        ids, whether an EOS token ended them), in order.
+        ids, whether an EOS token ended them), in order, each also handed to ``request.on_done`` as
+        soon as it is complete.
 
         >>> # engine.generate_batch(GenerationRequest([[0, 17, 42], [0, 5]], max_new_tokens=32, eos={1}))
+        >>> # engine.generate_batch(GenerationRequest(prompts, max_new_tokens=128, batch_size=64))
         """
         check_prompts(request.prompts, self.engine_config.vocab)
-        if request.max_new_tokens == 0:
-            return [Generated([], False) for _ in request.prompts]
+        limits = request.limits()
+        batch_size = request.batch_size
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                       or batch_size < 1):
+            raise ValueError(f"batch_size must be an integer >= 1 (or None: every prompt at once), got {batch_size!r}")
+        per_submit = request.tokens_per_submit
+        if isinstance(per_submit, bool) or not isinstance(per_submit, int) or per_submit < 1:
+            raise ValueError(f"tokens_per_submit must be an integer >= 1, got {per_submit!r}")
+        seeds = [0] * len(limits) if request.seeds is None else list(request.seeds)
+        if len(seeds) != len(limits):
+            raise ValueError(f"{len(seeds)} seeds for {len(limits)} prompts")
+        todo = [i for i, limit in enumerate(limits) if limit > 0]  # the others are done: no token asked for
+        prompts = [request.prompts[i] for i in todo]
+        context = self.engine_config.max_positions
+        for i in todo:
+            try:
+                check_context(context, len(request.prompts[i]), limits[i])
+            except ValueError as err:
+                raise ValueError(f"prompt {i}: {err}") from None
+        longest, most = max((len(p) for p in prompts), default=0), max(limits)
+        if longest + most > context:
+            raise ValueError(f"prompts of up to {longest} tokens and up to {most} new tokens share KV cache rows of "
+                             f"{longest + most} positions, past the model's context of {context} "
+                             "(max_position_embeddings): generate the longest prompts and the longest completions in "
+                             "separate requests")
+        results = [Generated([], False) for _ in request.prompts]
+        on_token, on_done = request.on_token, request.on_done
         with self.lock:  # one GPU pass at a time
             names = request.adapter_names
             slots = self.adapters.row_slots(names, len(request.prompts)) if names is not None else None
-            session = self.decode_session(len(request.prompts), max(len(p) for p in request.prompts),
-                                          request.max_new_tokens, serve_rows=slots is not None, **request.sampling)
-            return session.generate(request.prompts, request.eos, seeds=request.seeds,
-                                    tokens_per_submit=request.tokens_per_submit, on_token=request.on_token,
-                                    row_slots=slots)
+            if on_done is not None:
+                for i in sorted(set(range(len(limits))) - set(todo)):
+                    on_done(i, results[i])
+            if not todo:
+                return results
+            session = self.decode_session(min(batch_size or len(todo), len(todo)), longest, most,
+                                          serve_rows=slots is not None, **request.sampling)
+            done = session.generate(
+                prompts, request.eos, seeds=[seeds[i] for i in todo], tokens_per_submit=per_submit,
+                max_new_tokens=[limits[i] for i in todo],
+                on_token=None if on_token is None else lambda j, token: on_token(todo[j], token),
+                on_done=None if on_done is None else lambda j, generated: on_done(todo[j], generated),
+                row_slots=None if slots is None else [slots[i] for i in todo])
+        for i, generated in zip(todo, done):
+            results[i] = generated
+        return results
 
     def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  generation_config: Any = None, streamer: Any = None, tokenizer: Any = None,

@@ -15,15 +15,17 @@ per plan and record the same ones for every generated token::
 Buffers, for a batch of B sequences (rows): ``logits`` f32 [B, 4·⌈V/4⌉] (each row's last
 position; one row may be [V]), ``seen`` u32 flags of the same shape (``SEEN`` for every prompt
 and generated token: the repetition penalty applies to them; ``EOS`` for the tokens that end a
-sequence), ``state`` u32 [B, 2] (``ROW_SEED`` the row's sampling seed, ``ROW_COUNT`` the tokens
-it has generated), ``starts`` and ``lengths`` u32 [B] (the KV cache's: where the row's next pass
-starts, its valid positions), ``history`` u32 [B, max_new_tokens], ``next_token`` u32 [B].
+sequence), ``state`` u32 [B, 3] (``ROW_SEED`` the row's sampling seed, ``ROW_COUNT`` the tokens
+it has generated, ``ROW_LIMIT`` the most it may generate), ``starts`` and ``lengths`` u32 [B] (the
+KV cache's: where the row's next pass starts, its valid positions), ``history`` u32 [B, max_new_tokens]
+(or fewer columns: a token past the row's last column is not kept), ``next_token`` u32 [B].
 After choosing ``token`` for row b, the last launch sets ``history[b, count] = token``, the
 token's ``SEEN`` flag, ``next_token[b] = token``, adds 1 to the count, and puts the row's next
-pass at its end (``starts[b] = lengths[b]``, then ``lengths[b]`` += 1); an ``EOS`` token sets
-``lengths[b] = 0`` instead: the row has finished, and every launch (these, and attention, which
-then reads one key of it) skips it from the next step on. The host may end a row the same way
-(a stop string).
+pass at its end (``starts[b] = lengths[b]``, then ``lengths[b]`` += 1); an ``EOS`` token, or the
+row's last (the count reaching its limit), sets ``lengths[b] = 0`` instead: the row has finished,
+and every launch (these, and attention, which then reads one key of it) skips it from the next
+step on. The host may end a row the same way (a stop string). Rows of one batch may so end at
+different steps without the host telling them apart (continuous batching: ``engine.generate``).
 
 The processing is generation.py's, in transformers' order: repetition penalty, EOS tokens to
 -inf while the row has fewer than ``min_new_tokens`` (``MinNewTokensLengthLogitsProcessor``),
@@ -69,11 +71,12 @@ from ...logits import check_processing, process_logits
 from ...runtime import Buffer, Device, Launch, kernel, write
 from ..workspace import Workspace
 
-__all__ = ["EOS", "ROW_COUNT", "ROW_SEED", "SEARCH_PASSES", "SEEN", "inverse_cdf", "plan_shape", "sample_reference",
-           "sampling_launches", "uniform"]
+__all__ = ["EOS", "ROW_COUNT", "ROW_FIELDS", "ROW_LIMIT", "ROW_SEED", "SEARCH_PASSES", "SEEN", "inverse_cdf",
+           "plan_shape", "sample_reference", "sampling_launches", "uniform"]
 
 SEEN, EOS = 1, 2  # the seen buffer's flags: the repetition penalty applies; the token ends its sequence
-ROW_SEED, ROW_COUNT = 0, 1  # the fields of a row's state
+ROW_SEED, ROW_COUNT, ROW_LIMIT = 0, 1, 2  # the fields of a row's state (the WGSL's SEED, COUNT, LIMIT)
+ROW_FIELDS = 3  # u32s of a row's state
 SEARCH_PASSES = 8  # 17 ** 8 > 2 ** 32: 8 folds narrow any interval of 32-bit keys to one
 MODES = {"top_k": 0, "top_p": 1, "top_k_top_p": 2}  # the searches (the WGSL's MODE)
 WORKGROUP = 128  # threads per workgroup of every launch (the WGSL's WG)
@@ -203,7 +206,7 @@ def sampling_launches(logits: Buffer, seen: Buffer, state: Buffer, starts: Buffe
     rows = (batch - 1) * 4 * v4 + vocab  # rows of 4·v4; the last may end at vocab
     _check_buffer("logits", logits, "f32", rows)
     _check_buffer("seen", seen, "u32", rows)
-    _check_buffer("state", state, "u32", 2 * batch)
+    _check_buffer("state", state, "u32", ROW_FIELDS * batch)
     _check_buffer("starts", starts, "u32", batch)
     _check_buffer("history", history, "u32", batch)
     _check_buffer("next_token", next_token, "u32", batch)
