@@ -204,7 +204,7 @@ def generate(model: nn.Module, tokenizer: Any, prompt: Prompt | list[Prompt], ma
 
     ``adapter_names`` (a list, one name a prompt, ``"__base__"`` for none; a model with named
     adapters, or an engine running one): each prompt is continued with its own adapter, as PEFT's
-    ``generate(..., adapter_names=...)`` does (on the engine all at once, ``EngineAdapters.serve_rows``;
+    ``generate(..., adapter_names=...)`` does (on the engine all at once, ``EngineAdapters.refresh(serve_rows=True)``;
     on the torch path ``LoraModelMixin.per_row_adapters``).
 
     ``return_ids=True`` returns a ``Generation`` (text, new token ids, prompt ids, whether

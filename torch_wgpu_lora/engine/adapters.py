@@ -26,7 +26,7 @@ a PEFT layer, ...), which it would otherwise leave out. ``refresh`` follows the 
 adapters change (another active adapter: other modules or ranks) by laying them out anew; a
 disabled adapter (``LoRALinear.disabled``) runs with scaling 0.
 
-Several adapters in one batch (PEFT's ``adapter_names``): ``serve_rows`` lays out every named
+Several adapters in one batch (PEFT's ``adapter_names``): ``refresh(serve_rows=True)`` lays out every named
 adapter of the model at once, each with its slot (its index among the model's adapter names); a
 site's ``columns`` (u32 [rank]) names the slot of each column of h, and a pass's rows name theirs
 (``row_slots``), so that the norm kernel zeroes, in each token's h, the columns of the adapters the
@@ -175,28 +175,24 @@ class EngineAdapters:
     def __init__(self, model: nn.Module, config: EngineConfig, device: Device) -> None:
         self.model, self.config, self.device = model, config, device
         self.gpu_is_newer = False  # set when the engine's own optimizer step changed ``params``
-        self.serving_rows = False  # every named adapter laid out, each row choosing its own (``serve_rows``)
         self._lay_out(_layout(model, config))
 
-    def serve_rows(self, on: bool) -> None:
-        """From the next ``refresh`` on, lay out every named adapter of the model, each pass's rows
-        choosing theirs (``row_slots``; PEFT's ``adapter_names``), or (``on`` False) the adapters in use."""
-        self.serving_rows = on
-
-    def refresh(self) -> bool:
+    def refresh(self, serve_rows: bool = False) -> bool:
         """Lay the adapters out anew if the model's changed since (other modules or ranks, e.g. after
-        ``set_adapter``; another ``serve_rows``); returns whether it did. Values the engine's optimizer
-        wrote are pulled into the old Parameters first. Plans built for the old layout must not be
-        used after a True."""
-        layout = (_rows_layout if self.serving_rows else _layout)(self.model, self.config)
-        if (self.serving_rows, _signature(layout)) == self._signature:
+        ``set_adapter``) or ``serve_rows`` differs from the last layout's; returns whether it did.
+        ``serve_rows``: every named adapter of the model, each pass's rows choosing theirs
+        (``row_slots``; PEFT's ``adapter_names``); else the adapters in use. Values the engine's
+        optimizer wrote are pulled into the old Parameters first. Plans built for the old layout must
+        not be used after a True."""
+        layout = (_rows_layout if serve_rows else _layout)(self.model, self.config)
+        if (serve_rows, _signature(layout)) == self._signature:
             return False
-        if self.serving_rows:
+        if serve_rows:
             refuse_peft_layers(self.model)
         else:
             check_adapters(self.model, self.config)
         self.pull()
-        self._lay_out(layout)
+        self._lay_out(layout, serve_rows)
         return True
 
     def row_slots(self, adapter_names: Any, rows: int) -> list[int]:
@@ -216,9 +212,10 @@ class EngineAdapters:
                              f"(and {BASE_ROW!r} for a row without adapter)")
         return [NO_ADAPTER if n == BASE_ROW else names.index(n) for n in adapter_names]
 
-    def _lay_out(self, layout: list[list[Placed]]) -> None:
+    def _lay_out(self, layout: list[list[Placed]], serve_rows: bool = False) -> None:
         config = self.config
-        self._signature = (self.serving_rows, _signature(layout))
+        self.serving_rows = serve_rows  # every named adapter laid out, each row choosing its own
+        self._signature = (serve_rows, _signature(layout))
         self.sites: list[dict[str, Site]] = []
         size = 0
         for index, placed in enumerate(layout):
@@ -243,7 +240,7 @@ class EngineAdapters:
                 if site.rank:
                     site.a = self.params.slice(site.a_offset, (site.rank, pad(site.k, 64)))
                     site.table = upload(lora_table(self._segments(site)), self.device)
-                    if self.serving_rows:
+                    if serve_rows:
                         site.columns = upload(np.array([a.slot for a in site.adapters for _ in range(a.module.r)],
                                                        np.uint32), self.device)
         self.modules = [a.module for sites in self.sites for s in sites.values() for a in s.adapters]

@@ -143,7 +143,7 @@ class BitNetEngine(nn.Module):
         """The KV cache, plans and sampling launches of a generation of ``batch`` prompts of up to
         ``prompt_length`` tokens, with this sampling (``engine.generate.DecodeSession``), built
         once, then reused: building one takes tens of ms. ``serve_rows``: every named adapter laid
-        out, each row running the one its slot names (``EngineAdapters.serve_rows``). Generation
+        out, each row running the one its slot names (``EngineAdapters.refresh(serve_rows=True)``). Generation
         applies no LoRA dropout: adapters that would (training mode) are refused."""
         with self.lock:
             self._follow_adapters(serve_rows=serve_rows)
@@ -169,8 +169,7 @@ class BitNetEngine(nn.Module):
         ``serve_rows`` (every named adapter, each row choosing its own) differs from the last call's:
         the plans, the step encoded ahead and the optimizer step's flat moments of the old layout go
         (the optimizers keep their moments, which move into the new layout at their next step)."""
-        self.adapters.serve_rows(serve_rows)
-        if self.adapters.refresh():
+        if self.adapters.refresh(serve_rows):
             self.release_plans()
             self.optimizer_step.release_moments()
             self.optimizer_step = OptimizerStep(self.adapters, Workspace(self.device))
@@ -198,7 +197,7 @@ class BitNetEngine(nn.Module):
         (a [batch, tokens, vocab] readback) are returned only when ``return_logits=True``.
 
         ``adapter_names`` (one adapter name a row, ``"__base__"`` for none, as PEFT takes them): each
-        row runs its own adapter (``EngineAdapters.serve_rows``), for inference, as in PEFT.
+        row runs its own adapter (``EngineAdapters.refresh(serve_rows=True)``), for inference, as in PEFT.
         """
         adapter_names = unused.get("adapter_names")
         if unused.get("use_cache") or unused.get("past_key_values") is not None or unused.get("cache") is not None:

@@ -133,7 +133,7 @@ class ForwardPlan:
         self.ids = ids if ids is not None else ws.alloc("inputs", (n,), "u32")
         self.dropout = ws.alloc("inputs", (4,), "u32") if dropout else None
         self.positions = ws.alloc("inputs", (n,), "u32") if packed else None
-        # rows serving named adapters (``EngineAdapters.serve_rows``): each token's adapter slot
+        # rows serving named adapters (``EngineAdapters.refresh(serve_rows=True)``): each token's adapter slot
         self.row_adapters = ws.alloc("inputs", (n,), "u32") if adapters.serving_rows else None
         self.context = PassContext(
             weights, adapters, cache.batch, tokens, residual=ws.alloc("activations", (n, H)),
@@ -239,7 +239,7 @@ class ForwardPlan:
         plan whose adapters serve rows."""
         if self.row_adapters is None:
             raise ValueError("this plan runs the adapters in use on every row; its adapters were not laid out to "
-                             "serve rows (EngineAdapters.serve_rows)")
+                             "serve rows (EngineAdapters.refresh(serve_rows=True))")
         if len(slots) != self.batch:
             raise ValueError(f"{len(slots)} adapter slots for a pass of {self.batch} sequences")
         write(self.row_adapters, np.repeat(np.asarray(slots, np.uint32), self.tokens))

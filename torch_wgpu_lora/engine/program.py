@@ -139,7 +139,7 @@ class PassContext:
       plan also keeps float projections on one path, ``gemv`` False);
     * ``dropout``: the pass's LoRA dropout state (``kernels.dropout``), None for none;
     * ``row_adapters``: each token's adapter slot (u32 [rows]) where the adapters serve rows
-      (``EngineAdapters.serve_rows``: a batch of mixed adapters), None for a pass whose rows run the
+      (``EngineAdapters.refresh(serve_rows=True)``: a batch of mixed adapters), None for a pass whose rows run the
       adapters in use;
     * ``positions``: a packed pass's position ids (u32 [rows]: several examples in each row, each
       numbered from 0), by which RoPE rotates and attention keeps each example to itself; None

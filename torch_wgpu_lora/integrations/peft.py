@@ -33,7 +33,7 @@ what needs one adapter a module, such as ``twl.train``, ``save_adapter`` or ``Bi
 refuses it, naming the module). ``adapter_names=[...]`` in the model's call or in ``generate``
 gives each row of the batch its own adapter (``"__base__"``: none), whichever are active: for
 inference, refused in training mode, with merged adapters and for unknown names, as in PEFT.
-``BitNetEngine`` takes ``adapter_names`` too, every row in one pass (``EngineAdapters.serve_rows``).
+``BitNetEngine`` takes ``adapter_names`` too, every row in one pass (``EngineAdapters.refresh(serve_rows=True)``).
 
 Merging. ``merge_adapter`` / ``unmerge_adapter``, ``merge_and_unload`` and ``unload`` as PEFT's,
 and ``get_base_model`` (this model, adapters in place, as ``PeftModel.get_base_model()``). A
