@@ -28,9 +28,9 @@
 // A), rows (the weights' rows), t_words (u32 words a weight row), the bindings AQ
 // (array<vec4<u32>>) and T4 (array<vec4<u32>>), and
 //   fn finish(t: u32, lane: u32, sg: u32, n0: u32, c0: u32, i: u32): the epilogue of row i of every
-//     subgroup's result matrices, staged side by side at Staged[sg · SM_M · RESULT_ROW] as SM_M rows
-//     of RESULT_ROW = TN · SM_N (put_results calls it: a row of matrices a round, stores along rows
-//     of RESULT_ROW columns).
+//     subgroup's result matrices, staged side by side at Staged[sg · SM_M · RESULT_STRIDE] as SM_M
+//     rows of RESULT_ROW = TN · SM_N, RESULT_STRIDE apart (put_results calls it: a row of matrices a
+//     round, stores along rows of RESULT_ROW columns).
 
 alias L = subgroup_matrix_left<i8, SM_K, SM_M>;
 alias R = subgroup_matrix_right<i8, SM_N, SM_K>;
@@ -54,6 +54,8 @@ override T_LOADS: u32 = (BN * KSTEP / 64u + WG - 1u) / WG;          // of 64 wei
 
 override A_WORDS: u32 = BM * A_STRIDE / 4u;  // the staged A [BM][A_STRIDE] bytes, then the weights
 override RESULT_ROW: u32 = TN * SM_N;          // columns of a subgroup's row of result matrices
+override RESULT_PAD: u32 = 8u;                 // words after each staged row of results (against bank conflicts)
+override RESULT_STRIDE: u32 = RESULT_ROW + RESULT_PAD;
 
 // Workgroup memory: the device's (SM_STORAGE, which the runtime writes too), a constant, as
 // subgroupMatrixLoad takes arrays of a constant length (gemms.mma_shape checks that the staged step,
@@ -143,9 +145,13 @@ fn load_t(v: u32, c0: u32, kk: u32) -> vec4<u32> {
   return T4[(row * p.t_words + col / 16u) / 4u];
 }
 
+fn a_offset(v: u32) -> u32 { return (v / (KSTEP / 16u)) * A_STRIDE + 16u * (v % (KSTEP / 16u)); }  // bytes
+
+fn t_offset(v: u32) -> u32 { return (v / (KSTEP / 64u)) * T_STRIDE + 64u * (v % (KSTEP / 64u)); }  // W_T false
+
 fn put_a(v: u32, a: vec4<u32>) {
   if (v >= BM * KSTEP / 16u) { return; }
-  let b = ((v / (KSTEP / 16u)) * A_STRIDE + 16u * (v % (KSTEP / 16u))) / 4u;
+  let b = a_offset(v) / 4u;
   Staged[b] = bitcast<i32>(a.x); Staged[b + 1u] = bitcast<i32>(a.y); Staged[b + 2u] = bitcast<i32>(a.z);
   Staged[b + 3u] = bitcast<i32>(a.w);
 }
@@ -176,7 +182,7 @@ fn put_t(v: u32, w: vec4<u32>) {
     }
     return;
   }
-  let b = A_WORDS + ((v / (KSTEP / 64u)) * T_STRIDE + 64u * (v % (KSTEP / 64u))) / 4u;
+  let b = A_WORDS + t_offset(v) / 4u;
   Staged[b] = unpacked(w.x, 0u); Staged[b + 1u] = unpacked(w.x, 2u); Staged[b + 2u] = unpacked(w.x, 4u);
   Staged[b + 3u] = unpacked(w.x, 6u);
   Staged[b + 4u] = unpacked(w.y, 0u); Staged[b + 5u] = unpacked(w.y, 2u); Staged[b + 6u] = unpacked(w.y, 4u);
@@ -287,9 +293,14 @@ fn multiply(acc: ptr<function, Acc>, t: u32, sr: u32, sc: u32, tok0: u32, c0: u3
   }
 }
 
-// Result matrix j of the subgroup's row being put, beside the row's others (RESULT_ROW columns a row).
+// Result matrix j of the subgroup's row being put, beside the row's others (RESULT_STRIDE words a row).
 fn stage_result(m: O, sg: u32, j: u32) {
-  subgroupMatrixStore(&Staged, sg * SM_M * RESULT_ROW + j * SM_N, m, false, RESULT_ROW);
+  subgroupMatrixStore(&Staged, sg * SM_M * RESULT_STRIDE + j * SM_N, m, false, RESULT_STRIDE);
+}
+
+// Element e (row e / RESULT_ROW) of subgroup sg's staged row of result matrices.
+fn staged_result(sg: u32, e: u32) -> i32 {
+  return Staged[sg * SM_M * RESULT_STRIDE + e / RESULT_ROW * RESULT_STRIDE + e % RESULT_ROW];
 }
 
 // Each row i of every subgroup's result matrices through Staged into the including file's finish.

@@ -163,7 +163,7 @@ fn group_size(wg: vec3<u32>) -> u32 {
 }
 fn has_next(i: u32, n: u32) -> bool { return i + 1u < GROUP && n + 1u < p.tokens; }
 
-const NORM_WORDS: u32 = 8u;  // gemv_norm*, gemv_combine: 4-feature words an invocation holds
+const NORM_WORDS: u32 = 16u;  // gemv_norm*, gemv_combine: 4-feature words an invocation holds
 
 // gemv_combine: features 4w.. of token n's row of attention's output (one head's), its key spans'
 // partials merged as attention.wgsl's decode_combine merges them: Σ_s w_s·o_s / Σ_s w_s·l_s with

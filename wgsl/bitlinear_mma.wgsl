@@ -56,28 +56,27 @@ fn value(n: u32, j: u32, exact: i32) -> f32 {
 // Row i of subgroup sg's result matrices (SM_M tokens, RESULT_ROW rows of the weights) from its
 // slice of Staged: each subgroup writes its own, a row of RESULT_ROW outputs at a time.
 fn finish(t: u32, lane: u32, sg: u32, n0: u32, j0: u32, i: u32) {
-  let c = sg * SM_M * RESULT_ROW;
   let tn = n0 + (sg / SUB_N) * TM * SM_M + i * SM_M;
   let tj = j0 + (sg % SUB_N) * RESULT_ROW;
   if (SPLITS > 1u) {
     for (var e = lane; e < SM_M * RESULT_ROW; e += SM_SUBGROUP) {
       let n = tn + e / RESULT_ROW;
       let r = tj + e % RESULT_ROW;
-      if (n < p.tokens && r < p.rows) { PART[(split * p.tokens + n) * p.rows + r] = Staged[c + e]; }
+      if (n < p.tokens && r < p.rows) { PART[(split * p.tokens + n) * p.rows + r] = staged_result(sg, e); }
     }
   } else if (MODE == 2u) {  // gate/up: rows 2i, 2i + 1 together
     for (var e = 2u * lane; e < SM_M * RESULT_ROW; e += 2u * SM_SUBGROUP) {
       let n = tn + e / RESULT_ROW;
       let r = tj + e % RESULT_ROW;
       if (n < p.tokens && r + 1u < p.rows) {
-        put_pair(n, r / 2u, value(n, r, Staged[c + e]), value(n, r + 1u, Staged[c + e + 1u]));
+        put_pair(n, r / 2u, value(n, r, staged_result(sg, e)), value(n, r + 1u, staged_result(sg, e + 1u)));
       }
     }
   } else {
     for (var e = lane; e < SM_M * RESULT_ROW; e += SM_SUBGROUP) {
       let n = tn + e / RESULT_ROW;
       let r = tj + e % RESULT_ROW;
-      if (n < p.tokens && r < p.rows) { put(n, r, value(n, r, Staged[c + e])); }
+      if (n < p.tokens && r < p.rows) { put(n, r, value(n, r, staged_result(sg, e))); }
     }
   }
 }

@@ -100,7 +100,7 @@ fn digits(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
 }
 
 // Row i of every subgroup's result matrices (SM_M tokens, RESULT_ROW features; subgroup row d: digit
-// plane d), staged at Staged[sg · SM_M · RESULT_ROW]: the planes' products summed, four features an
+// plane d), staged at Staged[sg · SM_M · RESULT_STRIDE]: the planes' products summed, four features an
 // invocation.
 fn finish(t: u32, lane: u32, sg: u32, n0: u32, k0: u32, i: u32) {
   let quads = SM_M * RESULT_ROW / 4u;
@@ -113,7 +113,7 @@ fn finish(t: u32, lane: u32, sg: u32, n0: u32, k0: u32, i: u32) {
     if (n < p.tokens && k < p.k) {
       var v = vec4<f32>(0.0);
       for (var d = DIGITS; d > 0u; d--) {
-        let at = ((d - 1u) * SUB_N + col) * SM_M * RESULT_ROW + r * RESULT_ROW + c;
+        let at = ((d - 1u) * SUB_N + col) * SM_M * RESULT_STRIDE + r * RESULT_STRIDE + c;
         v = v * (1.0 / 128.0) + vec4<f32>(f32(Staged[at]), f32(Staged[at + 1u]), f32(Staged[at + 2u]),
                                           f32(Staged[at + 3u]));
       }

@@ -193,7 +193,7 @@ def _assert_codes_round(codes: torch.Tensor, y: torch.Tensor, scale: torch.Tenso
 
 
 @pytest.mark.parametrize("mode", ["store", "add"])
-@pytest.mark.parametrize("tokens,k,rows", [(1, 64, 8), (3, 100, 37), (2, 2560, 130), (1, 4096, 24)])
+@pytest.mark.parametrize("tokens,k,rows", [(1, 64, 8), (3, 100, 37), (2, 2560, 130), (1, 4096, 24), (2, 6912, 20)])
 def test_gemv_normalises_and_quantises_its_own_input(tokens, k, rows, mode, reductions):
     g = torch.Generator().manual_seed(tokens + k + rows)
     x = torch.randn(tokens, k + 5, generator=g) * 3  # rows of k + 5: only the first k are features
@@ -471,10 +471,10 @@ def test_gemv_fusions_refuse_what_they_cannot_do():
     with pytest.raises(ValueError, match="attention partials feed o_proj and mode 'rope' is the q/k/v projection's"):
         bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, mode="rope", rope=target, norm=(x, w, 1e-5),
                          attention=decode_partials(2, 1, 4, 2, 16, 8, kernel_workspace()))
-    big = _projection(torch.zeros(4, 4160, dtype=torch.int8), torch.ones(4), True)
-    with pytest.raises(ValueError, match="up to 4096 features, not 4160"):
-        bitlinear_launch(poisoned((1, 4160 // 4), "u32"), xm, big, out, tokens=1, out_stride=8,
-                         norm=(poisoned((1, 4160)), poisoned((4160,)), 1e-5))
+    big = _projection(torch.zeros(4, 8256, dtype=torch.int8), torch.ones(4), True)
+    with pytest.raises(ValueError, match="up to 8192 features, not 8256"):
+        bitlinear_launch(poisoned((1, 8256 // 4), "u32"), xm, big, out, tokens=1, out_stride=8,
+                         norm=(poisoned((1, 8256)), poisoned((8256,)), 1e-5))
 
 
 # -- float matmul -------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from torch_wgpu_lora.engine.config import pad
 from torch_wgpu_lora.engine.kernels.bitlinear import (bitlinear_launch, bitlinear_reference, bitlinear_t_launch,
                                                     bitlinear_t_reference)
-from torch_wgpu_lora.engine.kernels.gemms import MmaTile, int8_matrix_units, mma_shape
+from torch_wgpu_lora.engine.kernels.gemms import WIDE_TILE, MmaTile, int8_matrix_units, mma_shape
 from torch_wgpu_lora.engine.kernels.projection import lora_table
 from torch_wgpu_lora.engine.weights import Projection, pack_ternary
 from torch_wgpu_lora.runtime import get_device, upload
@@ -26,8 +26,10 @@ from .test_kernels import _codes, _projection
 pytestmark = pytest.mark.matrix_units
 
 # The input gradient's tiles: the default (4 digit planes, 2 × 4 matrices a subgroup) and one of a
-# single row of matrices with a short step, so that the staging and the epilogue are checked at two shapes.
-INPUT_GRAD_TILES = {"default": None, "narrow": MmaTile(sub_m=4, digits=4, sub_n=2, tm=1, tn=4, kstep=64)}
+# single row of matrices with a short step and unpadded results, so that the staging and the
+# epilogue are checked at two shapes.
+INPUT_GRAD_TILES = {"default": None,
+                    "narrow": MmaTile(sub_m=4, digits=4, sub_n=2, tm=1, tn=4, kstep=64, result_pad=0)}
 
 U = 2.0 ** -24  # float32's unit roundoff
 
@@ -50,8 +52,10 @@ def _float32_gemm_error(dy: torch.Tensor, values: torch.Tensor, scales: torch.Te
     return float(((dy * c[None, :]) @ values.float() - ref).abs().max())
 
 
-# The forward's tiles: the default and a small one with a short step.
-PROJECTION_TILES = {"default": None, "small": MmaTile(sub_m=2, sub_n=2, tm=1, tn=2, kstep=64)}
+# The forward's tiles: the default for the shape (WIDE_TILE where it has that many outputs), the
+# wide one everywhere, and a small one with a short step and unpadded results.
+PROJECTION_TILES = {"default": None, "wide": WIDE_TILE,
+                    "small": MmaTile(sub_m=2, sub_n=2, tm=1, tn=2, kstep=64, result_pad=0)}
 # BitNet-2B's own shapes on GPUs; on a CPU adapter (lavapipe) the small ones alone.
 SHAPES = [(1, 64, 8), (37, 100, 130), (40, 1100, 72), (200, 2560, 256), (70, 700, 300)]
 GPU_SHAPES = [(512, 2560, 13824), (300, 6912, 2560)]

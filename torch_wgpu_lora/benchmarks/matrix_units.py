@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from ..engine.kernels.bitlinear import bitlinear_launch, bitlinear_t_launch
-from ..engine.kernels.gemms import MmaTile, default_tile, gpu_seconds, int8_matrix_units, mma_shape, variant
+from ..engine.kernels.gemms import (WIDE_TILE, MmaTile, default_tile, gpu_seconds, int8_matrix_units, mma_shape,
+                                    variant)
 from ..engine.kernels.norm import rmsnorm_launch
 from ..engine.weights import Projection, pack_ternary
 from ..engine.workspace import Workspace
@@ -43,18 +44,18 @@ DECODE_SPLITS = (1, 2, 4, 8)  # K ranges of decoding's tiles (split-K)
 PROJECTIONS = {"qkv": (HIDDEN + 2 * KV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * FFN, HIDDEN),
                "down": (HIDDEN, FFN)}
 TILES = {
-    "projection": [MmaTile(), MmaTile(kstep=64), MmaTile(sub_m=4, sub_n=2, tm=1, tn=4),
-                   MmaTile(sub_m=4, sub_n=4, tm=2, tn=4, kstep=64), MmaTile(sub_m=4, sub_n=4, tm=4, tn=2, kstep=64),
-                   MmaTile(sub_m=2, sub_n=4, tm=4, tn=4, kstep=64)],
+    "projection": [MmaTile(), MmaTile(result_pad=0), MmaTile(kstep=64),
+                   MmaTile(sub_m=4, sub_n=4, tm=4, tn=2, kstep=64), WIDE_TILE,
+                   MmaTile(sub_m=2, sub_n=4, tm=4, tn=4, kstep=64, result_pad=0)],
     # decoding's projections: 16 to 64 rows, tiles of few tokens and columns (more workgroups), each
     # also split along K (DECODE_SPLITS)
     "decode": [MmaTile(sub_m=1, sub_n=4, tm=1, tn=1, kstep=256), MmaTile(sub_m=1, sub_n=4, tm=1, tn=1, kstep=512),
                MmaTile(sub_m=1, sub_n=4, tm=1, tn=1), MmaTile(sub_m=1, sub_n=8, tm=1, tn=1),
                MmaTile(sub_m=1, sub_n=2, tm=1, tn=1, kstep=256), MmaTile(sub_m=2, sub_n=4, tm=1, tn=1),
                MmaTile(sub_m=4, sub_n=2, tm=1, tn=2), MmaTile(sub_m=2, sub_n=4, tm=2, tn=1)],
-    "input_grad": [default_tile("input_grad"), MmaTile(sub_m=4, digits=4),
-                   MmaTile(sub_m=4, digits=4, sub_n=2, tm=4, tn=4, kstep=64),
-                   MmaTile(sub_m=4, digits=4, sub_n=4, tm=2, tn=4, kstep=64)],
+    "input_grad": [default_tile("input_grad"),
+                   MmaTile(sub_m=4, digits=4, sub_n=4, tm=4, tn=2, kstep=64, result_pad=0),
+                   MmaTile(sub_m=4, digits=4), MmaTile(sub_m=4, digits=4, sub_n=2, tm=4, tn=4, kstep=64)],
 }
 
 
@@ -151,7 +152,8 @@ def _case_name(shape: tuple[MmaTile, int] | int | None) -> str:
     """A case's launch shape: a matrix-unit tile and its K ranges, or a GEMV's tokens a workgroup."""
     if isinstance(shape, tuple):
         tile, splits = shape
-        return f"{tile.sub_m}x{tile.sub_n} sg, {tile.tm}x{tile.tn} m, k{tile.kstep}, {splits} ranges"
+        return (f"{tile.sub_m}x{tile.sub_n} sg, {tile.tm}x{tile.tn} m, k{tile.kstep}, {splits} ranges"
+                + f", results +{tile.result_pad}")
     return "" if shape is None else f"gemv group {shape}"
 
 

@@ -30,8 +30,8 @@ from ..workspace import Workspace
 from . import dummy
 from .attention.decode import DecodePartials
 from .dropout import SiteDropout, dropout_params
-from .gemms import (MmaTile, default_tile, fastest, int8_matrix_units, matrix_units_wanted_where_there_are_none,
-                    mma_shape, variant)
+from .gemms import (DECODE_TOKENS, MmaTile, default_tile, fastest, int8_matrix_units,
+                    matrix_units_wanted_where_there_are_none, mma_shape, variant)
 from .projection import MODES, check_vec4_rows, gemv_max_tokens, input_grad_launches, split_k_ranges
 from .rope import RopeTarget
 
@@ -80,9 +80,10 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
     ``tile_tokens``: tokens a ``gemm`` workgroup holds, 32 or 64 (default ``gemm_tile_tokens``).
     ``mma``: run the GEMM on the GPU's matrix units (``bitlinear_mma.wgsl``: the same integers, the same
     epilogue); default ``matrix_units_win``, False where the device has no int8 subgroup matrices;
-    ``tile``: its workgroup's shape (default ``gemms.default_tile`` for the token count); ``splits``: ranges
-    of K its workgroups sum apart, their i32 sums added by a second launch that runs the epilogue
-    (default ``projection.split_k_ranges``: few tokens' tiles alone leave a GPU idle), the sums kept in
+    ``tile``: its workgroup's shape (default ``gemms.default_tile`` for the tokens and rows); ``splits``:
+    ranges of K its workgroups sum apart, their i32 sums added by a second launch that runs the
+    epilogue (default: ``projection.split_k_ranges`` up to ``gemms.DECODE_TOKENS`` tokens, whose tiles
+    alone leave a GPU idle; one range above), the sums kept in
     ``workspace``'s scratch (or a buffer of their own).
 
     Decoding's fusions (``gemv`` only): ``norm`` = (x, weight, eps) normalises x's rows (f32 [tokens, ≥ k])
@@ -120,10 +121,14 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
     entry = "gemv" if gemv else "gemm"
     constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=saved is not None)
     if not gemv and (matrix_units_win(device, tokens, proj) if mma is None else mma):
-        shape = mma_shape(device, tile or default_tile("projection", tokens), transposed=False)
+        shape = mma_shape(device, tile or default_tile("projection", tokens, proj.rows), transposed=False)
         grid = (-(-proj.rows // shape.block_n), -(-tokens // shape.block_tokens))
-        # at most two ranges: the sweep's best at 16 to 64 tokens (matrix_units_decode_split.json)
-        splits = splits or split_k_ranges(grid[0] * grid[1], proj.k, device, most=2)
+        # decoding's few tokens in at most two ranges: the sweep's best at 16 to 64 tokens
+        # (matrix_units_decode_split.json); more tokens in one (at 512, the second launch that adds
+        # two ranges took longer than they saved: device run 21 in results/h100/log.txt)
+        if not splits:
+            splits = (split_k_ranges(grid[0] * grid[1], proj.k, device, most=2)
+                      if tokens <= DECODE_TOKENS else 1)
         if splits < 1:
             raise ValueError(f"splits: a GEMM sums K in at least one range, not {splits}")
         params = (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank, segments,
@@ -225,13 +230,14 @@ def gemm_tile_tokens(device: Device) -> int:
     return 64 if device.is_cpu else 32
 
 
-_NORM_FEATURES = 4 * 8 * 128  # gemv's NORM: NORM_WORDS words of 4 features for each of 128 invocations
+_NORM_FEATURES = 4 * 16 * 128  # gemv's NORM: NORM_WORDS words of 4 features for each of 128 invocations
 
 
 def gemv_normalises(k: int) -> bool:
     """Whether ``gemv`` normalises a row of ``k`` features itself: its invocations hold the row in
-    registers, and every workgroup re-reads it, so long rows (BitNet-2B's FFN, 6912) keep their own
-    norm launch."""
+    registers (up to 8192 features) and every workgroup re-reads it. BitNet-2B's FFN rows (6912)
+    fit: its down_proj GEMV normalising them took a decoded token's GPU time to 1.664 ms against
+    1.671 with their own norm launch, 30 launches fewer (H100, device run 21)."""
     return k <= _NORM_FEATURES
 
 

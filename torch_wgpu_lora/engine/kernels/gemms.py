@@ -35,7 +35,9 @@ INPUT_GRAD_DIGITS = 4  # int8 digits of the input gradient's float32 rows: 2⁻�
 class MmaTile:
     """A matrix-unit GEMM's workgroup (``_ternary_mma_tile.wgsl``): ``sub_m`` × ``sub_n`` subgroups,
     each holding ``tm`` × ``tn`` result matrices; ``kstep`` of the sum staged at once, rows padded by
-    ``pad`` bytes; ``digits`` planes of A (1, or ``sub_m``)."""
+    ``pad`` bytes; ``digits`` planes of A (1, or ``sub_m``); ``result_pad``: words after each row of
+    results staged for the epilogue (against bank conflicts: 8 made the sweep's kernels 0-6% faster
+    than 0 on the H100, device runs 20 and 22)."""
 
     sub_m: int = 4
     sub_n: int = 2
@@ -44,10 +46,11 @@ class MmaTile:
     kstep: int = 128
     pad: int = 16
     digits: int = 1
+    result_pad: int = 8
 
     def constants(self, transposed: bool) -> dict[str, int | bool]:
         return dict(SUB_M=self.sub_m, SUB_N=self.sub_n, TM=self.tm, TN=self.tn, KSTEP=self.kstep, PAD=self.pad,
-                    DIGITS=self.digits, W_T=transposed)
+                    DIGITS=self.digits, W_T=transposed, RESULT_PAD=self.result_pad)
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class MmaShape:
 
     @property
     def results_bytes(self) -> int:  # every subgroup's row of result matrices staged for the epilogue (put_results)
-        return 4 * self.tile.sub_m * self.tile.sub_n * self.m * self.n * self.tile.tn
+        return 4 * self.tile.sub_m * self.tile.sub_n * self.m * (self.n * self.tile.tn + self.tile.result_pad)
 
     @property
     def staged_bytes(self) -> int:
@@ -132,16 +135,23 @@ def mma_shape(device: Device, tile: MmaTile, transposed: bool) -> MmaShape:
     return shape
 
 
-DECODE_TOKENS = 64  # up to this many tokens a projection takes DECODE_TILE
+DECODE_TOKENS = 64  # up to this many tokens a projection takes a decoding tile
+# A projection of at least this many outputs (tokens × rows) takes WIDE_TILE: on the H100 it ran
+# 1.16-1.32× the default tile from 512 × 13,824 (216 of its workgroups) up, and 0.6-0.7× at
+# 512 × 3,840 and below (60 workgroups and fewer; device runs 20 and 22).
+WIDE_TILE_OUTPUTS = 4 * 2 ** 20
+WIDE_TILE = MmaTile(sub_m=2, sub_n=4, tm=4, tn=4, kstep=64)
 
 
-def default_tile(kind: str, tokens: int | None = None) -> MmaTile:
+def default_tile(kind: str, tokens: int | None = None, rows: int | None = None) -> MmaTile:
     """The tile each matrix-unit kind runs unless told otherwise: the fastest at a training step's
     shapes on an H100 (benchmarks/RESULTS.md, "On the matrix units"). The input gradient's holds 64
     tokens' four digit planes against 128 columns: its planes are four times the bytes of the
     weights' codes they multiply, so it takes more tokens and fewer columns than the forward's.
-    A projection of up to DECODE_TOKENS tokens (decoding a batch) takes few tokens and columns a
-    workgroup (many small workgroups), each the fastest of the sweep at its token count on the H100
+    A projection of ``tokens`` × ``rows`` outputs: WIDE_TILE (4 × 4 result matrices a subgroup) where
+    it has enough of them to fill the GPU with its wide workgroups (WIDE_TILE_OUTPUTS); up to
+    DECODE_TOKENS tokens (decoding a batch), few tokens and columns a workgroup (many small
+    workgroups), each the fastest of the sweep at its token count on the H100
     (``benchmarks/results/h100/matrix_units_decode_split.json``, split in two along K: 89, 113 and
     127 µs for a layer's four projections at 16, 32 and 64 tokens)."""
     if kind == "input_grad":
@@ -152,6 +162,8 @@ def default_tile(kind: str, tokens: int | None = None) -> MmaTile:
         return MmaTile(sub_m=2, sub_n=4, tm=1, tn=1)
     if tokens is not None and tokens <= DECODE_TOKENS:
         return MmaTile(sub_m=4, sub_n=2, tm=1, tn=2)
+    if tokens is not None and rows is not None and tokens * rows >= WIDE_TILE_OUTPUTS:
+        return WIDE_TILE
     return MmaTile()
 
 
