@@ -25,7 +25,7 @@ from .test_kernels import _codes, _projection
 
 pytestmark = pytest.mark.matrix_units
 
-# The input gradient's tiles: the default (4 digit planes, 2 × 4 matrices a subgroup) and one of a
+# The input gradient's tiles: the default (4 digit planes, 4 × 2 matrices a subgroup) and one of a
 # single row of matrices with a short step and unpadded results, so that the staging and the
 # epilogue are checked at two shapes.
 INPUT_GRAD_TILES = {"default": None,
