@@ -11,6 +11,7 @@ import torch
 
 from torch_wgpu_lora import BitNetEngine, generate
 from torch_wgpu_lora.engine import Generated
+from torch_wgpu_lora.engine.generate import FILL_SHARE, fill_length, rows_to_fill
 from torch_wgpu_lora.engine.kernels.bitlinear import GEMV_GROUP
 from torch_wgpu_lora.engine.kernels.sampling import ROW_COUNT
 from torch_wgpu_lora.engine.plan import ForwardPlan, KVCache
@@ -358,7 +359,10 @@ def test_continuous_batching_gives_each_prompt_its_tokens_alone_and_transformers
     assert sorted(done) == list(enumerate(alone)) and [i for i, _ in done] != sorted(i for i, _ in done)
     session = engine.decode_session(3, max(CONTINUOUS_LENGTHS), max(CONTINUOUS_LIMITS), repetition_penalty=1.1)
     assert session.fill_rows == len(prompts) - 3  # the call's session: every prompt past the first 3 filled a row
-    assert 2 in session.fills  # two rows freed at once took their prompts in one prompt pass
+    # two rows freed at once took their prompts in one prompt pass; a fill's pass covers its own longest
+    # prompt rounded up to a power of two (at least 8), not the session's 13 tokens
+    assert any(count == 2 for count, _ in session.fills)
+    assert {length for _, length in session.fills} == {8, 13}
     for prompt, n, (tokens, _) in zip(prompts, CONTINUOUS_LIMITS, got):
         theirs = transformers_tokens(model, prompt, n, eos, penalty=1.1)
         assert_is_transformers(model, engine, prompt, tokens, theirs, flavour, penalty=1.1)
@@ -410,3 +414,35 @@ def test_prompts_with_no_new_tokens_are_done_without_a_row():
     got = generate_batch(engine, prompts, [0, 4, 0], set(), on_done=lambda i, _: done.append(i))
     assert got == [([], False), generate_alone(engine, prompts[1], 4, set()), ([], False)]
     assert sorted(done) == [0, 1, 2]
+
+
+def test_freed_rows_wait_for_company_and_fills_cover_their_own_prompts():
+    # A fill's prompt pass covers its longest prompt rounded up to a power of two (at least 8), at
+    # most the session's prompt length; freed rows take prompts once batch // FILL_SHARE of them can,
+    # or every prompt left fits, or no row runs.
+    assert [fill_length(n, 141) for n in (1, 8, 9, 33, 64, 65, 129, 141)] == [8, 8, 16, 64, 64, 128, 141, 141]
+    assert fill_length(20, 12) == 12
+    batch = 8 * FILL_SHARE
+    assert [rows_to_fill(free, 100, batch) for free in (0, 1, 7, 8, 30)] == [0, 0, 0, 8, 30]
+    assert rows_to_fill(3, 3, batch) == 3 and rows_to_fill(5, 3, batch) == 3  # the last prompts
+    assert rows_to_fill(batch, 100, batch) == batch and rows_to_fill(1, 100, 1) == 1
+    assert rows_to_fill(4, 0, batch) == 0
+
+
+def test_rows_refilled_in_groups_give_each_prompt_its_tokens_alone(monkeypatch):
+    # Four rows (within the GEMV bound of CPU adapters, where a batch decodes each row as alone),
+    # whose freed rows wait for a second (FILL_SHARE 2) before taking prompts: 24 prompts of 1 to 30
+    # tokens, limits of 1 to 12, through fills of several rows and lengths; every prompt gets exactly
+    # its tokens alone.
+    monkeypatch.setattr("torch_wgpu_lora.engine.generate.FILL_SHARE", 2)
+    model = tiny_model("packed", adapters=True, seed=6)
+    engine = BitNetEngine(model)
+    g = np.random.default_rng(11)
+    lengths = [int(n) for n in g.integers(1, 31, 24)]
+    limits = [int(n) for n in g.integers(1, 13, 24)]
+    prompts = mixed_prompts(model.config.vocab_size, lengths, seed=8)
+    alone = [generate_alone(engine, p, n, set()) for p, n in zip(prompts, limits)]
+    assert generate_batch(engine, prompts, limits, set(), batch_size=4, tokens_per_submit=2) == alone
+    session = engine.decode_session(4, max(lengths), max(limits))
+    assert session.fill_rows == 24 - 4
+    assert any(count >= 2 for count, _ in session.fills) and len({n for _, n in session.fills}) >= 2

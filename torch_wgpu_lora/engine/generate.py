@@ -17,14 +17,17 @@ prompt at the next submit, so the batch never waits for its longest row. The hos
 done once a readback shows its EOS token or its stop, or, without waiting for one, once the
 submits it has made take the row to its last token; the submit after that starts with a fill of
 the freed rows: a prompt pass of their new prompts alone (``RowFill``: a plan of that many rows,
-its own KV cache of ``prompt_length`` positions and sampler state, batch-invariant as the first
-prefill), whose sampler chooses each one's first token, then one launch per cache layer and
-state buffer copies each row's keys, values, position, seed, count, limit, seen tokens and first
-token into the row it takes over (``kernels.scatter``), and the decode steps run on. Fills come
-in plans of powers of two rows (5 freed rows: a fill of 4 and one of 1), each built the first
-time it is needed. Tokens a row computes past a stop the host sets (at most two submits' worth)
-are dropped; the results come back in the prompts' order, each also handed to ``on_done`` as
-soon as it is complete.
+its own KV cache and sampler state, batch-invariant as the first prefill), whose sampler chooses
+each one's first token, then one launch per cache layer and state buffer copies each row's keys,
+values, position, seed, count, limit, seen tokens and first token into the row it takes over
+(``kernels.scatter``), and the decode steps run on. Fills come in plans of powers of two rows (5
+freed rows: a fill of 4 and one of 1, the longest prompts together), each padded to its own
+longest prompt rounded up to a power of two (``fill_length``), not to the session's, and each
+plan built the first time it is needed. A prompt pass costs about as much for one row as for
+several (a chain of launches over few tokens), so freed rows wait until ``batch // FILL_SHARE``
+of them (or every prompt left) can be filled together, unless no row runs. Tokens a row computes
+past a stop the host sets (at most two submits' worth) are dropped; the results come back in the
+prompts' order, each also handed to ``on_done`` as soon as it is complete.
 
 A prompt's tokens are those it gets alone (greedy: exactly; sampling: for the same seed),
 whichever row it takes and whenever, since its sums do not depend on the batch around it: the
@@ -79,6 +82,34 @@ OnToken = Callable[[int, int], bool]  # (prompt index, token) -> whether the pro
 # about 2 ms on an H100); more leave a row whose prompt ended idle longer before the next prompt takes it
 # (the host learns of an EOS token one submit late), about 1.5 × this many steps a prompt.
 TOKENS_PER_SUBMIT = 8
+# Continuous batching refills freed rows once batch // FILL_SHARE of them are free: a row idles a few steps
+# more, and a prompt pass, which costs about a decode step whatever its rows, serves several of them.
+FILL_SHARE = 8
+FILL_MIN_TOKENS = 8  # a fill's prompt pass covers at least this many positions (fewer plans of short prompts)
+
+
+def fill_length(longest: int, prompt_length: int) -> int:
+    """The positions of a fill's prompt pass whose longest prompt has ``longest`` tokens: that
+    rounded up to a power of two (at least ``FILL_MIN_TOKENS``), at most the session's
+    ``prompt_length``: a few plans serve every fill, each far shorter than the session's longest
+    prompt where its own prompts are short.
+
+    >>> fill_length(5, 141), fill_length(33, 141), fill_length(130, 141)
+    (8, 64, 141)
+    """
+    return min(prompt_length, max(FILL_MIN_TOKENS, 1 << (longest - 1).bit_length()))
+
+
+def rows_to_fill(free: int, waiting: int, batch: int) -> int:
+    """How many of ``free`` rows of a session of ``batch`` take the next of ``waiting`` prompts now:
+    as many as can once ``batch // FILL_SHARE`` of them can (or every prompt left, or no row runs),
+    else none yet.
+
+    >>> rows_to_fill(3, 100, 64), rows_to_fill(9, 100, 64), rows_to_fill(2, 2, 64), rows_to_fill(1, 9, 1)
+    (0, 9, 2, 1)
+    """
+    take = min(free, waiting)
+    return take if take and (take >= max(1, batch // FILL_SHARE) or take == waiting or free == batch) else 0
 
 
 class Generated(NamedTuple):
@@ -154,16 +185,16 @@ def _prompt_inputs(plan: ForwardPlan, seen: Buffer, state: Buffer, prompts: Sequ
 
 
 class RowFill:
-    """A prompt pass of ``count`` prompts alone that hands them to rows of a running ``session``:
-    its own KV cache of the session's ``prompt_length`` positions, sampler state and first-token
+    """A prompt pass of ``count`` prompts of up to ``length`` tokens alone that hands them to rows of
+    a running ``session``: its own KV cache of ``length`` positions, sampler state and first-token
     choice, then the launches that copy each of its rows into the session row ``rows`` names (the
     module docstring). Its buffers live in the session's workspace."""
 
-    def __init__(self, session: DecodeSession, count: int) -> None:
+    def __init__(self, session: DecodeSession, count: int, length: int) -> None:
         ws, config = session.workspace, session.config
-        self.count = count
-        self.cache = KVCache(config, count, session.prompt_length, ws)
-        self.prefill = ForwardPlan(session.weights, session.adapters, self.cache, session.prompt_length,
+        self.count, self.length = count, length
+        self.cache = KVCache(config, count, length, ws)
+        self.prefill = ForwardPlan(session.weights, session.adapters, self.cache, length,
                                    logits="last", from_start=True, batch_invariant=True, workspace=ws)
         self.seen = ws.alloc("sampling", (count, pad(config.vocab, 4)), "u32")
         self.state = ws.alloc("sampling", (count, ROW_FIELDS), "u32")
@@ -234,7 +265,7 @@ class DecodeSession:
                                      self.history, self.next_token, **self.options)
 
         self.prefill_sampling, self.decode_sampling = sampler(self.prefill), sampler(self.decode)
-        self.fills: dict[int, RowFill] = {}  # by rows: powers of two, made when first needed
+        self.fills: dict[tuple[int, int], RowFill] = {}  # by (rows, positions), made when first needed
         self.fill_rows = 0  # rows filled since the session was made (a prompt pass each, past the first prefill)
 
     def start(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], eos: Collection[int],
@@ -268,25 +299,27 @@ class DecodeSession:
         """End sequence ``row`` from the next submit on (its length 0, as an EOS token sets it)."""
         write(self.cache.lengths, np.zeros(1, np.uint32), offset=4 * row)
 
-    def fill(self, count: int) -> RowFill:
-        """The ``RowFill`` of ``count`` rows, made the first time it is asked for."""
-        if count not in self.fills:
-            self.fills[count] = RowFill(self, count)
-        return self.fills[count]
+    def fill(self, count: int, length: int) -> RowFill:
+        """The ``RowFill`` of ``count`` rows of ``length`` positions, made the first time it is asked for."""
+        if (count, length) not in self.fills:
+            self.fills[count, length] = RowFill(self, count, length)
+        return self.fills[count, length]
 
     def record_fills(self, rec: Recorder, rows: Sequence[int], prompts: Sequence[Sequence[int]],
                      seeds: Sequence[int], limits: Sequence[int], eos: Collection[int],
                      row_slots: Sequence[int] | None = None) -> None:
         """Into ``rec``: ``prompts`` taking over ``rows`` (one each; ``row_slots``, their adapters in a
-        session whose adapters serve rows), in fills of powers of two rows, the largest first; their
-        inputs written now, before the submit that runs them."""
+        session whose adapters serve rows), in fills of powers of two rows, the largest first and
+        the longest prompts together, each ``fill_length`` positions; their inputs written now,
+        before the submit that runs them."""
+        order = sorted(range(len(rows)), key=lambda i: -len(prompts[i]))
         at = 0
-        while at < len(rows):
-            count = 1 << ((len(rows) - at).bit_length() - 1)
-            fill = self.fill(count)
-            part = slice(at, at + count)
-            fill.start(rows[part], prompts[part], seeds[part], limits[part], eos,
-                       None if row_slots is None else row_slots[part])
+        while at < len(order):
+            count = 1 << ((len(order) - at).bit_length() - 1)
+            part = order[at:at + count]
+            fill = self.fill(count, fill_length(len(prompts[part[0]]), self.prompt_length))
+            fill.start([rows[i] for i in part], [prompts[i] for i in part], [seeds[i] for i in part],
+                       [limits[i] for i in part], eos, None if row_slots is None else [row_slots[i] for i in part])
             fill.record(rec)
             at += count
         self.fill_rows += len(rows)
@@ -372,11 +405,11 @@ class DecodeSession:
         try:
             while queue:
                 fills = []
-                for row in range(b):
-                    if waiting < n and not running(row):
-                        owner[row], given[row] = waiting, 1
-                        fills.append((row, waiting))
-                        waiting += 1
+                free = [row for row in range(b) if not running(row)]
+                for row in free[:rows_to_fill(len(free), n - waiting, b)]:
+                    owner[row], given[row] = waiting, 1
+                    fills.append((row, waiting))
+                    waiting += 1
                 live = [row for row in range(b) if running(row)]
                 more = bool(fills or live)
                 if more:
