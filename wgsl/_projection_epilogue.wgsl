@@ -1,8 +1,11 @@
 // Shared by bitlinear.wgsl and matmul.wgsl (// @include): a projection's epilogue. The including
 // file declares Params (tokens, out_stride, out_offset, lora_rank, segments, aux_stride), the
-// bindings OUT, H, LORA, LB, AUX, and the overrides MODE and SAVE.
+// bindings OUT, H and LB (array<vec4<f32>>), LORA, AUX, and the overrides MODE and SAVE.
 
-// The LoRA segments' contribution to output row j of token n: scale_s · B_s[j'] · h[n][c_s ..].
+// The LoRA segments' contribution to output row j of token n: scale_s · B_s[j'] · h[n][c_s ..]. H and
+// LB are bound as vec4s: where a segment's rank, B row and h columns start on 16 bytes (ranks a
+// multiple of 4) the sum reads four values a load, a quarter of the loads (the lanes of a subgroup
+// read rows of B rank floats apart); else one value a load. The sum runs in rank order either way.
 fn lora(n: u32, j: u32) -> f32 {
   var v = 0.0;
   for (var s = 0u; s < p.segments; s++) {
@@ -14,7 +17,18 @@ fn lora(n: u32, j: u32) -> f32 {
       let b = LORA[hdr + 4u] + ((j - begin) / step) * rank;
       let h = n * p.lora_rank + LORA[hdr + 3u];
       var sum = 0.0;
-      for (var r = 0u; r < rank; r++) { sum += LB[b + r] * H[h + r]; }
+      if ((rank | b | h) % 4u == 0u) {
+        for (var r = 0u; r < rank; r += 4u) {
+          let bv = LB[(b + r) / 4u];
+          let hv = H[(h + r) / 4u];
+          sum += bv.x * hv.x;
+          sum += bv.y * hv.y;
+          sum += bv.z * hv.z;
+          sum += bv.w * hv.w;
+        }
+      } else {
+        for (var r = 0u; r < rank; r++) { sum += LB[(b + r) / 4u][(b + r) % 4u] * H[(h + r) / 4u][(h + r) % 4u]; }
+      }
       v += bitcast<f32>(LORA[hdr + 6u]) * sum;
     }
   }

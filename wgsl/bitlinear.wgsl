@@ -24,7 +24,7 @@
 // XQ holds each token's codes as vec4<u32> (16 codes), K padded to a multiple of 64 with
 // zero codes; XM holds the per-token scales s[n] at [0, N) and code sums (as i32 bits) at
 // [N, 2N). LORA holds `segments` headers of 8 words (row_begin, row_end, row_step, h_col,
-// b_offset, rank, scale bits, 0); each segment's B [rows, rank] starts at LB[b_offset] (LB is
+// b_offset, rank, scale bits, 0); each segment's B [rows, rank] starts at float b_offset of LB (LB is
 // the engine's flat buffer of every adapter parameter).
 //
 // Decoding fuses into gemv what would be launches of their own (each a dependent launch, a few
@@ -64,9 +64,9 @@ struct Params {
 @group(0) @binding(3) var<storage, read> W: array<u32>;
 @group(0) @binding(4) var<storage, read> WS: array<f32>;
 @group(0) @binding(5) var<storage, read_write> OUT: array<f32>;
-@group(0) @binding(6) var<storage, read> H: array<f32>;
+@group(0) @binding(6) var<storage, read> H: array<vec4<f32>>;
 @group(0) @binding(7) var<storage, read> LORA: array<u32>;
-@group(0) @binding(8) var<storage, read> LB: array<f32>;
+@group(0) @binding(8) var<storage, read> LB: array<vec4<f32>>;
 @group(0) @binding(9) var<storage, read_write> AUX: array<f32>;
 @group(0) @binding(10) var<storage, read> W4: array<vec4<u32>>;
 @group(0) @binding(11) var<storage, read> X: array<f32>;

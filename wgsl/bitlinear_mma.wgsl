@@ -29,9 +29,9 @@ struct Params {
 @group(0) @binding(3) var<storage, read> T4: array<vec4<u32>>;   // weights, 64 a vec4
 @group(0) @binding(4) var<storage, read> WS: array<f32>;
 @group(0) @binding(5) var<storage, read_write> OUT: array<f32>;
-@group(0) @binding(6) var<storage, read> H: array<f32>;
+@group(0) @binding(6) var<storage, read> H: array<vec4<f32>>;
 @group(0) @binding(7) var<storage, read> LORA: array<u32>;
-@group(0) @binding(8) var<storage, read> LB: array<f32>;
+@group(0) @binding(8) var<storage, read> LB: array<vec4<f32>>;
 @group(0) @binding(9) var<storage, read_write> AUX: array<f32>;
 @group(0) @binding(10) var<storage, read_write> PART: array<i32>;
 

@@ -35,9 +35,9 @@ struct Params {
 @group(0) @binding(1) var<storage, read> A: array<f32>;         // gemm_tiled: X again, as the tile reads it
 @group(0) @binding(2) var<storage, read> W: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read_write> OUT: array<f32>;
-@group(0) @binding(4) var<storage, read> H: array<f32>;
+@group(0) @binding(4) var<storage, read> H: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read> LORA: array<u32>;
-@group(0) @binding(6) var<storage, read> LB: array<f32>;
+@group(0) @binding(6) var<storage, read> LB: array<vec4<f32>>;
 @group(0) @binding(7) var<storage, read_write> AUX: array<f32>;
 
 override MODE: u32 = 0u;
