@@ -192,7 +192,7 @@ class RowFill:
 
     def __init__(self, session: DecodeSession, count: int, length: int) -> None:
         ws, config = session.workspace, session.config
-        self.count, self.length = count, length
+        self.count = count
         self.cache = KVCache(config, count, length, ws)
         self.prefill = ForwardPlan(session.weights, session.adapters, self.cache, length,
                                    logits="last", from_start=True, batch_invariant=True, workspace=ws)
