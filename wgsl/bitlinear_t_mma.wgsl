@@ -11,9 +11,11 @@
 // * gemm_tiled: each plane times the ternary weights is an exact i32 GEMM (|Σ| ≤ 64 · rows < 2²⁴, so
 //   exact in float32 too), on the matrix units (_ternary_mma_tile.wgsl, W_T true, DIGITS = SUB_M:
 //   subgroup row d holds plane d of the workgroup's tokens); the epilogue sums the planes' products
-//   with their powers of two, from the last, and scales by 2^−s_n. With four digits each x is kept to
-//   2⁻²⁷ of its row's largest value, and the sums over j are exact: the error is the digits' cut-off
-//   and the epilogue's three roundings, not a float32 GEMM's rounding at every step of the sum.
+//   with their powers of two, from the last, and scales by 2^−s_n. With D digits each x is kept to
+//   2^(1 − 7D) of its row's largest value (four: 2⁻²⁷, the default; the input_grad_digits setting
+//   offers three and two, 2⁻²⁰ and 2⁻¹³, for 3/4 and 1/2 of the work), and the sums over j are exact:
+//   the error is the digits' cut-off and the epilogue's D − 1 roundings, not a float32 GEMM's
+//   rounding at every step of the sum.
 //   The grid's z splits the rows j into ranges (split-K, _input_grad_store.wgsl's PART and split_sum).
 // @subgroup-matrix i8 i32
 

@@ -128,6 +128,37 @@ def test_input_gradient_on_the_matrix_units_is_as_exact_as_a_float32_gemm(tokens
     assert err <= bound, f"error {err:.3g} against float64; a float32 GEMM's bound {bound:.3g}"
 
 
+@pytest.mark.parametrize("digits", [2, 3])
+@pytest.mark.parametrize("tokens,rows,k", [(37, 70, 100), (33, 1000, 130), (70, 300, 700)])
+def test_input_gradient_with_fewer_digits_keeps_within_their_bound(tokens, rows, k, digits):
+    # The input_grad_digits setting's less exact mode, taken by the launch as its default tile. Its
+    # bound, per output: D digits keep each x = dy ∘ c to 2^(1 − 7D) of its row's largest |x| (D − 1
+    # digits after the first in [32, 64), each half an ulp of the last), the integer sums are exact,
+    # and the epilogue's D − 1 roundings plus x's own add under (2.1·D + 1)·u of the same scale, so
+    # |err[n][k]| <= max_j |x[n][j]| · nnz_k · (2^(1 − 7D) + (2.1·D + 1)·u), nnz_k the column's
+    # nonzero weights. A digit plane lost or misplaced errs by about 2⁻⁷ of the row's largest value
+    # times the square root of nnz_k, several times this bound at these sizes.
+    device = get_device()
+    g = torch.Generator().manual_seed(tokens + rows + k + digits)
+    dy = torch.randn(tokens, rows, generator=g) * torch.exp(2 * torch.randn(tokens, 1, generator=g))
+    values, scales, proj = _ternary(rows, k, True, g)
+    out = poisoned((tokens, pad(k, 64)))
+    previous = device.configure(input_grad_digits=digits)
+    try:
+        launches = bitlinear_t_launch(upload(dy.numpy()), proj, out, tokens=tokens, k=k, mma=True,
+                                      workspace=kernel_workspace())
+    finally:
+        device.configure(previous)
+    assert launches[1].kernel.constants["DIGITS"] == digits
+    (got,) = run(launches, out)
+    ref = bitlinear_t_reference(dy, values, scales, True)
+    x = (dy.double() / scales.double()[None, :]).abs().amax(dim=1, keepdim=True)  # each row's largest |x|
+    nnz = (values != 0).double().sum(dim=0, keepdim=True)  # [1, k]
+    bound = x * nnz * (2.0 ** (1 - 7 * digits) + (2.1 * digits + 1) * U)
+    err = (got[:, :k].double() - ref).abs()
+    assert (err <= bound).all(), f"error {float((err / bound).max()):.3g} times the bound with {digits} digits"
+
+
 @pytest.mark.parametrize("tile", list(INPUT_GRAD_TILES))
 @pytest.mark.parametrize("tokens,rows,k", [(37, 70, 100), (130, 40, 2560)])
 def test_input_gradient_on_the_matrix_units_adds_with_lora(tokens, rows, k, tile):

@@ -100,6 +100,29 @@ def test_adapter_gradients_with_the_input_gradients_split_over_their_rows(flavou
     assert any(kernel.endswith(":split_sum") for kernel in launched(plan))
 
 
+@pytest.mark.matrix_units
+@pytest.mark.parametrize("digits", [2, 3])
+def test_adapter_gradients_with_fewer_input_gradient_digits_keep_to_their_floor(digits):
+    # The input_grad_digits setting's less exact mode, every input gradient through the ternary
+    # weights on the matrix units: ParityCheck's measure, its floor n·2^-24 (one float32 sum of n
+    # terms) raised to n·2^(1 − 7D), a sum of n terms each kept to 2^(1 − 7D) of its row's largest
+    # (bitlinear_t_mma.wgsl). A wrong gradient errs by order 1, far above it.
+    device = get_device()
+    previous = device.configure(input_grad_digits=digits, gemms="matrix_units")
+    try:
+        model = tiny_model("packed", adapters=True, seed=1)
+        randomize_lora_B(model, seed=2)
+        engine = BitNetEngine(model)
+        parity = check_parity(model, labelled_batch(model, [11, 6, 9]), engine=engine)
+        kernels = [launch.kernel for launch in engine.train_plan(3, 11).slots[0].program.launches
+                   if launch.kernel.name == "bitlinear_t_mma.wgsl:gemm_tiled"]
+    finally:
+        device.configure(previous)
+    assert kernels and all(k.constants["DIGITS"] == digits for k in kernels)
+    tolerance = 2 * max(parity.float32_rms_rel_error, parity.longest_sum * 2.0 ** (1 - 7 * digits))
+    assert parity.report.rms_rel_error <= tolerance, f"{parity}\nwith {digits} digits the tolerance is {tolerance:.2e}"
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_adapter_gradients_with_p_kept_from_the_forward_or_computed_again(keep, monkeypatch):
     # each layer's attention probabilities kept for its backward (the default where they fit), or

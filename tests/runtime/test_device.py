@@ -190,7 +190,8 @@ def test_device_info_reports_adapter_backend_limits_features():
     assert info["subgroup_matrices"] == (device.backend.feature("subgroup-matrix") in device.wgpu.features)
     assert bool(info["subgroup_matrix_configs"]) == info["subgroup_matrices"]
     assert info["settings"] == {"shader_checks": device.settings.shader_checks, "subgroups": device.settings.subgroups,
-                                "pool_bytes": device.settings.pool_bytes, "gemms": device.settings.gemms}
+                                "pool_bytes": device.settings.pool_bytes, "gemms": device.settings.gemms,
+                                "input_grad_digits": device.settings.input_grad_digits}
     assert info["memory"]["pool_bound_bytes"] == device.settings.pool_bytes
     assert get_device() is get_device()  # one device per process
 

@@ -7,10 +7,11 @@ wgpu-native.
 
 * ``ceiling``: ``subgroup_matrix_ceiling_<type>.wgsl``, every subgroup multiplying operands it
   holds into 8 accumulators, no memory traffic: the rate no GEMM on this path can pass.
-* ``gemms``: projection (forward, exact int8) and input_grad (four int8 digit planes) at BitNet-2B's
-  shapes over ``tokens`` rows, general cores and matrix units, each tile of ``TILES``. A rate is the
-  kind's useful work (2·M·N·K) over GPU time; ``share`` compares the integer work the matrix units
-  do (the input gradient's is four times its useful work) with the int8 ceiling.
+* ``gemms``: projection (forward, exact int8) and input_grad (int8 digit planes: four, and the
+  settings' fewer) at BitNet-2B's shapes over ``tokens`` rows, general cores and matrix units, each
+  tile of ``TILES``. A rate is the kind's useful work (2·M·N·K) over GPU time; ``share`` compares the
+  integer work the matrix units do (the input gradient's is its digits times its useful work) with
+  the int8 ceiling.
 * ``backend_kernels``: RMSNorm of a 512-token prefill (quantised, LoRA ranks) and of one token, and
   the q/k/v GEMV of one token.
 
@@ -55,7 +56,9 @@ TILES = {
                MmaTile(sub_m=4, sub_n=2, tm=1, tn=2), MmaTile(sub_m=2, sub_n=4, tm=2, tn=1)],
     "input_grad": [default_tile("input_grad"),
                    MmaTile(sub_m=4, digits=4, sub_n=4, tm=4, tn=2, kstep=64, result_pad=0),
-                   MmaTile(sub_m=4, digits=4), MmaTile(sub_m=4, digits=4, sub_n=2, tm=4, tn=4, kstep=64)],
+                   MmaTile(sub_m=4, digits=4), MmaTile(sub_m=4, digits=4, sub_n=2, tm=4, tn=4, kstep=64),
+                   # fewer digits (the input_grad_digits setting): less work, less accuracy
+                   default_tile("input_grad", digits=3), default_tile("input_grad", digits=2)],
 }
 
 
@@ -135,7 +138,7 @@ def gemms(tokens_list: list[int], ceilings: dict[str, Any], log: Callable[[str],
                 except (ValueError, RuntimeError) as e:
                     log(f"  {kind} {name} {tokens} {_case_name(shape)}: {str(e)[:160]}")
                     continue
-                work = variant(kind, name_v).work(tokens, rows, k)
+                work = variant(kind, name_v).work(tokens, rows, k, tile.digits if tile is not None else 1)
                 row = dict(kind=kind, projection=name, tokens=tokens, rows=rows, k=k, variant=name_v,
                            tile=None if tile is None else tile.__dict__, splits=splits,
                            group=shape if name_v == "gemv" else None, seconds=seconds, rate=useful / seconds,

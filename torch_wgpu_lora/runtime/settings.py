@@ -21,6 +21,12 @@ settings as they were. Environment variables give the defaults, read once when t
   several could (``engine/kernels/gemms.py``): ``measured``, the fastest on this device, timed once
   per shape; ``general`` (the general cores) or ``matrix_units``, that one wherever it runs (for
   tests and comparisons: both give the same values, or values within the kind's stated accuracy).
+* ``input_grad_digits`` (``TORCH_WGPU_LORA_INPUT_GRAD_DIGITS``, 2, 3 or 4, default 4): int8 digits
+  of each float32 row of dY that the input gradients through the ternary weights take on the matrix
+  units (``wgsl/bitlinear_t_mma.wgsl``): each digit is one integer GEMM, and D digits keep each value
+  to 2^(1 − 7D) of its row's largest. 4 gives float32 accuracy (the default: gradients as PyTorch's
+  float32); 3 and 2 do 3/4 and 1/2 of the work, to about 2⁻²⁰ and 2⁻¹³ (bfloat16 keeps 2⁻⁹ of each
+  value); ``docs/engine.md`` has their measured error. The general cores' kernel is float32 either way.
 * ``pool_bytes`` (``TORCH_WGPU_LORA_POOL_MIB``, in MiB): how many bytes of freed buffers the
   buffer pool keeps for reuse; the rest are destroyed when freed. The default scales with the
   device's memory: 1/64 of it (a 24 GiB CPU adapter keeps 384 MiB, a 141 GiB GPU 2.2 GiB), and
@@ -41,6 +47,8 @@ GEMMS = ("measured", "general", "matrix_units")
 GEMMS_ENV = "TORCH_WGPU_LORA_GEMMS"
 SUBGROUPS_ENV = "TORCH_WGPU_LORA_SUBGROUPS"
 POOL_ENV = "TORCH_WGPU_LORA_POOL_MIB"
+INPUT_GRAD_DIGITS = (2, 3, 4)
+INPUT_GRAD_DIGITS_ENV = "TORCH_WGPU_LORA_INPUT_GRAD_DIGITS"
 POOL_SHARE = 64  # the pool keeps up to 1/POOL_SHARE of the device's memory by default
 POOL_BYTES_UNKNOWN_MEMORY = 1 << 30
 
@@ -53,12 +61,16 @@ class Settings:
     subgroups: bool = True
     pool_bytes: int = POOL_BYTES_UNKNOWN_MEMORY
     gemms: str = "measured"
+    input_grad_digits: int = 4
 
     def __post_init__(self) -> None:
         if self.shader_checks not in SHADER_CHECKS:
             raise ValueError(f"shader_checks must be one of {', '.join(SHADER_CHECKS)}, got {self.shader_checks!r}")
         if self.gemms not in GEMMS:
             raise ValueError(f"gemms must be one of {', '.join(GEMMS)}, got {self.gemms!r}")
+        if type(self.input_grad_digits) is not int or self.input_grad_digits not in INPUT_GRAD_DIGITS:
+            raise ValueError(f"input_grad_digits must be one of {', '.join(map(str, INPUT_GRAD_DIGITS))}, "
+                             f"got {self.input_grad_digits!r}")
         if not isinstance(self.subgroups, bool):
             raise TypeError(f"subgroups must be True or False, got {self.subgroups!r}")
         if isinstance(self.pool_bytes, bool) or not isinstance(self.pool_bytes, int) or self.pool_bytes < 0:
@@ -98,4 +110,8 @@ def settings_from_env(memory_bytes: int | None) -> Settings:
     gemms = os.environ.get(GEMMS_ENV, "measured")
     if gemms not in GEMMS:
         raise ValueError(f"{GEMMS_ENV} must be one of {', '.join(GEMMS)}, got {gemms!r}")
-    return Settings(checks, subgroups == "1", pool_bytes, gemms)
+    digits = os.environ.get(INPUT_GRAD_DIGITS_ENV, "4").strip()
+    if digits not in tuple(map(str, INPUT_GRAD_DIGITS)):
+        raise ValueError(f"{INPUT_GRAD_DIGITS_ENV} must be one of {', '.join(map(str, INPUT_GRAD_DIGITS))}, "
+                         f"got {digits!r}")
+    return Settings(checks, subgroups == "1", pool_bytes, gemms, int(digits))

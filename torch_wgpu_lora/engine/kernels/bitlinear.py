@@ -280,7 +280,7 @@ def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int
     ``projection.split_k_ranges``; their partial sums in ``workspace``'s scratch). ``mma``: on the
     matrix units from int8 digits of ``dy ∘ c`` (``bitlinear_t_mma.wgsl``; default
     ``input_grad_on_matrix_units``), else on the general cores (``bitlinear_t.wgsl``); ``tile``: the
-    matrix units' workgroup (default ``gemms.default_tile``)."""
+    matrix units' workgroup (default ``gemms.default_tile`` with the device's ``input_grad_digits``)."""
     device = workspace.device
     check_vec4_rows(out, lora_a)
     k_words = proj.weight.shape[1]
@@ -294,7 +294,8 @@ def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int
                                    {4: out, 5: dh or unused, 6: lora_a or unused}, 7,
                                    (tokens, proj.rows, k_words, dy.shape[-1], out.shape[-1], k, *lora_params),
                                    tokens, k, 16 * k_words, proj.rows, splits, dropout, workspace)
-    shape = mma_shape(device, tile or default_tile("input_grad"), transposed=True)
+    shape = mma_shape(device, tile or default_tile("input_grad", digits=device.settings.input_grad_digits),
+                      transposed=True)
     if shape.tile.digits < 2:
         raise ValueError(f"the input gradient on the matrix units takes its float32 rows in digits (sub_m ≥ 2), "
                          f"not {shape.tile}")

@@ -14,8 +14,8 @@ Matrix-unit variants run the same WGSL on every adapter with int8 subgroup matri
 (``runtime.kernels.subgroup_matrix_config``): their tile is counted in the adapter's matrices
 (``MmaTile``), so 16 × 16 × 32 matrices on NVIDIA and 8 × 8 × 8 on lavapipe give tiles of the same
 form. The input gradient on the matrix units multiplies DIGITS int8 planes of its float32 input
-(``bitlinear_t_mma.wgsl`` says why that keeps float32 accuracy), so it does DIGITS times the
-integer work of one plane.
+(``bitlinear_t_mma.wgsl`` says why four keep float32 accuracy; the device's ``input_grad_digits``
+setting chooses), so it does DIGITS times the integer work of one plane.
 """
 
 from __future__ import annotations
@@ -27,9 +27,6 @@ from typing import Callable
 
 from ...runtime import Device, Launch, Recorder
 from ...runtime.kernels import subgroup_matrix_config
-
-INPUT_GRAD_DIGITS = 4  # int8 digits of the input gradient's float32 rows: 2⁻²⁷ of each row's largest value
-
 
 @dataclass(frozen=True)
 class MmaTile:
@@ -143,11 +140,12 @@ WIDE_TILE_OUTPUTS = 4 * 2 ** 20
 WIDE_TILE = MmaTile(sub_m=2, sub_n=4, tm=4, tn=4, kstep=64)
 
 
-def default_tile(kind: str, tokens: int | None = None, rows: int | None = None) -> MmaTile:
+def default_tile(kind: str, tokens: int | None = None, rows: int | None = None, digits: int = 4) -> MmaTile:
     """The tile each matrix-unit kind runs unless told otherwise: the fastest at a training step's
     shapes on an H100 (benchmarks/RESULTS.md, "On the matrix units"). The input gradient's holds 64
-    tokens' four digit planes against 128 columns: its planes are four times the bytes of the
-    weights' codes they multiply, so it takes more tokens and fewer columns than the forward's.
+    tokens' ``digits`` planes (a subgroup row a plane) against 128 columns: its four planes are four
+    times the bytes of the weights' codes they multiply, so it takes more tokens and fewer columns
+    than the forward's.
     A projection of ``tokens`` × ``rows`` outputs: WIDE_TILE (4 × 4 result matrices a subgroup) where
     it has enough of them to fill the GPU with its wide workgroups (WIDE_TILE_OUTPUTS); up to
     DECODE_TOKENS tokens (decoding a batch), few tokens and columns a workgroup (many small
@@ -155,7 +153,7 @@ def default_tile(kind: str, tokens: int | None = None, rows: int | None = None) 
     (``benchmarks/results/h100/matrix_units_decode_split.json``, split in two along K: 89, 113 and
     127 µs for a layer's four projections at 16, 32 and 64 tokens)."""
     if kind == "input_grad":
-        return MmaTile(digits=INPUT_GRAD_DIGITS, sub_m=INPUT_GRAD_DIGITS, sub_n=4, tm=4, tn=2, kstep=64)
+        return MmaTile(digits=digits, sub_m=digits, sub_n=4, tm=4, tn=2, kstep=64)
     if tokens is not None and tokens <= 16:
         return MmaTile(sub_m=1, sub_n=4, tm=1, tn=1, kstep=256)
     if tokens is not None and tokens <= 32:
@@ -170,26 +168,23 @@ def default_tile(kind: str, tokens: int | None = None, rows: int | None = None) 
 @dataclass(frozen=True)
 class Variant:
     """One way to compute a kind of GEMM: ``file``:``entry``; ``available`` says whether a device can
-    run it; ``work`` counts its integer or float operations at (m, n, k)."""
+    run it; ``work`` counts its integer or float operations at (m, n, k) with ``planes`` planes of
+    A (the input gradient's digits on the matrix units; 1 elsewhere)."""
 
     kind: str
     name: str  # "gemv", "general" (the general cores) or "matrix_units"
     file: str
     entry: str
     available: Callable[[Device], bool]
-    work: Callable[[int, int, int], int]
+    work: Callable[[int, int, int, int], int]
 
 
 def _always(device: Device) -> bool:
     return True
 
 
-def _macs(m: int, n: int, k: int) -> int:
-    return 2 * m * n * k
-
-
-def _digit_macs(m: int, n: int, k: int) -> int:
-    return 2 * INPUT_GRAD_DIGITS * m * n * k
+def _macs(m: int, n: int, k: int, planes: int = 1) -> int:
+    return 2 * m * n * k * planes
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -197,7 +192,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("projection", "general", "bitlinear.wgsl", "gemm", _always, _macs),
     Variant("projection", "matrix_units", "bitlinear_mma.wgsl", "gemm", int8_matrix_units, _macs),
     Variant("input_grad", "general", "bitlinear_t.wgsl", "gemm_tiled", _always, _macs),
-    Variant("input_grad", "matrix_units", "bitlinear_t_mma.wgsl", "gemm_tiled", int8_matrix_units, _digit_macs),
+    Variant("input_grad", "matrix_units", "bitlinear_t_mma.wgsl", "gemm_tiled", int8_matrix_units, _macs),
     Variant("lm_head", "gemv", "matmul.wgsl", "gemv", _always, _macs),
     Variant("lm_head", "general", "matmul.wgsl", "gemm_tiled", _always, _macs),
     Variant("attention", "general", "attention.wgsl", "prefill", _always, _macs),
