@@ -48,6 +48,9 @@ TILES = {
     "projection": [MmaTile(), MmaTile(result_pad=0), MmaTile(kstep=64),
                    MmaTile(sub_m=4, sub_n=4, tm=4, tn=2, kstep=64), WIDE_TILE,
                    MmaTile(sub_m=2, sub_n=4, tm=4, tn=4, kstep=64, result_pad=0),
+                   # 4 × 4 matrices a subgroup in workgroups of 4 subgroups: 3 workgroups an SM where
+                   # registers allow (staging of one overlapping another's multiplies)
+                   MmaTile(sub_m=2, sub_n=2, tm=4, tn=4, kstep=64), MmaTile(sub_m=2, sub_n=2, tm=4, tn=4),
                    # two staging buffers: the tiles whose two steps fit
                    MmaTile(double=True, kstep=64), MmaTile(sub_m=2, sub_n=2, tm=4, tn=4, kstep=64, double=True),
                    MmaTile(sub_m=4, sub_n=4, tm=2, tn=2, kstep=64, double=True)],
