@@ -11,9 +11,10 @@
 #   bash scripts/matrix-units-lavapipe.sh -- PYTEST-ARGS  # those instead (e.g. -- -m matrix_units -k input)
 #   TRIXIE_ROOT=FOLDER bash scripts/matrix-units-lavapipe.sh
 #
-# The tests: the matrix-unit GEMMs against their torch references (tests/engine/test_matrix_units.py),
-# then the engine's adapter gradients against autograd with every GEMM that can run on the matrix units
-# run there (TORCH_WGPU_LORA_GEMMS=matrix_units).
+# The tests: the matrix-unit GEMMs against their torch references (tests/engine/test_matrix_units.py,
+# and the layouts benchmark's kernels, tests/benchmarks/test_matrix_units_layouts.py), then the
+# engine's adapter gradients against autograd with every GEMM that can run on the matrix units run
+# there (TORCH_WGPU_LORA_GEMMS=matrix_units).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$(realpath -m "${TRIXIE_ROOT:-.ci-cache/trixie}")"
@@ -72,6 +73,6 @@ if [ "${1:-}" = "--" ]; then
   in_root -- "$@"
   exit
 fi
-in_root -- -o addopts=-q -m matrix_units tests/engine/test_matrix_units.py
+in_root -- -o addopts=-q -m matrix_units tests/engine/test_matrix_units.py tests/benchmarks/test_matrix_units_layouts.py
 in_root TORCH_WGPU_LORA_GEMMS=matrix_units -- -o addopts=-q tests/engine/test_train.py \
   -k "every_adapter_gradient_matches_autograd or twenty_engine_steps_match_twenty_torch_steps"

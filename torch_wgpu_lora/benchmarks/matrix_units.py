@@ -12,6 +12,12 @@ wgpu-native.
   tile of ``TILES``. A rate is the kind's useful work (2·M·N·K) over GPU time; ``share`` compares the
   integer work the matrix units do (the input gradient's is its digits times its useful work) with
   the int8 ceiling.
+* ``layouts``: where the int8 GEMM's time goes: its main loop (``int8_gemm_layouts.wgsl``) with the
+  weights already unpacked to int8, staged through workgroup memory with A or read by the matrix
+  loads straight from storage, through one staging buffer or two, and with both operands straight
+  from storage, each tile of ``LAYOUT_TILES``, beside the engine's kernel (which unpacks the
+  ternary codes as it stages them, and runs the projection's epilogue) on the same shapes; each
+  result checked against the exact product.
 * ``backend_kernels``: RMSNorm of a 512-token prefill (quantised, LoRA ranks) and of one token, and
   the q/k/v GEMV of one token.
 
@@ -35,7 +41,7 @@ from ..engine.kernels.gemms import (WIDE_TILE, MmaTile, default_tile, gpu_second
 from ..engine.kernels.norm import rmsnorm_launch
 from ..engine.weights import Projection, pack_ternary
 from ..engine.workspace import Workspace
-from ..runtime import Buffer, Launch, get_device, kernel, upload
+from ..runtime import Buffer, Device, Launch, Recorder, get_device, kernel, upload
 from ..runtime.kernels import subgroup_matrix_config
 from .report import write_json
 
@@ -168,6 +174,95 @@ def _case_name(shape: tuple[MmaTile, int] | int | None) -> str:
     return "" if shape is None else f"gemv group {shape}"
 
 
+# The layouts section's variants of int8_gemm_layouts.wgsl: its entry and constants.
+LAYOUTS = {
+    "A staged, W from storage": ("staged", dict(STAGE_W=False)),
+    "A staged, W from storage, two buffers": ("staged", dict(STAGE_W=False, DOUBLE=True)),
+    "A and W staged": ("staged", dict(STAGE_W=True)),
+    "A and W staged, two buffers": ("staged", dict(STAGE_W=True, DOUBLE=True)),
+    "both from storage": ("direct", {}),
+}
+LAYOUT_TILES = [(2, 2, 4, 4), (2, 4, 4, 4), (4, 2, 2, 4), (4, 4, 2, 2)]  # subgroups and matrices: sub_m, sub_n, tm, tn
+LAYOUT_KSTEPS = (64, 128)  # the staged layouts' steps along K
+LAYOUT_SHAPES = [("gate_up", 4096), ("down", 512)]  # (PROJECTIONS' name, tokens): the best and worst-fed
+
+
+def layout_launch(device: Device, layout: str, tile: tuple[int, int, int, int], kstep: int, a: Buffer, w: Buffer,
+                  c: Buffer, tokens: int, n: int, k: int) -> Launch:
+    """``int8_gemm_layouts.wgsl``'s ``layout`` (a key of LAYOUTS) at ``tile`` (sub_m, sub_n, tm, tn):
+    c (i32 [tokens, n]) = a (int8 [tokens, k]) · w (int8 [n, k])ᵀ. ValueError where the shape is not
+    a multiple of the tile or the tile does not fit the device."""
+    entry, constants = LAYOUTS[layout]
+    config = subgroup_matrix_config(device, "i8", "i32")
+    sub_m, sub_n, tm, tn = tile
+    bm, bn, threads = sub_m * tm * config["m"], sub_n * tn * config["n"], sub_m * sub_n * config["max_subgroup_size"]
+    if tokens % bm or n % bn or k % kstep or kstep % config["k"]:
+        raise ValueError(f"{tokens}×{n}×{k} is not a multiple of the tile ({bm}×{bn}, K step {kstep})")
+    if entry == "staged":
+        staged = (2 if constants.get("DOUBLE") else 1) * (bm + (bn if constants["STAGE_W"] else 0)) * (kstep + 16)
+        loads = max(bm, bn if constants["STAGE_W"] else 0) * kstep // 16
+        if staged > int(device.limits["max-compute-workgroup-storage-size"]) or loads > 8 * threads:
+            raise ValueError(f"the tile stages {staged} bytes, {-(-loads // threads)} vec4 loads a thread (at most 8)")
+        constants = dict(constants, KSTEP=kstep)
+    k_ = kernel("int8_gemm_layouts.wgsl", entry, device, SUB_M=sub_m, SUB_N=sub_n, TM=tm, TN=tn, **constants)
+    buffers = {2: a, 4: w, 5: c} if entry == "direct" else {1: a, 3: w, 4: w, 5: c}
+    return Launch.build(k_, (n // bn, tokens // bm, 1), buffers, (tokens, n, k))
+
+
+def layouts(shapes: list[tuple[str, int]], ceilings: dict[str, Any], log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The layouts section (module docstring) at ``shapes``: (name in PROJECTIONS, tokens)."""
+    device = get_device()
+    g = np.random.default_rng(2)
+    int8_ceiling = ceilings.get("i8", {}).get("rate")
+    workspace = Workspace(device)
+    rows_out = []
+    for name, tokens in shapes:
+        n, k = PROJECTIONS[name]
+        a8 = g.integers(-127, 128, (tokens, k), dtype=np.int8)
+        w8 = g.integers(-1, 2, (n, k), dtype=np.int8)
+        a, w, c = upload(a8.view(np.uint32)), upload(w8.view(np.uint32)), Buffer((tokens, n), "i32")
+        exact = torch.from_numpy(a8).double() @ torch.from_numpy(w8).double().T  # |sums| < 2^53
+        proj = Projection(upload(pack_ternary(torch.from_numpy(w8))), upload(np.ones(n, np.float32)), n, k, True)
+        meta = upload(np.concatenate([np.ones(tokens, np.float32), np.zeros(tokens, np.float32)]))
+        out = Buffer((tokens, n))
+        cases: list[tuple[str, Callable[[], list[Launch]]]] = [
+            (f"engine's kernel, {_case_name((tile, 1))}",
+             lambda tile=tile: bitlinear_launch(a, meta, proj, out, tokens=tokens, out_stride=n, gemv=False, mma=True,
+                                                tile=tile, splits=1, workspace=workspace))
+            for tile in (default_tile("projection", tokens, n), WIDE_TILE)]
+        for layout, (entry, _) in LAYOUTS.items():
+            for tile in LAYOUT_TILES:
+                for kstep in LAYOUT_KSTEPS if entry == "staged" else LAYOUT_KSTEPS[:1]:
+                    label = f"{layout}, {tile[0]}x{tile[1]} sg, {tile[2]}x{tile[3]} m" + (
+                        f", k{kstep}" if entry == "staged" else "")
+                    cases.append((label, lambda layout=layout, tile=tile, kstep=kstep: [
+                        layout_launch(device, layout, tile, kstep, a, w, c, tokens, n, k)]))
+        for label, build in cases:
+            try:
+                launches = build()
+                seconds = gpu_seconds(device, launches)
+            except (ValueError, RuntimeError) as e:
+                log(f"  layouts {name} {tokens} {label}: {str(e)[:160]}")
+                continue
+            result = torch.from_numpy(_read(device, out if label.startswith("engine") else c))
+            right = bool(torch.equal(result.double(), exact))  # the engine's: scales of 1, exact in float32
+            rate = 2 * tokens * n * k / seconds
+            rows_out.append(dict(projection=name, tokens=tokens, rows=n, k=k, variant=label, seconds=seconds,
+                                 rate=rate, share=rate / int8_ceiling if int8_ceiling else None, exact=right))
+            log(f"layouts {name:8} {tokens:5} {label:62} {seconds * 1e3:8.3f} ms {rate / 1e12:7.1f} T/s"
+                + (f"  {rate / int8_ceiling * 100:5.1f}% of ceiling" if int8_ceiling else "")
+                + ("" if right else "  NOT EXACT"))
+    return rows_out
+
+
+def _read(device: Device, buf: Buffer) -> np.ndarray:
+    rec = Recorder(device)
+    out = np.empty(buf.shape, np.int32 if buf.dtype == "i32" else np.float32)
+    rec.read(buf, out)
+    rec.submit()
+    return out
+
+
 def torch_gemms(tokens_list: list[int], log: Callable[[str], None]) -> list[dict[str, Any]]:
     """torch's bf16 matmul and int8 ``_int_mm`` at the same shapes (CUDA only)."""
     if not torch.cuda.is_available():
@@ -233,7 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/out/matrix_units")
     parser.add_argument("--tokens", default="512,4096", help="rows of each GEMM (a step's tokens)")
-    parser.add_argument("--sections", default="ceiling,gemms,torch,backend_kernels")
+    parser.add_argument("--sections", default="ceiling,gemms,torch,backend_kernels",
+                        help="comma-separated: ceiling, gemms, layouts, torch, backend_kernels")
     args = parser.parse_args(argv)
     sections = set(args.sections.split(","))
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -246,9 +342,11 @@ def main(argv: list[str] | None = None) -> None:
 
     started = time.time()
     result: dict[str, Any] = dict(adapter=device.name, device=device.describe(), host=platform.node())
-    result["ceiling"] = ceiling(log) if "ceiling" in sections or "gemms" in sections else {}
+    result["ceiling"] = ceiling(log) if sections & {"ceiling", "gemms", "layouts"} else {}
     if "gemms" in sections:
         result["gemms"] = gemms(tokens, result["ceiling"], log)
+    if "layouts" in sections:
+        result["layouts"] = layouts(LAYOUT_SHAPES, result["ceiling"], log)
     if "torch" in sections:
         result["torch"] = torch_gemms(tokens, log)
     if "backend_kernels" in sections:
