@@ -338,7 +338,8 @@ def input_grad_on_matrix_units(device: Device, tokens: int, proj: Projection, k:
     def build(mma: bool) -> Callable[[], list[Launch]]:
         return lambda: bitlinear_t_launch(dy, proj, out, tokens=tokens, k=k, mma=mma, workspace=workspace)
 
-    return fastest(device, "input_grad", (tokens, k, proj.rows),
+    shape = (tokens, k, proj.rows, device.settings.input_grad_digits)  # the digits: the matrix units' work
+    return fastest(device, "input_grad", shape,
                    {"matrix_units": build(True), "general": build(False)}) == "matrix_units"
 
 
