@@ -25,8 +25,10 @@ settings as they were. Environment variables give the defaults, read once when t
   of each float32 row of dY that the input gradients through the ternary weights take on the matrix
   units (``wgsl/bitlinear_t_mma.wgsl``): each digit is one integer GEMM, and D digits keep each value
   to 2^(1 − 7D) of its row's largest. 4 gives float32 accuracy (the default: gradients as PyTorch's
-  float32); 3 and 2 do 3/4 and 1/2 of the work, to about 2⁻²⁰ and 2⁻¹³ (bfloat16 keeps 2⁻⁹ of each
-  value); ``docs/engine.md`` has their measured error. The general cores' kernel is float32 either way.
+  float32); 3 and 2 do 3/4 and 1/2 of the integer work, to about 2⁻²⁰ and 2⁻¹³ (bfloat16 keeps 2⁻⁹
+  of each value), though not 1/2 of the time (an H100's 1 × 512 training step: 88.2 ms with two,
+  91.8 with four); ``docs/backends.md`` has their measured error. The general cores' kernel is
+  float32 either way.
 * ``pool_bytes`` (``TORCH_WGPU_LORA_POOL_MIB``, in MiB): how many bytes of freed buffers the
   buffer pool keeps for reuse; the rest are destroyed when freed. The default scales with the
   device's memory: 1/64 of it (a 24 GiB CPU adapter keeps 384 MiB, a 141 GiB GPU 2.2 GiB), and
