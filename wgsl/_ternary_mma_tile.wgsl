@@ -18,11 +18,8 @@
 // workgroup's BM / DIGITS tokens, plane by plane, so with DIGITS = SUB_M subgroup row sr holds plane
 // sr. Each step of KSTEP along the sum is staged in workgroup memory (A as it is; the weights
 // unpacked to int8), rows padded by PAD bytes against bank conflicts; the next step's global loads are
-// issued before this step's multiplies. With one buffer (DOUBLE false) a step is staged, multiplied and
-// then the buffer is free again: two barriers a step, and the workgroup's stores and multiplies take
-// turns. With two (DOUBLE), the next step is staged into the other buffer right after this step's
-// multiplies: one barrier a step, and one subgroup's stores overlap another's multiplies. Rows,
-// columns and sums past their ends are staged as zeros. What a thread holds (accumulators, the right matrices, the next step's
+// issued right after the barrier, before this step's multiplies. Rows, columns and sums past their
+// ends are staged as zeros. What a thread holds (accumulators, the right matrices, the next step's
 // loads) is in named variables, fields of structs read by constant names under override conditions,
 // never arrays: an array of subgroup matrices indexed in a loop ran at a quarter of the speed on the
 // H100 (benchmarks/results/h100/matrix_units.md).
@@ -47,7 +44,6 @@ override KSTEP: u32 = 128u;   // the sum's step staged at once: a multiple of 64
 override PAD: u32 = 16u;      // bytes after each staged row
 override DIGITS: u32 = 1u;    // planes of A rows (1, or SUB_M)
 override W_T: bool = false;
-override DOUBLE: bool = false;  // two staging buffers (one barrier a step) rather than one
 override WG: u32 = SUB_M * SUB_N * SM_SUBGROUP;
 override BM: u32 = SUB_M * TM * SM_M;              // staged rows of A
 override BN: u32 = SUB_N * TN * SM_N;              // columns of C
@@ -56,19 +52,18 @@ override T_STRIDE: u32 = KSTEP + PAD;              // bytes a staged row of weig
 override A_LOADS: u32 = (BM * KSTEP / 16u + WG - 1u) / WG;         // vec4 loads a thread a step (≤ 8)
 override T_LOADS: u32 = (BN * KSTEP / 64u + WG - 1u) / WG;          // of 64 weights each
 
-override A_WORDS: u32 = BM * A_STRIDE / 4u;  // a buffer: the staged A [BM][A_STRIDE] bytes, then the weights
-override BUFFER_WORDS: u32 = A_WORDS + BN * T_STRIDE / 4u;  // a buffer's words (DOUBLE: the second follows)
+override A_WORDS: u32 = BM * A_STRIDE / 4u;  // the staged A [BM][A_STRIDE] bytes, then the weights
 override RESULT_ROW: u32 = TN * SM_N;          // columns of a subgroup's row of result matrices
 override RESULT_PAD: u32 = 8u;                 // words after each staged row of results (against bank conflicts)
 override RESULT_STRIDE: u32 = RESULT_ROW + RESULT_PAD;
 
 // Workgroup memory: the device's (SM_STORAGE, which the runtime writes too), a constant, as
-// subgroupMatrixLoad takes arrays of a constant length (gemms.mma_shape checks that the staged step
-// (DOUBLE: two), and the results put_results stages after the loop, fit).
+// subgroupMatrixLoad takes arrays of a constant length (gemms.mma_shape checks that the staged step,
+// and the results put_results stages after the loop, fit).
 const STAGED_WORDS: u32 = SM_STORAGE / 4u;
 const ZERO_CODES: u32 = 0x55555555u;  // sixteen weights of value 0 (code 1)
 
-var<workgroup> Staged: array<i32, STAGED_WORDS>;  // a buffer: A's rows, then the weights' [BN][T_STRIDE] bytes
+var<workgroup> Staged: array<i32, STAGED_WORDS>;  // A's rows, then the weights' [BN][T_STRIDE] bytes
 
 // The four int8 weights of bit pair `shift / 2` of each byte lane: code c = t + 1 → t (no byte
 // borrows: every byte is at least 0x80 when 1 is taken away).
@@ -154,10 +149,9 @@ fn a_offset(v: u32) -> u32 { return (v / (KSTEP / 16u)) * A_STRIDE + 16u * (v % 
 
 fn t_offset(v: u32) -> u32 { return (v / (KSTEP / 64u)) * T_STRIDE + 64u * (v % (KSTEP / 64u)); }  // W_T false
 
-// put_a and put_t stage into the buffer at word `base` (0, or with DOUBLE, BUFFER_WORDS).
-fn put_a(base: u32, v: u32, a: vec4<u32>) {
+fn put_a(v: u32, a: vec4<u32>) {
   if (v >= BM * KSTEP / 16u) { return; }
-  let b = base + a_offset(v) / 4u;
+  let b = a_offset(v) / 4u;
   Staged[b] = bitcast<i32>(a.x); Staged[b + 1u] = bitcast<i32>(a.y); Staged[b + 2u] = bitcast<i32>(a.z);
   Staged[b + 3u] = bitcast<i32>(a.w);
 }
@@ -170,7 +164,7 @@ fn signed(codes: u32) -> i32 {
 
 // Staged weights [BN][KSTEP] (the columns of C as rows, the sum along them, so that the right
 // matrices load column-major, the layout int8 matrix units read natively).
-fn put_t(base: u32, v: u32, w: vec4<u32>) {
+fn put_t(v: u32, w: vec4<u32>) {
   if (v >= BN * KSTEP / 64u) { return; }
   if (W_T) {  // four rows of the sum: byte lane l of pair p is column 4p + l; put them side by side
     let j = 4u * (v / (BN / 16u));
@@ -180,7 +174,7 @@ fn put_t(base: u32, v: u32, w: vec4<u32>) {
       let r1 = unpack4xU8((w.y >> (2u * pair)) & 0x03030303u);
       let r2 = unpack4xU8((w.z >> (2u * pair)) & 0x03030303u);
       let r3 = unpack4xU8((w.w >> (2u * pair)) & 0x03030303u);
-      let b = base + A_WORDS + ((col + 4u * pair) * T_STRIDE + j) / 4u;
+      let b = A_WORDS + ((col + 4u * pair) * T_STRIDE + j) / 4u;
       Staged[b] = signed(pack4xU8(vec4<u32>(r0.x, r1.x, r2.x, r3.x)));
       Staged[b + T_STRIDE / 4u] = signed(pack4xU8(vec4<u32>(r0.y, r1.y, r2.y, r3.y)));
       Staged[b + T_STRIDE / 2u] = signed(pack4xU8(vec4<u32>(r0.z, r1.z, r2.z, r3.z)));
@@ -188,7 +182,7 @@ fn put_t(base: u32, v: u32, w: vec4<u32>) {
     }
     return;
   }
-  let b = base + A_WORDS + t_offset(v) / 4u;
+  let b = A_WORDS + t_offset(v) / 4u;
   Staged[b] = unpacked(w.x, 0u); Staged[b + 1u] = unpacked(w.x, 2u); Staged[b + 2u] = unpacked(w.x, 4u);
   Staged[b + 3u] = unpacked(w.x, 6u);
   Staged[b + 4u] = unpacked(w.y, 0u); Staged[b + 5u] = unpacked(w.y, 2u); Staged[b + 6u] = unpacked(w.y, 4u);
@@ -219,66 +213,65 @@ fn fetch(f: ptr<function, Fetched>, t: u32, tok0: u32, c0: u32, kk: u32, k_end: 
   if (T_LOADS > 7u) { (*f).t7 = load_t(t + 7u * WG, c0, kk); }
 }
 
-fn stage(f: ptr<function, Fetched>, t: u32, base: u32) {
-  { put_a(base, t + 0u * WG, (*f).a0); }
-  if (A_LOADS > 1u) { put_a(base, t + 1u * WG, (*f).a1); }
-  if (A_LOADS > 2u) { put_a(base, t + 2u * WG, (*f).a2); }
-  if (A_LOADS > 3u) { put_a(base, t + 3u * WG, (*f).a3); }
-  if (A_LOADS > 4u) { put_a(base, t + 4u * WG, (*f).a4); }
-  if (A_LOADS > 5u) { put_a(base, t + 5u * WG, (*f).a5); }
-  if (A_LOADS > 6u) { put_a(base, t + 6u * WG, (*f).a6); }
-  if (A_LOADS > 7u) { put_a(base, t + 7u * WG, (*f).a7); }
-  { put_t(base, t + 0u * WG, (*f).t0); }
-  if (T_LOADS > 1u) { put_t(base, t + 1u * WG, (*f).t1); }
-  if (T_LOADS > 2u) { put_t(base, t + 2u * WG, (*f).t2); }
-  if (T_LOADS > 3u) { put_t(base, t + 3u * WG, (*f).t3); }
-  if (T_LOADS > 4u) { put_t(base, t + 4u * WG, (*f).t4); }
-  if (T_LOADS > 5u) { put_t(base, t + 5u * WG, (*f).t5); }
-  if (T_LOADS > 6u) { put_t(base, t + 6u * WG, (*f).t6); }
-  if (T_LOADS > 7u) { put_t(base, t + 7u * WG, (*f).t7); }
+fn stage(f: ptr<function, Fetched>, t: u32) {
+  { put_a(t + 0u * WG, (*f).a0); }
+  if (A_LOADS > 1u) { put_a(t + 1u * WG, (*f).a1); }
+  if (A_LOADS > 2u) { put_a(t + 2u * WG, (*f).a2); }
+  if (A_LOADS > 3u) { put_a(t + 3u * WG, (*f).a3); }
+  if (A_LOADS > 4u) { put_a(t + 4u * WG, (*f).a4); }
+  if (A_LOADS > 5u) { put_a(t + 5u * WG, (*f).a5); }
+  if (A_LOADS > 6u) { put_a(t + 6u * WG, (*f).a6); }
+  if (A_LOADS > 7u) { put_a(t + 7u * WG, (*f).a7); }
+  { put_t(t + 0u * WG, (*f).t0); }
+  if (T_LOADS > 1u) { put_t(t + 1u * WG, (*f).t1); }
+  if (T_LOADS > 2u) { put_t(t + 2u * WG, (*f).t2); }
+  if (T_LOADS > 3u) { put_t(t + 3u * WG, (*f).t3); }
+  if (T_LOADS > 4u) { put_t(t + 4u * WG, (*f).t4); }
+  if (T_LOADS > 5u) { put_t(t + 5u * WG, (*f).t5); }
+  if (T_LOADS > 6u) { put_t(t + 6u * WG, (*f).t6); }
+  if (T_LOADS > 7u) { put_t(t + 7u * WG, (*f).t7); }
 }
 
-// Right matrix j of the subgroup's column sc at sub-step q of the step staged at word `base`.
-fn right(base: u32, sc: u32, j: u32, q: u32) -> R {
-  return subgroupMatrixLoad<R>(&Staged, 4u * (base + A_WORDS) + (sc * TN * SM_N + j * SM_N) * T_STRIDE + q * SM_K,
-                               true, T_STRIDE);
+// Right matrix j of the subgroup's column sc at sub-step q of the staged step.
+fn right(sc: u32, j: u32, q: u32) -> R {
+  return subgroupMatrixLoad<R>(&Staged, 4u * A_WORDS + (sc * TN * SM_N + j * SM_N) * T_STRIDE + q * SM_K, true,
+                               T_STRIDE);
 }
 
-fn left(base: u32, sr: u32, i: u32, q: u32) -> L {
-  return subgroupMatrixLoad<L>(&Staged, 4u * base + (sr * TM * SM_M + i * SM_M) * A_STRIDE + q * SM_K, false,
-                               A_STRIDE);
+fn left(sr: u32, i: u32, q: u32) -> L {
+  return subgroupMatrixLoad<L>(&Staged, (sr * TM * SM_M + i * SM_M) * A_STRIDE + q * SM_K, false, A_STRIDE);
 }
 
-// Sub-step q of the step staged at word `base`: the subgroup's TM × TN products.
-fn multiply_step(acc: ptr<function, Acc>, base: u32, sr: u32, sc: u32, q: u32) {
-  let b0 = right(base, sc, 0u, q);
+// Sub-step q of the staged step: the subgroup's TM × TN products.
+fn multiply_step(acc: ptr<function, Acc>, sr: u32, sc: u32, q: u32) {
+  let b0 = right(sc, 0u, q);
   var b1 = b0;
-  if (TN > 1u) { b1 = right(base, sc, 1u, q); }
+  if (TN > 1u) { b1 = right(sc, 1u, q); }
   var b2 = b0;
-  if (TN > 2u) { b2 = right(base, sc, 2u, q); }
+  if (TN > 2u) { b2 = right(sc, 2u, q); }
   var b3 = b0;
-  if (TN > 3u) { b3 = right(base, sc, 3u, q); }
-  let a0 = left(base, sr, 0u, q);
+  if (TN > 3u) { b3 = right(sc, 3u, q); }
+  let a0 = left(sr, 0u, q);
   (*acc).c00 = subgroupMatrixMultiplyAccumulate(a0, b0, (*acc).c00);
   if (TN > 1u) { (*acc).c01 = subgroupMatrixMultiplyAccumulate(a0, b1, (*acc).c01); }
   if (TN > 2u) { (*acc).c02 = subgroupMatrixMultiplyAccumulate(a0, b2, (*acc).c02); }
   if (TN > 3u) { (*acc).c03 = subgroupMatrixMultiplyAccumulate(a0, b3, (*acc).c03); }
   if (TM > 1u) {
-    let a1 = left(base, sr, 1u, q);
+    let a1 = left(sr, 1u, q);
     (*acc).c10 = subgroupMatrixMultiplyAccumulate(a1, b0, (*acc).c10);
     if (TN > 1u) { (*acc).c11 = subgroupMatrixMultiplyAccumulate(a1, b1, (*acc).c11); }
     if (TN > 2u) { (*acc).c12 = subgroupMatrixMultiplyAccumulate(a1, b2, (*acc).c12); }
     if (TN > 3u) { (*acc).c13 = subgroupMatrixMultiplyAccumulate(a1, b3, (*acc).c13); }
   }
   if (TM > 2u) {
-    let a2 = left(base, sr, 2u, q);
+    let a2 = left(sr, 2u, q);
     (*acc).c20 = subgroupMatrixMultiplyAccumulate(a2, b0, (*acc).c20);
     if (TN > 1u) { (*acc).c21 = subgroupMatrixMultiplyAccumulate(a2, b1, (*acc).c21); }
     if (TN > 2u) { (*acc).c22 = subgroupMatrixMultiplyAccumulate(a2, b2, (*acc).c22); }
     if (TN > 3u) { (*acc).c23 = subgroupMatrixMultiplyAccumulate(a2, b3, (*acc).c23); }
   }
   if (TM > 3u) {
-    let a3 = left(base, sr, 3u, q);
+    let a3 = left(sr, 3u, q);
     (*acc).c30 = subgroupMatrixMultiplyAccumulate(a3, b0, (*acc).c30);
     if (TN > 1u) { (*acc).c31 = subgroupMatrixMultiplyAccumulate(a3, b1, (*acc).c31); }
     if (TN > 2u) { (*acc).c32 = subgroupMatrixMultiplyAccumulate(a3, b2, (*acc).c32); }
@@ -291,25 +284,11 @@ fn multiply_step(acc: ptr<function, Acc>, base: u32, sr: u32, sc: u32, q: u32) {
 fn multiply(acc: ptr<function, Acc>, t: u32, sr: u32, sc: u32, tok0: u32, c0: u32, k_begin: u32, k_end: u32) {
   var f: Fetched;
   fetch(&f, t, tok0, c0, k_begin, k_end);
-  if (DOUBLE) {
-    if (k_begin < k_end) { stage(&f, t, 0u); }
-    workgroupBarrier();
-    var base = 0u;
-    for (var kk = k_begin; kk < k_end; kk += KSTEP) {
-      let more = kk + KSTEP < k_end;
-      if (more) { fetch(&f, t, tok0, c0, kk + KSTEP, k_end); }
-      for (var q = 0u; q < KSTEP / SM_K; q++) { multiply_step(acc, base, sr, sc, q); }
-      base = BUFFER_WORDS - base;  // the other buffer: free since the last barrier
-      if (more) { stage(&f, t, base); }
-      workgroupBarrier();
-    }
-    return;
-  }
   for (var kk = k_begin; kk < k_end; kk += KSTEP) {
-    stage(&f, t, 0u);
+    stage(&f, t);
     workgroupBarrier();
     if (kk + KSTEP < k_end) { fetch(&f, t, tok0, c0, kk + KSTEP, k_end); }
-    for (var q = 0u; q < KSTEP / SM_K; q++) { multiply_step(acc, 0u, sr, sc, q); }
+    for (var q = 0u; q < KSTEP / SM_K; q++) { multiply_step(acc, sr, sc, q); }
     workgroupBarrier();
   }
 }

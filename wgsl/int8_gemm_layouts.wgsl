@@ -8,7 +8,9 @@
 //   one buffer and two. The next step's global loads go out before this step's multiplies.
 // * direct: A's and W's matrices straight from storage, no workgroup memory, no barrier.
 // Subgroup (sr, sc) of SUB_M × SUB_N holds TM × TN result matrices (named, never an array), stored
-// straight to C. No edges: the launch checks that the shape is a multiple of the tile.
+// straight to C. No edges: the launch checks that the shape is a multiple of the tile. The
+// accumulators and products mirror _ternary_mma_tile.wgsl's rather than include it: that file's
+// staging and right-matrix loads are the engine's one layout, the thing these variants replace.
 // @subgroup-matrix i8 i32
 
 struct Params {

@@ -25,12 +25,11 @@ from .test_kernels import _codes, _projection
 
 pytestmark = pytest.mark.matrix_units
 
-# The input gradient's tiles: the default (4 digit planes, 4 × 2 matrices a subgroup), one of a
+# The input gradient's tiles: the default (4 digit planes, 4 × 2 matrices a subgroup) and one of a
 # single row of matrices with a short step and unpadded results, so that the staging and the
-# epilogue are checked at two shapes, and one staging through two buffers.
+# epilogue are checked at two shapes.
 INPUT_GRAD_TILES = {"default": None,
-                    "narrow": MmaTile(sub_m=4, digits=4, sub_n=2, tm=1, tn=4, kstep=64, result_pad=0),
-                    "double": MmaTile(sub_m=4, digits=4, sub_n=2, tm=2, tn=2, kstep=64, double=True)}
+                    "narrow": MmaTile(sub_m=4, digits=4, sub_n=2, tm=1, tn=4, kstep=64, result_pad=0)}
 
 U = 2.0 ** -24  # float32's unit roundoff
 
@@ -54,11 +53,9 @@ def _float32_gemm_error(dy: torch.Tensor, values: torch.Tensor, scales: torch.Te
 
 
 # The forward's tiles: the default for the shape (WIDE_TILE where it has that many outputs), the
-# wide one everywhere, a small one with a short step and unpadded results, and one staging
-# through two buffers.
+# wide one everywhere, and a small one with a short step and unpadded results.
 PROJECTION_TILES = {"default": None, "wide": WIDE_TILE,
-                    "small": MmaTile(sub_m=2, sub_n=2, tm=1, tn=2, kstep=64, result_pad=0),
-                    "double": MmaTile(sub_m=2, sub_n=2, tm=2, tn=2, kstep=128, double=True)}
+                    "small": MmaTile(sub_m=2, sub_n=2, tm=1, tn=2, kstep=64, result_pad=0)}
 # BitNet-2B's own shapes on GPUs; on a CPU adapter (lavapipe) the small ones alone.
 SHAPES = [(1, 64, 8), (37, 100, 130), (40, 1100, 72), (200, 2560, 256), (70, 700, 300)]
 GPU_SHAPES = [(512, 2560, 13824), (300, 6912, 2560)]
@@ -211,5 +208,3 @@ def test_tiles_that_do_not_fit_are_refused_with_what_they_need():
         mma_shape(device, MmaTile(tm=8, tn=4), transposed=False)
     with pytest.raises(ValueError, match="digits 1 or sub_m"):
         mma_shape(device, MmaTile(digits=3), transposed=True)
-    with pytest.raises(ValueError, match="the staged steps"):  # two buffers of a large step
-        mma_shape(device, MmaTile(sub_m=4, sub_n=4, tm=4, tn=4, kstep=256, double=True), transposed=False)

@@ -36,7 +36,6 @@ from ..ops import lora as lora_ops
 from ..ops.optimizer import WgpuAdamW
 from ..runtime import Recorder, get_device, recorder, synchronize, write
 from ..runtime.buffers import pool_for
-from ..runtime.settings import DEFAULT_SHADER_CHECKS
 from .report import write_json
 from .timing import arithmetic_rate, median_interval
 
@@ -876,9 +875,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-generate", default="", metavar="SIZES",
                         help="also HF + PEFT generate at these batch sizes (e.g. 1,16), eager and on a static cache "
                         "compiled")
-    parser.add_argument("--checks", default=DEFAULT_SHADER_CHECKS, help="shader-check modes to measure the engine "
-                        "in, e.g. bounds,full (TORCH_WGPU_LORA_SHADER_CHECKS; on Dawn one mode, the device's); the "
-                        "first is measured beside HF + PEFT, the others' results are keyed with a suffix")
+    parser.add_argument("--checks", default="", help="shader-check modes to measure the engine in, e.g. "
+                        "bounds,full (default: the device's, TORCH_WGPU_LORA_SHADER_CHECKS; on Dawn that one only); "
+                        "the first is measured beside HF + PEFT, the others' results are keyed with a suffix")
     parser.add_argument("--drop-in", type=int, default=0, metavar="SEQ",
                         help="also time the drop-in path (CPU model, LoRALinear on WebGPU vs torch) at SEQ tokens")
     parser.add_argument("--drop-in-steps", type=int, default=3, help="timed drop-in steps per backend (default: 3)")
@@ -914,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     default_settings = engine.device.settings
-    modes = args.checks.split(",")
+    modes = args.checks.split(",") if args.checks else [device.settings.shader_checks]
     result["shader_checks"] = modes[0]  # the mode of the unsuffixed figures, beside HF + PEFT's
     for checks in modes:  # kernels and plans are keyed on the mode: each gets its own
         engine.device.configure(shader_checks=checks)

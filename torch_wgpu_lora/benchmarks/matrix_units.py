@@ -54,12 +54,8 @@ TILES = {
     "projection": [MmaTile(), MmaTile(result_pad=0), MmaTile(kstep=64),
                    MmaTile(sub_m=4, sub_n=4, tm=4, tn=2, kstep=64), WIDE_TILE,
                    MmaTile(sub_m=2, sub_n=4, tm=4, tn=4, kstep=64, result_pad=0),
-                   # 4 × 4 matrices a subgroup in workgroups of 4 subgroups: 3 workgroups an SM where
-                   # registers allow (staging of one overlapping another's multiplies)
-                   MmaTile(sub_m=2, sub_n=2, tm=4, tn=4, kstep=64), MmaTile(sub_m=2, sub_n=2, tm=4, tn=4),
-                   # two staging buffers: the tiles whose two steps fit
-                   MmaTile(double=True, kstep=64), MmaTile(sub_m=2, sub_n=2, tm=4, tn=4, kstep=64, double=True),
-                   MmaTile(sub_m=4, sub_n=4, tm=2, tn=2, kstep=64, double=True)],
+                   # 4 × 4 matrices a subgroup in workgroups of 4 subgroups (room for more workgroups an SM)
+                   MmaTile(sub_m=2, sub_n=2, tm=4, tn=4, kstep=64), MmaTile(sub_m=2, sub_n=2, tm=4, tn=4)],
     # decoding's projections: 16 to 64 rows, tiles of few tokens and columns (more workgroups), each
     # also split along K (DECODE_SPLITS)
     "decode": [MmaTile(sub_m=1, sub_n=4, tm=1, tn=1, kstep=256), MmaTile(sub_m=1, sub_n=4, tm=1, tn=1, kstep=512),
@@ -69,8 +65,6 @@ TILES = {
     "input_grad": [default_tile("input_grad"),
                    MmaTile(sub_m=4, digits=4, sub_n=4, tm=4, tn=2, kstep=64, result_pad=0),
                    MmaTile(sub_m=4, digits=4), MmaTile(sub_m=4, digits=4, sub_n=2, tm=4, tn=4, kstep=64),
-                   MmaTile(sub_m=4, digits=4, sub_n=2, tm=2, tn=4, kstep=64, double=True),
-                   MmaTile(sub_m=4, digits=4, sub_n=4, tm=2, tn=2, kstep=64, double=True),
                    # fewer digits (the input_grad_digits setting): less work, less accuracy
                    default_tile("input_grad", digits=3), default_tile("input_grad", digits=2)],
 }
@@ -170,7 +164,7 @@ def _case_name(shape: tuple[MmaTile, int] | int | None) -> str:
     if isinstance(shape, tuple):
         tile, splits = shape
         return (f"{tile.sub_m}x{tile.sub_n} sg, {tile.tm}x{tile.tn} m, k{tile.kstep}, {splits} ranges"
-                + f", results +{tile.result_pad}" + (", two buffers" if tile.double else ""))
+                + f", results +{tile.result_pad}")
     return "" if shape is None else f"gemv group {shape}"
 
 

@@ -34,8 +34,7 @@ class MmaTile:
     each holding ``tm`` × ``tn`` result matrices; ``kstep`` of the sum staged at once, rows padded by
     ``pad`` bytes; ``digits`` planes of A (1, or ``sub_m``); ``result_pad``: words after each row of
     results staged for the epilogue (against bank conflicts: 8 made the sweep's kernels 0-6% faster
-    than 0 on the H100, device runs 20 and 22); ``double``: two staging buffers, one barrier a step
-    and one subgroup's staging beside another's multiplies, for twice the workgroup memory."""
+    than 0 on the H100, device runs 20 and 22)."""
 
     sub_m: int = 4
     sub_n: int = 2
@@ -45,11 +44,10 @@ class MmaTile:
     pad: int = 16
     digits: int = 1
     result_pad: int = 8
-    double: bool = False
 
     def constants(self, transposed: bool) -> dict[str, int | bool]:
         return dict(SUB_M=self.sub_m, SUB_N=self.sub_n, TM=self.tm, TN=self.tn, KSTEP=self.kstep, PAD=self.pad,
-                    DIGITS=self.digits, W_T=transposed, RESULT_PAD=self.result_pad, DOUBLE=self.double)
+                    DIGITS=self.digits, W_T=transposed, RESULT_PAD=self.result_pad)
 
 
 @dataclass(frozen=True)
@@ -80,9 +78,9 @@ class MmaShape:
 
     @property
     def staged_bytes(self) -> int:
-        """Bytes of workgroup memory the staged steps of A and of the weights take (``double``: two)."""
+        """Bytes of workgroup memory a step of A and of the weights take."""
         t = self.tile
-        return (2 if t.double else 1) * (self.block_tokens * t.digits + self.block_n) * (t.kstep + t.pad)
+        return (self.block_tokens * t.digits + self.block_n) * (t.kstep + t.pad)
 
 
 def int8_matrix_units(device: Device) -> bool:
@@ -127,7 +125,7 @@ def mma_shape(device: Device, tile: MmaTile, transposed: bool) -> MmaShape:
         problems.append(f"at most {device.limits['max-compute-invocations-per-workgroup']} invocations")
     room = int(device.limits["max-compute-workgroup-storage-size"])  # _ternary_mma_tile.wgsl's STAGED_WORDS
     if max(shape.staged_bytes, shape.results_bytes) > room:
-        problems.append(f"the staged steps ({shape.staged_bytes} bytes) and the results ({shape.results_bytes}) "
+        problems.append(f"the staged step ({shape.staged_bytes} bytes) and the results ({shape.results_bytes}) "
                         f"within {room} bytes each")
     if problems:
         raise ValueError(f"matrix-unit tile {tile} on {shape.m}×{shape.n}×{shape.k} matrices: needs " + "; ".join(problems))
