@@ -42,6 +42,7 @@ from ..engine.kernels.norm import rmsnorm_launch
 from ..engine.weights import Projection, pack_ternary
 from ..engine.workspace import Workspace
 from ..runtime import Buffer, Device, Launch, Recorder, get_device, kernel, upload
+from ..runtime.buffers import DTYPES
 from ..runtime.kernels import subgroup_matrix_config
 from .report import write_json
 
@@ -198,9 +199,9 @@ def layout_launch(device: Device, layout: str, tile: tuple[int, int, int, int], 
         if staged > int(device.limits["max-compute-workgroup-storage-size"]) or loads > 8 * threads:
             raise ValueError(f"the tile stages {staged} bytes, {-(-loads // threads)} vec4 loads a thread (at most 8)")
         constants = dict(constants, KSTEP=kstep)
-    k_ = kernel("int8_gemm_layouts.wgsl", entry, device, SUB_M=sub_m, SUB_N=sub_n, TM=tm, TN=tn, **constants)
+    program = kernel("int8_gemm_layouts.wgsl", entry, device, SUB_M=sub_m, SUB_N=sub_n, TM=tm, TN=tn, **constants)
     buffers = {2: a, 4: w, 5: c} if entry == "direct" else {1: a, 3: w, 4: w, 5: c}
-    return Launch.build(k_, (n // bn, tokens // bm, 1), buffers, (tokens, n, k))
+    return Launch.build(program, (n // bn, tokens // bm, 1), buffers, (tokens, n, k))
 
 
 def layouts(shapes: list[tuple[str, int]], ceilings: dict[str, Any], log: Callable[[str], None]) -> list[dict[str, Any]]:
@@ -219,10 +220,11 @@ def layouts(shapes: list[tuple[str, int]], ceilings: dict[str, Any], log: Callab
         proj = Projection(upload(pack_ternary(torch.from_numpy(w8))), upload(np.ones(n, np.float32)), n, k, True)
         meta = upload(np.concatenate([np.ones(tokens, np.float32), np.zeros(tokens, np.float32)]))
         out = Buffer((tokens, n))
-        cases: list[tuple[str, Callable[[], list[Launch]]]] = [
+        # (label, its launches, the buffer they write)
+        cases: list[tuple[str, Callable[[], list[Launch]], Buffer]] = [
             (f"engine's kernel, {_case_name((tile, 1))}",
              lambda tile=tile: bitlinear_launch(a, meta, proj, out, tokens=tokens, out_stride=n, gemv=False, mma=True,
-                                                tile=tile, splits=1, workspace=workspace))
+                                                tile=tile, splits=1, workspace=workspace), out)
             for tile in (default_tile("projection", tokens, n), WIDE_TILE)]
         for layout, (entry, _) in LAYOUTS.items():
             for tile in LAYOUT_TILES:
@@ -230,15 +232,15 @@ def layouts(shapes: list[tuple[str, int]], ceilings: dict[str, Any], log: Callab
                     label = f"{layout}, {tile[0]}x{tile[1]} sg, {tile[2]}x{tile[3]} m" + (
                         f", k{kstep}" if entry == "staged" else "")
                     cases.append((label, lambda layout=layout, tile=tile, kstep=kstep: [
-                        layout_launch(device, layout, tile, kstep, a, w, c, tokens, n, k)]))
-        for label, build in cases:
+                        layout_launch(device, layout, tile, kstep, a, w, c, tokens, n, k)], c))
+        for label, build, written in cases:
             try:
                 launches = build()
                 seconds = gpu_seconds(device, launches)
             except (ValueError, RuntimeError) as e:
                 log(f"  layouts {name} {tokens} {label}: {str(e)[:160]}")
                 continue
-            result = torch.from_numpy(_read(device, out if label.startswith("engine") else c))
+            result = torch.from_numpy(_read(device, written))
             right = bool(torch.equal(result.double(), exact))  # the engine's: scales of 1, exact in float32
             rate = 2 * tokens * n * k / seconds
             rows_out.append(dict(projection=name, tokens=tokens, rows=n, k=k, variant=label, seconds=seconds,
@@ -251,7 +253,7 @@ def layouts(shapes: list[tuple[str, int]], ceilings: dict[str, Any], log: Callab
 
 def _read(device: Device, buf: Buffer) -> np.ndarray:
     rec = Recorder(device)
-    out = np.empty(buf.shape, np.int32 if buf.dtype == "i32" else np.float32)
+    out = np.empty(buf.shape, DTYPES[buf.dtype])
     rec.read(buf, out)
     rec.submit()
     return out
