@@ -4,14 +4,15 @@
 // NVIDIA, 8 × 8 × 8 on lavapipe), SM_SUBGROUP (its subgroup size) and SM_STORAGE (the device's bytes
 // of workgroup memory) before the source.
 //
-//   C[r][c] = Σ_κ A[r][κ] · T[c][κ]    (W_T false: the weights' rows are C's columns, a projection)
-//   C[r][c] = Σ_κ A[r][κ] · T[κ][c]    (W_T true: the weights' rows are the sum, an input gradient)
+//   C[r][c] = Σ_κ A[r][κ] · T[c][κ]
 //
 // A: int8 rows, four to a u32 (vec4 loads of 16), its rows in DIGITS planes of `a_tokens` rows each
-// (a projection's codes: one plane; an input gradient's digits: one plane a digit). T: the packed
-// ternary weights (weights.py's layout: 16 a u32, codes t + 1), staged as [BN][KSTEP] either way:
-// with W_T their words run across the staged rows, and four rows of the sum are transposed as staged
-// (a row-major int8 right matrix loaded 2.2× slower than a column-major one on the H100).
+// (a projection's codes: one plane; an input gradient's digits: one plane a digit). T: packed
+// ternary weights (weights.py's layout: 16 a u32, codes t + 1), a row a column of C: a projection's
+// own weights, an input gradient's transposed copy (bitlinear.py's transposed_weights), so that both
+// stage their weights alike, as [BN][KSTEP] (on the H100 a row-major int8 right matrix loaded 2.2×
+// slower than a column-major one, and an input gradient that transposed the weights' words as it
+// staged them took 1.16-1.35× the time it takes from the transposed copy: device run 27).
 //
 // A workgroup of SUB_M × SUB_N subgroups owns BM staged rows of A × BN columns of C; subgroup
 // (sr, sc) holds TM × TN result matrices. The staged rows are the DIGITS planes' rows of the
@@ -25,7 +26,7 @@
 // H100 (benchmarks/results/h100/matrix_units.md).
 //
 // The including file declares Params with a_tokens (rows of a plane), a_words (u32 words a row of
-// A), rows (the weights' rows), t_words (u32 words a weight row), the bindings AQ
+// A), t_rows (T's rows), t_words (u32 words a row of T: a multiple of 4), the bindings AQ
 // (array<vec4<u32>>) and T4 (array<vec4<u32>>), and
 //   fn finish(t: u32, lane: u32, sg: u32, n0: u32, c0: u32, i: u32): the epilogue of row i of every
 //     subgroup's result matrices, staged side by side at Staged[sg · SM_M · RESULT_STRIDE] as SM_M
@@ -43,7 +44,6 @@ override TN: u32 = 4u;        // and along the columns (≤ 4)
 override KSTEP: u32 = 128u;   // the sum's step staged at once: a multiple of 64 and of SM_K
 override PAD: u32 = 16u;      // bytes after each staged row
 override DIGITS: u32 = 1u;    // planes of A rows (1, or SUB_M)
-override W_T: bool = false;
 override WG: u32 = SUB_M * SUB_N * SM_SUBGROUP;
 override BM: u32 = SUB_M * TM * SM_M;              // staged rows of A
 override BN: u32 = SUB_N * TN * SM_N;              // columns of C
@@ -119,35 +119,19 @@ fn load_a(v: u32, tok0: u32, kk: u32, k_end: u32) -> vec4<u32> {
   return AQ[((r / (BM / DIGITS)) * p.a_tokens + tok) * (p.a_words / 4u) + kb / 16u];
 }
 
-fn word(at: u32) -> u32 { return T4[at / 4u][at % 4u]; }  // the weights' u32 word `at`
-
-// The staged weights' load v of step kk: 64 weights, zero past the rows or a row's end (A is zero
-// past the sum's end). W_T false: the vec4 of row c0 + v / (KSTEP / 64) holding the sum's weights
-// 64 (v % (KSTEP / 64)).. of the step. W_T true: one word of 16 columns from each of four rows of the
-// sum, kk + 4 (v / (BN / 16)) .. + 3, at column c0 + 16 (v % (BN / 16)) (put_t transposes them).
+// The staged weights' load v of step kk: the vec4 of row c0 + v / (KSTEP / 64) holding the sum's
+// weights 64 (v % (KSTEP / 64)).. of the step; zero past the rows or a row's end (A is zero past the
+// sum's end).
 fn load_t(v: u32, c0: u32, kk: u32) -> vec4<u32> {
-  if (v >= BN * KSTEP / 64u) { return vec4<u32>(ZERO_CODES); }
-  if (W_T) {
-    let j = kk + 4u * (v / (BN / 16u));
-    let col = c0 + 16u * (v % (BN / 16u));
-    if (col >= 16u * p.t_words) { return vec4<u32>(ZERO_CODES); }
-    let at = j * p.t_words + col / 16u;
-    var w = vec4<u32>(ZERO_CODES);
-    if (j < p.rows) { w.x = word(at); }
-    if (j + 1u < p.rows) { w.y = word(at + p.t_words); }
-    if (j + 2u < p.rows) { w.z = word(at + 2u * p.t_words); }
-    if (j + 3u < p.rows) { w.w = word(at + 3u * p.t_words); }
-    return w;
-  }
   let row = c0 + v / (KSTEP / 64u);
   let col = kk + 64u * (v % (KSTEP / 64u));
-  if (row >= p.rows || col >= 16u * p.t_words) { return vec4<u32>(ZERO_CODES); }
+  if (v >= BN * KSTEP / 64u || row >= p.t_rows || col >= 16u * p.t_words) { return vec4<u32>(ZERO_CODES); }
   return T4[(row * p.t_words + col / 16u) / 4u];
 }
 
 fn a_offset(v: u32) -> u32 { return (v / (KSTEP / 16u)) * A_STRIDE + 16u * (v % (KSTEP / 16u)); }  // bytes
 
-fn t_offset(v: u32) -> u32 { return (v / (KSTEP / 64u)) * T_STRIDE + 64u * (v % (KSTEP / 64u)); }  // W_T false
+fn t_offset(v: u32) -> u32 { return (v / (KSTEP / 64u)) * T_STRIDE + 64u * (v % (KSTEP / 64u)); }  // bytes
 
 fn put_a(v: u32, a: vec4<u32>) {
   if (v >= BM * KSTEP / 16u) { return; }
@@ -156,32 +140,10 @@ fn put_a(v: u32, a: vec4<u32>) {
   Staged[b + 3u] = bitcast<i32>(a.w);
 }
 
-// Four int8 weights from four codes c = t + 1 in the bytes of a word (no byte borrows: every byte is
-// at least 0x80 when 1 is taken away).
-fn signed(codes: u32) -> i32 {
-  return bitcast<i32>(((codes | 0x80808080u) - 0x01010101u) ^ 0x80808080u);
-}
-
 // Staged weights [BN][KSTEP] (the columns of C as rows, the sum along them, so that the right
 // matrices load column-major, the layout int8 matrix units read natively).
 fn put_t(v: u32, w: vec4<u32>) {
   if (v >= BN * KSTEP / 64u) { return; }
-  if (W_T) {  // four rows of the sum: byte lane l of pair p is column 4p + l; put them side by side
-    let j = 4u * (v / (BN / 16u));
-    let col = 16u * (v % (BN / 16u));
-    for (var pair = 0u; pair < 4u; pair++) {
-      let r0 = unpack4xU8((w.x >> (2u * pair)) & 0x03030303u);
-      let r1 = unpack4xU8((w.y >> (2u * pair)) & 0x03030303u);
-      let r2 = unpack4xU8((w.z >> (2u * pair)) & 0x03030303u);
-      let r3 = unpack4xU8((w.w >> (2u * pair)) & 0x03030303u);
-      let b = A_WORDS + ((col + 4u * pair) * T_STRIDE + j) / 4u;
-      Staged[b] = signed(pack4xU8(vec4<u32>(r0.x, r1.x, r2.x, r3.x)));
-      Staged[b + T_STRIDE / 4u] = signed(pack4xU8(vec4<u32>(r0.y, r1.y, r2.y, r3.y)));
-      Staged[b + T_STRIDE / 2u] = signed(pack4xU8(vec4<u32>(r0.z, r1.z, r2.z, r3.z)));
-      Staged[b + 3u * T_STRIDE / 4u] = signed(pack4xU8(vec4<u32>(r0.w, r1.w, r2.w, r3.w)));
-    }
-    return;
-  }
   let b = A_WORDS + t_offset(v) / 4u;
   Staged[b] = unpacked(w.x, 0u); Staged[b + 1u] = unpacked(w.x, 2u); Staged[b + 2u] = unpacked(w.x, 4u);
   Staged[b + 3u] = unpacked(w.x, 6u);

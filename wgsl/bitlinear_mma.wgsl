@@ -1,8 +1,8 @@
 // Ternary BitLinear projections on the GPU's matrix units (subgroup matrices): the same exact
 // integer dots as bitlinear.wgsl's gemm, dot[n][j] = Σ_k q[n][k] · t[j][k], as int8 × int8 → i32
-// subgroup-matrix multiplies (_ternary_mma_tile.wgsl, W_T false: the weights' rows are the
-// outputs), then bitlinear.wgsl's epilogue (scales, LoRA segments, MODE 0 store, 1 add (SAVE: the
-// sums into AUX), 2 gate/up pairs). One plane of A: the tokens' codes.
+// subgroup-matrix multiplies (_ternary_mma_tile.wgsl, the weights' rows its columns), then
+// bitlinear.wgsl's epilogue (scales, LoRA segments, MODE 0 store, 1 add (SAVE: the sums into AUX),
+// 2 gate/up pairs). One plane of A: the tokens' codes.
 //
 // Split-K (SPLITS > 1, for few tokens, whose tiles alone leave the GPU idle): workgroup z sums its
 // range of K and stores the i32 sums into PART [SPLITS][tokens][rows]; split_epilogue adds the ranges
@@ -20,6 +20,7 @@ struct Params {
   aux_stride: u32,   // floats per row of AUX
   a_tokens: u32,     // = tokens (_ternary_mma_tile.wgsl's names)
   a_words: u32,      // = 4 · k_words: u32 words of codes a token
+  t_rows: u32,       // = rows
   t_words: u32,      // = k_words
 }
 

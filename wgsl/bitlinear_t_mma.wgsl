@@ -9,20 +9,20 @@
 //   rounded remainder times 2⁷ (every digit in [−64, 64]; every step exact in float32), written as
 //   DIGITS planes of int8 rows DQ [DIGITS][tokens][a_words · 4] and s_n into DS.
 // * gemm_tiled: each plane times the ternary weights is an exact i32 GEMM (|Σ| ≤ 64 · rows < 2²⁴, so
-//   exact in float32 too), on the matrix units (_ternary_mma_tile.wgsl, W_T true, DIGITS = SUB_M:
-//   subgroup row d holds plane d of the workgroup's tokens); the epilogue sums the planes' products
-//   with their powers of two, from the last, and scales by 2^−s_n. With D digits each x is kept to
-//   2^(1 − 7D) of its row's largest value (four: 2⁻²⁷, the default; the input_grad_digits setting
-//   offers three and two, 2⁻²⁰ and 2⁻¹³, for 3/4 and 1/2 of the work), and the sums over j are exact:
-//   the error is the digits' cut-off and the epilogue's D − 1 roundings, not a float32 GEMM's
-//   rounding at every step of the sum.
+//   exact in float32 too), on the matrix units (_ternary_mma_tile.wgsl, DIGITS = SUB_M: subgroup row
+//   d holds plane d of the workgroup's tokens), from the weights' transposed copy TT [K][rows]
+//   (ternary_transpose.wgsl: its rows are the outputs k, as a projection's are); the epilogue sums
+//   the planes' products with their powers of two, from the last, and scales by 2^−s_n. With D
+//   digits each x is kept to 2^(1 − 7D) of its row's largest value (four: 2⁻²⁷, the default; the
+//   input_grad_digits setting offers three and two, 2⁻²⁰ and 2⁻¹³, for 3/4 and 1/2 of the work), and
+//   the sums over j are exact: the error is the digits' cut-off and the epilogue's D − 1 roundings,
+//   not a float32 GEMM's rounding at every step of the sum.
 //   The grid's z splits the rows j into ranges (split-K, _input_grad_store.wgsl's PART and split_sum).
 // @subgroup-matrix i8 i32
 
 struct Params {
   tokens: u32,
   rows: u32,        // J: weight rows (output features of the forward projection)
-  t_words: u32,     // u32 words per weight row
   a_stride: u32,    // floats per row of A
   out_stride: u32,  // floats per row of OUT
   k: u32,           // input features written (the rest of a row is left alone)
@@ -35,11 +35,13 @@ struct Params {
   drop_split2: u32,
   a_tokens: u32,    // = tokens: rows of a digit plane
   a_words: u32,     // u32 words a row of a digit plane (rows padded to 16)
+  t_rows: u32,      // rows of TT: the weights' K, padded to 64
+  t_words: u32,     // u32 words a row of TT: rows padded to 64, 16 a word
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> AQ: array<vec4<u32>>;  // gemm_tiled: the digit planes
-@group(0) @binding(2) var<storage, read> T4: array<vec4<u32>>;   // the packed weights
+@group(0) @binding(2) var<storage, read> T4: array<vec4<u32>>;   // gemm_tiled: TT, the weights transposed
 @group(0) @binding(3) var<storage, read> DSR: array<i32>;        // gemm_tiled: each token's s_n (digits' DS)
 @group(0) @binding(4) var<storage, read_write> OUT: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read> DH: array<f32>;

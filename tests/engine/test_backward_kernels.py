@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from torch_wgpu_lora.engine.config import pad
-from torch_wgpu_lora.engine.kernels.bitlinear import bitlinear_t_launch, bitlinear_t_reference
+from torch_wgpu_lora.engine.kernels.bitlinear import (bitlinear_t_launch, bitlinear_t_reference, transposed_weights,
+                                                    transposed_weights_reference)
 from torch_wgpu_lora.engine.kernels.cross_entropy import cross_entropy_launch, cross_entropy_reference
 from torch_wgpu_lora.engine.kernels.ffn import relu2_backward_launch, relu2_backward_reference
 from torch_wgpu_lora.engine.kernels.lora_grad import da_launch, db_launch, dh_launch, lora_grad_reference
@@ -22,11 +23,31 @@ from torch_wgpu_lora.engine.kernels.matmul import matmul_t_launch, matmul_t_refe
 from torch_wgpu_lora.engine.kernels.norm import rmsnorm_backward_launch, rmsnorm_backward_reference
 from torch_wgpu_lora.engine.kernels.rope import rope_backward_launch, rope_backward_reference
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary
-from torch_wgpu_lora.runtime import Buffer, upload
+from torch_wgpu_lora.engine.workspace import Workspace
+from torch_wgpu_lora.runtime import Buffer, get_device, upload
 
 from .helpers import PACKED_ROWS, assert_close, kernel_workspace, packed_positions, padded, poisoned, run
 
 RTOL = 1e-5
+
+
+@pytest.mark.parametrize("rows,k", [(1, 8), (70, 100), (1000, 130), (64, 192)])
+def test_transposed_ternary_weights(rows, k):
+    # the input gradient's weights on the matrix units: each column of the packed weights a packed
+    # row, rows past the weights' padded with zeros, equal to torch's transpose packed (integers);
+    # made once per source buffer, kept in the shared workspace under its role
+    g = torch.Generator().manual_seed(rows + k)
+    values = torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8)
+    proj = Projection(upload(pack_ternary(values)), None, rows, k)
+    shared = Workspace(get_device())
+    plan = Workspace(get_device(), shared=shared)
+    got = transposed_weights(proj, plan)
+    (bits,) = run([], got)
+    assert np.array_equal(bits.numpy().view(np.uint32), transposed_weights_reference(values))
+    assert transposed_weights(proj, shared) is got and plan.nbytes == 0
+    assert shared.roles() == {"ternary weights transposed (input gradients)": got.gpu.size}
+    other = Projection(upload(pack_ternary(values)), None, rows, k)
+    assert transposed_weights(other, plan) is not got
 
 
 @pytest.mark.parametrize("splits", [1, 3], ids=["one-range", "split-k"])  # 3 ranges: some empty at 8 and 40 rows

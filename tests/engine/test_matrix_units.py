@@ -203,8 +203,8 @@ def test_input_gradient_rows_that_are_not_finite_give_nan_and_leave_the_others_a
 def test_tiles_that_do_not_fit_are_refused_with_what_they_need():
     device = get_device()
     with pytest.raises(ValueError, match="kstep a multiple of 64"):
-        mma_shape(device, MmaTile(kstep=96), transposed=False)
+        mma_shape(device, MmaTile(kstep=96))
     with pytest.raises(ValueError, match="tm and tn from 1 to 4"):
-        mma_shape(device, MmaTile(tm=8, tn=4), transposed=False)
+        mma_shape(device, MmaTile(tm=8, tn=4))
     with pytest.raises(ValueError, match="digits 1 or sub_m"):
-        mma_shape(device, MmaTile(digits=3), transposed=True)
+        mma_shape(device, MmaTile(digits=3))

@@ -66,6 +66,8 @@ TILES = {
     "input_grad": [default_tile("input_grad"),
                    MmaTile(sub_m=4, digits=4, sub_n=4, tm=4, tn=2, kstep=64, result_pad=0),
                    MmaTile(sub_m=4, digits=4), MmaTile(sub_m=4, digits=4, sub_n=2, tm=4, tn=4, kstep=64),
+                   MmaTile(sub_m=4, digits=4, sub_n=2, tm=2, tn=4, kstep=64),
+                   MmaTile(sub_m=4, digits=4, sub_n=4, tm=2, tn=2, kstep=64),
                    # fewer digits (the input_grad_digits setting): less work, less accuracy
                    default_tile("input_grad", digits=3), default_tile("input_grad", digits=2)],
 }
@@ -142,7 +144,7 @@ def gemms(tokens_list: list[int], ceilings: dict[str, Any], log: Callable[[str],
                 tile, splits = shape if isinstance(shape, tuple) else (None, None)
                 try:
                     if tile is not None:
-                        mma_shape(device, tile, transposed=kind == "input_grad")
+                        mma_shape(device, tile)
                     seconds = gpu_seconds(device, build())
                 except (ValueError, RuntimeError) as e:
                     log(f"  {kind} {name} {tokens} {_case_name(shape)}: {str(e)[:160]}")

@@ -2,7 +2,7 @@
 ``Workspace`` under a role, so memory can be read as a table (``BitNetEngine.memory_report``),
 as llm.c plans its activations.
 
-Two kinds of allocation:
+Three kinds of allocation:
 
 * ``alloc(role, shape)``: a buffer of its own (an activation, a saved tensor, a cache). Each is
   its own wgpu buffer: WebGPU checks a launch's usages per wgpu buffer, not per range, so two
@@ -11,6 +11,9 @@ Two kinds of allocation:
   for it: the temporaries of launches that run one after another (split-K partial sums, the
   attention scores of a layer). A plan's workspace takes its scratch from the workspace it was
   given as ``shared`` (the engine's), so plans that never run at once share it.
+* ``derived(role, source, shape, dtype, fill)``: data computed once from a buffer that never
+  changes (a frozen weight's transposed copy), made and filled on first use, then handed to every
+  launch that asks for it, unchanged; in the ``shared`` workspace too.
 
 Sizes are counted as the runtime allocates them (``Buffer.gpu.size``: pooled buffers are rounded
 up to a size class), so a report's rows add up to what the device holds.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Callable
 
 from ..runtime import Buffer, Device
 
@@ -36,6 +40,7 @@ class Workspace:
         self._bytes: defaultdict[str, int] = defaultdict(int)
         self._buffers: list[Buffer] = []  # keeps every allocation alive as long as the workspace
         self._scratch: dict[tuple, Buffer] = {}
+        self._derived: dict[tuple, tuple[Buffer, Buffer]] = {}  # (role, id(source)) → (source, derived)
 
     def alloc(self, role: str, shape: tuple[int, ...], dtype: str = "f32") -> Buffer:
         """A new buffer of ``shape`` counted under ``role``."""
@@ -54,6 +59,24 @@ class Workspace:
         if buf is None:
             buf = self._scratch[key] = self.alloc(role, shape, dtype)
         return buf
+
+    def derived(self, role: str, source: Buffer, shape: tuple[int, ...], dtype: str,
+                fill: Callable[[Buffer], None]) -> Buffer:
+        """The buffer of ``shape`` kept for ``role`` of ``source`` (in the ``shared`` workspace when
+        there is one): on first use allocated and handed to ``fill`` (which writes it from ``source``,
+        a buffer nothing writes again), then the same buffer, as filled."""
+        if self.shared is not None:
+            return self.shared.derived(role, source, shape, dtype, fill)
+        key = (role, id(source))
+        if key not in self._derived:  # the entry holds the source too, so its id is not reused
+            buf = self.alloc(role, shape, dtype)
+            fill(buf)
+            self._derived[key] = (source, buf)
+        kept = self._derived[key][1]
+        if kept.shape != tuple(shape) or kept.dtype != dtype:
+            raise ValueError(f"{role}: asked for {dtype} {tuple(shape)}, and the buffer derived from this source "
+                             f"is {kept.dtype} {kept.shape}")
+        return kept
 
     def roles(self) -> dict[str, int]:
         """Bytes held under each role (this workspace's own, not the shared one's)."""

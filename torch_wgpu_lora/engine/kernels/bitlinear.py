@@ -22,10 +22,12 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 
-from ...runtime import Buffer, Device, Launch, get_device, kernel
-from ..weights import Projection
+from ...runtime import Buffer, Device, Launch, Recorder, get_device, kernel
+from ..config import pad
+from ..weights import K_ALIGN, Projection, pack_ternary
 from ..workspace import Workspace
 from . import dummy
 from .attention.decode import DecodePartials
@@ -121,7 +123,7 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
     entry = "gemv" if gemv else "gemm"
     constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=saved is not None)
     if not gemv and (matrix_units_win(device, tokens, proj) if mma is None else mma):
-        shape = mma_shape(device, tile or default_tile("projection", tokens, proj.rows), transposed=False)
+        shape = mma_shape(device, tile or default_tile("projection", tokens, proj.rows))
         grid = (-(-proj.rows // shape.block_n), -(-tokens // shape.block_tokens))
         # decoding's few tokens in at most two ranges: the sweep's best at 16 to 64 tokens
         # (matrix_units_decode_split.json); more tokens in one (at 512, the second launch that adds
@@ -132,13 +134,13 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
         if splits < 1:
             raise ValueError(f"splits: a GEMM sums K in at least one range, not {splits}")
         params = (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank, segments,
-                  saved.shape[-1] if saved is not None else 0, tokens, 4 * k_words, k_words)
+                  saved.shape[-1] if saved is not None else 0, tokens, 4 * k_words, proj.rows, k_words)
         shown = ((splits, tokens, proj.rows), "i32")
         partials = (workspace.scratch("split-K partial sums", *shown) if workspace is not None
                     else Buffer(*shown, device=device)) if splits > 1 else dummy(device, "partials")
         buffers.update({1: codes, 2: scales_and_sums, 3: proj.weight, 10: partials})
         on_units = variant("projection", "matrix_units")
-        constants.update(SPLITS=splits, **shape.tile.constants(transposed=False))
+        constants.update(SPLITS=splits, **shape.tile.constants())
         gemm = Launch.build(kernel(on_units.file, on_units.entry, device, **constants), (*grid, splits), buffers,
                             params)
         if splits == 1:
@@ -294,19 +296,19 @@ def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int
                                    {4: out, 5: dh or unused, 6: lora_a or unused}, 7,
                                    (tokens, proj.rows, k_words, dy.shape[-1], out.shape[-1], k, *lora_params),
                                    tokens, k, 16 * k_words, proj.rows, splits, dropout, workspace)
-    shape = mma_shape(device, tile or default_tile("input_grad", digits=device.settings.input_grad_digits),
-                      transposed=True)
+    shape = mma_shape(device, tile or default_tile("input_grad", digits=device.settings.input_grad_digits))
     if shape.tile.digits < 2:
         raise ValueError(f"the input gradient on the matrix units takes its float32 rows in digits (sub_m ≥ 2), "
                          f"not {shape.tile}")
     a_words = -(-proj.rows // 16) * 4  # a digit row: the rows j as int8, padded to whole vec4s
     planes = workspace.scratch("input-gradient digits", (shape.tile.digits * tokens * a_words,), "u32")
     exponents = workspace.scratch("input-gradient digit scales", (tokens,), "i32")
-    constants = dict(DIVIDE=proj.divide, **shape.tile.constants(transposed=True))
+    constants = dict(DIVIDE=proj.divide, **shape.tile.constants())
     if dropout is not None:
         constants["DROPOUT"] = True
-    params = (tokens, proj.rows, k_words, dy.shape[-1], out.shape[-1], k, *lora_params, *dropout_params(dropout),
-              tokens, a_words)
+    weights_t = transposed_weights(proj, workspace)
+    params = (tokens, proj.rows, dy.shape[-1], out.shape[-1], k, *lora_params, *dropout_params(dropout),
+              tokens, a_words, *weights_t.shape)
     tiles = (-(-k // shape.block_n), -(-tokens // shape.block_tokens))
     splits = splits or split_k_ranges(tiles[0] * tiles[1], proj.rows, device)
     sums = {4: out, 5: dh or unused, 6: lora_a or unused,
@@ -319,11 +321,40 @@ def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int
         part = workspace.scratch("split-K partial sums", (splits * tokens * -(-k // 4) * 4,))
         constants["SPLITS"] = splits
     launches.append(Launch.build(kernel(file, "gemm_tiled", device, **constants), (*tiles, splits),
-                                 {1: planes, 2: proj.weight, 3: exponents, 7: part, **sums}, params))
+                                 {1: planes, 2: weights_t, 3: exponents, 7: part, **sums}, params))
     if splits > 1:
         launches.append(Launch.build(kernel(file, "split_sum", device, **constants),
                                      (-(-k // 1024), tokens, 1), {7: part, **sums}, params))
     return launches
+
+
+def transposed_weights(proj: Projection, workspace: Workspace) -> Buffer:
+    """``proj``'s packed ternary weights transposed (``ternary_transpose.wgsl``): u32
+    [K padded to 64, rows padded to 64 / 16], row k holding column k of the weights, in their
+    layout; what the input gradient on the matrix units multiplies by. Made on the GPU at first use
+    and kept in ``workspace`` (a plan's reaches the engine's, so a model transposes each projection
+    once, for its training plans only: at BitNet-2B, 0.52 GB beside its 1.19 GB of weights)."""
+    k_words, t_words = proj.weight.shape[1], -(-proj.rows // 64) * 4
+    device = workspace.device
+
+    def fill(out: Buffer) -> None:
+        rec = Recorder(device)
+        rec.launch(Launch.build(kernel("ternary_transpose.wgsl", "transpose_packed", device),
+                                (-(-16 * k_words // 64), t_words, 1), {1: proj.weight, 2: out},
+                                (proj.rows, k_words, t_words)))
+        rec.submit()
+
+    return workspace.derived("ternary weights transposed (input gradients)", proj.weight, (16 * k_words, t_words),
+                             "u32", fill)
+
+
+def transposed_weights_reference(values: torch.Tensor) -> np.ndarray:
+    """What ``transposed_weights`` holds for the ternary ``values`` [rows, K]: torch's transpose,
+    its K rows padded to 64 with zeros, packed (``weights.pack_ternary``)."""
+    rows, k = values.shape
+    out = torch.zeros(pad(k, K_ALIGN), rows, dtype=torch.int8)
+    out[:k] = values.T
+    return pack_ternary(out)
 
 
 def input_grad_on_matrix_units(device: Device, tokens: int, proj: Projection, k: int, workspace: Workspace) -> bool:

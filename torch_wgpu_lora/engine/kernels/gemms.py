@@ -45,9 +45,9 @@ class MmaTile:
     digits: int = 1
     result_pad: int = 8
 
-    def constants(self, transposed: bool) -> dict[str, int | bool]:
+    def constants(self) -> dict[str, int]:
         return dict(SUB_M=self.sub_m, SUB_N=self.sub_n, TM=self.tm, TN=self.tn, KSTEP=self.kstep, PAD=self.pad,
-                    DIGITS=self.digits, W_T=transposed, RESULT_PAD=self.result_pad)
+                    DIGITS=self.digits, RESULT_PAD=self.result_pad)
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def matrix_units_wanted_where_there_are_none(device: Device) -> bool:
     return False
 
 
-def mma_shape(device: Device, tile: MmaTile, transposed: bool) -> MmaShape:
+def mma_shape(device: Device, tile: MmaTile) -> MmaShape:
     """``tile`` on ``device``'s int8 configuration, checked against what the kernel and the device
     allow (ValueError naming what does not fit)."""
     config = subgroup_matrix_config(device, "i8", "i32")
@@ -114,8 +114,6 @@ def mma_shape(device: Device, tile: MmaTile, transposed: bool) -> MmaShape:
         problems.append("pad a multiple of 16 bytes")
     if tile.digits not in (1, tile.sub_m):
         problems.append("digits 1 or sub_m")
-    if transposed and shape.block_n % 16:
-        problems.append("a workgroup's columns a multiple of 16 (the weights' words run along them)")
     threads = shape.threads
     a_loads = -(-shape.block_tokens * tile.digits * tile.kstep // 16 // threads)
     t_loads = -(-shape.block_n * tile.kstep // 64 // threads)
@@ -145,7 +143,9 @@ def default_tile(kind: str, tokens: int | None = None, rows: int | None = None, 
     shapes on an H100 (benchmarks/RESULTS.md, "On the matrix units"). The input gradient's holds 64
     tokens' ``digits`` planes (a subgroup row a plane) against 128 columns: its four planes are four
     times the bytes of the weights' codes they multiply, so it takes more tokens and fewer columns
-    than the forward's.
+    than the forward's; with two planes, 4 × 4 result matrices a subgroup against 256 columns (at
+    BitNet-2B's shapes, 512 and 4,096 tokens, 0.98-1.43× as fast as the four-plane form with two
+    planes; device run 27, ``results/h100/input_grad_transposed.json``).
     A projection of ``tokens`` × ``rows`` outputs: WIDE_TILE (4 × 4 result matrices a subgroup) where
     it has enough of them to fill the GPU with its wide workgroups (WIDE_TILE_OUTPUTS); up to
     DECODE_TOKENS tokens (decoding a batch), few tokens and columns a workgroup (many small
@@ -153,6 +153,8 @@ def default_tile(kind: str, tokens: int | None = None, rows: int | None = None, 
     (``benchmarks/results/h100/matrix_units_decode_split.json``, split in two along K: 89, 113 and
     127 µs for a layer's four projections at 16, 32 and 64 tokens)."""
     if kind == "input_grad":
+        if digits == 2:
+            return MmaTile(digits=2, sub_m=2, sub_n=4, tm=4, tn=4, kstep=64)
         return MmaTile(digits=digits, sub_m=digits, sub_n=4, tm=4, tn=2, kstep=64)
     if tokens is not None and tokens <= 16:
         return MmaTile(sub_m=1, sub_n=4, tm=1, tn=1, kstep=256)
