@@ -414,7 +414,8 @@ class BitNetEngine(nn.Module):
         count of what is allocated and its peak. ``print(engine.memory_report())`` shows the table.
 
         Rows: the frozen weights; the adapters (values, gradients, segment tables); the optimizer
-        step's buffers; the scratch the plans share; each plan kept (activations, what a training
+        step's buffers; the scratch the plans share (with what they derive once from the weights: the
+        ternary weights transposed for the input gradients on the matrix units); each plan kept (activations, what a training
         pass saves for its backward, gradients, KV caches, logits, inputs); and the runtime's own:
         freed buffers its pool keeps for reuse and readback staging buffers. What the runtime counts
         that no row names (other users of the device, e.g. the LoRA op's resident weights) is the
