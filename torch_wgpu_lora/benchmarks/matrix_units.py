@@ -100,12 +100,13 @@ def _ternary(rows: int, k: int, g: np.random.Generator) -> Projection:
     return Projection(upload(pack_ternary(values)), upload(scales), rows, k, True)
 
 
-def gemms(tokens_list: list[int], ceilings: dict[str, Any], log: Callable[[str], None]) -> list[dict[str, Any]]:
+def gemms(tokens_list: list[int], ceilings: dict[str, Any], log: Callable[[str], None],
+          rows_out: list[dict[str, Any]], save: Callable[[], None]) -> None:
+    """Appends each case's row to ``rows_out``, and calls ``save`` after each shape."""
     device = get_device()
     g = np.random.default_rng(0)
     mma = int8_matrix_units(device)
     int8_ceiling = ceilings.get("i8", {}).get("rate")
-    rows_out = []
     workspace = Workspace(device)
     for name, (rows, k) in PROJECTIONS.items():
         proj = _ternary(rows, k, g)
@@ -159,7 +160,7 @@ def gemms(tokens_list: list[int], ceilings: dict[str, Any], log: Callable[[str],
                 log(f"{kind:10} {name:8} {tokens:5} {name_v:12} {_case_name(shape):34} "
                     f"{seconds * 1e3:8.3f} ms {useful / seconds / 1e12:7.1f} T/s"
                     + (f"  {row['share'] * 100:5.1f}% of ceiling" if row["share"] else ""))
-    return rows_out
+            save()
 
 
 def _case_name(shape: tuple[MmaTile, int] | int | None) -> str:
@@ -340,17 +341,24 @@ def main(argv: list[str] | None = None) -> None:
 
     started = time.time()
     result: dict[str, Any] = dict(adapter=device.name, device=device.describe(), host=platform.node())
+
+    def save() -> None:  # after every section and shape: a run stopped by a time limit keeps what it measured
+        result["seconds"] = time.time() - started
+        write_json(args.out, f"matrix_units_{device.backend.name}.json", result)
+
     result["ceiling"] = ceiling(log) if sections & {"ceiling", "gemms", "layouts"} else {}
+    if "torch" in sections:  # short: before the sweeps
+        result["torch"] = torch_gemms(tokens, log)
+        save()
     if "gemms" in sections:
-        result["gemms"] = gemms(tokens, result["ceiling"], log)
+        result["gemms"] = []
+        gemms(tokens, result["ceiling"], log, result["gemms"], save)
     if "layouts" in sections:
         result["layouts"] = layouts(LAYOUT_SHAPES, result["ceiling"], log)
-    if "torch" in sections:
-        result["torch"] = torch_gemms(tokens, log)
+        save()
     if "backend_kernels" in sections:
         result["backend_kernels"] = backend_kernels(log)
-    result["seconds"] = time.time() - started
-    write_json(args.out, f"matrix_units_{device.backend.name}.json", result)
+    save()
 
 
 if __name__ == "__main__":
