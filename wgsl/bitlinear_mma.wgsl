@@ -43,6 +43,7 @@ override SPLITS: u32 = 1u;
 
 var<private> split: u32;  // the workgroup's range of K (split-K)
 
+// @include _mma_tile.wgsl
 // @include _ternary_mma_tile.wgsl
 // @include _projection_epilogue.wgsl
 

@@ -56,6 +56,7 @@ struct Params {
 override DIVIDE: bool = true;
 const NOT_FINITE: i32 = 0x7fffffff;  // DS's mark of a row holding an infinity or NaN
 
+// @include _mma_tile.wgsl
 // @include _ternary_mma_tile.wgsl
 // @include _reductions.wgsl
 // @include _dropout.wgsl

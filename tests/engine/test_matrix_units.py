@@ -1,9 +1,11 @@
-"""The GEMMs on the matrix units (int8 subgroup matrices, through Dawn) against their torch references,
-on shapes whose tiles are cut by every edge and whose sums are not whole steps, with more than one
-workgroup shape: the kernels are generic over the adapter's matrix configuration, so these run on
-NVIDIA's 16 × 16 × 32 matrices and on lavapipe's 8 × 8 × 8 (``scripts/matrix-units-lavapipe.sh``).
+"""The GEMMs on the matrix units (int8 subgroup matrices; f16 for the LM head; through Dawn) against their
+torch references, on shapes whose tiles are cut by every edge and whose sums are not whole steps, with
+more than one workgroup shape: the kernels are generic over the adapter's matrix configuration, so
+these run on NVIDIA's 16 × 16 × 32 (16 × 16 × 16 f16) matrices and on lavapipe's 8 × 8 × 8
+(``scripts/matrix-units-lavapipe.sh``).
 
-Marked ``matrix_units``: they need a device with int8 subgroup matrices, and fail (never skip) without.
+Marked ``matrix_units``: they need a device with int8 (and for the LM head's, f16) subgroup matrices,
+and fail (never skip) without.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import torch
 from torch_wgpu_lora.engine.config import pad
 from torch_wgpu_lora.engine.kernels.bitlinear import (bitlinear_launch, bitlinear_reference, bitlinear_t_launch,
                                                     bitlinear_t_reference)
-from torch_wgpu_lora.engine.kernels.gemms import WIDE_TILE, MmaTile, int8_matrix_units, mma_shape
+from torch_wgpu_lora.engine.kernels.gemms import WIDE_TILE, MmaTile, f16_matrix_units, int8_matrix_units, mma_shape
+from torch_wgpu_lora.engine.kernels.matmul import (f16_pairs_launch, matmul_mma_launch, matmul_reference,
+                                                   matmul_t_mma_launches, matmul_t_reference)
 from torch_wgpu_lora.engine.kernels.projection import lora_table
-from torch_wgpu_lora.engine.weights import Projection, pack_ternary
+from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary
 from torch_wgpu_lora.runtime import get_device, upload
 
 from .helpers import assert_close, kernel_workspace, padded, poisoned, run
@@ -208,3 +212,133 @@ def test_tiles_that_do_not_fit_are_refused_with_what_they_need():
         mma_shape(device, MmaTile(tm=8, tn=4))
     with pytest.raises(ValueError, match="digits 1 or sub_m"):
         mma_shape(device, MmaTile(digits=3))
+
+
+# ---- the LM head on f16 matrix units (bfloat16 weights; matmul_mma.wgsl) ----------------------------
+
+def _head_weights(rows: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, Projection]:
+    """bfloat16 weights of an embedding's scale, a few of them 2⁻³⁰ smaller (exact in f16 only once
+    the matrix is scaled by its power of two)."""
+    w = torch.randn(rows, k, generator=g) * 0.02
+    w[torch.rand(rows, k, generator=g) < 0.05] *= 2.0 ** -30
+    w = w.bfloat16()
+    return w, Projection(upload(float_rows(w, True)), None, rows, k)
+
+
+def _rows_scaled(tokens: int, width: int, g: torch.Generator) -> torch.Tensor:
+    """Rows whose scales differ by up to e⁶ each way, as the split's per-row powers of two must absorb."""
+    return torch.randn(tokens, width, generator=g) * torch.exp(3 * torch.randn(tokens, 1, generator=g))
+
+
+def _float32_gemm_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per output, a float32 GEMM's error bound on the same data, |a|·|b| times γ for K + 2 roundings
+    of at most 2u each (round to nearest or toward zero), plus the split's 2⁻²¹ a term and the lo
+    plane's own sums (2⁻¹¹ of the hi plane's): what matmul_mma.wgsl's scheme keeps to."""
+    n = a.shape[1] + 2
+    gamma = 2 * n * U / (1 - 2 * n * U)
+    return a.double().abs() @ b.double().abs() * (gamma * (1 + 2.0 ** -11) + 2.0 ** -21)
+
+
+def _f16_only_error(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> float:
+    """The error of the same product with each row of a rounded to f16 after its power of two (the hi
+    plane alone, summed exactly): what the lo plane is there to remove."""
+    m = a.abs().amax(1, keepdim=True).clamp_min(1e-30)
+    s = torch.exp2(14 - torch.floor(torch.log2(m)) - 1)
+    hi = (a * s).half().double() / s.double()
+    return float((hi @ b.double() - ref).abs().max())
+
+
+HEAD_SHAPES = [(1, 64, 8), (37, 100, 130), (70, 256, 300), (33, 640, 1000)]  # tokens, K, vocabulary rows
+
+
+@pytest.fixture
+def _f16_units():
+    assert f16_matrix_units(get_device()), "run on a device with f16 subgroup matrices"
+
+
+@pytest.mark.usefixtures("_f16_units")
+@pytest.mark.parametrize("tokens,k,rows", HEAD_SHAPES)
+def test_lm_head_on_the_matrix_units_keeps_a_float32_gemms_bound(tokens, k, rows):
+    # Per output within a float32 GEMM's error bound on the same data (_float32_gemm_bound), and in
+    # all at most 1/64 of the error of the hi plane alone (the lo plane carries the next 11 bits)
+    g = torch.Generator().manual_seed(tokens * 5 + k + rows)
+    x = _rows_scaled(tokens, k, g)
+    w, proj = _head_weights(rows, k, g)
+    xb = upload(padded(x, pad(k, 64)))
+    exps = poisoned((tokens,), "i32")
+    out = poisoned((tokens, rows + 3))  # a wider row: out_stride and out_offset
+    ws = kernel_workspace()
+    (got,) = run([f16_pairs_launch(xb, exps, rows=tokens, width=k),
+                  matmul_mma_launch(xb, exps, proj, out, tokens=tokens, out_stride=rows + 3, out_offset=2,
+                                    workspace=ws)], out)
+    ref = matmul_reference(x, w.float())
+    err = (got[:, 2:rows + 2].double() - ref).abs()
+    assert (err <= _float32_gemm_bound(x, w.float().T)).all(), f"largest error {float(err.max()):.3g}"
+    assert float(err.max()) <= _f16_only_error(x, w.float().T, ref) / 64
+    assert torch.isnan(got[:, :2]).all() and torch.isnan(got[:, rows + 2:]).all()  # outside the columns: untouched
+
+
+@pytest.mark.usefixtures("_f16_units")
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-range", "split-k"])
+@pytest.mark.parametrize("tokens,k,rows", HEAD_SHAPES)
+def test_lm_head_input_gradient_on_the_matrix_units_keeps_a_float32_gemms_bound(tokens, k, rows, splits):
+    # dx (+)= dy[:, a_col:]·W over a vocabulary chunk in the middle of the logits' rows, added to what
+    # the other chunks gave; the bounds of the forward's test
+    g = torch.Generator().manual_seed(tokens * 3 + k + rows)
+    dy = _rows_scaled(tokens, rows + 12, g)
+    w, proj = _head_weights(rows, k, g)
+    base = torch.randn(tokens, pad(k, 4), generator=g)
+    out = upload(base.numpy().copy())
+    dyb = upload(dy.numpy().copy())
+    exps = poisoned((tokens,), "i32")
+    ws = kernel_workspace()
+    launches = [f16_pairs_launch(dyb, exps, rows=tokens, width=rows + 12),
+                *matmul_t_mma_launches(dyb, exps, proj, out, tokens=tokens, k=k, a_col=8, accumulate=True,
+                                       splits=splits, workspace=ws)]
+    assert len(launches) == (3 if splits > 1 else 2)
+    (got,) = run(launches, out)
+    chunk = dy[:, 8:rows + 8]
+    ref = matmul_t_reference(chunk, w.float())
+    err = (got[:, :k].double() - base[:, :k].double() - ref).abs()
+    # the sum with base rounds once more: u of it
+    bound = _float32_gemm_bound(chunk, w.float()) + U * (base[:, :k].double().abs() + ref.abs())
+    assert (err <= bound).all(), f"largest error {float(err.max()):.3g}"
+    assert float(err.max()) <= _f16_only_error(chunk, w.float(), ref) / 64
+    assert torch.equal(got[:, k:], base[:, k:])  # padding columns untouched
+
+
+@pytest.mark.usefixtures("_f16_units")
+def test_lm_head_rows_that_are_not_finite_give_nan_and_weights_that_are_not_are_refused():
+    g = torch.Generator().manual_seed(11)
+    tokens, k, rows = 6, 100, 70
+    x = torch.randn(tokens, k, generator=g)
+    x[1, 5] = float("inf")
+    x[4, 0] = float("nan")
+    x[2] = 0.0  # an all-zero row: zeros, not NaN
+    x[3] *= 1e-30  # a row of tiny values: scaled by 2^113 into its pairs
+    w, proj = _head_weights(rows, k, g)
+    xb = upload(padded(x, pad(k, 64)))
+    exps = poisoned((tokens,), "i32")
+    out = poisoned((tokens, rows))
+    (got,) = run([f16_pairs_launch(xb, exps, rows=tokens, width=k),
+                  matmul_mma_launch(xb, exps, proj, out, tokens=tokens, out_stride=rows, workspace=kernel_workspace())],
+                 out)
+    assert torch.isnan(got[[1, 4]]).all()
+    assert (got[2] == 0).all()
+    ok = [0, 3, 5]
+    for row, r in zip(ok, matmul_reference(x[ok], w.float())):
+        assert_close(got[row], r, 1e-5, f"row {row}")  # each row to float32 accuracy of its own scale
+    bad = w.clone()
+    bad[3, 7] = float("inf")
+    bad_proj = Projection(upload(float_rows(bad, True)), None, rows, k)
+    with pytest.raises(ValueError, match="LM head's weights .* hold an infinity or NaN"):
+        matmul_mma_launch(xb, exps, bad_proj, out, tokens=tokens, out_stride=rows, workspace=kernel_workspace())
+
+
+@pytest.mark.usefixtures("_f16_units")
+def test_lm_head_tiles_that_do_not_fit_are_refused_with_what_they_need():
+    device = get_device()
+    with pytest.raises(ValueError, match="two planes"):
+        mma_shape(device, MmaTile(digits=1, sub_m=2, kstep=32), "f16")
+    with pytest.raises(ValueError, match="kstep a multiple of 8"):
+        mma_shape(device, MmaTile(digits=2, sub_m=2, kstep=36), "f16")

@@ -23,10 +23,12 @@ import torch
 from torch_wgpu_lora import BitNetEngine, WgpuAdamW
 from torch_wgpu_lora.engine.inputs import check_inputs
 from torch_wgpu_lora.integrations.bitnet import lora_modules, lora_parameters
-from torch_wgpu_lora.integrations.gradcheck import check_parity, randomize_lora_B
+from torch_wgpu_lora.integrations.gradcheck import (ParityCheck, check_parity, compare_gradients, longest_sum,
+                                                    randomize_lora_B)
 from torch_wgpu_lora.integrations.tiny import FLAVOURS
 from torch_wgpu_lora.engine.kernels.attention import policy
 from torch_wgpu_lora.engine.kernels import projection
+from torch_wgpu_lora.engine.kernels.gemms import f16_matrix_units
 from torch_wgpu_lora.loss import labelled_tokens
 from torch_wgpu_lora.ops.optimizer import adamw_reference
 from torch_wgpu_lora.runtime import Recorder, get_device
@@ -72,6 +74,32 @@ def test_a_packed_row_trains_as_its_examples_alone(flavour):
     separate = labelled_batch(model, PACKING.lengths, seed=5)
     parity = check_parity(model, separate, engine=PackedEngine(BitNetEngine(model), PACKING))
     assert_parity(parity, flavour)
+
+
+@pytest.mark.parametrize("flavour", ["packed", "dense"])
+def test_adapter_gradients_of_a_bfloat16_model_match_autograd(flavour):
+    # BitNet-2B-4T's weights are bfloat16: the engine multiplies them exactly in float32, and where the
+    # device has f16 matrix units the LM head's two GEMMs may run there (matmul_mma.wgsl; always with
+    # TORCH_WGPU_LORA_GEMMS=matrix_units, as scripts/matrix-units-lavapipe.sh runs this). The reference:
+    # autograd in float64 on the same weights; the tolerance check_parity's, from PyTorch float32 on a
+    # float32 copy of them (on the bfloat16 model itself torch would compute in bfloat16).
+    model = tiny_model(flavour, adapters=True, seed=1)
+    randomize_lora_B(model, seed=2)
+    model = model.to(torch.bfloat16)
+    rows = labelled_batch(model, [11, 6, 9])
+    engine = BitNetEngine(model)
+    exact = copy.deepcopy(model).double()
+    report = compare_gradients(model, rows, reference=exact, same_forward=True, engine=engine)
+    float32 = compare_gradients(copy.deepcopy(model).to(torch.float32), rows, reference=exact, same_forward=True,
+                                backend="torch")
+    assert_parity(ParityCheck(report, longest_sum(model, rows), float32.rms_rel_error,
+                              unpinned_max_rel_error=float("nan"), whole_model=True), flavour)
+    names = launched(engine.train_plan(3, 11))
+    device = get_device()
+    if device.settings.gemms == "matrix_units" and f16_matrix_units(device):  # x and dlogits split, two GEMMs
+        assert names.count("matmul_mma.wgsl:split") == names.count("matmul_mma.wgsl:gemm_tiled") == 2
+    elif device.settings.gemms == "general" or not f16_matrix_units(device):
+        assert not any(name.startswith("matmul_mma.wgsl") for name in names)
 
 
 def checked_train_plan(flavour: str) -> tuple:

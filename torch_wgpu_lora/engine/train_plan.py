@@ -65,7 +65,9 @@ from .kernels.dropout import SiteDropout, dropout_state
 from .kernels.embedding import gather_rows_launch
 from .kernels.ffn import relu2_backward_launch
 from .kernels.lora_grad import da_launch, db_launch, dh_launch
-from .kernels.matmul import matmul_t_launch
+from .kernels.gemms import default_tile, mma_shape
+from .kernels.matmul import (f16_pairs_launch, head_on_matrix_units, matmul_mma_launch, matmul_t_launch,
+                             matmul_t_mma_launches)
 from .kernels.norm import rmsnorm_backward_launch
 from .kernels.rope import rope_backward_launch
 from .program import (Indirect, LayerIO, PassContext, Program, SiteIO, emit_embedding, emit_final_norm, emit_head,
@@ -91,8 +93,9 @@ class _Slot:
     dropout: Buffer | None  # u32 [4]: the slot's dropout state (kernels.dropout.dropout_state)
     positions: Buffer | None  # u32: packed plans: each token's position id
     program: Program = field(default_factory=Program)
-    # (word in grids, grid x, grid z, first labelled row of its token chunk, the chunk's rows)
-    head_grids: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    # (word in grids, grid x, grid z, first labelled row of its token chunk, the chunk's rows, rows a
+    # workgroup along y covers)
+    head_grids: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
 
 
 class TrainPlan:
@@ -123,11 +126,11 @@ class TrainPlan:
         write(self.losses, np.zeros(slots * stride, np.float32))  # rows between slots stay zero
         per = min(n, max(64, device.max_binding // (4 * c.vocab) // 64 * 64))  # chunk views stay aligned
         self.token_chunks = [(r, min(per, n - r)) for r in range(0, n, per)]
-        head_gemms = 2 * len(self.token_chunks) * len(weights.head)
+        head_launches = 2 * len(self.token_chunks) * (len(weights.head) + 1)  # GEMMs, and the f16 splits
         self.slots = [_Slot(alloc("inputs", n, dtype="u32"), alloc("inputs", n, dtype="i32"),
                             alloc("inputs", batch, dtype="u32"), self.losses.slice(s * stride, (n,)),
                             alloc("inputs", n, dtype="u32"), alloc("inputs", n, dtype="u32"),
-                            alloc("inputs", 3 * head_gemms, dtype="u32"),
+                            alloc("inputs", 3 * head_launches, dtype="u32"),
                             alloc("inputs", 4, dtype="u32") if dropout else None,
                             alloc("inputs", n, dtype="u32") if packed else None)
                       for s in range(slots)]
@@ -170,6 +173,13 @@ class TrainPlan:
         # the labelled rows' final norm output and its gradient, and one token chunk's logits
         self.x_head, self.d_head = alloc("loss", n, H), alloc("loss", n, H)
         self.logits = alloc("loss", self.token_chunks[0][1], c.vocab)
+        # on f16 matrix units (bfloat16 weights), x_head and the logits' gradient are split in place
+        # into f16 pairs, each row with its power of two (matmul_mma.wgsl)
+        self.head_exponents = alloc("loss", self.token_chunks[0][1], dtype="i32")
+        first_chunk = Projection(weights.head[0], None, weights.head_rows[0], c.hidden)
+        self.head_mma = head_on_matrix_units(self.x_head.rows(0, self.token_chunks[0][1]), self.logits, self.d_head,
+                                             self.head_exponents, first_chunk, tokens=self.token_chunks[0][1],
+                                             bf16=weights.bf16, workspace=ws)
         for slot in self.slots:
             context = PassContext(weights, adapters, batch, tokens, residual=self.residual, qkv=self.qkv,
                                   codes=self.codes, ffn_codes=self.ffn_codes, scales_and_sums=self.scales_and_sums,
@@ -224,18 +234,7 @@ class TrainPlan:
         out.add(gather_rows_launch(slot.labelled, self.xn_final, self.x_head, tokens=self.rows,
                                    k=self.x_head.shape[1], zero_missing=False, device=d))
         for first, count in self.token_chunks:
-            logits = self.logits.rows(0, count)
-            out.add(*(self._labelled_rows(slot, gemm, first, count)
-                      for gemm in emit_head(context, self.x_head.rows(first, count), logits, count)))
-            out.add(cross_entropy_launch(logits, slot.targets.rows(first, count), self.scale,
-                                         slot.losses.rows(first, count), rows=count, vocab=c.vocab, device=d))
-            begin = 0
-            for i, (chunk, rows) in enumerate(zip(w.head, w.head_rows)):
-                gemm, *sums = matmul_t_launch(logits, Projection(chunk, None, rows, c.hidden),
-                                              self.d_head.rows(first, count), tokens=count, k=c.hidden,
-                                              bf16=w.bf16, accumulate=i > 0, dy_col=begin, workspace=self.workspace)
-                out.add(self._labelled_rows(slot, gemm, first, count), *sums)
-                begin += rows
+            self._head(slot, context, first, count)
         out.add(gather_rows_launch(slot.inverse, self.d_head, self.d_final, tokens=self.rows,
                                    k=self.d_final.shape[1], zero_missing=True, device=d),
                 rmsnorm_backward_launch(self.d_final, self.resid_final, self.rstd_final, w.final_norm,
@@ -277,11 +276,47 @@ class TrainPlan:
                         rmsnorm_backward_launch(self.d_xn, io.residual_in, io.attn.rstd, layer.input_norm,
                                                 self.d_resid, tokens=self.rows, k=c.hidden, accumulate=True, device=d))
 
-    def _labelled_rows(self, slot: _Slot, launch: Launch, first: int, count: int) -> Indirect:
-        """``launch`` (a head GEMM over ``count`` rows from labelled row ``first``) with its grid's
-        token tiles set at each step to cover that chunk's labelled rows only."""
+    def _head(self, slot: _Slot, context: PassContext, first: int, count: int) -> None:
+        """The LM head over the labelled rows ``first`` .. ``first + count``, the loss and its gradient,
+        and the head's input gradient into d_head: on the general cores (``matmul``), or on f16 matrix
+        units from f16 pairs of x_head and of the logits' gradient (``matmul_mma``)."""
+        c, w, ws, out = self.config, self.weights, self.workspace, slot.program
+        logits, x, d_head = self.logits.rows(0, count), self.x_head.rows(first, count), self.d_head.rows(first, count)
+        chunks = [(Projection(chunk, None, rows, c.hidden), sum(w.head_rows[:i]))
+                  for i, (chunk, rows) in enumerate(zip(w.head, w.head_rows))]
+        if self.head_mma:
+            exps = self.head_exponents.rows(0, count)
+            forward_rows = mma_shape(ws.device, default_tile("lm_head"), "f16").block_tokens
+            grad_rows = mma_shape(ws.device, default_tile("lm_head_grad"), "f16").block_tokens
+            out.add(self._labelled_rows(slot, f16_pairs_launch(x, exps, rows=count, width=c.hidden, device=ws.device),
+                                        first, count, 1))
+            out.add(*(self._labelled_rows(slot, matmul_mma_launch(x, exps, proj, logits, tokens=count,
+                                                                  out_stride=c.vocab, out_offset=begin, workspace=ws),
+                                          first, count, forward_rows) for proj, begin in chunks))
+        else:
+            out.add(*(self._labelled_rows(slot, gemm, first, count, 64)
+                      for gemm in emit_head(context, x, logits, count)))
+        out.add(cross_entropy_launch(logits, slot.targets.rows(first, count), self.scale,
+                                     slot.losses.rows(first, count), rows=count, vocab=c.vocab, device=ws.device))
+        if self.head_mma:
+            out.add(self._labelled_rows(slot, f16_pairs_launch(logits, exps, rows=count, width=c.vocab,
+                                                               device=ws.device), first, count, 1))
+        for i, (proj, begin) in enumerate(chunks):
+            if self.head_mma:
+                gemm, *sums = matmul_t_mma_launches(logits, exps, proj, d_head, tokens=count, k=c.hidden, a_col=begin,
+                                                    accumulate=i > 0, workspace=ws)
+                out.add(self._labelled_rows(slot, gemm, first, count, grad_rows), *sums)
+            else:
+                gemm, *sums = matmul_t_launch(logits, proj, d_head, tokens=count, k=c.hidden, bf16=w.bf16,
+                                              accumulate=i > 0, dy_col=begin, workspace=ws)
+                out.add(self._labelled_rows(slot, gemm, first, count, 64), *sums)
+
+    def _labelled_rows(self, slot: _Slot, launch: Launch, first: int, count: int, per: int) -> Indirect:
+        """``launch`` (a head launch over ``count`` rows from labelled row ``first``, ``per`` rows a
+        workgroup along its grid's y) with that grid set at each step to cover the chunk's labelled
+        rows only."""
         at = 3 * len(slot.head_grids)
-        slot.head_grids.append((at, launch.grid[0], launch.grid[2], first, count))
+        slot.head_grids.append((at, launch.grid[0], launch.grid[2], first, count, per))
         return Indirect(launch, slot.grids, at)
 
     # -- running ----------------------------------------------------------------------------------
@@ -309,8 +344,8 @@ class TrainPlan:
         inverse = np.full(self.rows, _NONE, np.uint32)
         inverse[positions] = np.arange(count, dtype=np.uint32)
         grids = np.zeros(s.grids.numel, np.uint32)
-        for at, x, z, first, rows in s.head_grids:
-            grids[at:at + 3] = (x, -(-min(max(count - first, 0), rows) // 64), z)
+        for at, x, z, first, rows, per in s.head_grids:
+            grids[at:at + 3] = (x, -(-min(max(count - first, 0), rows) // per), z)
         write(s.ids, ids.numpy().astype(np.uint32).reshape(-1))
         write(s.targets, compact)
         write(s.lengths, np.asarray(lengths, np.uint32))

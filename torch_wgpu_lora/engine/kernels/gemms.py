@@ -8,6 +8,7 @@ Kinds (M: tokens; the others as each kind names them):
 * ``projection``: a ternary projection's forward, tokens × rows × K (``bitlinear``);
 * ``input_grad``: its straight-through input gradient, tokens × K × rows (``bitlinear_t``);
 * ``lm_head``: the float weights' forward, tokens × vocabulary × hidden (``matmul``);
+* ``lm_head_grad``: its input gradient, tokens × hidden × vocabulary (``matmul_t``);
 * ``attention``: scores and their application, over a head's keys (``attention``).
 
 Matrix-unit variants run the same WGSL on every adapter with int8 subgroup matrices
@@ -15,7 +16,9 @@ Matrix-unit variants run the same WGSL on every adapter with int8 subgroup matri
 (``MmaTile``), so 16 × 16 × 32 matrices on NVIDIA and 8 × 8 × 8 on lavapipe give tiles of the same
 form. The input gradient on the matrix units multiplies DIGITS int8 planes of its float32 input
 (``bitlinear_t_mma.wgsl`` says why four keep float32 accuracy; the device's ``input_grad_digits``
-setting chooses), so it does DIGITS times the integer work of one plane.
+setting chooses), so it does DIGITS times the integer work of one plane. The LM head's GEMMs on the
+matrix units (f16, for bfloat16 weights) multiply two f16 planes of their float32 input
+(``matmul_mma.wgsl``), twice the work of one.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ...runtime.kernels import subgroup_matrix_config
 
 @dataclass(frozen=True)
 class MmaTile:
-    """A matrix-unit GEMM's workgroup (``_ternary_mma_tile.wgsl``): ``sub_m`` × ``sub_n`` subgroups,
+    """A matrix-unit GEMM's workgroup (``_mma_tile.wgsl``): ``sub_m`` × ``sub_n`` subgroups,
     each holding ``tm`` × ``tn`` result matrices; ``kstep`` of the sum staged at once, rows padded by
     ``pad`` bytes; ``digits`` planes of A (1, or ``sub_m``); ``result_pad``: words after each row of
     results staged for the epilogue (against bank conflicts: 8 made the sweep's kernels 0-6% faster
@@ -52,13 +55,16 @@ class MmaTile:
 
 @dataclass(frozen=True)
 class MmaShape:
-    """A tile on one device: its adapter's matrix sizes and what a workgroup covers."""
+    """A tile on one device: its adapter's matrix sizes and what a workgroup covers. ``component``:
+    the matrices' type, "i8" (``_ternary_mma_tile.wgsl``'s staging: int8 codes or digits × ternary
+    weights) or "f16" (``matmul_mma.wgsl``'s: f16 pairs of float32 rows × bfloat16 weights)."""
 
     tile: MmaTile
-    m: int  # SM_M, SM_N, SM_K and the subgroup size of the adapter's int8 configuration
+    m: int  # SM_M, SM_N, SM_K and the subgroup size of the adapter's configuration
     n: int
     k: int
     subgroup: int
+    component: str = "i8"
 
     @property
     def threads(self) -> int:
@@ -78,9 +84,27 @@ class MmaShape:
 
     @property
     def staged_bytes(self) -> int:
-        """Bytes of workgroup memory a step of A and of the weights take."""
+        """Bytes of workgroup memory a step of A and of the weights take (f16: the weights staged
+        either way, along the sum or across it, whichever takes more)."""
         t = self.tile
+        if self.component == "f16":
+            across = self.block_n * (2 * t.kstep + t.pad)
+            along = t.kstep * (2 * self.block_n + t.pad)
+            return self.block_tokens * t.digits * (2 * t.kstep + t.pad) + max(across, along)
         return (self.block_tokens * t.digits + self.block_n) * (t.kstep + t.pad)
+
+    @property
+    def loads(self) -> tuple[int, int]:
+        """vec4 loads a thread makes a step: of A, and of the weights."""
+        t, threads = self.tile, self.threads
+        if self.component == "f16":  # four f16 pairs, eight bfloat16 weights a load
+            return -(-self.block_tokens * t.kstep // 4 // threads), -(-self.block_n * t.kstep // 8 // threads)
+        return -(-self.block_tokens * t.digits * t.kstep // 16 // threads), -(-self.block_n * t.kstep // 64 // threads)
+
+
+def f16_matrix_units(device: Device) -> bool:
+    """Whether the device multiplies f16 subgroup matrices into f32 (and has f16 in shaders)."""
+    return device.has_f16 and subgroup_matrix_config(device, "f16", "f32") is not None
 
 
 def int8_matrix_units(device: Device) -> bool:
@@ -97,36 +121,41 @@ def matrix_units_wanted_where_there_are_none(device: Device) -> bool:
     return False
 
 
-def mma_shape(device: Device, tile: MmaTile) -> MmaShape:
-    """``tile`` on ``device``'s int8 configuration, checked against what the kernel and the device
-    allow (ValueError naming what does not fit)."""
-    config = subgroup_matrix_config(device, "i8", "i32")
-    if config is None:
-        raise ValueError(f"the matrix units need int8 subgroup matrices; this device ({device.name}) offers "
+def mma_shape(device: Device, tile: MmaTile, component: str = "i8") -> MmaShape:
+    """``tile`` on ``device``'s ``component`` configuration ("i8" → i32, "f16" → f32), checked against
+    what the kernel and the device allow (ValueError naming what does not fit)."""
+    result = {"i8": "i32", "f16": "f32"}[component]
+    config = subgroup_matrix_config(device, component, result)
+    if config is None or (component == "f16" and not device.has_f16):
+        raise ValueError(f"the matrix units need {dict(i8='int8').get(component, component)} subgroup matrices; "
+                         f"this device ({device.name}) offers "
                          f"{device.subgroup_matrix_configs or 'none'}")
-    shape = MmaShape(tile, config["m"], config["n"], config["k"], config["max_subgroup_size"])
+    shape = MmaShape(tile, config["m"], config["n"], config["k"], config["max_subgroup_size"], component)
     problems = []
     if not (1 <= tile.tm <= 4 and 1 <= tile.tn <= 4):
         problems.append("tm and tn from 1 to 4 (the accumulators' named registers)")
-    if tile.kstep % 64 or tile.kstep % shape.k:
-        problems.append(f"kstep a multiple of 64 and of the matrices' K ({shape.k})")
+    step = 64 if component == "i8" else 8  # terms a vec4 of weights holds
+    if tile.kstep % step or tile.kstep % shape.k:
+        problems.append(f"kstep a multiple of {step} and of the matrices' K ({shape.k})")
     if tile.pad % 16:
         problems.append("pad a multiple of 16 bytes")
-    if tile.digits not in (1, tile.sub_m):
+    if component == "f16" and not tile.digits == tile.sub_m == 2:
+        problems.append("two planes (digits = sub_m = 2: hi and lo)")
+    elif tile.digits not in (1, tile.sub_m):
         problems.append("digits 1 or sub_m")
-    threads = shape.threads
-    a_loads = -(-shape.block_tokens * tile.digits * tile.kstep // 16 // threads)
-    t_loads = -(-shape.block_n * tile.kstep // 64 // threads)
-    if a_loads > 8 or t_loads > 8:
-        problems.append("at most 8 vec4 loads a thread a step (LOADS_MAX)")
-    if threads > int(device.limits["max-compute-invocations-per-workgroup"]):
+    if max(shape.loads) > 8:
+        problems.append("at most 8 vec4 loads a thread a step (the staging's Fetched)")
+    if shape.threads > int(device.limits["max-compute-invocations-per-workgroup"]):
         problems.append(f"at most {device.limits['max-compute-invocations-per-workgroup']} invocations")
-    room = int(device.limits["max-compute-workgroup-storage-size"])  # _ternary_mma_tile.wgsl's STAGED_WORDS
+    # the staging's workgroup memory: int8 stages the step, then the results, in all of it; f16 each
+    # in a half of it
+    room = int(device.limits["max-compute-workgroup-storage-size"]) // (2 if component == "f16" else 1)
     if max(shape.staged_bytes, shape.results_bytes) > room:
         problems.append(f"the staged step ({shape.staged_bytes} bytes) and the results ({shape.results_bytes}) "
                         f"within {room} bytes each")
     if problems:
-        raise ValueError(f"matrix-unit tile {tile} on {shape.m}×{shape.n}×{shape.k} matrices: needs " + "; ".join(problems))
+        raise ValueError(f"matrix-unit tile {tile} on {component} {shape.m}×{shape.n}×{shape.k} matrices: needs "
+                         + "; ".join(problems))
     return shape
 
 
@@ -136,6 +165,12 @@ DECODE_TOKENS = 64  # up to this many tokens a projection takes a decoding tile
 # 512 × 3,840 and below (60 workgroups and fewer; device runs 20 and 22).
 WIDE_TILE_OUTPUTS = 4 * 2 ** 20
 WIDE_TILE = MmaTile(sub_m=2, sub_n=4, tm=4, tn=4, kstep=64)
+
+
+# The LM head's GEMMs on f16 matrix units (matmul_mma.wgsl): the hi and lo planes of 64 tokens (a
+# subgroup row a plane) against 128 columns, 4 × 4 result matrices a subgroup; a step of 32 terms.
+# Not yet tuned on a GPU.
+HEAD_TILE = MmaTile(digits=2, sub_m=2, sub_n=2, tm=4, tn=4, kstep=32)
 
 
 def default_tile(kind: str, tokens: int | None = None, rows: int | None = None, digits: int = 4) -> MmaTile:
@@ -152,6 +187,8 @@ def default_tile(kind: str, tokens: int | None = None, rows: int | None = None, 
     workgroups), each the fastest of the sweep at its token count on the H100
     (``benchmarks/results/h100/matrix_units_decode_split.json``, split in two along K: 89, 113 and
     127 µs for a layer's four projections at 16, 32 and 64 tokens)."""
+    if kind in ("lm_head", "lm_head_grad"):
+        return HEAD_TILE
     if kind == "input_grad":
         if digits == 2:
             return MmaTile(digits=2, sub_m=2, sub_n=4, tm=4, tn=4, kstep=64)
@@ -197,6 +234,9 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("input_grad", "matrix_units", "bitlinear_t_mma.wgsl", "gemm_tiled", int8_matrix_units, _macs),
     Variant("lm_head", "gemv", "matmul.wgsl", "gemv", _always, _macs),
     Variant("lm_head", "general", "matmul.wgsl", "gemm_tiled", _always, _macs),
+    Variant("lm_head", "matrix_units", "matmul_mma.wgsl", "gemm_tiled", f16_matrix_units, _macs),
+    Variant("lm_head_grad", "general", "matmul_t.wgsl", "gemm_tiled", _always, _macs),
+    Variant("lm_head_grad", "matrix_units", "matmul_mma.wgsl", "gemm_tiled", f16_matrix_units, _macs),
     Variant("attention", "general", "attention.wgsl", "prefill", _always, _macs),
 )
 

@@ -1,6 +1,8 @@
 """Float projections (``matmul.wgsl``): the dense flavour's projections and the LM head, with
 the epilogues of ``bitlinear`` (store, add, gate/up, LoRA segments); their input gradient
-(``matmul_t.wgsl``); and the torch reference of each.
+(``matmul_t.wgsl``); the LM head's two GEMMs on f16 matrix units for bfloat16 weights
+(``matmul_mma.wgsl``: float32 rows split in place into f16 pairs, then the GEMM); and the torch
+reference of each.
 
 Up to ``projection.gemv_max_tokens`` tokens a projection runs as a GEMV whose workgroups read
 each weight word once for a group of tokens (``gemv_group``: all of a decode step's, so that the
@@ -12,14 +14,18 @@ launch of that token alone; past that, as a GEMM.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ...runtime import Buffer, Device, Launch, get_device, kernel
+from typing import Callable
+
+from ...runtime import Buffer, Device, Launch, Recorder, get_device, kernel, write
 from ..weights import Projection
 from ..workspace import Workspace
 from . import dummy
-from .dropout import SiteDropout
-from .projection import MODES, check_vec4_rows, gemv_max_tokens, input_grad_launches
+from .dropout import SiteDropout, dropout_params
+from .gemms import MmaShape, MmaTile, default_tile, f16_matrix_units, fastest, mma_shape, variant
+from .projection import MODES, check_vec4_rows, gemv_max_tokens, input_grad_launches, split_k_ranges
 
 GEMV_GROUP_MAX = 64  # gemv: the most tokens a workgroup serves (GROUP_MAX in matmul.wgsl: a sum a token a thread)
 
@@ -97,3 +103,129 @@ def matmul_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k
 def matmul_t_reference(dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """dx = dy [N, rows] · weight [rows, K] in float64: the input gradient of ``matmul_reference``."""
     return dy.double() @ weight.double()
+
+
+def _head_shape(kind: str, device: Device, tile: MmaTile | None) -> MmaShape:
+    return mma_shape(device, tile or default_tile(kind), "f16")
+
+
+def f16_pairs_launch(a: Buffer, exponents: Buffer, *, rows: int, width: int, tile: MmaTile | None = None,
+                     device: Device | None = None) -> Launch:
+    """Rewrites the first ``width`` floats of each of ``rows`` rows of ``a`` (f32, as u32 bits or
+    floats) in place as f16 pairs (hi, lo), and each row's power of two into ``exponents`` (i32
+    [rows]): what the LM head's GEMMs on the matrix units read (``matmul_mma.wgsl``, ``split``).
+    A workgroup a row, the rows along the grid's y (an indirect grid covers the labelled rows)."""
+    device = device or get_device()
+    shape = _head_shape("lm_head", device, tile)
+    if width > a.shape[-1]:
+        raise ValueError(f"f16 pairs: a row of {a.shape[-1]} floats has no {width} to split")
+    return Launch.build(kernel("matmul_mma.wgsl", "split", device, **shape.tile.constants()), (1, rows, 1),
+                        {11: a, 12: exponents}, _head_params(a_stride=a.shape[-1], width=width))
+
+
+def _head_params(**fields: int) -> dict[str, int]:
+    names = ("tokens", "rows", "columns", "w_words", "a_stride", "a_col", "width", "out_stride", "out_offset", "k",
+             "lora_rank", "dh_stride", "la_stride", "accumulate", "drop_key", "drop_split1", "drop_split2")
+    return {name: fields.get(name, 0) for name in names}
+
+
+def head_weights_largest(proj: Projection, workspace: Workspace) -> Buffer:
+    """The largest magnitude of ``proj``'s bfloat16 weights (u32 [1], float32 bits): the power of two
+    the matrix units scale them by (``matmul_mma.wgsl``, ``largest``). Found on the GPU at first use
+    and kept in ``workspace``; ValueError where the weights hold an infinity or NaN."""
+    device = workspace.device
+
+    def fill(out: Buffer) -> None:
+        write(out, np.zeros(1, np.uint32))
+        words = proj.weight.numel
+        rec = Recorder(device)
+        rec.launch(Launch.build(kernel("matmul_mma.wgsl", "largest", device), (min(1024, -(-words // 256)), 1, 1),
+                                {13: proj.weight, 14: out}, _head_params(width=words)))
+        got = np.empty(1, np.uint32)
+        rec.read(out, got)
+        rec.submit()
+        if got[0] >= 0x7F800000:
+            raise ValueError(f"the LM head's weights ({proj.rows} × {proj.k}) hold an infinity or NaN")
+
+    return workspace.derived("LM-head weights' largest magnitude (matrix units)", proj.weight, (1,), "u32", fill)
+
+
+def matmul_mma_launch(pairs: Buffer, exponents: Buffer, proj: Projection, out: Buffer, *, tokens: int,
+                      out_stride: int, out_offset: int = 0, tile: MmaTile | None = None,
+                      workspace: Workspace) -> Launch:
+    """``out[:, out_offset:] = x·Wᵀ`` on f16 matrix units for the bfloat16 weights of ``proj`` (rows of
+    its vocabulary chunk), from ``tokens`` rows of ``x`` split into ``pairs`` and ``exponents`` by
+    ``f16_pairs_launch``: float32 accuracy (``matmul_mma.wgsl`` bounds the error)."""
+    device = workspace.device
+    shape = _head_shape("lm_head", device, tile)
+    if pairs.shape[-1] < proj.k:
+        raise ValueError(f"the LM head on the matrix units: rows of {pairs.shape[-1]} pairs, weights of K = {proj.k}")
+    grid = (-(-proj.rows // shape.block_n), -(-tokens // shape.block_tokens), 1)
+    return Launch.build(kernel(variant("lm_head", "matrix_units").file, "gemm_tiled", device,
+                               **shape.tile.constants()), grid,
+                        {1: pairs, 2: proj.weight, 3: exponents, 4: dummy(device, "out"), 5: dummy(device),
+                         6: dummy(device), 7: dummy(device, "part"), 8: dummy(device), 9: out,
+                         10: head_weights_largest(proj, workspace)},
+                        _head_params(tokens=tokens, rows=proj.k, columns=proj.rows, w_words=proj.weight.shape[1],
+                                     a_stride=pairs.shape[-1], out_stride=out_stride, out_offset=out_offset))
+
+
+def matmul_t_mma_launches(pairs: Buffer, exponents: Buffer, proj: Projection, out: Buffer, *, tokens: int, k: int,
+                          a_col: int = 0, accumulate: bool = False, splits: int | None = None,
+                          tile: MmaTile | None = None, workspace: Workspace) -> list[Launch]:
+    """The input gradient of the LM head on f16 matrix units: ``out (+)= dy·W`` for the bfloat16
+    weights of ``proj`` (a vocabulary chunk), ``dy``'s columns from ``a_col`` split into ``pairs`` and
+    ``exponents`` by ``f16_pairs_launch``. ``splits``: ranges of the chunk's rows summed apart
+    (default ``projection.split_k_ranges``; their partial sums in ``workspace``'s scratch)."""
+    device = workspace.device
+    check_vec4_rows(out, None)
+    shape = _head_shape("lm_head_grad", device, tile)
+    constants = dict(W_ALONG_SUM=True, **shape.tile.constants())
+    tiles = (-(-k // shape.block_n), -(-tokens // shape.block_tokens))
+    splits = splits or split_k_ranges(tiles[0] * tiles[1], proj.rows, device)
+    sums = {4: out, 5: dummy(device), 6: dummy(device), 8: dummy(device)}
+    params = _head_params(tokens=tokens, rows=proj.rows, columns=k, w_words=proj.weight.shape[1],
+                          a_stride=pairs.shape[-1], a_col=a_col, out_stride=out.shape[-1], k=k,
+                          accumulate=int(accumulate),
+                          **dict(zip(("drop_key", "drop_split1", "drop_split2"), dropout_params(None))))
+    file = variant("lm_head_grad", "matrix_units").file
+    part = dummy(device, "part")
+    if splits > 1:
+        part = workspace.scratch("split-K partial sums", (splits * tokens * -(-k // 4) * 4,))
+        constants["SPLITS"] = splits
+    launches = [Launch.build(kernel(file, "gemm_tiled", device, **constants), (*tiles, splits),
+                             {1: pairs, 2: proj.weight, 3: exponents, 7: part, 9: dummy(device, "outf"),
+                              10: head_weights_largest(proj, workspace), **sums}, params)]
+    if splits > 1:
+        launches.append(Launch.build(kernel(file, "split_sum", device, **constants), (-(-k // 1024), tokens, 1),
+                                     {7: part, **sums}, params))
+    return launches
+
+
+def head_on_matrix_units(x: Buffer, logits: Buffer, dx: Buffer, exponents: Buffer, proj: Projection, *, tokens: int,
+                         bf16: bool, workspace: Workspace) -> bool:
+    """Whether the LM head's two GEMMs over ``tokens`` rows (``x`` → ``logits`` → ``dx``, with the
+    vocabulary chunk ``proj``) run faster on the f16 matrix units, splitting ``x`` and the logits'
+    gradient into f16 pairs (``exponents``: a row's power of two), than on the general cores
+    (``gemms.fastest``: measured once per shape, on these buffers, whose values it overwrites); False
+    for float32 weights (f16 holds bfloat16 weights exactly, not float32 ones) or without f16 matrix
+    units. Both are within float32 accuracy of the exact sums (``matmul_mma.wgsl`` bounds the error)."""
+    device = workspace.device
+    if not (bf16 and f16_matrix_units(device)):
+        return False
+    k, vocab = proj.k, logits.shape[-1]
+
+    def build(mma: bool) -> Callable[[], list[Launch]]:
+        if mma:
+            return lambda: [f16_pairs_launch(x, exponents, rows=tokens, width=k, device=device),
+                            matmul_mma_launch(x, exponents, proj, logits, tokens=tokens, out_stride=vocab,
+                                              workspace=workspace),
+                            f16_pairs_launch(logits, exponents, rows=tokens, width=vocab, device=device),
+                            *matmul_t_mma_launches(logits, exponents, proj, dx, tokens=tokens, k=k,
+                                                   workspace=workspace)]
+        return lambda: [matmul_launch(x, proj, logits, tokens=tokens, out_stride=vocab, bf16=True, gemv=False,
+                                      device=device),
+                        *matmul_t_launch(logits, proj, dx, tokens=tokens, k=k, bf16=True, workspace=workspace)]
+
+    return fastest(device, "lm_head", (tokens, proj.rows, k),
+                   {"matrix_units": build(True), "general": build(False)}) == "matrix_units"
