@@ -24,7 +24,9 @@
 //   fn left(sr: u32, i: u32, q: u32) -> L, fn right(sc: u32, j: u32, q: u32) -> R: the subgroup's left
 //     matrix i and right matrix j at sub-step q (SM_K terms) of the staged step;
 //   fn stage_result(m: O, sg: u32, j: u32): result matrix j of subgroup sg's row being put, staged
-//     beside the row's others (SM_M rows of RESULT_ROW, RESULT_STRIDE apart).
+//     beside the row's others (SM_M rows of RESULT_ROW, RESULT_STRIDE apart);
+//   fn after_step(acc: ptr<function, Acc>, sr: u32, sc: u32, kk: u32, k_begin: u32, k_end: u32): what
+//     follows each staged step kk of [k_begin, k_end) (in uniform control flow: it may hold barriers).
 // The including kernel declares
 //   fn finish(t: u32, lane: u32, sg: u32, n0: u32, c0: u32, i: u32): the epilogue of row i of every
 //     subgroup's result matrices, as stage_result staged them (put_results calls it: a row of
@@ -170,6 +172,7 @@ fn multiply(acc: ptr<function, Acc>, t: u32, sr: u32, sc: u32, tok0: u32, c0: u3
     if (kk + KSTEP < k_end) { fetch(&f, t, tok0, c0, kk + KSTEP, k_end); }
     for (var q = 0u; q < KSTEP / SM_K; q++) { multiply_step(acc, sr, sc, q); }
     workgroupBarrier();
+    after_step(acc, sr, sc, kk, k_begin, k_end);
   }
 }
 

@@ -101,6 +101,9 @@ fn left(sr: u32, i: u32, q: u32) -> L {
   return subgroupMatrixLoad<L>(&Staged, (sr * TM * SM_M + i * SM_M) * A_STRIDE + q * SM_K, false, A_STRIDE);
 }
 
+// Integer sums are exact on the matrix units: nothing to do between steps.
+fn after_step(acc: ptr<function, Acc>, sr: u32, sc: u32, kk: u32, k_begin: u32, k_end: u32) {}
+
 // Result matrix j of the subgroup's row being put, beside the row's others (RESULT_STRIDE words a row).
 fn stage_result(m: O, sg: u32, j: u32) {
   subgroupMatrixStore(&Staged, sg * SM_M * RESULT_STRIDE + j * SM_N, m, false, RESULT_STRIDE);

@@ -18,7 +18,7 @@
 //   SUB_M = 2: subgroup row 0 the hi plane, row 1 the lo plane, each into its own f32 accumulators,
 //   products exact in f32); the epilogue adds lo's sums times 2⁻¹¹ to hi's and scales by
 //   2^−(s_n + e). Against float64 the error is a float32 GEMM's kind: the sums' float32 roundings
-//   (fewer than a float32 GEMM's: the units add SM_K products at once) plus δ's.
+//   (the units' within DRAIN steps, then each lane's round-to-nearest sums of those) plus δ's.
 // A row holding an infinity or NaN gives NaN outputs (split marks it; its pairs are zeros).
 // @subgroup-matrix f16 f32
 
@@ -220,6 +220,40 @@ fn right(sc: u32, j: u32, q: u32) -> R {
   return subgroupMatrixLoad<R>(&Staged, W_BASE + c * W_STRIDE + q * SM_K, true, W_STRIDE);
 }
 
+// Draining: NVIDIA's matrix units lose the low bits of their f32 sums as they accumulate (on the
+// H100, summing all of K: 3.3-8.5× torch's float32 error on the same data; matmul.HEAD_DRAIN), so
+// every DRAIN staged steps each lane adds its share of the units' sums, in round-to-nearest f32, into
+// its own (drained) and the accumulators start again from zero. 0: never (the results straight from
+// the accumulators).
+override DRAIN: u32 = 4u;
+const PER_LANE: u32 = SM_M * SM_N / SM_SUBGROUP;  // elements of a result matrix a lane drains
+var<private> drained: array<f32, 16u * PER_LANE>;  // [result row i][TN · PER_LANE]
+var<private> lane_id: u32;
+
+// Row i of the subgroup's result matrices (m0 .. m3) added into drained, through its Results region.
+fn drain_row(i: u32, sg: u32, m0: O, m1: O, m2: O, m3: O) {
+  stage_result(m0, sg, 0u);
+  if (TN > 1u) { stage_result(m1, sg, 1u); }
+  if (TN > 2u) { stage_result(m2, sg, 2u); }
+  if (TN > 3u) { stage_result(m3, sg, 3u); }
+  workgroupBarrier();
+  for (var q = 0u; q < TN * PER_LANE; q++) {
+    let e = lane_id + SM_SUBGROUP * q;
+    drained[i * TN * PER_LANE + q] += Results[sg * SM_M * RESULT_STRIDE + e / RESULT_ROW * RESULT_STRIDE + e % RESULT_ROW];
+  }
+  workgroupBarrier();
+}
+
+fn after_step(acc: ptr<function, Acc>, sr: u32, sc: u32, kk: u32, k_begin: u32, k_end: u32) {
+  if (DRAIN == 0u || (((kk - k_begin) / KSTEP + 1u) % max(DRAIN, 1u) != 0u && kk + KSTEP < k_end)) { return; }
+  let sg = sr * SUB_N + sc;
+  drain_row(0u, sg, (*acc).c00, (*acc).c01, (*acc).c02, (*acc).c03);
+  if (TM > 1u) { drain_row(1u, sg, (*acc).c10, (*acc).c11, (*acc).c12, (*acc).c13); }
+  if (TM > 2u) { drain_row(2u, sg, (*acc).c20, (*acc).c21, (*acc).c22, (*acc).c23); }
+  if (TM > 3u) { drain_row(3u, sg, (*acc).c30, (*acc).c31, (*acc).c32, (*acc).c33); }
+  *acc = Acc();
+}
+
 fn stage_result(m: O, sg: u32, j: u32) {
   subgroupMatrixStore(&Results, sg * SM_M * RESULT_STRIDE + j * SM_N, m, false, RESULT_STRIDE);
 }
@@ -266,9 +300,22 @@ fn gemm_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
   let n0 = wg.y * (BM / DIGITS);
   let c0 = wg.x * BN;
   range = wg.z;
+  lane_id = lane;
   w_scale = ldexp(1.0, scale_exponent(bitcast<f32>(LARGEST[0])));
   let span = (p.rows + groups.z * KSTEP - 1u) / (groups.z * KSTEP) * KSTEP;
   var acc: Acc;
   multiply(&acc, t, sg / SUB_N, sg % SUB_N, n0, c0, wg.z * span, min(wg.z * span + span, p.rows));
-  put_results(&acc, t, lane, sg, n0, c0);
+  if (DRAIN == 0u) {
+    put_results(&acc, t, lane, sg, n0, c0);
+    return;
+  }
+  for (var i = 0u; i < TM; i++) {  // each row of the drained sums through Results into finish
+    for (var q = 0u; q < TN * PER_LANE; q++) {
+      let e = lane + SM_SUBGROUP * q;
+      Results[sg * SM_M * RESULT_STRIDE + e / RESULT_ROW * RESULT_STRIDE + e % RESULT_ROW] = drained[i * TN * PER_LANE + q];
+    }
+    workgroupBarrier();
+    finish(t, lane, sg, n0, c0, i);
+    workgroupBarrier();
+  }
 }

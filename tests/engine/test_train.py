@@ -205,7 +205,8 @@ def test_the_lm_head_runs_over_the_labelled_rows_only(labelled):
     rec = Recorder()
     rec.read(plan.slots[0].grids, grids)
     rec.submit()
-    assert {int(y) for y in grids.reshape(-1, 3)[:, 1]} == {-(-labelled // 64)}
+    used = grids.reshape(-1, 3)[:len(plan.slots[0].head_grids)]  # (the buffer has room for f16 splits too)
+    assert {int(y) for y in used[:, 1]} == {-(-labelled // 64)}
 
 
 @pytest.mark.parametrize("rows", ["padded", "packed"])

@@ -168,9 +168,11 @@ WIDE_TILE = MmaTile(sub_m=2, sub_n=4, tm=4, tn=4, kstep=64)
 
 
 # The LM head's GEMMs on f16 matrix units (matmul_mma.wgsl): the hi and lo planes of 64 tokens (a
-# subgroup row a plane) against 128 columns, 4 × 4 result matrices a subgroup; a step of 32 terms.
-# Not yet tuned on a GPU.
-HEAD_TILE = MmaTile(digits=2, sub_m=2, sub_n=2, tm=4, tn=4, kstep=32)
+# subgroup row a plane) against 128 columns, 4 × 2 result matrices a subgroup; a step of 32 terms.
+# On the H100 the fastest of the four measured at BitNet-2B's head, 512 and 4,096 tokens, forward and
+# input gradient: 4 × 4 matrices on two subgroup columns took 0.99-1.32× its time, 2 × 4 and 2 × 2
+# matrices 1.56-1.88× (device runs 30 and 31, results/h100/lm_head_matrix_units.json).
+HEAD_TILE = MmaTile(digits=2, sub_m=2, sub_n=4, tm=4, tn=2, kstep=32)
 
 
 def default_tile(kind: str, tokens: int | None = None, rows: int | None = None, digits: int = 4) -> MmaTile:
