@@ -253,7 +253,7 @@ HEAD_SHAPES = [(1, 64, 8), (37, 100, 130), (70, 256, 300), (33, 640, 1000)]  # t
 
 def _no_worse_than_torch_on_a_gpu(err: float, float32: torch.Tensor, ref: torch.Tensor, added: float = 0.0) -> None:
     """On a GPU, also no larger than torch's float32 GEMM's error on the same data: NVIDIA's matrix
-    units lose the low bits of their sums as they accumulate (3.3-8.5× torch's error when nothing
+    units lose the low bits of their sums as they accumulate (up to 8.5× torch's error when nothing
     drains them; ``matmul.HEAD_DRAIN``). On a CPU adapter, whose units round to nearest, the bounds
     above are the test: how torch's own error compares there turns on the host's MKL. As the input
     gradient's test: or one float32 rounding of the result where torch's sum happens to be exact (a

@@ -108,7 +108,7 @@ def matmul_t_reference(dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # Staged steps (of 32 terms) the f16 matrix units accumulate before each lane adds their sums into its
 # own in round-to-nearest float32 (matmul_mma.wgsl's DRAIN: NVIDIA's units truncate as they
 # accumulate). On the H100, at three shapes (device run 31, results/h100/lm_head_matrix_units.json):
-# never draining, 3.3-8.5× torch's float32 error on the same data; every 4 steps, 0.36-0.68× it and
+# never draining, 1.45-8.5× torch's float32 error on the same data; every 4 steps, 0.36-0.68× it and
 # below the general cores' float32 kernel's (every 8: up to 1.24× torch's); a 4,096-token head
 # 1.15× as fast as on the general cores (every 8: 1.30×; never: 1.62×).
 HEAD_DRAIN = 4
