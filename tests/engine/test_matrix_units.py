@@ -17,7 +17,8 @@ import torch
 from torch_wgpu_lora.engine.config import pad
 from torch_wgpu_lora.engine.kernels.bitlinear import (bitlinear_launch, bitlinear_reference, bitlinear_t_launch,
                                                     bitlinear_t_reference)
-from torch_wgpu_lora.engine.kernels.gemms import WIDE_TILE, MmaTile, f16_matrix_units, int8_matrix_units, mma_shape
+from torch_wgpu_lora.engine.kernels.gemms import (INPUT_GRAD_MANY_TOKENS_TILE, WIDE_TILE, MmaTile, f16_matrix_units,
+                                                   int8_matrix_units, mma_shape)
 from torch_wgpu_lora.engine.kernels.matmul import (f16_pairs_launch, matmul_mma_launch, matmul_reference,
                                                    matmul_t_mma_launches, matmul_t_reference)
 from torch_wgpu_lora.engine.kernels.projection import lora_table
@@ -29,11 +30,12 @@ from .test_kernels import _codes, _projection
 
 pytestmark = pytest.mark.matrix_units
 
-# The input gradient's tiles: the default (4 digit planes, 4 × 2 matrices a subgroup) and one of a
-# single row of matrices with a short step and unpadded results, so that the staging and the
-# epilogue are checked at two shapes.
+# The input gradient's tiles: the default (4 digit planes, 4 × 2 matrices a subgroup), one of a
+# single row of matrices with a short step and unpadded results, and the one of many tokens (2 × 4
+# matrices, steps of 128), so that the staging and the epilogue are checked at three shapes.
 INPUT_GRAD_TILES = {"default": None,
-                    "narrow": MmaTile(sub_m=4, digits=4, sub_n=2, tm=1, tn=4, kstep=64, result_pad=0)}
+                    "narrow": MmaTile(sub_m=4, digits=4, sub_n=2, tm=1, tn=4, kstep=64, result_pad=0),
+                    "many-tokens": INPUT_GRAD_MANY_TOKENS_TILE}
 
 U = 2.0 ** -24  # float32's unit roundoff
 
@@ -251,14 +253,17 @@ def _f16_only_error(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> floa
 HEAD_SHAPES = [(1, 64, 8), (37, 100, 130), (70, 256, 300), (33, 640, 1000)]  # tokens, K, vocabulary rows
 
 
-def _no_worse_than_torch_on_a_gpu(err: float, float32: torch.Tensor, ref: torch.Tensor, added: float = 0.0) -> None:
+def _no_worse_than_torch_on_a_gpu(err: float, float32: torch.Tensor, ref: torch.Tensor, sum_length: int,
+                                  added: float = 0.0) -> None:
     """On a GPU, also no larger than torch's float32 GEMM's error on the same data: NVIDIA's matrix
     units lose the low bits of their sums as they accumulate (up to 8.5× torch's error when nothing
     drains them; ``matmul.HEAD_DRAIN``). On a CPU adapter, whose units round to nearest, the bounds
     above are the test: how torch's own error compares there turns on the host's MKL. As the input
-    gradient's test: or one float32 rounding of the result where torch's sum happens to be exact (a
-    short one). ``added``: the error of a sum the kernel adds its result into (not torch's)."""
-    if not get_device().is_cpu:
+    gradient's test: or one float32 rounding of the result where torch's sum happens to be exact. Sums
+    of fewer than 100 terms are left to the bounds above on a GPU too: at 64, torch's can be exact
+    where the units' four additions are not (device run 33). ``added``: the error of a sum the kernel
+    adds its result into (not torch's)."""
+    if not get_device().is_cpu and sum_length >= 100:
         bound = max(float((float32.double() - ref).abs().max()), U * float(ref.abs().max())) + added
         assert err <= bound, f"error {err:.3g} against float64; torch's float32 GEMM's {bound:.3g}"
 
@@ -287,7 +292,7 @@ def test_lm_head_on_the_matrix_units_keeps_a_float32_gemms_bound(tokens, k, rows
     err = (got[:, 2:rows + 2].double() - ref).abs()
     assert (err <= _float32_gemm_bound(x, w.float().T)).all(), f"largest error {float(err.max()):.3g}"
     assert float(err.max()) <= _f16_only_error(x, w.float().T, ref) / 64
-    _no_worse_than_torch_on_a_gpu(float(err.max()), x @ w.float().T, ref)
+    _no_worse_than_torch_on_a_gpu(float(err.max()), x @ w.float().T, ref, k)
     assert torch.isnan(got[:, :2]).all() and torch.isnan(got[:, rows + 2:]).all()  # outside the columns: untouched
 
 
@@ -317,7 +322,7 @@ def test_lm_head_input_gradient_on_the_matrix_units_keeps_a_float32_gemms_bound(
     bound = _float32_gemm_bound(chunk, w.float()) + U * (base[:, :k].double().abs() + ref.abs())
     assert (err <= bound).all(), f"largest error {float(err.max()):.3g}"
     assert float(err.max()) <= _f16_only_error(chunk, w.float(), ref) / 64
-    _no_worse_than_torch_on_a_gpu(float(err.max()), chunk @ w.float(), ref,
+    _no_worse_than_torch_on_a_gpu(float(err.max()), chunk @ w.float(), ref, rows,
                                   U * float((base[:, :k].double() + ref).abs().max()))
     assert torch.equal(got[:, k:], base[:, k:])  # padding columns untouched
 

@@ -296,7 +296,7 @@ def bitlinear_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int
                                    {4: out, 5: dh or unused, 6: lora_a or unused}, 7,
                                    (tokens, proj.rows, k_words, dy.shape[-1], out.shape[-1], k, *lora_params),
                                    tokens, k, 16 * k_words, proj.rows, splits, dropout, workspace)
-    shape = mma_shape(device, tile or default_tile("input_grad", digits=device.settings.input_grad_digits))
+    shape = mma_shape(device, tile or default_tile("input_grad", tokens, digits=device.settings.input_grad_digits))
     if shape.tile.digits < 2:
         raise ValueError(f"the input gradient on the matrix units takes its float32 rows in digits (sub_m ≥ 2), "
                          f"not {shape.tile}")

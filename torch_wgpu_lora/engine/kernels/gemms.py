@@ -167,6 +167,13 @@ WIDE_TILE_OUTPUTS = 4 * 2 ** 20
 WIDE_TILE = MmaTile(sub_m=2, sub_n=4, tm=4, tn=4, kstep=64)
 
 
+# From this many tokens the four-digit input gradient takes 2 × 4 result matrices a subgroup on 4 × 2
+# subgroups, K steps of 128: at 4,096 tokens it took 0.94-1.00× the time of the default form at each
+# of BitNet-2B's projections in two sweeps (device runs 28 and 32, results/h100/matrix_units_none.json);
+# at 512 tokens 0.89-1.10× (slower at qkv and o), so fewer tokens keep the default.
+INPUT_GRAD_MANY_TOKENS = 4096
+INPUT_GRAD_MANY_TOKENS_TILE = MmaTile(digits=4, sub_m=4, sub_n=2, tm=2, tn=4, kstep=128)
+
 # The LM head's GEMMs on f16 matrix units (matmul_mma.wgsl): the hi and lo planes of 64 tokens (a
 # subgroup row a plane) against 128 columns, 4 × 2 result matrices a subgroup; a step of 32 terms.
 # On the H100 the fastest of the four measured at BitNet-2B's head, 512 and 4,096 tokens, forward and
@@ -182,7 +189,8 @@ def default_tile(kind: str, tokens: int | None = None, rows: int | None = None, 
     times the bytes of the weights' codes they multiply, so it takes more tokens and fewer columns
     than the forward's; with two planes, 4 × 4 result matrices a subgroup against 256 columns (at
     BitNet-2B's shapes, 512 and 4,096 tokens, 0.98-1.43× as fast as the four-plane form with two
-    planes; device run 27, ``results/h100/input_grad_transposed.json``).
+    planes; device run 27, ``results/h100/input_grad_transposed.json``); with four planes from
+    INPUT_GRAD_MANY_TOKENS tokens, INPUT_GRAD_MANY_TOKENS_TILE.
     A projection of ``tokens`` × ``rows`` outputs: WIDE_TILE (4 × 4 result matrices a subgroup) where
     it has enough of them to fill the GPU with its wide workgroups (WIDE_TILE_OUTPUTS); up to
     DECODE_TOKENS tokens (decoding a batch), few tokens and columns a workgroup (many small
@@ -194,6 +202,8 @@ def default_tile(kind: str, tokens: int | None = None, rows: int | None = None, 
     if kind == "input_grad":
         if digits == 2:
             return MmaTile(digits=2, sub_m=2, sub_n=4, tm=4, tn=4, kstep=64)
+        if digits == 4 and tokens is not None and tokens >= INPUT_GRAD_MANY_TOKENS:
+            return INPUT_GRAD_MANY_TOKENS_TILE
         return MmaTile(digits=digits, sub_m=digits, sub_n=4, tm=4, tn=2, kstep=64)
     if tokens is not None and tokens <= 16:
         return MmaTile(sub_m=1, sub_n=4, tm=1, tn=1, kstep=256)
