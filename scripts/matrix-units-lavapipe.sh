@@ -14,8 +14,8 @@
 # The tests: the matrix-unit GEMMs against their torch references (tests/engine/test_matrix_units.py,
 # and the layouts benchmark's kernels, tests/benchmarks/test_matrix_units_layouts.py), then the
 # engine's adapter gradients against autograd with every GEMM that can run on the matrix units run
-# there (TORCH_WGPU_LORA_GEMMS=matrix_units; a bfloat16 model's LM head on the f16 units), with the
-# default four input-gradient digits and with three and two.
+# there (TORCH_WGPU_LORA_GEMMS=matrix_units; a bfloat16 model's LM head on the f16 units, training and
+# forward), with the default four input-gradient digits and with three and two.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$(realpath -m "${TRIXIE_ROOT:-.ci-cache/trixie}")"
@@ -75,5 +75,5 @@ if [ "${1:-}" = "--" ]; then
   exit
 fi
 in_root -- -o addopts=-q -m matrix_units tests/engine/test_matrix_units.py tests/benchmarks/test_matrix_units_layouts.py
-in_root TORCH_WGPU_LORA_GEMMS=matrix_units -- -o addopts=-q tests/engine/test_train.py \
+in_root TORCH_WGPU_LORA_GEMMS=matrix_units -- -o addopts=-q tests/engine/test_train.py tests/engine/test_model.py \
   -k "every_adapter_gradient_matches_autograd or twenty_engine_steps_match_twenty_torch_steps or fewer_input_gradient_digits or bfloat16_model"

@@ -17,8 +17,8 @@ import torch
 from torch_wgpu_lora.engine.config import pad
 from torch_wgpu_lora.engine.kernels.bitlinear import (bitlinear_launch, bitlinear_reference, bitlinear_t_launch,
                                                     bitlinear_t_reference)
-from torch_wgpu_lora.engine.kernels.gemms import (INPUT_GRAD_MANY_TOKENS_TILE, WIDE_TILE, MmaTile, f16_matrix_units,
-                                                   int8_matrix_units, mma_shape)
+from torch_wgpu_lora.engine.kernels.gemms import (INPUT_GRAD_MANY_TOKENS_TILE, WIDE_TILE, MmaTile, default_tile,
+                                                   f16_matrix_units, int8_matrix_units, mma_shape)
 from torch_wgpu_lora.engine.kernels.matmul import (f16_pairs_launch, matmul_mma_launch, matmul_reference,
                                                    matmul_t_mma_launches, matmul_t_reference)
 from torch_wgpu_lora.engine.kernels.projection import lora_table
@@ -273,9 +273,15 @@ def _f16_units():
     assert f16_matrix_units(get_device()), "run on a device with f16 subgroup matrices"
 
 
+# The forward's tiles: the training head's, and a decoding step's of one and two rows of result
+# matrices a subgroup.
+HEAD_TILES = {"default": None, "sixteen-rows": default_tile("lm_head", 16), "thirty-two-rows": default_tile("lm_head", 32)}
+
+
 @pytest.mark.usefixtures("_f16_units")
+@pytest.mark.parametrize("tile", list(HEAD_TILES))
 @pytest.mark.parametrize("tokens,k,rows", HEAD_SHAPES)
-def test_lm_head_on_the_matrix_units_keeps_a_float32_gemms_bound(tokens, k, rows):
+def test_lm_head_on_the_matrix_units_keeps_a_float32_gemms_bound(tokens, k, rows, tile):
     # Per output within a float32 GEMM's error bound on the same data (_float32_gemm_bound), and in
     # all at most 1/64 of the error of the hi plane alone (the lo plane carries the next 11 bits)
     g = torch.Generator().manual_seed(tokens * 5 + k + rows)
@@ -287,7 +293,7 @@ def test_lm_head_on_the_matrix_units_keeps_a_float32_gemms_bound(tokens, k, rows
     ws = kernel_workspace()
     (got,) = run([f16_pairs_launch(xb, exps, rows=tokens, width=k),
                   matmul_mma_launch(xb, exps, proj, out, tokens=tokens, out_stride=rows + 3, out_offset=2,
-                                    workspace=ws)], out)
+                                    tile=HEAD_TILES[tile], workspace=ws)], out)
     ref = matmul_reference(x, w.float())
     err = (got[:, 2:rows + 2].double() - ref).abs()
     assert (err <= _float32_gemm_bound(x, w.float().T)).all(), f"largest error {float(err.max()):.3g}"

@@ -8,6 +8,7 @@ near-tie and flips bounded (``integrations.quantisation`` says why).
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -19,8 +20,10 @@ import torch
 
 from torch_wgpu_lora import BitNetEngine
 from torch_wgpu_lora.engine.kernels import bitlinear
+from torch_wgpu_lora.engine.kernels.gemms import f16_matrix_units
 from torch_wgpu_lora.integrations.quantisation import FLIP_SHARE, FeedStats, feeding_codes
 from torch_wgpu_lora.integrations.tiny import FLAVOURS
+from torch_wgpu_lora.runtime import get_device
 
 from ..concurrency import in_forked_child, in_threads
 from .helpers import (CONFIGS, LOGIT_RTOL, LOSS_RTOL, assert_close, batch, forward_with_codes, generate_alone,
@@ -34,6 +37,24 @@ def test_dense_logits_match_transformers(config, adapters):
     out = BitNetEngine(model)(ids, attention_mask=mask)
     assert out.logits.shape == (3, 9, model.config.vocab_size) and out.logits.dtype == torch.float32
     assert_close(out.logits, torch_logits(model, ids, mask), LOGIT_RTOL, "logits")
+
+
+def test_a_bfloat16_models_logits_match_transformers_in_float64():
+    # bfloat16 weights (BitNet-2B-4T's), multiplied exactly in float32; past the rows a GEMV serves
+    # the LM head may run on f16 matrix units (matmul_mma.wgsl; always with
+    # TORCH_WGPU_LORA_GEMMS=matrix_units, as scripts/matrix-units-lavapipe.sh runs this). Against
+    # transformers' model in float64 on the same weights (in bfloat16 it would compute in bfloat16).
+    model = tiny_model("dense", adapters=True).to(torch.bfloat16)
+    ids, mask = batch(model.config.vocab_size, [9, 6, 1])
+    engine = BitNetEngine(model)
+    out = engine(ids, attention_mask=mask)
+    assert_close(out.logits, torch_logits(copy.deepcopy(model).double(), ids, mask), LOGIT_RTOL, "logits")
+    names = [launch.kernel.name for launch in engine.plan(3, 9).launches]
+    device = get_device()
+    if device.settings.gemms == "matrix_units" and f16_matrix_units(device):  # 27 rows: past any GEMV's
+        assert names.count("matmul_mma.wgsl:split") == names.count("matmul_mma.wgsl:gemm_tiled") == 1
+    elif device.settings.gemms == "general" or not f16_matrix_units(device):
+        assert not any(name.startswith("matmul_mma.wgsl") for name in names)
 
 
 @pytest.mark.parametrize("adapters", [False, True], ids=["base", "lora"])

@@ -51,7 +51,7 @@ from .config import EngineConfig
 from .kernels.attention import DecodePartials, attention_launches, decode_partials
 from .kernels.bitlinear import bitlinear_launch, gemv_normalises
 from .kernels.embedding import embedding_launches
-from .kernels.matmul import matmul_launch
+from .kernels.matmul import head_forward_launches, head_on_matrix_units, matmul_launch
 from .kernels.norm import rmsnorm_launch
 from .kernels.projection import gemv_max_tokens
 from .kernels.rope import RopeTarget, rope_launch
@@ -59,7 +59,7 @@ from .weights import EngineWeights, Projection
 from .workspace import Workspace
 
 __all__ = ["Indirect", "LayerIO", "PassContext", "Program", "SiteIO", "emit_embedding", "emit_final_norm",
-           "emit_head", "emit_layer", "read_codes"]
+           "emit_head", "emit_layer", "head_chunks", "read_codes"]
 
 
 @dataclass(frozen=True)
@@ -311,18 +311,31 @@ def emit_final_norm(program: Program, context: PassContext, x: Buffer, out: Buff
                                device=context.workspace.device))
 
 
-def emit_head(context: PassContext, x: Buffer, logits: Buffer, rows: int) -> list[Launch]:
+def head_chunks(weights: EngineWeights) -> list[tuple[Projection, int]]:
+    """The LM head's vocabulary chunks (each within a storage binding): its weights, and its first
+    row of the vocabulary (a column of the logits)."""
+    return [(Projection(chunk, None, rows, weights.config.hidden), sum(weights.head_rows[:i]))
+            for i, (chunk, rows) in enumerate(zip(weights.head, weights.head_rows))]
+
+
+def emit_head(context: PassContext, x: Buffer, logits: Buffer, rows: int, mma: bool | None = None) -> list[Launch]:
     """The LM head over ``rows`` rows of ``x`` (the final norm's output) into ``logits`` [rows, at
     least vocab], a launch per vocabulary chunk of the weights; returned for the caller to add (the
-    training head makes them indirect)."""
-    w, c = context.weights, context.config
-    launches, begin = [], 0
-    for chunk, chunk_rows in zip(w.head, w.head_rows):
-        launches.append(matmul_launch(x, Projection(chunk, None, chunk_rows, c.hidden), logits, tokens=rows,
-                                      out_stride=logits.shape[-1], out_offset=begin, bf16=w.bf16, gemv=context.gemv,
-                                      device=context.workspace.device))
-        begin += chunk_rows
-    return launches
+    training head makes them indirect). ``mma``: on the f16 matrix units, ``x`` split in place into
+    f16 pairs first (``matmul.head_forward_launches``; default: where that is measured faster, for
+    bfloat16 weights and more rows than a GEMV serves), else on the general cores."""
+    w, ws = context.weights, context.workspace
+    chunks = head_chunks(w)
+    def exponents() -> Buffer:
+        return ws.scratch("LM-head rows' powers of two (matrix units)", (rows,), "i32")
+
+    if mma is None:
+        mma = rows > gemv_max_tokens(ws.device) and head_on_matrix_units(
+            x, logits, None, exponents(), chunks[0][0], tokens=rows, bf16=w.bf16, workspace=ws)
+    if mma:
+        return head_forward_launches(x, exponents(), chunks, logits, tokens=rows, workspace=ws)
+    return [matmul_launch(x, proj, logits, tokens=rows, out_stride=logits.shape[-1], out_offset=begin, bf16=w.bf16,
+                          gemv=context.gemv, device=ws.device) for proj, begin in chunks]
 
 
 def read_codes(capture: dict, batch: int, tokens: int, config: EngineConfig) -> dict:

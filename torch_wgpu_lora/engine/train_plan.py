@@ -66,12 +66,12 @@ from .kernels.embedding import gather_rows_launch
 from .kernels.ffn import relu2_backward_launch
 from .kernels.lora_grad import da_launch, db_launch, dh_launch
 from .kernels.gemms import default_tile, mma_shape
-from .kernels.matmul import (f16_pairs_launch, head_on_matrix_units, matmul_mma_launch, matmul_t_launch,
+from .kernels.matmul import (f16_pairs_launch, head_forward_launches, head_on_matrix_units, matmul_t_launch,
                              matmul_t_mma_launches)
 from .kernels.norm import rmsnorm_backward_launch
 from .kernels.rope import rope_backward_launch
 from .program import (Indirect, LayerIO, PassContext, Program, SiteIO, emit_embedding, emit_final_norm, emit_head,
-                      emit_layer, read_codes)
+                      emit_layer, head_chunks, read_codes)
 from .weights import EngineWeights, Projection
 from .workspace import Workspace
 
@@ -176,9 +176,9 @@ class TrainPlan:
         # on f16 matrix units (bfloat16 weights), x_head and the logits' gradient are split in place
         # into f16 pairs, each row with its power of two (matmul_mma.wgsl)
         self.head_exponents = alloc("loss", self.token_chunks[0][1], dtype="i32")
-        first_chunk = Projection(weights.head[0], None, weights.head_rows[0], c.hidden)
-        self.head_mma = head_on_matrix_units(self.x_head.rows(0, self.token_chunks[0][1]), self.logits, self.d_head,
-                                             self.head_exponents, first_chunk, tokens=self.token_chunks[0][1],
+        count = self.token_chunks[0][1]
+        self.head_mma = head_on_matrix_units(self.x_head.rows(0, count), self.logits, self.d_head.rows(0, count),
+                                             self.head_exponents, head_chunks(weights)[0][0], tokens=count,
                                              bf16=weights.bf16, workspace=ws)
         for slot in self.slots:
             context = PassContext(weights, adapters, batch, tokens, residual=self.residual, qkv=self.qkv,
@@ -282,20 +282,17 @@ class TrainPlan:
         units from f16 pairs of x_head and of the logits' gradient (``matmul_mma``)."""
         c, w, ws, out = self.config, self.weights, self.workspace, slot.program
         logits, x, d_head = self.logits.rows(0, count), self.x_head.rows(first, count), self.d_head.rows(first, count)
-        chunks = [(Projection(chunk, None, rows, c.hidden), sum(w.head_rows[:i]))
-                  for i, (chunk, rows) in enumerate(zip(w.head, w.head_rows))]
+        chunks = head_chunks(w)
         if self.head_mma:
             exps = self.head_exponents.rows(0, count)
-            forward_rows = mma_shape(ws.device, default_tile("lm_head"), "f16").block_tokens
+            split, *gemms = head_forward_launches(x, exps, chunks, logits, tokens=count, workspace=ws)
+            forward_rows = mma_shape(ws.device, default_tile("lm_head", count), "f16").block_tokens
             grad_rows = mma_shape(ws.device, default_tile("lm_head_grad"), "f16").block_tokens
-            out.add(self._labelled_rows(slot, f16_pairs_launch(x, exps, rows=count, width=c.hidden, device=ws.device),
-                                        first, count, 1))
-            out.add(*(self._labelled_rows(slot, matmul_mma_launch(x, exps, proj, logits, tokens=count,
-                                                                  out_stride=c.vocab, out_offset=begin, workspace=ws),
-                                          first, count, forward_rows) for proj, begin in chunks))
+            out.add(self._labelled_rows(slot, split, first, count, 1),
+                    *(self._labelled_rows(slot, gemm, first, count, forward_rows) for gemm in gemms))
         else:
             out.add(*(self._labelled_rows(slot, gemm, first, count, 64)
-                      for gemm in emit_head(context, x, logits, count)))
+                      for gemm in emit_head(context, x, logits, count, mma=False)))
         out.add(cross_entropy_launch(logits, slot.targets.rows(first, count), self.scale,
                                      slot.losses.rows(first, count), rows=count, vocab=c.vocab, device=ws.device))
         if self.head_mma:

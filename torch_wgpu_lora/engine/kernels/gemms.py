@@ -190,13 +190,17 @@ def default_tile(kind: str, tokens: int | None = None, rows: int | None = None, 
     than the forward's; with two planes, 4 × 4 result matrices a subgroup against 256 columns (at
     BitNet-2B's shapes, 512 and 4,096 tokens, 0.98-1.43× as fast as the four-plane form with two
     planes; device run 27, ``results/h100/input_grad_transposed.json``); with four planes from
-    INPUT_GRAD_MANY_TOKENS tokens, INPUT_GRAD_MANY_TOKENS_TILE.
+    INPUT_GRAD_MANY_TOKENS tokens, INPUT_GRAD_MANY_TOKENS_TILE. The LM head's: HEAD_TILE, and for up
+    to 32 rows (decoding) one or two rows of result matrices a subgroup, so that a workgroup holds
+    the step's rows and the head's weights are read about once (not yet timed on a GPU).
     A projection of ``tokens`` × ``rows`` outputs: WIDE_TILE (4 × 4 result matrices a subgroup) where
     it has enough of them to fill the GPU with its wide workgroups (WIDE_TILE_OUTPUTS); up to
     DECODE_TOKENS tokens (decoding a batch), few tokens and columns a workgroup (many small
     workgroups), each the fastest of the sweep at its token count on the H100
     (``benchmarks/results/h100/matrix_units_decode_split.json``, split in two along K: 89, 113 and
     127 µs for a layer's four projections at 16, 32 and 64 tokens)."""
+    if kind == "lm_head" and tokens is not None and tokens <= 32:  # a decoding step's rows: 16 or 32 a workgroup
+        return MmaTile(digits=2, sub_m=2, sub_n=4, tm=1 if tokens <= 16 else 2, tn=2, kstep=32)
     if kind in ("lm_head", "lm_head_grad"):
         return HEAD_TILE
     if kind == "input_grad":

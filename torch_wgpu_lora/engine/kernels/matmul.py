@@ -211,30 +211,48 @@ def matmul_t_mma_launches(pairs: Buffer, exponents: Buffer, proj: Projection, ou
     return launches
 
 
-def head_on_matrix_units(x: Buffer, logits: Buffer, dx: Buffer, exponents: Buffer, proj: Projection, *, tokens: int,
-                         bf16: bool, workspace: Workspace) -> bool:
-    """Whether the LM head's two GEMMs over ``tokens`` rows (``x`` → ``logits`` → ``dx``, with the
-    vocabulary chunk ``proj``) run faster on the f16 matrix units, splitting ``x`` and the logits'
-    gradient into f16 pairs (``exponents``: a row's power of two), than on the general cores
-    (``gemms.fastest``: measured once per shape, on these buffers, whose values it overwrites); False
-    for float32 weights (f16 holds bfloat16 weights exactly, not float32 ones) or without f16 matrix
-    units. Both are within float32 accuracy of the exact sums (``matmul_mma.wgsl`` bounds the error)."""
+def head_forward_launches(x: Buffer, exponents: Buffer, chunks: list[tuple[Projection, int]], logits: Buffer, *,
+                          tokens: int, workspace: Workspace) -> list[Launch]:
+    """The LM head's forward on the f16 matrix units: ``x`` split in place into f16 pairs (its rows'
+    powers of two into ``exponents``), then a GEMM per vocabulary chunk (``chunks``: each chunk's
+    weights and its first column in ``logits``), with the tile for ``tokens`` rows."""
+    device = workspace.device
+    tile = default_tile("lm_head", tokens)
+    return [f16_pairs_launch(x, exponents, rows=tokens, width=chunks[0][0].k, tile=tile, device=device),
+            *(matmul_mma_launch(x, exponents, proj, logits, tokens=tokens, out_stride=logits.shape[-1],
+                                out_offset=begin, tile=tile, workspace=workspace) for proj, begin in chunks)]
+
+
+def head_on_matrix_units(x: Buffer, logits: Buffer, dx: Buffer | None, exponents: Buffer, proj: Projection, *,
+                         tokens: int, bf16: bool, workspace: Workspace) -> bool:
+    """Whether the LM head over ``tokens`` rows (``x`` → ``logits``, and with ``dx`` its input gradient
+    too, from the logits' gradient; ``proj`` a vocabulary chunk) runs faster on the f16 matrix units,
+    splitting its float32 inputs into f16 pairs (``exponents``: a row's power of two), than on the
+    general cores (``gemms.fastest``: measured once per shape, on these buffers, whose values it
+    overwrites); False for float32 weights (f16 holds bfloat16 weights exactly, not float32 ones) or
+    without f16 matrix units. Both are within float32 accuracy of the exact sums
+    (``matmul_mma.wgsl`` bounds the error)."""
     device = workspace.device
     if not (bf16 and f16_matrix_units(device)):
         return False
     k, vocab = proj.k, logits.shape[-1]
 
     def build(mma: bool) -> Callable[[], list[Launch]]:
-        if mma:
-            return lambda: [f16_pairs_launch(x, exponents, rows=tokens, width=k, device=device),
-                            matmul_mma_launch(x, exponents, proj, logits, tokens=tokens, out_stride=vocab,
-                                              workspace=workspace),
-                            f16_pairs_launch(logits, exponents, rows=tokens, width=vocab, device=device),
+        def launches() -> list[Launch]:
+            if mma:
+                out = head_forward_launches(x, exponents, [(proj, 0)], logits, tokens=tokens, workspace=workspace)
+                if dx is not None:
+                    out += [f16_pairs_launch(logits, exponents, rows=tokens, width=vocab, device=device),
                             *matmul_t_mma_launches(logits, exponents, proj, dx, tokens=tokens, k=k,
                                                    workspace=workspace)]
-        return lambda: [matmul_launch(x, proj, logits, tokens=tokens, out_stride=vocab, bf16=True, gemv=False,
-                                      device=device),
-                        *matmul_t_launch(logits, proj, dx, tokens=tokens, k=k, bf16=True, workspace=workspace)]
+                return out
+            out = [matmul_launch(x, proj, logits, tokens=tokens, out_stride=vocab, bf16=True, gemv=False,
+                                 device=device)]
+            if dx is not None:
+                out += matmul_t_launch(logits, proj, dx, tokens=tokens, k=k, bf16=True, workspace=workspace)
+            return out
+        return launches
 
-    return fastest(device, "lm_head", (tokens, proj.rows, k),
+    # the forward alone and the forward with the input gradient are kept apart (the last number)
+    return fastest(device, "lm_head", (tokens, proj.rows, k, int(dx is not None)),
                    {"matrix_units": build(True), "general": build(False)}) == "matrix_units"
