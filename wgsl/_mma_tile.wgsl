@@ -161,6 +161,13 @@ fn multiply_step(acc: ptr<function, Acc>, sr: u32, sc: u32, q: u32) {
   }
 }
 
+// The range [begin, end) of a sum of `length` terms that part z of `parts` covers (split-K over the
+// grid's z): whole steps, the last ranges possibly empty.
+fn sum_range(z: u32, parts: u32, length: u32) -> vec2<u32> {
+  let span = (length + parts * KSTEP - 1u) / (parts * KSTEP) * KSTEP;
+  return vec2<u32>(min(z * span, length), min(z * span + span, length));
+}
+
 // Adds to acc the subgroup (sr, sc)'s sums over [k_begin, k_end) of the workgroup at token tok0 and
 // column c0 (every invocation of the workgroup calls it: it stages with barriers).
 fn multiply(acc: ptr<function, Acc>, t: u32, sr: u32, sc: u32, tok0: u32, c0: u32, k_begin: u32, k_end: u32) {
@@ -174,6 +181,27 @@ fn multiply(acc: ptr<function, Acc>, t: u32, sr: u32, sc: u32, tok0: u32, c0: u3
     workgroupBarrier();
     after_step(acc, sr, sc, kk, k_begin, k_end);
   }
+}
+
+// For an epilogue that sums DIGITS planes (subgroup row d: plane d) of row i of the result matrices,
+// staged side by side (stage_result): quad e of the planes' columns, four of them an invocation.
+// n: its token; col: its first column of C; at: plane 0's first value among the staged results,
+// plane d's PLANE_STRIDE · d further.
+struct PlaneQuad {
+  n: u32,
+  col: u32,
+  at: u32,
+}
+
+override PLANE_STRIDE: u32 = SUB_N * SM_M * RESULT_STRIDE;
+override PLANE_QUADS: u32 = SUB_N * SM_M * RESULT_ROW / 4u;  // quads of a row of matrices across the planes' columns
+
+fn plane_quad(e: u32, n0: u32, c0: u32, i: u32) -> PlaneQuad {
+  let quads = SM_M * RESULT_ROW / 4u;      // a subgroup's
+  let sc = e / quads;                       // the subgroup column whose row of matrices this is
+  let r = (e % quads) / (RESULT_ROW / 4u);  // its row
+  let c = 4u * (e % (RESULT_ROW / 4u));     // its first column
+  return PlaneQuad(n0 + i * SM_M + r, c0 + sc * RESULT_ROW + c, sc * SM_M * RESULT_STRIDE + r * RESULT_STRIDE + c);
 }
 
 // Each row i of every subgroup's result matrices through Staged into the including file's finish.

@@ -89,10 +89,9 @@ fn gemm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let n0 = wg.y * BM;
   let j0 = wg.x * BN;
   split = wg.z;  // for finish; the range below reads wg.z itself (uniform, as multiply's barriers need)
-  let k = 16u * p.k_words;
-  let range = (k / SPLITS + KSTEP - 1u) / KSTEP * KSTEP;  // whole steps; the last range may be empty
+  let sum = sum_range(wg.z, SPLITS, 16u * p.k_words);
   var acc: Acc;
-  multiply(&acc, t, sg / SUB_N, sg % SUB_N, n0, j0, min(wg.z * range, k), min((wg.z + 1u) * range, k));
+  multiply(&acc, t, sg / SUB_N, sg % SUB_N, n0, j0, sum.x, sum.y);
   put_results(&acc, t, lane, sg, n0, j0);
 }
 

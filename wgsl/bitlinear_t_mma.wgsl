@@ -108,17 +108,14 @@ fn digits(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
 // plane d), staged at Staged[sg · SM_M · RESULT_STRIDE]: the planes' products summed, four features an
 // invocation.
 fn finish(t: u32, lane: u32, sg: u32, n0: u32, k0: u32, i: u32) {
-  let quads = SM_M * RESULT_ROW / 4u;
-  for (var e = t; e < SUB_N * quads; e += WG) {
-    let col = e / quads;                       // the subgroup column whose row of matrices this is
-    let r = (e % quads) / (RESULT_ROW / 4u);   // its row
-    let c = 4u * (e % (RESULT_ROW / 4u));      // its first column
-    let n = n0 + i * SM_M + r;
-    let k = k0 + col * RESULT_ROW + c;
+  for (var e = t; e < PLANE_QUADS; e += WG) {
+    let q = plane_quad(e, n0, k0, i);
+    let n = q.n;
+    let k = q.col;
     if (n < p.tokens && k < p.k) {
       var v = vec4<f32>(0.0);
       for (var d = DIGITS; d > 0u; d--) {
-        let at = ((d - 1u) * SUB_N + col) * SM_M * RESULT_STRIDE + r * RESULT_STRIDE + c;
+        let at = q.at + (d - 1u) * PLANE_STRIDE;
         v = v * (1.0 / 128.0) + vec4<f32>(f32(Staged[at]), f32(Staged[at + 1u]), f32(Staged[at + 2u]),
                                           f32(Staged[at + 3u]));
       }
@@ -140,8 +137,8 @@ fn gemm_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
   let n0 = wg.y * (BM / DIGITS);
   let k0 = wg.x * BN;
   range = wg.z;
-  let span = (p.rows + groups.z * KSTEP - 1u) / (groups.z * KSTEP) * KSTEP;
+  let sum = sum_range(wg.z, groups.z, p.rows);
   var acc: Acc;
-  multiply(&acc, t, sg / SUB_N, sg % SUB_N, n0, k0, wg.z * span, min(wg.z * span + span, p.rows));
+  multiply(&acc, t, sg / SUB_N, sg % SUB_N, n0, k0, sum.x, sum.y);
   put_results(&acc, t, lane, sg, n0, k0);
 }

@@ -261,16 +261,13 @@ fn stage_result(m: O, sg: u32, j: u32) {
 // Row i of every subgroup's result matrices (SM_M tokens, RESULT_ROW columns; subgroup row d: plane
 // d), four columns an invocation: lo's sums times 2⁻¹¹ added to hi's, scaled back.
 fn finish(t: u32, lane: u32, sg: u32, n0: u32, c0: u32, i: u32) {
-  let quads = SM_M * RESULT_ROW / 4u;
-  for (var e = t; e < SUB_N * quads; e += WG) {
-    let col = e / quads;                       // the subgroup column whose row of matrices this is
-    let r = (e % quads) / (RESULT_ROW / 4u);   // its row
-    let c = 4u * (e % (RESULT_ROW / 4u));      // its first column
-    let n = n0 + i * SM_M + r;
-    let k = c0 + col * RESULT_ROW + c;
+  for (var e = t; e < PLANE_QUADS; e += WG) {
+    let q = plane_quad(e, n0, c0, i);
+    let n = q.n;
+    let k = q.col;
     if (n < p.tokens && k < p.columns) {
-      let hi = col * SM_M * RESULT_STRIDE + r * RESULT_STRIDE + c;
-      let lo = hi + SUB_N * SM_M * RESULT_STRIDE;
+      let hi = q.at;
+      let lo = hi + PLANE_STRIDE;
       var v = vec4<f32>(Results[lo], Results[lo + 1u], Results[lo + 2u], Results[lo + 3u]) * (1.0 / 2048.0)
               + vec4<f32>(Results[hi], Results[hi + 1u], Results[hi + 2u], Results[hi + 3u]);
       let s = DSR[n];
@@ -302,9 +299,9 @@ fn gemm_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
   range = wg.z;
   lane_id = lane;
   w_scale = ldexp(1.0, scale_exponent(bitcast<f32>(LARGEST[0])));
-  let span = (p.rows + groups.z * KSTEP - 1u) / (groups.z * KSTEP) * KSTEP;
+  let sum = sum_range(wg.z, groups.z, p.rows);
   var acc: Acc;
-  multiply(&acc, t, sg / SUB_N, sg % SUB_N, n0, c0, wg.z * span, min(wg.z * span + span, p.rows));
+  multiply(&acc, t, sg / SUB_N, sg % SUB_N, n0, c0, sum.x, sum.y);
   if (DRAIN == 0u) {
     put_results(&acc, t, lane, sg, n0, c0);
     return;

@@ -14,12 +14,12 @@ launch of that token alone; past that, as a GEMM.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
-from typing import Callable
-
-from ...runtime import Buffer, Device, Launch, Recorder, get_device, kernel, write
+from ...runtime import Buffer, Device, Kernel, Launch, Recorder, get_device, kernel, write
 from ..weights import Projection
 from ..workspace import Workspace
 from . import dummy
@@ -128,14 +128,16 @@ def f16_pairs_launch(a: Buffer, exponents: Buffer, *, rows: int, width: int, til
     shape = _head_shape("lm_head", device, tile)
     if width > a.shape[-1]:
         raise ValueError(f"f16 pairs: a row of {a.shape[-1]} floats has no {width} to split")
-    return Launch.build(kernel("matmul_mma.wgsl", "split", device, **shape.tile.constants()), (1, rows, 1),
-                        {11: a, 12: exponents}, _head_params(a_stride=a.shape[-1], width=width))
+    kern = kernel("matmul_mma.wgsl", "split", device, **shape.tile.constants())
+    return Launch.build(kern, (1, rows, 1), {11: a, 12: exponents}, _head_params(kern, a_stride=a.shape[-1], width=width))
 
 
-def _head_params(**fields: int) -> dict[str, int]:
-    names = ("tokens", "rows", "columns", "w_words", "a_stride", "a_col", "width", "out_stride", "out_offset", "k",
-             "lora_rank", "dh_stride", "la_stride", "accumulate", "drop_key", "drop_split1", "drop_split2")
-    return {name: fields.get(name, 0) for name in names}
+def _head_params(kern: Kernel, **fields: int) -> dict[str, int]:
+    """A ``matmul_mma.wgsl`` launch's Params: ``fields`` by name, every other field 0."""
+    unknown = set(fields) - set(kern.params)
+    if unknown:
+        raise ValueError(f"{kern.name}: no params {sorted(unknown)}; fields are {list(kern.params)}")
+    return {name: fields.get(name, 0) for name in kern.params}
 
 
 def head_weights_largest(proj: Projection, workspace: Workspace) -> Buffer:
@@ -147,9 +149,10 @@ def head_weights_largest(proj: Projection, workspace: Workspace) -> Buffer:
     def fill(out: Buffer) -> None:
         write(out, np.zeros(1, np.uint32))
         words = proj.weight.numel
+        kern = kernel("matmul_mma.wgsl", "largest", device)
         rec = Recorder(device)
-        rec.launch(Launch.build(kernel("matmul_mma.wgsl", "largest", device), (min(1024, -(-words // 256)), 1, 1),
-                                {13: proj.weight, 14: out}, _head_params(width=words)))
+        rec.launch(Launch.build(kern, (min(1024, -(-words // 256)), 1, 1), {13: proj.weight, 14: out},
+                                _head_params(kern, width=words)))
         got = np.empty(1, np.uint32)
         rec.read(out, got)
         rec.submit()
@@ -170,13 +173,15 @@ def matmul_mma_launch(pairs: Buffer, exponents: Buffer, proj: Projection, out: B
     if pairs.shape[-1] < proj.k:
         raise ValueError(f"the LM head on the matrix units: rows of {pairs.shape[-1]} pairs, weights of K = {proj.k}")
     grid = (-(-proj.rows // shape.block_n), -(-tokens // shape.block_tokens), 1)
-    return Launch.build(kernel(variant("lm_head", "matrix_units").file, "gemm_tiled", device,
-                               DRAIN=HEAD_DRAIN, **shape.tile.constants()), grid,
+    kern = kernel(variant("lm_head", "matrix_units").file, "gemm_tiled", device, DRAIN=HEAD_DRAIN,
+                  **shape.tile.constants())
+    return Launch.build(kern, grid,
                         {1: pairs, 2: proj.weight, 3: exponents, 4: dummy(device, "out"), 5: dummy(device),
                          6: dummy(device), 7: dummy(device, "part"), 8: dummy(device), 9: out,
                          10: head_weights_largest(proj, workspace)},
-                        _head_params(tokens=tokens, rows=proj.k, columns=proj.rows, w_words=proj.weight.shape[1],
-                                     a_stride=pairs.shape[-1], out_stride=out_stride, out_offset=out_offset))
+                        _head_params(kern, tokens=tokens, rows=proj.k, columns=proj.rows,
+                                     w_words=proj.weight.shape[1], a_stride=pairs.shape[-1], out_stride=out_stride,
+                                     out_offset=out_offset))
 
 
 def matmul_t_mma_launches(pairs: Buffer, exponents: Buffer, proj: Projection, out: Buffer, *, tokens: int, k: int,
@@ -193,16 +198,17 @@ def matmul_t_mma_launches(pairs: Buffer, exponents: Buffer, proj: Projection, ou
     tiles = (-(-k // shape.block_n), -(-tokens // shape.block_tokens))
     splits = splits or split_k_ranges(tiles[0] * tiles[1], proj.rows, device)
     sums = {4: out, 5: dummy(device), 6: dummy(device), 8: dummy(device)}
-    params = _head_params(tokens=tokens, rows=proj.rows, columns=k, w_words=proj.weight.shape[1],
-                          a_stride=pairs.shape[-1], a_col=a_col, out_stride=out.shape[-1], k=k,
-                          accumulate=int(accumulate),
-                          **dict(zip(("drop_key", "drop_split1", "drop_split2"), dropout_params(None))))
     file = variant("lm_head_grad", "matrix_units").file
     part = dummy(device, "part")
     if splits > 1:
         part = workspace.scratch("split-K partial sums", (splits * tokens * -(-k // 4) * 4,))
         constants["SPLITS"] = splits
-    launches = [Launch.build(kernel(file, "gemm_tiled", device, **constants), (*tiles, splits),
+    gemm = kernel(file, "gemm_tiled", device, **constants)
+    params = _head_params(gemm, tokens=tokens, rows=proj.rows, columns=k, w_words=proj.weight.shape[1],
+                          a_stride=pairs.shape[-1], a_col=a_col, out_stride=out.shape[-1], k=k,
+                          accumulate=int(accumulate),
+                          **dict(zip(("drop_key", "drop_split1", "drop_split2"), dropout_params(None))))
+    launches = [Launch.build(gemm, (*tiles, splits),
                              {1: pairs, 2: proj.weight, 3: exponents, 7: part, 9: dummy(device, "outf"),
                               10: head_weights_largest(proj, workspace), **sums}, params)]
     if splits > 1:
