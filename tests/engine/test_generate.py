@@ -217,8 +217,17 @@ def test_a_batch_generates_each_prompts_tokens_alone_on_every_flavour(flavour):
     assert generate_batch(engine, prompts, 20, eos, repetition_penalty=1.1) == alone
     session = engine.decode_session(len(prompts), 13, 20, repetition_penalty=1.1)
     lengths, counts = row_state(session)
-    assert lengths.tolist() == [0] * len(prompts)  # each row ended on the GPU: at its EOS token or its 20th
-    assert counts.tolist() == [len(tokens) for tokens, _ in alone]  # and generated nothing after
+    # each row ended on the GPU, at its EOS token or its 20th, and generated nothing after; but the row
+    # of the last prompt running moved into row 0 when the session narrowed (engine.generate), and was
+    # left as it stood then
+    expected = [len(tokens) for tokens, _ in alone]
+    moved = [row for row, n in enumerate(lengths.tolist()) if n]
+    assert len(moved) <= 1 and set(session.narrowed) <= {1}
+    for row in moved:
+        assert counts[row] < expected[row]
+        expected[0] = expected[row]
+    assert [n for row, n in enumerate(counts.tolist()) if row not in moved] == \
+        [n for row, n in enumerate(expected) if row not in moved]
     projections = [launch for launch in session.decode.launches
                    if launch.kernel.name.split(":")[0] in ("bitlinear.wgsl", "matmul.wgsl")]
     groups = {"bitlinear.wgsl": GEMV_GROUP, "matmul.wgsl": len(prompts)}
@@ -446,3 +455,35 @@ def test_rows_refilled_in_groups_give_each_prompt_its_tokens_alone(monkeypatch):
     session = engine.decode_session(4, max(lengths), max(limits))
     assert session.fill_rows == 24 - 4
     assert any(count >= 2 for count, _ in session.fills) and len({n for _, n in session.fills}) >= 2
+
+
+def test_a_session_narrowed_to_its_first_rows_gives_each_prompt_its_tokens_alone():
+    # Four rows (the GEMV bound of CPU adapters: each row decodes as it does alone). Once no prompt
+    # waits and one row runs, the session moves that row into row 0 and decodes a plan of that row
+    # alone. A static batch whose last row runs longest (it moves from row 3), and continuous
+    # batching whose long prompt takes row 3 and is ended by the host (on_token) after its move:
+    # every prompt gets exactly its tokens alone.
+    model = tiny_model("packed", adapters=True, seed=7)
+    engine = BitNetEngine(model)
+    prompts = mixed_prompts(model.config.vocab_size, (6, 3, 9, 5, 7, 4), seed=5)
+    static = [3, 2, 4, 30]
+    alone = [generate_alone(engine, p, n, set()) for p, n in zip(prompts, static)]
+    assert generate_batch(engine, prompts[:4], static, set(), batch_size=4, tokens_per_submit=2) == alone
+    assert set(engine.decode_session(4, 9, 30).narrowed) == {1}
+    lengths, counts = row_state(engine.decode_session(4, 9, 30))
+    assert counts[0] == 30  # prompt 3 ran to its limit in row 0, where it had moved
+
+    limits = [12, 10, 11, 2, 30, 3]  # row 3 frees first and takes prompt 4, row 1 next and takes prompt 5
+    alone = [generate_alone(engine, p, n, set()) for p, n in zip(prompts, limits)]
+    seen: list[int] = []
+
+    def on_token(index: int, token: int) -> bool:
+        if index == 4:
+            seen.append(token)
+        return index == 4 and len(seen) == 20
+
+    got = generate_batch(engine, prompts, limits, set(), batch_size=4, tokens_per_submit=2, on_token=on_token)
+    assert got == [*alone[:4], (alone[4][0][:20], False), alone[5]]
+    assert seen == alone[4][0][:20]
+    lengths, counts = row_state(engine.decode_session(4, 9, 30))
+    assert lengths[0] == 0 and 20 <= counts[0] < 30  # the host ended prompt 4 in row 0, where it had moved

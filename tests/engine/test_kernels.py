@@ -25,7 +25,8 @@ from torch_wgpu_lora.engine.kernels.matmul import matmul_launch, matmul_referenc
 from torch_wgpu_lora.engine.kernels.norm import quantise_reference, rmsnorm_launch, rmsnorm_reference
 from torch_wgpu_lora.engine.kernels.projection import lora_table
 from torch_wgpu_lora.engine.kernels.rope import RopeTarget, rope_launch, rope_reference
-from torch_wgpu_lora.engine.kernels.scatter import kv_rows_launch, scatter_rows_launch, scatter_rows_reference
+from torch_wgpu_lora.engine.kernels.scatter import (kv_rows_launch, move_rows_launch, move_rows_reference,
+                                                    scatter_rows_launch, scatter_rows_reference)
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary, unpack_hf, unpack_ternary
 from torch_wgpu_lora.runtime import upload
 
@@ -658,6 +659,20 @@ def test_scatter_rows_writes_the_chosen_rows_and_leaves_the_others(width):
                                       blocks=2, width=width, dst_block=width + 5, dst_row=2 * (width + 5))], dst)
     ref = scatter_rows_reference(src, rows, before)
     assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.parametrize("width", [3, 300])  # within one workgroup, and over two
+def test_moved_rows_take_the_places_given_and_the_others_stay(width):
+    # Rows 5 and 3 of six go to rows 1 and 0, bit for bit (NaN payloads too); every other row stays.
+    g = torch.Generator().manual_seed(12)
+    before = torch.randn(6, width, generator=g)
+    before[5, 0] = float("nan")
+    buf = upload(before.numpy().copy())
+    moves = upload(np.array([5, 3, 1, 0], np.uint32))  # from 5 and 3, to 1 and 0
+    (got,) = run([move_rows_launch(buf, moves, count=2)], buf)
+    ref = move_rows_reference(before, [5, 3], [1, 0])
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    assert not torch.equal(ref[0], before[0])
 
 
 def test_kv_rows_go_into_the_first_positions_of_a_longer_caches_sequences():

@@ -29,6 +29,15 @@ of them (or every prompt left) can be filled together, unless no row runs. Token
 past a stop the host sets (at most two submits' worth) are dropped; the results come back in the
 prompts' order, each also handed to ``on_done`` as soon as it is complete.
 
+Once no prompt waits, the last rows run on while the others are done, and a step over the
+session's rows costs as much for a few running rows as for all of them (the step's GEMMs and launches
+are the batch's). So the session narrows: when the rows the host knows may still run fit in a
+quarter of the rows it decodes (a sixteenth, and so on, down to one), the running rows past that
+quarter move into free rows before it (``kernels.scatter.move_rows_launch``: their keys, values
+and state, at the start of the next submit), and the decode steps run a plan of only those first
+rows, over the same buffers (``KVCache.first_rows``), each narrowed plan built the first time it is
+needed.
+
 A prompt's tokens are those it gets alone (greedy: exactly; sampling: for the same seed),
 whichever row it takes and whenever, since its sums do not depend on the batch around it: the
 prompt pass (the first prefill and every fill) is ``batch_invariant`` (kept attention's sums
@@ -72,7 +81,7 @@ from ..runtime import Buffer, Pending, Recorder, write
 from .adapters import EngineAdapters
 from .config import pad
 from .kernels.sampling import EOS, ROW_FIELDS, ROW_LIMIT, ROW_SEED, SEEN, sampling_launches
-from .kernels.scatter import kv_rows_launch, scatter_rows_launch
+from .kernels.scatter import kv_rows_launch, move_rows_launch, scatter_rows_launch
 from .plan import ForwardPlan, KVCache
 from .weights import EngineWeights
 from .workspace import Workspace
@@ -269,6 +278,9 @@ class DecodeSession:
         self.prefill_sampling, self.decode_sampling = sampler(self.prefill), sampler(self.decode)
         self.fills: dict[tuple[int, int], RowFill] = {}  # by (rows, positions), made when first needed
         self.fill_rows = 0  # rows filled since the session was made (a prompt pass each, past the first prefill)
+        # by rows: the decode plan and sampling launches of the session's first rows (narrowing), made when first needed
+        self.narrowed: dict[int, tuple[ForwardPlan, list]] = {}
+        self.moves = ws.alloc("inputs", (2 * batch,), "u32")  # rows moved by a narrowing, then where they go
 
     def start(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], eos: Collection[int],
               limits: Sequence[int] | None = None, row_slots: Sequence[int] | None = None) -> None:
@@ -286,16 +298,55 @@ class DecodeSession:
             self.prefill.set_row_slots(row_slots)
             self.decode.set_row_slots(row_slots)
 
-    def record(self, rec: Recorder, steps: int, prefill: bool) -> None:
-        """Into ``rec``: the prefill and its sampler (``prefill``), then ``steps`` decode steps."""
+    def record(self, rec: Recorder, steps: int, prefill: bool, rows: int | None = None) -> None:
+        """Into ``rec``: the prefill and its sampler (``prefill``), then ``steps`` decode steps of the
+        first ``rows`` rows (default: every row; fewer: ``narrowed_decode``'s plan)."""
         if prefill:
             self.prefill.record(rec)
             for launch in self.prefill_sampling:
                 rec.launch(launch)
+        decode, sampling = self.narrowed_decode(self.batch if rows is None else rows)
         for _ in range(steps):
-            self.decode.record(rec)
-            for launch in self.decode_sampling:
+            decode.record(rec)
+            for launch in sampling:
                 rec.launch(launch)
+
+    def narrowed_decode(self, rows: int) -> tuple[ForwardPlan, list]:
+        """The decode plan and sampling launches of the session's first ``rows`` rows, over the
+        session's own buffers (every row: ``decode``), made the first time it is asked for."""
+        if rows == self.batch:
+            return self.decode, self.decode_sampling
+        if rows not in self.narrowed:
+            cache = self.cache.first_rows(rows)
+            ids = self.next_token.rows(0, rows)
+            plan = ForwardPlan(self.weights, self.adapters, cache, 1, logits="last", decode=True, ids=ids,
+                               workspace=self.workspace)
+            sampling = sampling_launches(plan.logits[0][1], self.seen.rows(0, rows), self.state.rows(0, rows),
+                                         cache.starts, cache.lengths, self.history.rows(0, rows), ids, **self.options)
+            self.narrowed[rows] = (plan, sampling)
+        return self.narrowed[rows]
+
+    def narrowing(self, running: int, rows: int) -> int:
+        """The rows to decode over when ``running`` of the first ``rows`` may still run: the
+        fewest of the session's quarter, sixteenth, ... (at least one) that hold them, or ``rows``
+        where none holds them in fewer.
+
+        >>> # session of 64 rows: narrowing(13, 64) == 16, narrowing(13, 16) == 16, narrowing(1, 16) == 1
+        """
+        fit = rows
+        size = self.batch >> 2
+        while size >= max(1, running):
+            fit = min(fit, size)
+            size >>= 2
+        return fit
+
+    def record_moves(self, rec: Recorder, moves: Sequence[tuple[int, int]]) -> None:
+        """Into ``rec``: each (row, to) of ``moves`` moving its row's keys, values and state into row
+        ``to`` (a narrowing); their rows written now, before the submit that runs them."""
+        write(self.moves, np.asarray([row for row, _ in moves] + [to for _, to in moves], np.uint32))
+        for buf in (*self.cache.keys, *self.cache.values, self.seen, self.state, self.history, self.next_token,
+                    self.cache.starts, self.cache.lengths):
+            rec.launch(move_rows_launch(buf, self.moves, len(moves)))
 
     def end_row(self, row: int) -> None:
         """End sequence ``row`` from the next submit on (its length 0, as an EOS token sets it)."""
@@ -357,20 +408,24 @@ class DecodeSession:
         owner = list(range(b))  # each row's prompt (the last one, once no prompt waits)
         given = [1] * b  # the tokens each row's prompt has once every submit made so far is done
         waiting = b  # the next prompt to take a row
+        decoded = b  # the rows the decode steps run over: the first ones, once the session narrows
 
-        def submit(steps: int, fills: list[tuple[int, int]] | None) -> Pending:
-            """``fills`` (row, prompt) taking over rows, then ``steps`` decode steps; None: the first prefill."""
+        def submit(steps: int, fills: list[tuple[int, int]] | None, moves: list[tuple[int, int]]) -> Pending:
+            """``fills`` (row, prompt) taking over rows, ``moves`` (row, to) narrowing the session to
+            its first ``decoded`` rows, then ``steps`` decode steps; ``fills`` None: the first prefill."""
             rec = Recorder(self.adapters.device)
             if fills is None:
                 self.record(rec, steps, prefill=True)
             else:
-                rows, chosen = [r for r, _ in fills], [p for _, p in fills]
+                chosen = [p for _, p in fills]
                 slots = None if row_slots is None else [row_slots[p] for p in chosen]
-                self.record_fills(rec, rows, [prompts[p] for p in chosen], [seeds[p] for p in chosen],
-                                  [limits[p] for p in chosen], eos, slots)
+                self.record_fills(rec, [r for r, _ in fills], [prompts[p] for p in chosen],
+                                  [seeds[p] for p in chosen], [limits[p] for p in chosen], eos, slots)
                 if fills and row_slots is not None:  # each row decodes with its prompt's adapter
                     self.decode.set_row_slots([row_slots[p] for p in owner])
-                self.record(rec, steps, prefill=False)
+                if moves:
+                    self.record_moves(rec, moves)
+                self.record(rec, steps, prefill=False, rows=decoded)
             rec.read(self.history, history)
             return rec.submit_async()
 
@@ -386,8 +441,8 @@ class DecodeSession:
                         ended[p] = True  # the GPU ended it
                     elif stop:
                         ended[p] = False
-                        if owner[row] == p:  # not yet handed to the next prompt
-                            self.end_row(row)
+                        if p in owner[:decoded]:  # not yet handed to the next prompt (maybe moved: narrowed)
+                            self.end_row(owner.index(p))
                     elif len(tokens[p]) == limits[p]:
                         ended[p] = False  # the GPU ended it
                     if ended[p] is not None and on_done is not None:
@@ -399,26 +454,38 @@ class DecodeSession:
             return ended[p] is None and given[row] < limits[p]
 
         def snapshot() -> list[tuple[int, int, int]]:
-            return [(row, p, given[row]) for row, p in enumerate(owner) if ended[p] is None]
+            return [(row, p, given[row]) for row, p in enumerate(owner[:decoded]) if ended[p] is None]
 
         queue: deque = deque()  # (submitted work, the (row, prompt, count) its readback holds), oldest first
         self.start(prompts[:b], seeds[:b], eos, limits[:b], None if row_slots is None else row_slots[:b])
-        queue.append((submit(0, None), snapshot()))
+        queue.append((submit(0, None, []), snapshot()))
         try:
             while queue:
-                fills = []
-                free = [row for row in range(b) if not running(row)]
+                fills, moves = [], []
+                free = [row for row in range(decoded) if not running(row)]
                 for row in free[:rows_to_fill(len(free), n - waiting, b)]:
                     owner[row], given[row] = waiting, 1
                     fills.append((row, waiting))
                     waiting += 1
-                live = [row for row in range(b) if running(row)]
+                live = [row for row in range(decoded) if running(row)]
+                narrow = self.narrowing(len(live), decoded) if waiting == n and live else decoded
+                if narrow < decoded:  # the running rows past the first `narrow` move into free rows before them
+                    spare = (row for row in range(narrow) if not running(row))
+                    for row in live:
+                        if row >= narrow:
+                            to = next(spare)
+                            moves.append((row, to))
+                            owner[to], given[to] = owner[row], given[row]
+                    decoded = narrow
+                    live = [row for row in range(decoded) if running(row)]
+                    if row_slots is not None:  # the narrowed plan's rows decode with their prompts' adapters
+                        self.narrowed_decode(decoded)[0].set_row_slots([row_slots[p] for p in owner[:decoded]])
                 more = bool(fills or live)
                 if more:
                     steps = min(tokens_per_submit, max((limits[owner[r]] - given[r] for r in live), default=0))
                     for row in live:
                         given[row] = min(given[row] + steps, limits[owner[row]])
-                    queue.append((submit(steps, fills), snapshot()))
+                    queue.append((submit(steps, fills, moves), snapshot()))
                 if len(queue) > 1 or not more:  # one submit stays in flight while the next one is encoded
                     oldest, rows = queue.popleft()
                     oldest.wait()  # in submission order: the readback is the newest history

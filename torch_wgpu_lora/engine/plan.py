@@ -65,6 +65,18 @@ class KVCache:
         self.starts = workspace.alloc("inputs", (batch,), "u32")
         self.lengths = workspace.alloc("inputs", (batch,), "u32")
 
+    def first_rows(self, count: int) -> "KVCache":
+        """Its first ``count`` sequences, as a cache of their own over the same memory: a plan of
+        those rows reads and writes theirs (a generation narrowed to its first rows)."""
+        if not 1 <= count <= self.batch:
+            raise ValueError(f"the first {count} sequences of a cache of {self.batch}")
+        view = KVCache.__new__(KVCache)
+        view.config, view.batch, view.length, view.device = self.config, count, self.length, self.device
+        view.keys = [k.rows(0, count) for k in self.keys]
+        view.values = [v.rows(0, count) for v in self.values]
+        view.starts, view.lengths = self.starts.rows(0, count), self.lengths.rows(0, count)
+        return view
+
     @staticmethod
     def nbytes(config: EngineConfig, batch: int, length: int) -> int:
         """Bytes of the keys and values of ``batch`` sequences of ``length`` positions.

@@ -1,6 +1,8 @@
-"""Rows of one buffer into chosen rows of another (``scatter_rows.wgsl``), and its torch
-reference: how a prompt prefilled on its own joins a running generation (``engine.generate``),
-its keys and values, decode state and first token written into the rows it takes over.
+"""Rows of one buffer into chosen rows of another (``scatter_rows.wgsl``), and rows moved within
+one buffer (``move_rows.wgsl``), with their torch references: how a prompt prefilled on its own
+joins a running generation (``engine.generate``), its keys and values, decode state and first
+token written into the rows it takes over; and how a generation whose last rows run narrows to its
+first rows, the running rows moved into the first ones.
 
 A row is ``blocks`` blocks of ``width`` 32-bit words: contiguous in the source, ``dst_block``
 words apart in the destination, whose rows are ``dst_row`` words apart. A KV cache of fewer
@@ -47,6 +49,31 @@ def kv_rows_launch(src: Buffer, rows: Buffer, dst: Buffer, count: int, device: D
     return scatter_rows_launch(src, rows, dst, count=count, blocks=heads, width=positions * head_dim,
                                dst_block=dst.shape[2] * head_dim, dst_row=heads * dst.shape[2] * head_dim,
                                device=device)
+
+
+def move_rows_launch(buf: Buffer, moves: Buffer, count: int, device: Device | None = None) -> Launch:
+    """Row ``moves[count + i]`` of ``buf`` ([rows, ...], 32-bit words of any dtype, copied as bits)
+    takes row ``moves[i]``, for i < ``count``. ``moves``: u32 [at least 2 · count], the rows moved
+    then the rows they go to, written before each submit; none of the ones is one of the others."""
+    device = device or get_device()
+    if buf.dtype == "f16" or moves.dtype != "u32" or moves.numel < 2 * count or count > buf.shape[0]:
+        raise ValueError(f"move_rows moves rows of 32-bit words, given as u32 pairs (at least {2 * count}): got "
+                         f"{count} rows of {buf.dtype} {buf.shape} at {moves.dtype} {moves.shape}")
+    width = buf.numel // buf.shape[0]
+    k = kernel("move_rows.wgsl", "move_rows", device, WG=_WG)
+    return Launch.build(k, (min(-(-width // _WG), _CHUNKS), 1, count), (moves, buf), (width, count))
+
+
+def move_rows_reference(buf: torch.Tensor, moved: list[int], to: list[int]) -> torch.Tensor:
+    """What ``move_rows_launch`` leaves in ``buf`` (a copy is returned) for the rows ``moved``
+    going to the rows ``to``.
+
+    >>> move_rows_reference(torch.tensor([[1, 2], [3, 4], [5, 6]]), [2], [0]).tolist()
+    [[5, 6], [3, 4], [5, 6]]
+    """
+    out = buf.clone()
+    out[to] = buf[moved]
+    return out
 
 
 def scatter_rows_reference(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
