@@ -221,7 +221,7 @@ fn right(sc: u32, j: u32, q: u32) -> R {
 }
 
 // Draining: NVIDIA's matrix units lose the low bits of their f32 sums as they accumulate (on the
-// H100, summing all of K: up to 8.5× torch's float32 error on the same data; matmul.HEAD_DRAIN), so
+// H100, summing all of K: up to 8.5× torch's float32 error on the same data; matmul.HEAD_DRAIN_TERMS), so
 // every DRAIN staged steps each lane adds its share of the units' sums, in round-to-nearest f32, into
 // its own (drained) and the accumulators start again from zero. 0: never (the results straight from
 // the accumulators).

@@ -257,7 +257,7 @@ def _no_worse_than_torch_on_a_gpu(err: float, float32: torch.Tensor, ref: torch.
                                   added: float = 0.0) -> None:
     """On a GPU, also no larger than torch's float32 GEMM's error on the same data: NVIDIA's matrix
     units lose the low bits of their sums as they accumulate (up to 8.5× torch's error when nothing
-    drains them; ``matmul.HEAD_DRAIN``). On a CPU adapter, whose units round to nearest, the bounds
+    drains them; ``matmul.HEAD_DRAIN_TERMS``). On a CPU adapter, whose units round to nearest, the bounds
     above are the test: how torch's own error compares there turns on the host's MKL. As the input
     gradient's test: or one float32 rounding of the result where torch's sum happens to be exact. Sums
     of fewer than 100 terms are left to the bounds above on a GPU too: at 64, torch's can be exact
@@ -368,3 +368,7 @@ def test_lm_head_tiles_that_do_not_fit_are_refused_with_what_they_need():
         mma_shape(device, MmaTile(digits=1, sub_m=2, kstep=32), "f16")
     with pytest.raises(ValueError, match="kstep a multiple of 8"):
         mma_shape(device, MmaTile(digits=2, sub_m=2, kstep=36), "f16")
+    x = upload(np.zeros((4, 64), np.float32))
+    with pytest.raises(ValueError, match="kstep must divide the 128 terms summed between drains"):
+        f16_pairs_launch(x, upload(np.zeros(4, np.int32)), rows=4, width=64,
+                         tile=MmaTile(digits=2, sub_m=2, sub_n=4, tm=1, tn=1, kstep=48))

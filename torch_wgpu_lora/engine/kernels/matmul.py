@@ -105,17 +105,27 @@ def matmul_t_reference(dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return dy.double() @ weight.double()
 
 
-# Staged steps (of 32 terms) the f16 matrix units accumulate before each lane adds their sums into its
-# own in round-to-nearest float32 (matmul_mma.wgsl's DRAIN: NVIDIA's units truncate as they
-# accumulate). On the H100, at three shapes (device run 31, results/h100/lm_head_matrix_units.json):
-# never draining, 1.45-8.5× torch's float32 error on the same data; every 4 steps, 0.36-0.68× it and
-# below the general cores' float32 kernel's (every 8: up to 1.24× torch's); a 4,096-token head
-# 1.15× as fast as on the general cores (every 8: 1.30×; never: 1.62×).
-HEAD_DRAIN = 4
+# Terms of the sum the f16 matrix units accumulate before each lane adds their sums into its own in
+# round-to-nearest float32 (matmul_mma.wgsl's DRAIN counts staged steps: this over the tile's kstep;
+# NVIDIA's units truncate as they accumulate). On the H100, at three shapes (device run 31,
+# results/h100/lm_head_matrix_units.json, steps of 32 terms): never draining, 1.45-8.5× torch's float32
+# error on the same data; every 128 terms, 0.36-0.68× it and below the general cores' float32 kernel's
+# (every 256: up to 1.24× torch's); a 4,096-token head 1.15× as fast as on the general cores (every
+# 256: 1.30×; never: 1.62×).
+HEAD_DRAIN_TERMS = 128
 
 
 def _head_shape(kind: str, device: Device, tile: MmaTile | None) -> MmaShape:
-    return mma_shape(device, tile or default_tile(kind), "f16")
+    shape = mma_shape(device, tile or default_tile(kind), "f16")
+    if HEAD_DRAIN_TERMS % shape.tile.kstep:
+        raise ValueError(f"the LM head's tile {shape.tile}: kstep must divide the {HEAD_DRAIN_TERMS} terms "
+                         "summed between drains (HEAD_DRAIN_TERMS)")
+    return shape
+
+
+def _drain_steps(shape: MmaShape) -> int:
+    """matmul_mma.wgsl's DRAIN: staged steps between drains, HEAD_DRAIN_TERMS terms."""
+    return HEAD_DRAIN_TERMS // shape.tile.kstep
 
 
 def f16_pairs_launch(a: Buffer, exponents: Buffer, *, rows: int, width: int, tile: MmaTile | None = None,
@@ -173,7 +183,7 @@ def matmul_mma_launch(pairs: Buffer, exponents: Buffer, proj: Projection, out: B
     if pairs.shape[-1] < proj.k:
         raise ValueError(f"the LM head on the matrix units: rows of {pairs.shape[-1]} pairs, weights of K = {proj.k}")
     grid = (-(-proj.rows // shape.block_n), -(-tokens // shape.block_tokens), 1)
-    kern = kernel(variant("lm_head", "matrix_units").file, "gemm_tiled", device, DRAIN=HEAD_DRAIN,
+    kern = kernel(variant("lm_head", "matrix_units").file, "gemm_tiled", device, DRAIN=_drain_steps(shape),
                   **shape.tile.constants())
     return Launch.build(kern, grid,
                         {1: pairs, 2: proj.weight, 3: exponents, 4: dummy(device, "out"), 5: dummy(device),
@@ -194,7 +204,7 @@ def matmul_t_mma_launches(pairs: Buffer, exponents: Buffer, proj: Projection, ou
     device = workspace.device
     check_vec4_rows(out, None)
     shape = _head_shape("lm_head_grad", device, tile)
-    constants = dict(W_ALONG_SUM=True, DRAIN=HEAD_DRAIN, **shape.tile.constants())
+    constants = dict(W_ALONG_SUM=True, DRAIN=_drain_steps(shape), **shape.tile.constants())
     tiles = (-(-k // shape.block_n), -(-tokens // shape.block_tokens))
     splits = splits or split_k_ranges(tiles[0] * tiles[1], proj.rows, device)
     sums = {4: out, 5: dummy(device), 6: dummy(device), 8: dummy(device)}
