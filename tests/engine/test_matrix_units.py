@@ -19,8 +19,8 @@ from torch_wgpu_lora.engine.kernels.bitlinear import (bitlinear_launch, bitlinea
                                                     bitlinear_t_reference)
 from torch_wgpu_lora.engine.kernels.gemms import (INPUT_GRAD_MANY_TOKENS_TILE, WIDE_TILE, MmaTile, default_tile,
                                                    f16_matrix_units, int8_matrix_units, mma_shape)
-from torch_wgpu_lora.engine.kernels.matmul import (f16_pairs_launch, matmul_mma_launch, matmul_reference,
-                                                   matmul_t_mma_launches, matmul_t_reference)
+from torch_wgpu_lora.engine.kernels.matmul import (f16_pairs_launch, float32_gemm_bound, matmul_mma_launch,
+                                                   matmul_reference, matmul_t_mma_launches, matmul_t_reference)
 from torch_wgpu_lora.engine.kernels.projection import lora_table
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary
 from torch_wgpu_lora.runtime import get_device, upload
@@ -232,15 +232,6 @@ def _rows_scaled(tokens: int, width: int, g: torch.Generator) -> torch.Tensor:
     return torch.randn(tokens, width, generator=g) * torch.exp(3 * torch.randn(tokens, 1, generator=g))
 
 
-def _float32_gemm_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per output, a float32 GEMM's error bound on the same data, |a|·|b| times γ for K + 2 roundings
-    of at most 2u each (round to nearest or toward zero), plus the split's 2⁻²¹ a term and the lo
-    plane's own sums (2⁻¹¹ of the hi plane's): what matmul_mma.wgsl's scheme keeps to."""
-    n = a.shape[1] + 2
-    gamma = 2 * n * U / (1 - 2 * n * U)
-    return a.double().abs() @ b.double().abs() * (gamma * (1 + 2.0 ** -11) + 2.0 ** -21)
-
-
 def _f16_only_error(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> float:
     """The error of the same product with each row of a rounded to f16 after its power of two (the hi
     plane alone, summed exactly): what the lo plane is there to remove."""
@@ -282,7 +273,7 @@ HEAD_TILES = {"default": None, "sixteen-rows": default_tile("lm_head", 16), "thi
 @pytest.mark.parametrize("tile", list(HEAD_TILES))
 @pytest.mark.parametrize("tokens,k,rows", HEAD_SHAPES)
 def test_lm_head_on_the_matrix_units_keeps_a_float32_gemms_bound(tokens, k, rows, tile):
-    # Per output within a float32 GEMM's error bound on the same data (_float32_gemm_bound), and in
+    # Per output within a float32 GEMM's error bound on the same data (float32_gemm_bound), and in
     # all at most 1/64 of the error of the hi plane alone (the lo plane carries the next 11 bits)
     g = torch.Generator().manual_seed(tokens * 5 + k + rows)
     x = _rows_scaled(tokens, k, g)
@@ -296,7 +287,7 @@ def test_lm_head_on_the_matrix_units_keeps_a_float32_gemms_bound(tokens, k, rows
                                     tile=HEAD_TILES[tile], workspace=ws)], out)
     ref = matmul_reference(x, w.float())
     err = (got[:, 2:rows + 2].double() - ref).abs()
-    assert (err <= _float32_gemm_bound(x, w.float().T)).all(), f"largest error {float(err.max()):.3g}"
+    assert (err <= float32_gemm_bound(x, w.float().T)).all(), f"largest error {float(err.max()):.3g}"
     assert float(err.max()) <= _f16_only_error(x, w.float().T, ref) / 64
     _no_worse_than_torch_on_a_gpu(float(err.max()), x @ w.float().T, ref, k)
     assert torch.isnan(got[:, :2]).all() and torch.isnan(got[:, rows + 2:]).all()  # outside the columns: untouched
@@ -325,7 +316,7 @@ def test_lm_head_input_gradient_on_the_matrix_units_keeps_a_float32_gemms_bound(
     ref = matmul_t_reference(chunk, w.float())
     err = (got[:, :k].double() - base[:, :k].double() - ref).abs()
     # the sum with base rounds once more: u of it
-    bound = _float32_gemm_bound(chunk, w.float()) + U * (base[:, :k].double().abs() + ref.abs())
+    bound = float32_gemm_bound(chunk, w.float()) + U * (base[:, :k].double().abs() + ref.abs())
     assert (err <= bound).all(), f"largest error {float(err.max()):.3g}"
     assert float(err.max()) <= _f16_only_error(chunk, w.float(), ref) / 64
     _no_worse_than_torch_on_a_gpu(float(err.max()), chunk @ w.float(), ref, rows,

@@ -20,6 +20,12 @@ wgpu-native.
   result checked against the exact product.
 * ``backend_kernels``: RMSNorm of a 512-token prefill (quantised, LoRA ranks) and of one token, and
   the q/k/v GEMV of one token.
+* ``lm_head``: the LM head's forward at BitNet-2B's shape (bfloat16 weights) over ``tokens`` rows:
+  the general cores, the GEMV (up to 64 rows: decoding), and the f16 matrix units (the rows split into
+  f16 pairs first, untimed) at each tile of ``HEAD_TILES``. ``share`` compares the units' work (two
+  planes: twice the useful work) with the f16 ceiling. Each case's error against float64 on the
+  first ``HEAD_CHECKED`` rows of the vocabulary is kept beside torch float32's on the same data, and
+  whether every output is within a float32 GEMM's bound (``matmul.float32_gemm_bound``).
 
 ``python -m torch_wgpu_lora.benchmarks.matrix_units --out DIR [--tokens 512,4096] [--sections ...]``
 writes ``matrix_units.json`` and prints a table.
@@ -36,12 +42,13 @@ import numpy as np
 import torch
 
 from ..engine.kernels.bitlinear import bitlinear_launch, bitlinear_t_launch
-from ..engine.kernels.gemms import (WIDE_TILE, MmaTile, default_tile, gpu_seconds, int8_matrix_units, mma_shape,
-                                    variant)
+from ..engine.kernels.gemms import (HEAD_TILE, WIDE_TILE, MmaTile, default_tile, f16_matrix_units, gpu_seconds,
+                                    int8_matrix_units, mma_shape, variant)
+from ..engine.kernels.matmul import f16_pairs_launch, float32_gemm_bound, matmul_launch, matmul_mma_launch
 from ..engine.kernels.norm import rmsnorm_launch
-from ..engine.weights import Projection, pack_ternary
+from ..engine.weights import Projection, float_rows, pack_ternary
 from ..engine.workspace import Workspace
-from ..runtime import Buffer, Device, Launch, Recorder, get_device, kernel, upload
+from ..runtime import Buffer, Device, Launch, Recorder, get_device, kernel, upload, write
 from ..runtime.buffers import DTYPES
 from ..runtime.kernels import subgroup_matrix_config
 from .report import write_json
@@ -98,6 +105,91 @@ def _ternary(rows: int, k: int, g: np.random.Generator) -> Projection:
     values = torch.from_numpy(g.integers(-1, 2, (rows, k), dtype=np.int8))
     scales = (g.random(rows, dtype=np.float32) + 0.5)
     return Projection(upload(pack_ternary(values)), upload(scales), rows, k, True)
+
+
+VOCAB = 128256  # BitNet-2B-4T's vocabulary: the LM head's rows
+HEAD_CHECKED = 2048  # rows of the head's output checked against float64 (the first of the vocabulary)
+
+
+def _head_tile(sub_n: int, tm: int, tn: int, kstep: int) -> MmaTile:
+    return MmaTile(digits=2, sub_m=2, sub_n=sub_n, tm=tm, tn=tn, kstep=kstep)
+
+
+# The LM head's tiles on f16 matrix units (hi and lo planes a subgroup row each): for decoding's rows
+# (up to 64), one to four rows of result matrices a subgroup, steps of 32 or 64 terms; for a training
+# step's, the engine's HEAD_TILE and its neighbours.
+HEAD_TILES = {
+    "decode": [default_tile("lm_head", 16), default_tile("lm_head", 32), _head_tile(4, 1, 1, 32),
+               _head_tile(4, 1, 1, 64), _head_tile(4, 1, 2, 64), _head_tile(8, 1, 1, 64), _head_tile(2, 1, 2, 64),
+               _head_tile(4, 2, 1, 64), _head_tile(4, 2, 1, 32), HEAD_TILE, _head_tile(4, 4, 1, 32),
+               _head_tile(2, 4, 2, 32)],
+    "training": [HEAD_TILE, _head_tile(2, 4, 4, 32), _head_tile(4, 4, 1, 32), _head_tile(4, 2, 2, 32)],
+}
+
+
+def lm_head(tokens_list: list[int], ceilings: dict[str, Any], log: Callable[[str], None],
+            rows_out: list[dict[str, Any]], save: Callable[[], None]) -> None:
+    """The lm_head section (module docstring): appends each case's row to ``rows_out``, and calls
+    ``save`` after each token count."""
+    device = get_device()
+    g = torch.Generator().manual_seed(3)
+    weights = (torch.randn(VOCAB, HIDDEN, generator=g) * 0.02).bfloat16()
+    head = Projection(upload(float_rows(weights, True)), None, VOCAB, HIDDEN)
+    checked = min(HEAD_CHECKED, VOCAB)
+    first = Projection(head.weight.rows(0, checked), None, checked, HIDDEN)  # the rows whose error is kept
+    w_checked = weights[:checked].double()
+    del weights
+    f16_ceiling = ceilings.get("f16", {}).get("rate")
+    workspace = Workspace(device)
+    k64 = -(-HIDDEN // 64) * 64
+    for tokens in tokens_list:
+        x = torch.randn(tokens, HIDDEN, generator=g) * torch.exp(2 * torch.randn(tokens, 1, generator=g))
+        padded = np.zeros((tokens, k64), np.float32)
+        padded[:, :HIDDEN] = x.numpy()
+        rows32, pairs, exponents = upload(padded), upload(padded.copy()), Buffer((tokens,), "i32")
+        logits, check = Buffer((tokens, VOCAB)), Buffer((tokens, checked))
+        exact = x.double() @ w_checked.T
+        bound = float32_gemm_bound(x, w_checked.T)
+        torch_error = float(((x @ w_checked.float().T).double() - exact).abs().max())
+        useful = 2 * tokens * VOCAB * HIDDEN
+
+        def build(variant_name: str, tile: MmaTile | None, proj: Projection, out: Buffer) -> list[Launch]:
+            if tile is not None:
+                return [matmul_mma_launch(pairs, exponents, proj, out, tokens=tokens, out_stride=proj.rows, tile=tile,
+                                          workspace=workspace)]
+            return [matmul_launch(rows32, proj, out, tokens=tokens, out_stride=proj.rows, bf16=True,
+                                  gemv=variant_name == "gemv", device=device)]
+
+        cases: list[tuple[str, MmaTile | None]] = [("general", None)] + ([("gemv", None)] if tokens <= 64 else [])
+        if f16_matrix_units(device):
+            cases += [("matrix_units", tile) for tile in HEAD_TILES["decode" if tokens <= 64 else "training"]]
+        for name_v, tile in cases:
+            label = "" if tile is None else f"{tile.sub_m}x{tile.sub_n} sg, {tile.tm}x{tile.tn} m, k{tile.kstep}"
+            try:
+                rec = Recorder(device)
+                if tile is not None:  # the rows as f16 pairs, in place (the tile's shape checked)
+                    write(pairs, padded)
+                    rec.launch(f16_pairs_launch(pairs, exponents, rows=tokens, width=k64, tile=tile, device=device))
+                for launch in build(name_v, tile, first, check):
+                    rec.launch(launch)
+                rec.submit()
+                seconds = gpu_seconds(device, build(name_v, tile, head, logits))
+            except (ValueError, RuntimeError) as e:
+                log(f"  lm_head {tokens} {name_v} {label}: {str(e)[:160]}")
+                continue
+            errors = (torch.from_numpy(_read(device, check)).double() - exact).abs()
+            error = float(errors.max())
+            work = useful * (2 if tile is not None else 1)
+            row = dict(kind="lm_head", tokens=tokens, rows=VOCAB, k=HIDDEN, variant=name_v,
+                       tile=None if tile is None else tile.__dict__, seconds=seconds, rate=useful / seconds,
+                       share=work / seconds / f16_ceiling if (f16_ceiling and tile is not None) else None,
+                       error=error, torch_float32_error=torch_error, within_bound=bool((errors <= bound).all()))
+            rows_out.append(row)
+            log(f"lm_head {tokens:5} {name_v:12} {label:28} {seconds * 1e3:8.3f} ms {useful / seconds / 1e12:7.1f} "
+                f"TFLOP/s, error {error:.2e} (torch float32 {torch_error:.2e})"
+                + (f"  {row['share'] * 100:5.1f}% of ceiling" if row["share"] else "")
+                + ("" if row["within_bound"] else "  PAST A FLOAT32 GEMM'S BOUND"))
+        save()
 
 
 def gemms(tokens_list: list[int], ceilings: dict[str, Any], log: Callable[[str], None],
@@ -328,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="benchmarks/out/matrix_units")
     parser.add_argument("--tokens", default="512,4096", help="rows of each GEMM (a step's tokens)")
     parser.add_argument("--sections", default="ceiling,gemms,torch,backend_kernels",
-                        help="comma-separated: ceiling, gemms, layouts, torch, backend_kernels")
+                        help="comma-separated: ceiling, gemms, layouts, lm_head, torch, backend_kernels")
     args = parser.parse_args(argv)
     sections = set(args.sections.split(","))
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -346,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
         result["seconds"] = time.time() - started
         write_json(args.out, f"matrix_units_{device.backend.name}.json", result)
 
-    result["ceiling"] = ceiling(log) if sections & {"ceiling", "gemms", "layouts"} else {}
+    result["ceiling"] = ceiling(log) if sections & {"ceiling", "gemms", "layouts", "lm_head"} else {}
     if "torch" in sections:  # short: before the sweeps
         result["torch"] = torch_gemms(tokens, log)
         save()
@@ -356,6 +448,9 @@ def main(argv: list[str] | None = None) -> None:
     if "layouts" in sections:
         result["layouts"] = layouts(LAYOUT_SHAPES, result["ceiling"], log)
         save()
+    if "lm_head" in sections:
+        result["lm_head"] = []
+        lm_head(tokens, result["ceiling"], log, result["lm_head"], save)
     if "backend_kernels" in sections:
         result["backend_kernels"] = backend_kernels(log)
     save()

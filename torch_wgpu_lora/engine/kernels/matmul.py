@@ -80,6 +80,17 @@ def matmul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.double() @ weight.double().T
 
 
+def float32_gemm_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per output of a [N, K] · b [K, M], a float32 GEMM's error bound on the same data: |a|·|b|
+    times γ for K + 2 roundings of at most 2u each (round to nearest or toward zero), plus the f16
+    split's 2⁻²¹ a term and the lo plane's own sums (2⁻¹¹ of the hi plane's): what the LM head on
+    the matrix units (``matmul_mma.wgsl``) keeps to, and a float32 kernel a fortiori."""
+    n = a.shape[1] + 2
+    u = 2.0 ** -24  # float32's unit roundoff
+    gamma = 2 * n * u / (1 - 2 * n * u)
+    return a.double().abs() @ b.double().abs() * (gamma * (1 + 2.0 ** -11) + 2.0 ** -21)
+
+
 def matmul_t_launch(dy: Buffer, proj: Projection, out: Buffer, *, tokens: int, k: int, bf16: bool = False,
                     accumulate: bool = False, dy_col: int = 0, dh: Buffer | None = None, lora_a: Buffer | None = None,
                     lora_rank: int = 0, splits: int | None = None, dropout: SiteDropout | None = None,
