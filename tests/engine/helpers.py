@@ -342,6 +342,12 @@ def generate_batch(engine: BitNetEngine, prompts: list[list[int]], max_new_token
                                                    batch_size=batch_size, on_done=on_done))
 
 
+def mixed_prompts(vocab: int, lengths=(5, 9, 2, 13), seed: int = 0) -> list[list[int]]:
+    """Prompts of ``lengths`` random tokens (none of the special ids 0, 1, 2)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
 def generate_alone(engine: BitNetEngine, prompt: list[int], max_new_tokens: int, eos: set[int], *, seed: int = 0,
                    **options: Any) -> Generated:
     """``engine.generate_batch`` of the one prompt ``prompt`` (with sampling seed ``seed``)."""

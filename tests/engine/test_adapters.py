@@ -19,11 +19,12 @@ import torch
 
 import torch_wgpu_lora as twl
 from torch_wgpu_lora import BitNetEngine, WgpuAdamW
+from torch_wgpu_lora.engine import GenerationRequest
 from torch_wgpu_lora.integrations.bitnet import load_bitnet, lora_modules, lora_parameters, lora_state_dict, set_backend
 from torch_wgpu_lora.integrations.tiny import build_tiny_bitnet
 
 from ..integrations.helpers import randomize
-from .helpers import LOGIT_RTOL, assert_close, labelled_batch, torch_logits
+from .helpers import LOGIT_RTOL, assert_close, labelled_batch, mixed_prompts, torch_logits
 
 IDS = torch.tensor([[0, 5, 17, 42, 99, 200, 7, 3], [9, 8, 7, 6, 5, 4, 3, 2]])
 
@@ -162,6 +163,26 @@ def test_adapter_names_give_each_row_its_adapter_on_the_engine_as_peft_does(chec
 
 def logits_of_rows(model):
     return torch_logits(model, ROWS3, None)
+
+
+def test_a_narrowed_session_decodes_each_row_with_its_prompts_adapter(checkpoint, tmp_path):
+    # Four rows serving two adapters and the base model: the prompt running longest ("wide") moves
+    # from row 3 into row 0, whose own prompt ran "default", when the session narrows to one row
+    # (engine.generate), and goes on with its own adapter; every prompt gets its tokens alone with
+    # its adapter, and "wide" changes them (against the same prompt on "default").
+    _, _, ours = peft_pair(checkpoint, tmp_path)
+    engine = BitNetEngine(ours)
+    prompts = mixed_prompts(ours.config.vocab_size, (5, 7, 3, 6), seed=9)
+    names, limits = ["default", "__base__", "default", "wide"], [2, 3, 2, 16]
+
+    def request(rows: list[int], adapters: list[str], **options):
+        return GenerationRequest([prompts[i] for i in rows], [limits[i] for i in rows], adapter_names=adapters,
+                                 tokens_per_submit=2, **options)
+
+    alone = [engine.generate_batch(request([i], [name]))[0] for i, name in enumerate(names)]
+    assert engine.generate_batch(request([0, 1, 2, 3], names, batch_size=4)) == alone
+    assert set(engine.decode_session(4, 7, 16, serve_rows=True).narrowed) == {1}
+    assert engine.generate_batch(request([3], ["default"]))[0] != alone[3]
 
 
 def test_adapter_names_on_the_engine_are_refused_where_peft_refuses_them(checkpoint, tmp_path):

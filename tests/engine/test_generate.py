@@ -24,7 +24,7 @@ from torch_wgpu_lora.logits import process_logits
 from torch_wgpu_lora.runtime import Recorder, write
 
 from .helpers import (CONFIGS, LOGIT_RTOL, assert_close, engine_choice_is_explained_by_a_flip, generate_alone,
-                      generate_batch, tiny_model, tiny_tokenizer, torch_greedy, torch_logits)
+                      generate_batch, mixed_prompts, tiny_model, tiny_tokenizer, torch_greedy, torch_logits)
 
 NEW_TOKENS = 40
 
@@ -187,12 +187,6 @@ def row_state(session) -> tuple[np.ndarray, np.ndarray]:
     rec.read(session.state, state)
     rec.submit()
     return lengths, state[:, ROW_COUNT]
-
-
-def mixed_prompts(vocab: int, lengths=(5, 9, 2, 13), seed: int = 0) -> list[list[int]]:
-    """Prompts of ``lengths`` random tokens (none of the special ids 0, 1, 2)."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
