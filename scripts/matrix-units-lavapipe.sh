@@ -12,7 +12,7 @@
 #   TRIXIE_ROOT=FOLDER bash scripts/matrix-units-lavapipe.sh
 #
 # The tests: the matrix-unit GEMMs against their torch references (tests/engine/test_matrix_units.py,
-# and the layouts benchmark's kernels, tests/benchmarks/test_matrix_units_layouts.py), then the
+# and the matrix-units benchmark's layouts and LM-head sections, tests/benchmarks/test_matrix_units_*.py), then the
 # engine's adapter gradients against autograd with every GEMM that can run on the matrix units run
 # there (TORCH_WGPU_LORA_GEMMS=matrix_units; a bfloat16 model's LM head on the f16 units, training and
 # forward), with the default four input-gradient digits and with three and two.
@@ -74,6 +74,7 @@ if [ "${1:-}" = "--" ]; then
   in_root -- "$@"
   exit
 fi
-in_root -- -o addopts=-q -m matrix_units tests/engine/test_matrix_units.py tests/benchmarks/test_matrix_units_layouts.py
+in_root -- -o addopts=-q -m matrix_units tests/engine/test_matrix_units.py tests/benchmarks/test_matrix_units_layouts.py \
+  tests/benchmarks/test_matrix_units_lm_head.py
 in_root TORCH_WGPU_LORA_GEMMS=matrix_units -- -o addopts=-q tests/engine/test_train.py tests/engine/test_model.py \
   -k "every_adapter_gradient_matches_autograd or twenty_engine_steps_match_twenty_torch_steps or fewer_input_gradient_digits or bfloat16_model"
