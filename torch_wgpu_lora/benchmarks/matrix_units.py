@@ -146,7 +146,7 @@ def lm_head(tokens_list: list[int], ceilings: dict[str, Any], log: Callable[[str
         x = torch.randn(tokens, HIDDEN, generator=g) * torch.exp(2 * torch.randn(tokens, 1, generator=g))
         padded = np.zeros((tokens, k64), np.float32)
         padded[:, :HIDDEN] = x.numpy()
-        rows32, pairs, exponents = upload(padded), upload(padded.copy()), Buffer((tokens,), "i32")
+        rows32, pairs, exponents = upload(padded), Buffer((tokens, k64)), Buffer((tokens,), "i32")
         logits, check = Buffer((tokens, VOCAB)), Buffer((tokens, checked))
         exact = x.double() @ w_checked.T
         bound = float32_gemm_bound(x, w_checked.T)
@@ -167,7 +167,7 @@ def lm_head(tokens_list: list[int], ceilings: dict[str, Any], log: Callable[[str
             label = "" if tile is None else f"{tile.sub_m}x{tile.sub_n} sg, {tile.tm}x{tile.tn} m, k{tile.kstep}"
             try:
                 rec = Recorder(device)
-                if tile is not None:  # the rows as f16 pairs, in place (the tile's shape checked)
+                if tile is not None:  # the rows as f16 pairs, split in place afresh (the tile's shape checked)
                     write(pairs, padded)
                     rec.launch(f16_pairs_launch(pairs, exponents, rows=tokens, width=k64, tile=tile, device=device))
                 for launch in build(name_v, tile, first, check):

@@ -54,7 +54,7 @@ def kv_rows_launch(src: Buffer, rows: Buffer, dst: Buffer, count: int, device: D
 def move_rows_launch(buf: Buffer, moves: Buffer, count: int, device: Device | None = None) -> Launch:
     """Row ``moves[count + i]`` of ``buf`` ([rows, ...], 32-bit words of any dtype, copied as bits)
     takes row ``moves[i]``, for i < ``count``. ``moves``: u32 [at least 2 · count], the rows moved
-    then the rows they go to, written before each submit; none of the ones is one of the others."""
+    then the rows they go to, written before each submit; no moved row is also a row moved to."""
     device = device or get_device()
     if buf.dtype == "f16" or moves.dtype != "u32" or moves.numel < 2 * count or count > buf.shape[0]:
         raise ValueError(f"move_rows moves rows of 32-bit words, given as u32 pairs (at least {2 * count}): got "
