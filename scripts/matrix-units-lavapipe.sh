@@ -8,7 +8,7 @@
 # stays as it is. As root (mmdebstrap, mount, chroot).
 #
 #   bash scripts/matrix-units-lavapipe.sh                 # the tests below, in .ci-cache/trixie
-#   bash scripts/matrix-units-lavapipe.sh -- PYTEST-ARGS  # those instead (e.g. -- -m matrix_units -k input)
+#   bash scripts/matrix-units-lavapipe.sh [VAR=VALUE...] -- PYTEST-ARGS  # those instead (e.g. -- -m matrix_units -k input)
 #   TRIXIE_ROOT=FOLDER bash scripts/matrix-units-lavapipe.sh
 #
 # The tests: the matrix-unit GEMMs against their torch references (tests/engine/test_matrix_units.py,
@@ -69,12 +69,13 @@ in_root() {  # in_root [VAR=VALUE...] -- PYTEST-ARGS: pytest from this checkout 
     VK_ICD_FILENAMES=/usr/share/vulkan/icd.d/lvp_icd.json TORCH_WGPU_LORA_BACKEND=dawn "${vars[@]}" \
     sh -c 'cd "$0" && exec .venv/bin/python -m pytest "$@"' "$PWD" -p no:cacheprovider "$@"
 }
-if [ "${1:-}" = "--" ]; then
-  shift
-  in_root -- "$@"
+if [ "$#" -gt 0 ]; then  # [VAR=VALUE...] -- PYTEST-ARGS
+  case " $* " in *" -- "*) ;; *) echo "usage: $0 [[VAR=VALUE...] -- PYTEST-ARGS]" >&2; exit 2 ;; esac
+  in_root "$@"
   exit
 fi
 in_root -- -o addopts=-q -m matrix_units tests/engine/test_matrix_units.py tests/benchmarks/test_matrix_units_layouts.py \
   tests/benchmarks/test_matrix_units_lm_head.py
 in_root TORCH_WGPU_LORA_GEMMS=matrix_units -- -o addopts=-q tests/engine/test_train.py tests/engine/test_model.py \
-  -k "every_adapter_gradient_matches_autograd or twenty_engine_steps_match_twenty_torch_steps or fewer_input_gradient_digits or bfloat16_model"
+  tests/engine/test_generate.py -k "every_adapter_gradient_matches_autograd or twenty_engine_steps_match_twenty_torch_steps \
+or fewer_input_gradient_digits or bfloat16_model or decoded_batch_on_the_matrix_units"

@@ -11,6 +11,15 @@
 // adapter of the several stacked (a batch of mixed adapters): H[n][r] is 0 where token n's adapter
 // (ROWS[n]) is not rank r's (COLUMNS[r]), so the projection's epilogue adds only the token's own.
 // With SAVE it keeps r in RS[n] for the backward pass.
+//
+// rmsnorm_split normalises a row that the previous projection's epilogue makes as it is read:
+// the projection ran on the matrix units split along K (bitlinear_mma.wgsl's gemm with SPLITS
+// ranges), and this launch runs its split_epilogue, without LoRA, for the whole row: the ranges'
+// i32 sums added, scaled (bitlinear's value), then added into the residual stream (RES) or, with
+// PAIRS, made into gate/up products relu(gate)² · up (written to RES, the FFN's activation). So a
+// decoding step's add or gate/up epilogue and the next norm are one launch. The projection's
+// token scales are the XM that this launch then overwrites with the new codes' (one workgroup a
+// token reads its own before any writes it: a launch of one workgroup a row, no LoRA ranks).
 
 struct Params {
   tokens: u32,
@@ -25,6 +34,7 @@ struct Params {
   drop_key: u32,
   drop_split1: u32,
   drop_split2: u32,
+  part_rows: u32,   // rmsnorm_split: rows of the projection's sums in PART
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -40,6 +50,9 @@ struct Params {
 @group(0) @binding(10) var<storage, read> DROP: array<u32>;
 @group(0) @binding(11) var<storage, read> ROWS: array<u32>;     // PER_ROW: each token's adapter
 @group(0) @binding(12) var<storage, read> COLUMNS: array<u32>;  // PER_ROW: each rank's adapter
+@group(0) @binding(13) var<storage, read> PART: array<vec4<i32>>;   // rmsnorm_split: [SPLITS][tokens][part_rows]
+@group(0) @binding(14) var<storage, read> PWS: array<vec4<f32>>;    // rmsnorm_split: the weights' row scales
+@group(0) @binding(15) var<storage, read_write> RES: array<vec4<f32>>;  // rmsnorm_split: rows of x_stride floats
 
 override WG: u32 = 256u;  // a multiple of 32
 override QUANT: bool = true;
@@ -48,6 +61,9 @@ override K: u32 = 64u;       // rmsnorm: features
 override STRIDE: u32 = 64u;  // rmsnorm: K padded to a multiple of 64
 override DROPOUT: bool = false;
 override PER_ROW: bool = false;
+override SPLITS: u32 = 2u;     // rmsnorm_split: the projection's K ranges
+override PAIRS: bool = false;  // rmsnorm_split: gate/up pairs (else an add into RES)
+override DIVIDE: bool = true;  // rmsnorm_split: the projection's scaling (bitlinear.wgsl's scaled)
 // The 4-feature words of a row an invocation holds (at most MAX_WORDS, below). An override, not a
 // `let`: Tint (Dawn) puts a counter into every loop whose bound it cannot prove constant, and a
 // loop with that counter is not unrolled, so the arrays it indexes leave the registers.
@@ -78,31 +94,71 @@ fn lora_a(row: u32, w: u32) -> mat4x4<f32> {  // columns: rows row.. of A at fea
 @compute @workgroup_size(WG)
 fn rmsnorm(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   enter(inv);
-  let t = inv.t;
-  let n = wg.x;
-  let ranks = 4u * (wg.y - 1u);  // workgroups y ≥ 1: their first rank
-  let row = n * p.x_stride;
+  var y: array<vec4<f32>, MAX_WORDS>;
+  for (var i = 0u; i < WORDS; i++) { y[i] = row_features(wg.x * p.x_stride, 4u * (inv.t + WG * i)); }
+  normalise(inv.t, wg.x, wg.y, &y);
+}
+
+// The projection's four sums of token n at rows 4v.., its K ranges added (integers: any order).
+fn split_sums(n: u32, v: u32) -> vec4<i32> {
+  var sum = vec4<i32>(0);
+  for (var s = 0u; s < SPLITS; s++) { sum += PART[(s * p.tokens + n) * (p.part_rows / 4u) + v]; }
+  return sum;
+}
+
+fn scaled4(exact: vec4<i32>, s: f32, ws: vec4<f32>) -> vec4<f32> {  // bitlinear.wgsl's scaled, four at once
+  if (DIVIDE) { return vec4<f32>(exact) / (ws * s); }
+  return vec4<f32>(exact) / s * ws;
+}
+
+// Word w (features 4w..) of token n's row, made by the projection's epilogue and written to RES;
+// zeros past K.
+fn split_word(n: u32, w: u32, s: f32) -> vec4<f32> {
+  if (4u * w >= K) { return vec4<f32>(0.0); }
+  let at = n * (p.x_stride / 4u) + w;
+  var v: vec4<f32>;
+  if (PAIRS) {  // rows 8w.. hold gate, up of features 4w, 4w + 1, ...
+    let a = scaled4(split_sums(n, 2u * w), s, PWS[2u * w]);
+    let b = scaled4(split_sums(n, 2u * w + 1u), s, PWS[2u * w + 1u]);
+    let gate = max(vec4<f32>(a.x, a.z, b.x, b.z), vec4<f32>(0.0));
+    v = gate * gate * vec4<f32>(a.y, a.w, b.y, b.w);
+  } else {
+    v = RES[at] + scaled4(split_sums(n, w), s, PWS[w]);
+  }
+  RES[at] = v;
+  return v;
+}
+
+@compute @workgroup_size(WG)
+fn rmsnorm_split(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
+  enter(inv);
+  let s = XM[wg.x];
+  var y: array<vec4<f32>, MAX_WORDS>;
+  for (var i = 0u; i < WORDS; i++) { y[i] = split_word(wg.x, inv.t + WG * i, s); }
+  normalise(inv.t, wg.x, 0u, &y);
+}
+
+// Token n's row y (its words, as the entry point fetched them: word t + WG·i in y[i]) normalised by
+// workgroup wy of the row (the grid's y, above).
+fn normalise(t: u32, n: u32, wy: u32, y: ptr<function, array<vec4<f32>, MAX_WORDS>>) {
+  let ranks = 4u * (wy - 1u);  // workgroups y ≥ 1: their first rank
   let out = n * STRIDE;
   let row_words = STRIDE / 4u;
-  var y: array<vec4<f32>, MAX_WORDS>;
   var g: array<vec4<f32>, MAX_WORDS>;
   var a: array<mat4x4<f32>, MAX_WORDS>;
   var ss = 0.0;
   for (var i = 0u; i < WORDS; i++) {
-    let k = 4u * (t + WG * i);
-    let v = row_features(row, k);
-    g[i] = norm_weights(k);
-    if (wg.y > 0u) { a[i] = lora_a(ranks, min(t + WG * i, row_words - 1u)); }
-    y[i] = v;
-    ss += dot(v, v);
+    g[i] = norm_weights(4u * (t + WG * i));
+    if (wy > 0u) { a[i] = lora_a(ranks, min(t + WG * i, row_words - 1u)); }
+    ss += dot((*y)[i], (*y)[i]);
   }
   let r = inverseSqrt(sum_all(t, ss) / f32(K) + p.eps);
-  if (wg.y > 0u) {  // uniform: the whole workgroup computes its ranks of h and leaves
+  if (wy > 0u) {  // uniform: the whole workgroup computes its ranks of h and leaves
     var acc = vec4<f32>(0.0);
     for (var i = 0u; i < WORDS; i++) {
       let w = t + WG * i;
       if (w < row_words) {
-        let v = g[i] * (y[i] * r);
+        let v = g[i] * ((*y)[i] * r);
         if (DROPOUT) {
           let m = drop_quad4(ranks, n, w);
           acc += vec4<f32>(dot(v * m[0], a[i][0]), dot(v * m[1], a[i][1]), dot(v * m[2], a[i][2]),
@@ -119,8 +175,8 @@ fn rmsnorm(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   for (var i = 0u; i < WORDS; i++) {
     let w = t + WG * i;
     if (w < row_words) {
-      let v = g[i] * (y[i] * r);
-      y[i] = v;
+      let v = g[i] * ((*y)[i] * r);
+      (*y)[i] = v;
       XN[out / 4u + w] = v;
       m = max(m, absmax4(v));
     }
@@ -132,7 +188,7 @@ fn rmsnorm(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
     for (var i = 0u; i < WORDS; i++) {
       let w = t + WG * i;
       if (w < row_words) {
-        let q = codes4(y[i], s);
+        let q = codes4((*y)[i], s);
         XQ[n * row_words + w] = pack4xI8(q);
         total += q.x + q.y + q.z + q.w;
       }

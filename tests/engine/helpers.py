@@ -14,6 +14,7 @@ import torch
 from torch_wgpu_lora import BitNetEngine, WgpuAdamW
 from torch_wgpu_lora.engine import GenerationRequest, Generated
 from torch_wgpu_lora.demo import demo_records
+from torch_wgpu_lora.engine.kernels.norm import quantise_reference
 from torch_wgpu_lora.engine.workspace import Workspace
 from torch_wgpu_lora.integrations.bitnet import add_lora_layers, lora_parameters, load_bitnet
 from torch_wgpu_lora.integrations.gradcheck import ParityCheck, randomize_lora_B
@@ -205,6 +206,27 @@ def assert_close(got, ref, rtol: float, what: str, terms: float = 0.0) -> float:
     err = float((got - ref).abs().max()) if ref.numel() else 0.0
     assert err <= rtol * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
     return err / scale if scale else err
+
+
+def assert_codes_round(codes: torch.Tensor, meta: torch.Tensor, xn: torch.Tensor, k: int) -> None:
+    """A norm's int8 codes (u32 words [tokens, ≥ k / 4]) and meta (scales, then code sums) are
+    BitLinear's quantisation of its own output ``xn`` [tokens, ≥ k]: the scales torch's of xn, each
+    code torch's rounding of xn · scale but at a tie. The GPU's division 127/m may differ from
+    torch's by an ulp, so the codes are compared with the kernel's own scale; the kernel may form
+    y·s with other roundings than torch's product of the stored y and s (a fused multiply, y not
+    rounded first): a few float32 ulps of |y·s| ≤ 128, under 1e-4 code units."""
+    tokens = xn.shape[0]
+    ours = torch.from_numpy(codes.numpy().view(np.int8).reshape(tokens, -1)[:, :k].astype(np.int64))
+    scale = meta[:tokens]
+    assert_close(scale, quantise_reference(xn[:, :k])[1], 2e-7, "scales")
+    v = xn[:, :k] * scale[:, None]
+    exact = v.round().clamp(-128, 127)
+    flips = ours != exact
+    away = flips & ((v - v.floor() - 0.5).abs() >= 1e-4)
+    assert not away.any(), f"{int(away.sum())} codes differ from rounding the kernel's own y·s away from a tie"
+    assert (ours - exact).abs().max() <= 1
+    sums = meta[tokens:].numpy().view(np.int32)
+    assert np.array_equal(sums, ours.sum(1).numpy())
 
 
 def run(launches, *reads: Buffer) -> list[torch.Tensor]:

@@ -39,30 +39,58 @@ def cpu_generate(model, tokenizer, prompt, **options):
         return generate(model, tokenizer, prompt, return_ids=True, eos_token_id=[], **options)
 
 
-def decoded_logits_and_codes(engine, ids: list[int], fuse: bool) -> tuple[torch.Tensor, dict]:
-    """The decode plan's logits for the last of ``ids`` after a prefill of the others, and the int8
-    codes of every quantisation point of both passes ({(layer, site): ([1, len(ids), K], scales)})."""
-    prompt, config = len(ids) - 1, engine.engine_config
+def decoded_logits_and_codes(engine, rows: list[list[int]], fuse: bool) -> tuple[torch.Tensor, dict, list[str]]:
+    """The decode plan's logits [batch, vocab] for the last of each row's ids (rows of one length)
+    after a prefill of the others, the int8 codes of every quantisation point of both passes
+    ({(layer, site): ([batch, length, K], scales)}), and the decode plan's kernels in order."""
+    batch, prompt, config = len(rows), len(rows[0]) - 1, engine.engine_config
+    ids = np.asarray(rows, np.uint32)
     workspace = Workspace(engine.device)
-    cache = KVCache(config, 1, len(ids), workspace)
+    cache = KVCache(config, batch, prompt + 1, workspace)
     prefill = ForwardPlan(engine.weights, engine.adapters, cache, prompt, logits="none", workspace=workspace)
     decode = ForwardPlan(engine.weights, engine.adapters, cache, 1, logits="last", decode=True, fuse=fuse,
                          workspace=workspace)
     engine.adapters.sync()
-    write(prefill.ids, np.asarray(ids[:-1], np.uint32))
-    cache.set_position(0, [prompt])
+    write(prefill.ids, np.ascontiguousarray(ids[:, :-1]).ravel())
+    cache.set_position(0, [prompt] * batch)
     rec, first = Recorder(), {}
     prefill.record(rec, capture=first)
     rec.submit()
-    write(decode.ids, np.asarray(ids[-1:], np.uint32))
-    cache.set_position(prompt, [prompt + 1])
-    rec, last, logits = Recorder(), {}, torch.empty(1, config.vocab)
+    write(decode.ids, np.ascontiguousarray(ids[:, -1]))
+    cache.set_position(prompt, [prompt + 1] * batch)
+    rec, last, logits = Recorder(), {}, torch.empty(batch, config.vocab)
     decode.record(rec, capture=last)
     decode.read_logits(rec, logits.numpy())
     rec.submit()
-    before, after = read_codes(first, 1, prompt, config), read_codes(last, 1, 1, config)
-    return logits[0], {key: (torch.cat([before[key][0], after[key][0]], 1), torch.cat([before[key][1], after[key][1]]))
-                       for key in before}
+    before, after = read_codes(first, batch, prompt, config), read_codes(last, batch, 1, config)
+    codes = {key: (torch.cat([before[key][0], after[key][0]], 1),
+                   torch.cat([before[key][1].reshape(batch, prompt), after[key][1].reshape(batch, 1)], 1).reshape(-1))
+             for key in before}
+    return logits, codes, [launch.kernel.name for launch in decode.program.launches]
+
+
+def q_v_model(flavour: str, config: str, seed: int) -> torch.nn.Module:
+    """A tiny model with LoRA on q_proj and v_proj only (BitNet-2B's benchmark shape: the o, mlp
+    and down sites have none), its B matrices random."""
+    model = tiny_model(flavour, False, seed=seed, **CONFIGS[config])
+    add_lora_layers(model, r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+def assert_fed_logits_match(model, rows: list[list[int]], logits: torch.Tensor, codes: dict) -> None:
+    """transformers' logits of the last position of each row, its projections fed the engine's
+    codes (near-tie flips only, few of them), against the engine's."""
+    stats = FeedStats()
+    with feeding_codes(model, codes, stats):
+        ref = torch_logits(model, torch.tensor(rows), torch.ones(len(rows), len(rows[0]), dtype=torch.long))[:, -1]
+    assert len(stats.sites) == 4 * model.config.num_hidden_layers
+    assert stats.flips <= FLIP_SHARE * stats.codes, f"{stats.flips} flips in {stats.codes} codes"
+    assert_close(logits, ref, LOGIT_RTOL, "decoded logits")
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
@@ -73,23 +101,32 @@ def test_decoded_logits_match_transformers_fed_the_engines_codes(flavour, config
     # The decode step against transformers' modules over the whole sequence; fused: GEMVs that
     # normalise their own input where the site has no adapter, the q/k/v GEMV rotating into the
     # cache (the default on GPUs), unfused: the default on CPU adapters.
-    model = tiny_model(flavour, adapters == "all", seed=6, **CONFIGS[config])
-    if adapters == "q-v":  # BitNet-2B's benchmark shape: the o, mlp and down sites fuse their norms
-        add_lora_layers(model, r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"))
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    # BitNet-2B's benchmark shape, q-v: the o, mlp and down sites fuse their norms
+    model = (q_v_model(flavour, config, seed=6) if adapters == "q-v"
+             else tiny_model(flavour, adapters == "all", seed=6, **CONFIGS[config]))
     engine = BitNetEngine(model)
     ids = torch.randint(0, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(2)).tolist()
-    logits, codes = decoded_logits_and_codes(engine, ids, fuse)
-    stats = FeedStats()
-    with feeding_codes(model, codes, stats):
-        ref = torch_logits(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0, -1]
-    assert len(stats.sites) == 4 * model.config.num_hidden_layers
-    assert stats.flips <= FLIP_SHARE * stats.codes, f"{stats.flips} flips in {stats.codes} codes"
-    assert_close(logits, ref, LOGIT_RTOL, "decoded logits")
+    logits, codes, _ = decoded_logits_and_codes(engine, [ids], fuse)
+    assert_fed_logits_match(model, [ids], logits, codes)
+
+
+@pytest.mark.matrix_units
+@pytest.mark.parametrize("adapters", ["q-v", "all"])
+@pytest.mark.parametrize("config", ["gqa-tied", "odd-sizes"])
+def test_a_decoded_batch_on_the_matrix_units_matches_transformers_fed_the_engines_codes(config, adapters):
+    # six rows, past the GEMV path's four on a CPU adapter, on the matrix units (run with the gemms
+    # setting "matrix_units"): with Q/V adapters o_proj's and gate/up's split sums are finished by
+    # the next norm's launch (two a layer), with adapters everywhere by their own epilogue launches
+    model = (q_v_model("packed", config, seed=8) if adapters == "q-v"
+             else tiny_model("packed", True, seed=8, **CONFIGS[config]))
+    engine = BitNetEngine(model)
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, model.config.vocab_size, (6, 7), generator=g).tolist()
+    logits, codes, kernels = decoded_logits_and_codes(engine, rows, fuse=True)
+    finished = kernels.count("norm.wgsl:rmsnorm_split")
+    assert finished == (2 * model.config.num_hidden_layers if adapters == "q-v" else 0), kernels
+    assert kernels.count("bitlinear_mma.wgsl:gemm") == 4 * model.config.num_hidden_layers
+    assert_fed_logits_match(model, rows, logits, codes)
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)

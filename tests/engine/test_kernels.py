@@ -30,7 +30,7 @@ from torch_wgpu_lora.engine.kernels.scatter import (kv_rows_launch, move_rows_la
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary, unpack_hf, unpack_ternary
 from torch_wgpu_lora.runtime import upload
 
-from .helpers import PACKED_ROWS, assert_close, kernel_workspace, nan_fill, packed_positions, poisoned, run
+from .helpers import PACKED_ROWS, assert_close, assert_codes_round, kernel_workspace, nan_fill, packed_positions, poisoned, run
 
 FLOAT_RTOL = 1e-5  # see module docstring
 INT_RTOL = 2e-6
@@ -579,21 +579,7 @@ def test_rmsnorm_quantise_and_lora_down(tokens, k, rank, per_row, reductions):
     assert torch.equal(got_xn[:, k:], torch.zeros(tokens, stride - k))
     assert_close(got_h, y.double() @ A.double().T, FLOAT_RTOL, "h = y·Aᵀ")
     assert_close(got_rstd, torch.rsqrt(x.double().pow(2).mean(-1) + 1e-5), 1e-6, "1/rms")
-    # Codes from our y must be exactly torch's rounding of our y (the GPU's division 127/m may
-    # differ from torch's by an ulp: compare with the kernel's own scale and allow only ties). The
-    # kernel may form y·s with other roundings than torch's product of the stored y and s (a fused
-    # multiply, y not rounded first): a few float32 ulps of |y·s| ≤ 128, under 1e-4 code units.
-    ours = torch.from_numpy(got_codes.numpy().view(np.int8).reshape(tokens, -1)[:, :k].astype(np.int64))
-    scale = got_meta[:tokens]
-    assert_close(scale, quantise_reference(got_xn[:, :k])[1], 2e-7, "scales")
-    v = got_xn[:, :k] * scale[:, None]
-    exact = v.round().clamp(-128, 127)
-    flips = ours != exact
-    away = flips & ((v - v.floor() - 0.5).abs() >= 1e-4)
-    assert not away.any(), f"{int(away.sum())} codes differ from rounding the kernel's own y·s away from a tie"
-    assert (ours - exact).abs().max() <= 1
-    sums = got_meta[tokens:].numpy().view(np.int32)
-    assert np.array_equal(sums, ours.sum(1).numpy())
+    assert_codes_round(got_codes, got_meta, got_xn, k)
 
 
 def test_rows_too_long_for_one_invocation_are_refused_by_the_row_kernel():

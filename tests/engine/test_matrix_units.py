@@ -15,17 +15,18 @@ import pytest
 import torch
 
 from torch_wgpu_lora.engine.config import pad
-from torch_wgpu_lora.engine.kernels.bitlinear import (bitlinear_launch, bitlinear_reference, bitlinear_t_launch,
-                                                    bitlinear_t_reference)
+from torch_wgpu_lora.engine.kernels.bitlinear import (bitlinear_launch, bitlinear_reference, bitlinear_split_launch,
+                                                    bitlinear_t_launch, bitlinear_t_reference)
 from torch_wgpu_lora.engine.kernels.gemms import (INPUT_GRAD_MANY_TOKENS_TILE, WIDE_TILE, MmaTile, default_tile,
                                                    f16_matrix_units, int8_matrix_units, mma_shape)
 from torch_wgpu_lora.engine.kernels.matmul import (f16_pairs_launch, float32_gemm_bound, matmul_mma_launch,
                                                    matmul_reference, matmul_t_mma_launches, matmul_t_reference)
+from torch_wgpu_lora.engine.kernels.norm import rmsnorm_launch
 from torch_wgpu_lora.engine.kernels.projection import lora_table
 from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary
 from torch_wgpu_lora.runtime import get_device, upload
 
-from .helpers import assert_close, kernel_workspace, padded, poisoned, run
+from .helpers import assert_close, assert_codes_round, kernel_workspace, padded, poisoned, run
 from .test_kernels import _codes, _projection
 
 pytestmark = pytest.mark.matrix_units
@@ -63,7 +64,8 @@ def _float32_gemm_error(dy: torch.Tensor, values: torch.Tensor, scales: torch.Te
 PROJECTION_TILES = {"default": None, "wide": WIDE_TILE,
                     "small": MmaTile(sub_m=2, sub_n=2, tm=1, tn=2, kstep=64, result_pad=0)}
 # BitNet-2B's own shapes on GPUs; on a CPU adapter (lavapipe) the small ones alone.
-SHAPES = [(1, 64, 8), (37, 100, 130), (40, 1100, 72), (200, 2560, 256), (70, 700, 300)]
+SHAPES = [(1, 64, 8), (37, 100, 130), (40, 1100, 72), (200, 2560, 256), (70, 700, 300),
+          (9, 256, 8200)]  # a decoding step's wide projection: DECODE_WIDE_TILE by default
 GPU_SHAPES = [(512, 2560, 13824), (300, 6912, 2560)]
 
 
@@ -363,3 +365,63 @@ def test_lm_head_tiles_that_do_not_fit_are_refused_with_what_they_need():
     with pytest.raises(ValueError, match="kstep must divide the 128 terms summed between drains"):
         f16_pairs_launch(x, upload(np.zeros(4, np.int32)), rows=4, width=64,
                          tile=MmaTile(digits=2, sub_m=2, sub_n=4, tm=1, tn=1, kstep=48))
+
+
+@pytest.mark.parametrize("divide", [True, False])
+@pytest.mark.parametrize("pairs", [False, True], ids=["add", "gate-up"])
+@pytest.mark.parametrize("tokens,k,features", [(1, 64, 68), (9, 300, 2560), (6, 130, 6912)])
+def test_a_norm_finishes_a_split_projections_epilogue(tokens, k, features, pairs, divide):
+    # o_proj's add or gate/up's products, made from the split GEMM's sums by the next norm's launch,
+    # then normalised and quantised: the rows against float64 (the exact dots scaled), the norm
+    # against transformers' module on the rows the launch made, the codes BitLinear's rounding
+    from transformers.models.bitnet.modeling_bitnet import BitNetRMSNorm
+
+    g = torch.Generator().manual_seed(tokens + k + features)
+    codes, scales, xq, xm = _codes(tokens, k, g)
+    rows = 2 * features if pairs else features
+    values = torch.randint(-1, 2, (rows, k), generator=g, dtype=torch.int8)
+    row_scales = torch.rand(rows, generator=g) + 0.5
+    proj = _projection(values, row_scales, divide)
+    stride = pad(features, 64)
+    residual = torch.randn(tokens, stride, generator=g)
+    x = upload(residual.numpy().copy()) if not pairs else poisoned((tokens, stride))
+    norm = BitNetRMSNorm(features, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(features, generator=g) + 0.5)
+    xn, next_codes = poisoned((tokens, stride)), poisoned((tokens, stride // 4), "u32")
+    gemm, split = bitlinear_split_launch(xq, xm, proj, x, tokens=tokens, mode="gate_up" if pairs else "add",
+                                         workspace=kernel_workspace(), mma=True, splits=3)
+    launch = rmsnorm_launch(x, upload(norm.weight.detach().numpy()), xn, tokens=tokens, k=features, eps=1e-5,
+                            codes=next_codes, scales_and_sums=xm, split=split)
+    got_x, got_xn, got_codes, got_meta = run([gemm, launch], x, xn, next_codes, xm)
+    exact = bitlinear_reference(codes, scales, values, row_scales, divide)
+    if pairs:
+        ref = exact[:, 0::2].clamp(min=0) ** 2 * exact[:, 1::2]
+    else:
+        ref = residual[:, :features].double() + exact
+    # float32 scaling (ws · s, the division) and the add or the products: a few roundings of
+    # 2^-24 relative to each value, well under 1e-6 of the rows' largest
+    assert_close(got_x[:, :features], ref, 1e-6, "the projection's epilogue")
+    with torch.no_grad():
+        y = norm(got_x[:, :features])  # transformers' own module, on the rows the launch made
+    assert_close(got_xn[:, :features], y, 1e-6, "normalised")
+    assert torch.equal(got_xn[:, features:], torch.zeros(tokens, stride - features))
+    assert_codes_round(got_codes, got_meta, got_xn, features)
+
+
+def test_a_norm_finishing_a_split_projection_refuses_what_it_cannot_do():
+    g = torch.Generator().manual_seed(1)
+    codes, scales, xq, xm = _codes(3, 64, g)
+    proj = _projection(torch.randint(-1, 2, (64, 64), generator=g, dtype=torch.int8), torch.rand(64) + 0.5, True)
+    x, other, xn, w = poisoned((3, 64)), poisoned((3, 64)), poisoned((3, 64)), upload(np.ones(64, np.float32))
+    _, split = bitlinear_split_launch(xq, xm, proj, x, tokens=3, mode="add", workspace=kernel_workspace(), mma=True)
+    out_codes = poisoned((3, 16), "u32")
+    with pytest.raises(ValueError, match="no LoRA ranks"):
+        rmsnorm_launch(x, w, xn, tokens=3, k=64, eps=1e-5, codes=out_codes, scales_and_sums=xm, rank=2,
+                       lora_a=poisoned((2, 64)), h=poisoned((3, 2)), split=split)
+    with pytest.raises(ValueError, match="split.out"):
+        rmsnorm_launch(other, w, xn, tokens=3, k=64, eps=1e-5, codes=out_codes, scales_and_sums=xm, split=split)
+    with pytest.raises(ValueError, match="add or gate/up"):
+        bitlinear_split_launch(xq, xm, proj, x, tokens=3, mode="store", workspace=kernel_workspace())
+    with pytest.raises(ValueError, match="at least two ranges"):
+        bitlinear_split_launch(xq, xm, proj, x, tokens=3, mode="add", workspace=kernel_workspace(), splits=1)

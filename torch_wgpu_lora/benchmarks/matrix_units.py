@@ -120,7 +120,7 @@ def _head_tile(sub_n: int, tm: int, tn: int, kstep: int) -> MmaTile:
 # step's, the engine's HEAD_TILE and its neighbours.
 HEAD_TILES = {
     "decode": [default_tile("lm_head", 16), default_tile("lm_head", 32), _head_tile(4, 1, 1, 32),
-               _head_tile(4, 1, 1, 64), _head_tile(4, 1, 2, 64), _head_tile(8, 1, 1, 64), _head_tile(2, 1, 2, 64),
+               _head_tile(4, 1, 1, 64), _head_tile(4, 1, 2, 32), _head_tile(8, 1, 1, 64), _head_tile(2, 1, 2, 64),
                _head_tile(4, 2, 1, 64), _head_tile(4, 2, 1, 32), HEAD_TILE, _head_tile(4, 4, 1, 32),
                _head_tile(2, 4, 2, 32)],
     "training": [HEAD_TILE, _head_tile(2, 4, 4, 32), _head_tile(4, 4, 1, 32), _head_tile(4, 2, 2, 32)],

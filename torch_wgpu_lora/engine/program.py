@@ -27,6 +27,11 @@ computes h, and so does a row too long for the GEMV to hold: ``gemv_normalises``
 GEMV that does so merges attention's key-span partials as it reads them (no combine launch).
 BitNet-2B with Q/V adapters: 7 launches a layer rather than 11.
 
+Decoding a batch on GEMMs (``PassContext.finishes_splits``: more tokens than the GEMV path takes,
+the projections split along K on the matrix units) leaves o_proj's and gate/up's sums to the next
+norm's launch, which runs their epilogue (the add, the gate/up products) and then normalises
+(``norm.rmsnorm_launch``'s ``split``) where neither site has LoRA: two launches a layer fewer.
+
 A ``Program`` is the launches in order, with the points where activations are quantised marked,
 so that ``record(capture=...)`` can copy the int8 codes a pass chose (tests feed them to the
 torch model), and named points (``mark``) where a caller may split it over several command
@@ -49,11 +54,11 @@ from ..runtime import Buffer, Launch, Recorder, copy_launch
 from .adapters import EngineAdapters, Site
 from .config import EngineConfig
 from .kernels.attention import DecodePartials, attention_launches, decode_partials
-from .kernels.bitlinear import bitlinear_launch, gemv_normalises
+from .kernels.bitlinear import bitlinear_launch, bitlinear_split_launch, gemv_normalises
 from .kernels.embedding import embedding_launches
 from .kernels.matmul import head_forward_launches, head_on_matrix_units, matmul_launch
 from .kernels.norm import rmsnorm_launch
-from .kernels.projection import gemv_max_tokens
+from .kernels.projection import SplitSums, gemv_max_tokens
 from .kernels.rope import RopeTarget, rope_launch
 from .weights import EngineWeights, Projection
 from .workspace import Workspace
@@ -182,6 +187,13 @@ class PassContext:
         return (self.fuse and self.decode and self.config.quantised
                 and self.rows <= gemv_max_tokens(self.workspace.device))
 
+    @property
+    def finishes_splits(self) -> bool:
+        """Whether decoding a batch on GEMMs leaves a split projection's sums to the next norm's
+        launch (a ternary model, more tokens than the GEMV path takes)."""
+        return (self.fuse and self.decode and self.config.quantised
+                and self.rows > gemv_max_tokens(self.workspace.device))
+
 
 @dataclass(frozen=True)
 class SiteIO:
@@ -225,7 +237,7 @@ def emit_embedding(program: Program, context: PassContext, ids: Buffer) -> None:
 
 
 def _norm(context: PassContext, x: Buffer, weight: Buffer, site: Site | None, io: SiteIO, codes: Buffer | None,
-          k: int, layer: int, name: str) -> Launch:
+          k: int, layer: int, name: str, split: SplitSums | None = None) -> Launch:
     lora = site is not None and site.rank > 0
     serving = lora and context.row_adapters is not None
     dropout = (context.adapters.site_dropout(layer, name, context.dropout) if lora and context.dropout is not None
@@ -234,7 +246,7 @@ def _norm(context: PassContext, x: Buffer, weight: Buffer, site: Site | None, io
                           scales_and_sums=context.scales_and_sums if codes is not None else None,
                           lora_a=site.a if lora else None, h=io.h if lora else None, rank=site.rank if lora else 0,
                           rstd=io.rstd, dropout=dropout, device=context.workspace.device,
-                          row_adapters=(context.row_adapters, site.columns) if serving else None)
+                          row_adapters=(context.row_adapters, site.columns) if serving else None, split=split)
 
 
 def _project(context: PassContext, proj: Projection, io: SiteIO, codes: Buffer | None, out: Buffer, mode: str,
@@ -264,16 +276,29 @@ def emit_layer(program: Program, context: PassContext, index: int, io: LayerIO) 
     def normalises(name: str, k: int) -> bool:
         return fused and not sites[name].rank and gemv_normalises(k)
 
+    pending: list[SplitSums] = []  # a split projection's sums, which the next norm's launch finishes
+
     def site(x: Buffer, weight: Buffer, name: str, k: int, proj: Projection, out: Buffer, mode: str,
              codes: Buffer | None, rope: RopeTarget | None = None, attention: DecodePartials | None = None,
-             saved: Buffer | None = None) -> None:
+             saved: Buffer | None = None, then: str | None = None) -> None:
         """A projection and the norm of its input: one launch where the GEMV normalises (x, or
-        ``attention``'s partials merged), else two; ``saved``: ``_project``'s."""
+        ``attention``'s partials merged), else two; ``saved``: ``_project``'s. ``then``: the site
+        whose norm follows the projection (its output), which finishes the projection's split sums
+        where neither site has LoRA (decoding a batch on GEMMs: ``PassContext.finishes_splits``)."""
         norm = normalises(name, k)
         if codes is not None:  # the next launch quantises: the norm, or the GEMV that normalises
             program.quantises((index, name), codes, context.scales_and_sums)
         if not norm:
-            program.add(_norm(context, x, weight, sites[name], getattr(io, name), codes, k, index, name))
+            program.add(_norm(context, x, weight, sites[name], getattr(io, name), codes, k, index, name,
+                              split=pending.pop() if pending else None))
+        if (then is not None and context.finishes_splits and saved is None and not sites[name].rank
+                and not sites[then].rank):
+            split = bitlinear_split_launch(codes, context.scales_and_sums, proj, out, tokens=context.rows, mode=mode,
+                                           workspace=context.workspace)
+            if split is not None:
+                program.add(split[0])
+                pending.append(split[1])
+                return
         program.add(*_project(context, proj, getattr(io, name), codes, out, mode, sites[name], saved=saved,
                              norm=(x, weight, c.rms_eps) if norm else None, rope=rope,
                              attention=attention if norm else None))
@@ -297,9 +322,9 @@ def emit_layer(program: Program, context: PassContext, index: int, io: LayerIO) 
                                     splits=1 if context.batch_invariant and not context.decode else None,
                                     positions=context.positions))
     site(io.attention, layer.attn_sub_norm, "o", c.q_size, layer.o, context.residual, "add", context.codes,
-         attention=partials, saved=io.residual_mid)  # o_proj's add keeps the residual for the backward
+         attention=partials, saved=io.residual_mid, then="mlp")  # o_proj's add keeps the residual for the backward
     site(context.residual, layer.post_norm, "mlp", c.hidden, layer.gate_up, io.ffn, "gate_up", context.codes,
-         saved=io.pairs)
+         saved=io.pairs, then="down")
     site(io.ffn, layer.ffn_sub_norm, "down", c.intermediate, layer.down, context.residual, "add", context.ffn_codes)
 
 

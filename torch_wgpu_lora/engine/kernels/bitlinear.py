@@ -34,7 +34,7 @@ from .attention.decode import DecodePartials
 from .dropout import SiteDropout, dropout_params
 from .gemms import (DECODE_TOKENS, MmaTile, default_tile, fastest, int8_matrix_units,
                     matrix_units_wanted_where_there_are_none, mma_shape, variant)
-from .projection import MODES, check_vec4_rows, gemv_max_tokens, input_grad_launches, split_k_ranges
+from .projection import MODES, SplitSums, check_vec4_rows, gemv_max_tokens, input_grad_launches, split_k_ranges
 from .rope import RopeTarget
 
 _ROW_LOADS_MAX = 16  # gemv: vec4 registers of a weight row one thread holds (ROW_LOADS_MAX in bitlinear.wgsl)
@@ -123,32 +123,18 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
     entry = "gemv" if gemv else "gemm"
     constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=saved is not None)
     if not gemv and (matrix_units_win(device, tokens, proj) if mma is None else mma):
-        shape = mma_shape(device, tile or default_tile("projection", tokens, proj.rows))
-        grid = (-(-proj.rows // shape.block_n), -(-tokens // shape.block_tokens))
-        # decoding's few tokens in at most two ranges: the sweep's best at 16 to 64 tokens
-        # (matrix_units_decode_split.json); more tokens in one (at 512, the second launch that adds
-        # two ranges took longer than they saved: device run 21 in results/h100/log.txt)
-        if not splits:
-            splits = (split_k_ranges(grid[0] * grid[1], proj.k, device, most=2)
-                      if tokens <= DECODE_TOKENS else 1)
-        if splits < 1:
-            raise ValueError(f"splits: a GEMM sums K in at least one range, not {splits}")
+        splits = splits or _decode_splits(device, tokens, proj, tile)
         params = (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank, segments,
                   saved.shape[-1] if saved is not None else 0, tokens, 4 * k_words, proj.rows, k_words)
-        shown = ((splits, tokens, proj.rows), "i32")
-        partials = (workspace.scratch("split-K partial sums", *shown) if workspace is not None
-                    else Buffer(*shown, device=device)) if splits > 1 else dummy(device, "partials")
-        buffers.update({1: codes, 2: scales_and_sums, 3: proj.weight, 10: partials})
-        on_units = variant("projection", "matrix_units")
-        constants.update(SPLITS=splits, **shape.tile.constants())
-        gemm = Launch.build(kernel(on_units.file, on_units.entry, device, **constants), (*grid, splits), buffers,
-                            params)
+        buffers.update({1: codes, 2: scales_and_sums, 3: proj.weight})
+        gemm, partials = _mma_gemm(buffers, constants, params, tokens, proj, tile, splits, workspace, device)
         if splits == 1:
             return [gemm]
         columns = proj.rows // 2 if mode == "gate_up" else proj.rows
         sums = {i: b for i, b in buffers.items() if i not in (1, 3)}  # the entry binds what it reads
-        return [gemm, Launch.build(kernel(on_units.file, "split_epilogue", device, **constants),
-                                   (-(-columns // 64), tokens, 1), sums, params)]
+        on_units = variant("projection", "matrix_units")
+        return [gemm, Launch.build(kernel(on_units.file, "split_epilogue", device, **gemm.kernel.constants),
+                                   (-(-columns // 64), tokens, 1), {**sums, 10: partials}, params)]
     x_stride, cache_len, tokens_per_seq = 0, 0, 1
     if gemv:  # the weights bound as vec4 words (binding 10); K is padded to 64, so rows are whole vec4s
         group = GEMV_GROUP if group is None else group
@@ -200,6 +186,64 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
     return [Launch.build(kern, grid, buffers, (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank,
                                                segments, saved.shape[-1] if saved is not None else 0, x_stride,
                                                cache_len, tokens_per_seq))]
+
+
+def _decode_splits(device: Device, tokens: int, proj: Projection, tile: MmaTile | None) -> int:
+    """The K ranges of a projection on the matrix units: decoding's few tokens in at most two
+    ranges, the sweep's best at 16 to 64 tokens (matrix_units_decode_split.json); more tokens in
+    one (at 512, the second launch that adds two ranges took longer than they saved: device run 21
+    in results/h100/log.txt)."""
+    if tokens > DECODE_TOKENS:
+        return 1
+    shape = mma_shape(device, tile or default_tile("projection", tokens, proj.rows))
+    return split_k_ranges(-(-proj.rows // shape.block_n) * -(-tokens // shape.block_tokens), proj.k, device, most=2)
+
+
+def _mma_gemm(buffers: dict[int, Buffer], constants: dict, params: tuple, tokens: int, proj: Projection,
+              tile: MmaTile | None, splits: int, workspace: Workspace | None, device: Device) -> tuple[Launch, Buffer]:
+    """bitlinear_mma.wgsl's gemm over ``splits`` ranges of K (``buffers``: its bindings but the
+    sums'), and the buffer of the ranges' i32 sums [splits, tokens, rows] (a placeholder for one
+    range, whose gemm runs the epilogue itself)."""
+    if splits < 1:
+        raise ValueError(f"splits: a GEMM sums K in at least one range, not {splits}")
+    shape = mma_shape(device, tile or default_tile("projection", tokens, proj.rows))
+    grid = (-(-proj.rows // shape.block_n), -(-tokens // shape.block_tokens), splits)
+    shown = ((splits, tokens, proj.rows), "i32")
+    partials = (workspace.scratch("split-K partial sums", *shown) if workspace is not None
+                else Buffer(*shown, device=device)) if splits > 1 else dummy(device, "partials")
+    on_units = variant("projection", "matrix_units")
+    kern = kernel(on_units.file, on_units.entry, device, **constants, SPLITS=splits, **shape.tile.constants())
+    return Launch.build(kern, grid, {**buffers, 10: partials}, params), partials
+
+
+def bitlinear_split_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, out: Buffer, *, tokens: int,
+                           mode: str, workspace: Workspace, mma: bool | None = None, tile: MmaTile | None = None,
+                           splits: int | None = None) -> tuple[Launch, SplitSums] | None:
+    """``bitlinear_launch``'s GEMM on the matrix units without its epilogue: its K ranges' sums
+    are left for the next launch to finish (``norm.rmsnorm_launch``'s ``split``: the epilogue and
+    the norm that follows it in one launch, a launch fewer a projection). Mode ``"add"`` (into
+    ``out``, the residual stream) or ``"gate_up"`` (products into ``out``), without LoRA (the
+    finishing launch adds none). At least two ranges (the sweep's choice, ``bitlinear_launch``'s
+    default, where that is more): a single range's GEMM would run the epilogue itself. ``mma``,
+    ``tile``: ``bitlinear_launch``'s; None where the projection does not run on the matrix units
+    (by default where the general cores win), for the caller to run ``bitlinear_launch``."""
+    device = workspace.device
+    if mode not in ("add", "gate_up"):
+        raise ValueError(f"a split projection's sums are finished by a norm after an add or gate/up epilogue, "
+                         f"not mode {mode!r}")
+    if splits is not None and splits < 2:
+        raise ValueError(f"splits: sums left for the next launch come from at least two ranges, not {splits}")
+    if not (matrix_units_win(device, tokens, proj) if mma is None else mma):
+        return None
+    splits = splits or max(2, _decode_splits(device, tokens, proj, tile))
+    k_words = proj.weight.shape[1]
+    params = (tokens, proj.rows, k_words, out.shape[-1], 0, 0, 0, 0, tokens, 4 * k_words, proj.rows, k_words)
+    pad = dummy(device)
+    buffers = {1: codes, 2: scales_and_sums, 3: proj.weight, 4: proj.scale, 5: out, 6: pad, 7: pad, 8: pad,
+               9: dummy(device, "saved")}
+    constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=False)
+    gemm, partials = _mma_gemm(buffers, constants, params, tokens, proj, tile, splits, workspace, device)
+    return gemm, SplitSums(partials, splits, proj.scale, proj.rows, proj.divide, mode == "gate_up", out)
 
 
 def matrix_units_win(device: Device, tokens: int, proj: Projection) -> bool:

@@ -165,6 +165,12 @@ DECODE_TOKENS = 64  # up to this many tokens a projection takes a decoding tile
 # 512 × 3,840 and below (60 workgroups and fewer; device runs 20 and 22).
 WIDE_TILE_OUTPUTS = 4 * 2 ** 20
 WIDE_TILE = MmaTile(sub_m=2, sub_n=4, tm=4, tn=4, kstep=64)
+# Up to 16 tokens, a projection of this many rows or more (BitNet-2B's fused gate/up, 13,824) takes a
+# row of eight subgroups and steps of 128: in the sweep of device run 18 19.9 µs against 31.6 for
+# the 16-token tile (matrix_units_decode_split.json); in the engine (device run 38, with q/k/v's
+# step also 128) a 16-row step took 3.31 ms against 3.46.
+DECODE_WIDE_ROWS = 8192
+DECODE_WIDE_TILE = MmaTile(sub_m=1, sub_n=8, tm=1, tn=1, kstep=128)
 
 
 # From this many tokens the four-digit input gradient takes 2 × 4 result matrices a subgroup on 4 × 2
@@ -192,17 +198,21 @@ def default_tile(kind: str, tokens: int | None = None, rows: int | None = None, 
     planes; device run 27, ``results/h100/input_grad_transposed.json``); with four planes from
     INPUT_GRAD_MANY_TOKENS tokens, INPUT_GRAD_MANY_TOKENS_TILE. The LM head's: HEAD_TILE, and for up
     to 32 rows (decoding) one or two rows of result matrices a subgroup, so that a workgroup holds
-    the step's rows and the head's weights are read about once (16 rows on the H100: 0.67 ms against
-    1.38 on the general cores, device run 34; other tiles not yet swept: benchmarks.matrix_units'
-    lm_head section).
+    the step's rows and the head's weights are read about once: each the fastest of the
+    benchmarks.matrix_units lm_head sweep on the H100 (device run 36,
+    ``results/h100/lm_head_decode_tiles.json``: 16 rows 0.46 ms with steps of 64, against 0.66 with
+    steps of 32 and 1.40 on the general cores; 32 rows 0.77 ms; from 33 rows HEAD_TILE, 1.17 ms at 64).
     A projection of ``tokens`` × ``rows`` outputs: WIDE_TILE (4 × 4 result matrices a subgroup) where
     it has enough of them to fill the GPU with its wide workgroups (WIDE_TILE_OUTPUTS); up to
     DECODE_TOKENS tokens (decoding a batch), few tokens and columns a workgroup (many small
     workgroups), each the fastest of the sweep at its token count on the H100
     (``benchmarks/results/h100/matrix_units_decode_split.json``, split in two along K: 89, 113 and
-    127 µs for a layer's four projections at 16, 32 and 64 tokens)."""
-    if kind == "lm_head" and tokens is not None and tokens <= 32:  # a decoding step's rows: 16 or 32 a workgroup
-        return MmaTile(digits=2, sub_m=2, sub_n=4, tm=1 if tokens <= 16 else 2, tn=2, kstep=32)
+    127 µs for a layer's four projections at 16, 32 and 64 tokens); at up to 16 tokens a projection
+    of DECODE_WIDE_ROWS rows or more takes DECODE_WIDE_TILE."""
+    if kind == "lm_head" and tokens is not None and tokens <= 16:  # a decoding step's rows: 16 a workgroup
+        return MmaTile(digits=2, sub_m=2, sub_n=4, tm=1, tn=2, kstep=64)
+    if kind == "lm_head" and tokens is not None and tokens <= 32:
+        return MmaTile(digits=2, sub_m=2, sub_n=4, tm=2, tn=2, kstep=32)
     if kind in ("lm_head", "lm_head_grad"):
         return HEAD_TILE
     if kind == "input_grad":
@@ -211,6 +221,8 @@ def default_tile(kind: str, tokens: int | None = None, rows: int | None = None, 
         if digits == 4 and tokens is not None and tokens >= INPUT_GRAD_MANY_TOKENS:
             return INPUT_GRAD_MANY_TOKENS_TILE
         return MmaTile(digits=digits, sub_m=digits, sub_n=4, tm=4, tn=2, kstep=64)
+    if tokens is not None and tokens <= 16 and rows is not None and rows >= DECODE_WIDE_ROWS:
+        return DECODE_WIDE_TILE
     if tokens is not None and tokens <= 16:
         return MmaTile(sub_m=1, sub_n=4, tm=1, tn=1, kstep=256)
     if tokens is not None and tokens <= 32:

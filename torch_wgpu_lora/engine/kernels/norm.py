@@ -13,6 +13,7 @@ import torch
 from ...runtime import Buffer, Device, Launch, get_device, kernel
 from . import dummy
 from .dropout import SiteDropout, dropout_params
+from .projection import SplitSums
 
 
 # rmsnorm_rows: the most features, and LoRA rank × feature steps, one invocation takes (norm.wgsl says why)
@@ -23,7 +24,7 @@ def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: in
                    codes: Buffer | None = None, scales_and_sums: Buffer | None = None, lora_a: Buffer | None = None,
                    h: Buffer | None = None, rank: int = 0, rstd: Buffer | None = None, per_row: bool | None = None,
                    dropout: SiteDropout | None = None, row_adapters: tuple[Buffer, Buffer] | None = None,
-                   device: Device | None = None) -> Launch:
+                   split: SplitSums | None = None, device: Device | None = None) -> Launch:
     """One launch normalising ``tokens`` rows of ``x`` (f32 [tokens, ≥ k]) into ``out`` (f32 [tokens,
     stride], stride = k padded to a multiple of 64); with ``codes`` and ``scales_and_sums`` it also quantises
     them (u32 [tokens, stride / 4], f32 [2 · tokens]);
@@ -33,9 +34,18 @@ def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: in
     each token runs one of the adapters stacked in ``lora_a``, its h 0 in the columns of the others
     (rows[n] names token n's adapter, columns[r] rank r's; a batch of mixed adapters). ``per_row``: one
     invocation a row (no barriers; the default on CPU adapters, for rows of up to ``ROWS_MAX_STEPS``
-    features) rather than a workgroup a row (the default on GPUs)."""
+    features) rather than a workgroup a row (the default on GPUs).
+
+    ``split``: the rows are made first, by the epilogue of the projection whose K ranges' sums it
+    holds (``SplitSums``; ``norm.wgsl``'s rmsnorm_split): added into ``x`` (``split.out``, the
+    residual stream) or, for gate/up pairs, written to it. The projection's token scales are
+    ``scales_and_sums``' first, which the launch then overwrites with the new codes'. A workgroup a
+    row, quantised, without LoRA ranks or 1/rms kept (a decoding step's norm)."""
     device = device or get_device()
     stride = out.shape[-1]
+    if split is not None:
+        return _rmsnorm_split_launch(split, x, weight, out, tokens, k, eps, codes, scales_and_sums, rank, rstd,
+                                     device)
     if stride % 64 or stride < k or x.shape[-1] < k:
         raise ValueError(f"out rows must hold k={k} padded to a multiple of 64, x rows at least k: x {x.shape}, "
                          f"out {out.shape}")
@@ -69,7 +79,32 @@ def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: in
     chunk = max(1, ROWS_MAX_STEPS // k)  # rmsnorm_rows: LoRA ranks an invocation computes
     grid = (-(-tokens // 64), max(1, -(-rank // chunk)), 1) if rows else (tokens, 1 + -(-rank // 4), 1)
     return Launch.build(kern, grid, buffers, (tokens, k, x.shape[-1], stride, stride // 4, rank, h_stride, eps,
-                                              chunk, *dropout_params(dropout)))
+                                              chunk, *dropout_params(dropout), 0))
+
+
+def _rmsnorm_split_launch(split: SplitSums, x: Buffer, weight: Buffer, out: Buffer, tokens: int, k: int, eps: float,
+                          codes: Buffer | None, scales_and_sums: Buffer | None, rank: int, rstd: Buffer | None,
+                          device: Device) -> Launch:
+    stride = out.shape[-1]
+    problems = []
+    if codes is None or scales_and_sums is None or rank or rstd is not None:
+        problems.append("codes and their scales, no LoRA ranks, no 1/rms kept")
+    if x is not split.out:
+        problems.append("x is the buffer the projection's epilogue writes (split.out)")
+    if split.features != k or k % 4 or split.rows % 4 or x.shape[-1] % 4 or x.shape[-1] < k:
+        problems.append(f"rows of k={k} features (a multiple of 4) from the projection's {split.rows} rows, "
+                        f"x's rows of whole vec4s ({x.shape})")
+    if stride % 64 or stride < k or stride > 32 * 256:
+        problems.append(f"out rows of k padded to a multiple of 64, at most 8192 ({out.shape})")
+    if problems:
+        raise ValueError("a norm after a split projection's epilogue needs " + "; ".join(problems))
+    kern = kernel("norm.wgsl", "rmsnorm_split", device, K=k, STRIDE=stride, WG=256, SPLITS=split.splits,
+                  PAIRS=split.pairs, DIVIDE=split.divide)
+    none = dummy(device)
+    buffers = {2: weight, 3: out, 4: codes, 5: scales_and_sums, 7: dummy(device, "h"), 8: dummy(device, "rstd"),
+               9: none, 10: none, 11: none, 12: none, 13: split.partials, 14: split.scale, 15: x}
+    return Launch.build(kern, (tokens, 1, 1), buffers, (tokens, k, x.shape[-1], stride, stride // 4, 0, 0, eps, 1,
+                                                      *dropout_params(None), split.rows))
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,6 +8,8 @@ Measurements behind ``split_k_ranges``: ``benchmarks/results/h200/kernel_tuning.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ...runtime import Buffer, Device, Launch, kernel
@@ -20,6 +22,28 @@ from .gemms import int8_matrix_units
 # interleaved gate/up pairs → relu(gate)²·up, or (a decoding q/k/v GEMV) rotate them into the
 # queries and the KV caches.
 MODES = {"store": 0, "add": 1, "gate_up": 2, "rope": 3}
+
+
+@dataclass(frozen=True)
+class SplitSums:
+    """A ternary projection's K ranges' i32 sums, [splits, tokens, rows] in ``partials``, left by
+    its GEMM on the matrix units (``bitlinear.bitlinear_split_launch``) for the next launch to
+    finish: its epilogue without LoRA (the weights' row ``scale``, ``divide`` as
+    ``Projection.divide``), an add into ``out`` (the residual stream) or, with ``pairs``, the
+    gate/up products relu(gate)² · up into ``out`` (the FFN's activation)."""
+
+    partials: Buffer
+    splits: int
+    scale: Buffer
+    rows: int
+    divide: bool
+    pairs: bool
+    out: Buffer
+
+    @property
+    def features(self) -> int:
+        """Features of each row the epilogue makes."""
+        return self.rows // 2 if self.pairs else self.rows
 
 
 def lora_table(segments: list[tuple[int, int, int, int, float, int, int]]) -> np.ndarray:
