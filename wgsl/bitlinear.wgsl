@@ -92,7 +92,7 @@ override GROUP: u32 = 1u;     // gemv: tokens a workgroup serves from one read o
 override SPREAD: bool = false;  // gemv: the weights held decoded (signed bytes), not as 2-bit words (below)
 override K: u32 = 64u;        // gemv_norm*, gemv_combine: the row's features (at most 4 · NORM_WORDS · WG)
 override EPS: f32 = 1e-5;     // gemv_norm*, gemv_combine
-override SPLITS: u32 = 1u;    // gemv_combine: key spans of the partials
+override SPANS: u32 = 1u;     // gemv_combine: key spans of the partials
 override HEADS: u32 = 1u;     // MODE 3: query heads, key/value heads, their width (gemv_combine: HEADS, HEAD_DIM)
 override KV_HEADS: u32 = 1u;
 override HEAD_DIM: u32 = 4u;  // even (rope) and whole vec4s (gemv_combine): its default compiles for both
@@ -165,25 +165,7 @@ fn has_next(i: u32, n: u32) -> bool { return i + 1u < GROUP && n + 1u < p.tokens
 
 const NORM_WORDS: u32 = 16u;  // gemv_norm*, gemv_combine: 4-feature words an invocation holds
 
-// gemv_combine: features 4w.. of token n's row of attention's output (one head's), its key spans'
-// partials merged as attention.wgsl's decode_combine merges them: Σ_s w_s·o_s / Σ_s w_s·l_s with
-// w_s = exp2(m_s − max m) (an empty span's partials are (−1e30, 0) and zeros: weight 0).
-fn attention_out(n: u32, w: u32) -> vec4<f32> {
-  let rows = p.tokens * HEADS;
-  let row = n * HEADS + (4u * w) / HEAD_DIM;
-  let col = w % (HEAD_DIM / 4u);
-  var m = PML[row].x;
-  for (var s = 1u; s < SPLITS; s++) { m = max(m, PML[s * rows + row].x); }
-  var l = 0.0;
-  var acc = vec4<f32>(0.0);
-  for (var s = 0u; s < SPLITS; s++) {
-    let ml = PML[s * rows + row];
-    let weight = exp2(ml.x - m);
-    l += ml.y * weight;
-    acc += PO[(s * rows + row) * (HEAD_DIM / 4u) + col] * weight;
-  }
-  return acc / l;
-}
+// @include _attention_partials.wgsl
 
 // gemv_norm*: the invocation's words of token n's row of X (fetched before they are normalised:
 // a group issues the next token's loads while it works on this one).

@@ -20,6 +20,8 @@
 // decoding step's add or gate/up epilogue and the next norm are one launch. The projection's
 // token scales are the XM that this launch then overwrites with the new codes' (one workgroup a
 // token reads its own before any writes it: a launch of one workgroup a row, no LoRA ranks).
+// rmsnorm_partials normalises a decoding step's attention output read as its key spans' partials
+// merged (_attention_partials.wgsl), so that decode_combine's launch and the norm are one.
 
 struct Params {
   tokens: u32,
@@ -53,6 +55,8 @@ struct Params {
 @group(0) @binding(13) var<storage, read> PART: array<vec4<i32>>;   // rmsnorm_split: [SPLITS][tokens][part_rows]
 @group(0) @binding(14) var<storage, read> PWS: array<vec4<f32>>;    // rmsnorm_split: the weights' row scales
 @group(0) @binding(15) var<storage, read_write> RES: array<vec4<f32>>;  // rmsnorm_split: rows of x_stride floats
+@group(0) @binding(16) var<storage, read> PO: array<vec4<f32>>;     // rmsnorm_partials
+@group(0) @binding(17) var<storage, read> PML: array<vec2<f32>>;    // rmsnorm_partials
 
 override WG: u32 = 256u;  // a multiple of 32
 override QUANT: bool = true;
@@ -64,6 +68,9 @@ override PER_ROW: bool = false;
 override SPLITS: u32 = 2u;     // rmsnorm_split: the projection's K ranges
 override PAIRS: bool = false;  // rmsnorm_split: gate/up pairs (else an add into RES)
 override DIVIDE: bool = true;  // rmsnorm_split: the projection's scaling (bitlinear.wgsl's scaled)
+override SPANS: u32 = 1u;      // rmsnorm_partials: attention's key spans, its heads and their width
+override HEADS: u32 = 1u;
+override HEAD_DIM: u32 = 4u;
 // The 4-feature words of a row an invocation holds (at most MAX_WORDS, below). An override, not a
 // `let`: Tint (Dawn) puts a counter into every loop whose bound it cannot prove constant, and a
 // loop with that counter is not unrolled, so the arrays it indexes leave the registers.
@@ -72,6 +79,7 @@ override WORDS: u32 = (STRIDE / 4u + WG - 1u) / WG;
 // @include _reductions.wgsl
 // @include _quantise.wgsl
 // @include _dropout.wgsl
+// @include _attention_partials.wgsl
 
 // A row's 4-feature words are spread over the invocations (word t + WG·i for invocation t), held
 // in registers from the one read of X to the codes; K and STRIDE are pipeline constants so the
@@ -136,6 +144,19 @@ fn rmsnorm_split(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
   var y: array<vec4<f32>, MAX_WORDS>;
   for (var i = 0u; i < WORDS; i++) { y[i] = split_word(wg.x, inv.t + WG * i, s); }
   normalise(inv.t, wg.x, 0u, &y);
+}
+
+@compute @workgroup_size(WG)
+fn rmsnorm_partials(inv: Invocation, @builtin(workgroup_id) wg: vec3<u32>) {
+  enter(inv);
+  var y: array<vec4<f32>, MAX_WORDS>;
+  for (var i = 0u; i < WORDS; i++) {
+    let w = inv.t + WG * i;
+    var v = vec4<f32>(0.0);
+    if (4u * w < K) { v = attention_out(wg.x, w); }  // K = HEADS · HEAD_DIM: whole words
+    y[i] = v;
+  }
+  normalise(inv.t, wg.x, wg.y, &y);
 }
 
 // Token n's row y (its words, as the entry point fetched them: word t + WG·i in y[i]) normalised by

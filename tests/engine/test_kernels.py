@@ -282,6 +282,51 @@ def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
         assert not got_v[b, :, :pos].any() and not got_v[b, :, pos + T:].any()
 
 
+@pytest.mark.parametrize("rank", [0, 5])
+@pytest.mark.parametrize("length", [5, 200])
+def test_rmsnorm_normalises_attention_partials_merged_as_it_reads_them(length, rank):
+    # the o norm of a decoded batch fed attention's decode partials over 4 key spans (at length 5
+    # three are empty, weighing 0 though the scratch starts as NaN): the merged rows normalised,
+    # their codes and, with LoRA, h against float64 attention and transformers' module
+    from torch_wgpu_lora.engine.kernels.attention import attention_launches, attention_reference, decode_partials
+
+    batch, heads, kv_heads, d, max_len = 6, 4, 2, 16, 256
+    g = torch.Generator().manual_seed(length + rank)
+    q = torch.randn(batch, heads * d, generator=g)
+    caches = [torch.randn(batch, kv_heads, max_len, d, generator=g) for _ in range(2)]
+    keys = [max(1, length - i) for i in range(batch)]  # each sequence's query at its own end
+    starts, lengths = upload(np.array(keys, np.uint32) - 1), upload(np.array(keys, np.uint32))
+    workspace = kernel_workspace()
+    partials = decode_partials(batch, 1, heads, kv_heads, d, max_len, workspace, splits=4)
+    for buf in (partials.o, partials.ml):
+        nan_fill(buf)
+    attend = attention_launches(upload(q.numpy()), *(upload(c.numpy()) for c in caches), poisoned((batch, heads * d)),
+                                starts, lengths, batch=batch, tokens=1, heads=heads, kv_heads=kv_heads, head_dim=d,
+                                max_len=max_len, scale=d ** -0.5, decode=True, partials=partials, workspace=workspace)
+    norm = _norm_module(heads * d, g)
+    A = torch.randn(max(rank, 1), heads * d, generator=g)
+    xn, codes, meta, h = (poisoned((batch, heads * d)), poisoned((batch, heads * d // 4), "u32"),
+                          poisoned((2 * batch,)), poisoned((batch, max(rank, 1))))
+    launch = rmsnorm_launch(poisoned((batch, heads * d)), upload(norm.weight.detach().numpy()), xn, tokens=batch,
+                            k=heads * d, eps=1e-5, codes=codes, scales_and_sums=meta, lora_a=upload(A.numpy()), h=h,
+                            rank=rank, attention=partials)
+    assert launch.kernel.name == "norm.wgsl:rmsnorm_partials"
+    got_xn, got_codes, got_meta, got_h = run(attend + [launch], xn, codes, meta, h)
+    attended, _ = attention_reference(q.double(), caches[0].double(), caches[1].double(),
+                                      [n - 1 for n in keys], keys, heads, kv_heads, d ** -0.5)
+    with torch.no_grad():
+        y = norm(attended.float())  # transformers' module on the merged output (float32)
+    # attention's float32 output differs from float64 torch by ~1e-6 relative (the existing GEMV
+    # merge's test): the normalised rows within 1e-5 of their largest
+    assert_close(got_xn, y, 1e-5, "normalised merged rows")
+    assert_codes_round(got_codes, got_meta, got_xn, heads * d)
+    if rank:
+        assert_close(got_h, y.double() @ A.double().T, 1e-5, "h = y·Aᵀ")
+    with pytest.raises(ValueError, match="attention partials"):
+        rmsnorm_launch(xn, upload(norm.weight.detach().numpy()), xn, tokens=batch, k=heads * d - 4, eps=1e-5,
+                       codes=codes, scales_and_sums=meta, attention=partials)
+
+
 @pytest.mark.parametrize("length", [5, 70, 200])
 def test_gemv_normalises_attention_partials_merged_as_it_reads_them(length):
     # o_proj's decode GEMV fed attention's decode partials over 4 key spans: at length 5 three

@@ -27,10 +27,11 @@ computes h, and so does a row too long for the GEMV to hold: ``gemv_normalises``
 GEMV that does so merges attention's key-span partials as it reads them (no combine launch).
 BitNet-2B with Q/V adapters: 7 launches a layer rather than 11.
 
-Decoding a batch on GEMMs (``PassContext.finishes_splits``: more tokens than the GEMV path takes,
+Decoding a batch on GEMMs (``PassContext.fuses_batch``: more tokens than the GEMV path takes,
 the projections split along K on the matrix units) leaves o_proj's and gate/up's sums to the next
 norm's launch, which runs their epilogue (the add, the gate/up products) and then normalises
-(``norm.rmsnorm_launch``'s ``split``) where neither site has LoRA: two launches a layer fewer.
+(``norm.rmsnorm_launch``'s ``split``) where neither site has LoRA; and o_proj's norm merges
+attention's key-span partials as it reads them (``attention``): three launches a layer fewer.
 
 A ``Program`` is the launches in order, with the points where activations are quantised marked,
 so that ``record(capture=...)`` can copy the int8 codes a pass chose (tests feed them to the
@@ -188,9 +189,10 @@ class PassContext:
                 and self.rows <= gemv_max_tokens(self.workspace.device))
 
     @property
-    def finishes_splits(self) -> bool:
-        """Whether decoding a batch on GEMMs leaves a split projection's sums to the next norm's
-        launch (a ternary model, more tokens than the GEMV path takes)."""
+    def fuses_batch(self) -> bool:
+        """Whether decoding a batch fuses launches (a ternary model, more tokens than the GEMV path
+        takes): a split projection's sums finished by the next norm's launch, attention's key-span
+        partials merged by o_proj's norm (the module's docstring)."""
         return (self.fuse and self.decode and self.config.quantised
                 and self.rows > gemv_max_tokens(self.workspace.device))
 
@@ -237,7 +239,8 @@ def emit_embedding(program: Program, context: PassContext, ids: Buffer) -> None:
 
 
 def _norm(context: PassContext, x: Buffer, weight: Buffer, site: Site | None, io: SiteIO, codes: Buffer | None,
-          k: int, layer: int, name: str, split: SplitSums | None = None) -> Launch:
+          k: int, layer: int, name: str, split: SplitSums | None = None,
+          attention: DecodePartials | None = None) -> Launch:
     lora = site is not None and site.rank > 0
     serving = lora and context.row_adapters is not None
     dropout = (context.adapters.site_dropout(layer, name, context.dropout) if lora and context.dropout is not None
@@ -246,7 +249,8 @@ def _norm(context: PassContext, x: Buffer, weight: Buffer, site: Site | None, io
                           scales_and_sums=context.scales_and_sums if codes is not None else None,
                           lora_a=site.a if lora else None, h=io.h if lora else None, rank=site.rank if lora else 0,
                           rstd=io.rstd, dropout=dropout, device=context.workspace.device,
-                          row_adapters=(context.row_adapters, site.columns) if serving else None, split=split)
+                          row_adapters=(context.row_adapters, site.columns) if serving else None, split=split,
+                          attention=attention)
 
 
 def _project(context: PassContext, proj: Projection, io: SiteIO, codes: Buffer | None, out: Buffer, mode: str,
@@ -284,14 +288,14 @@ def emit_layer(program: Program, context: PassContext, index: int, io: LayerIO) 
         """A projection and the norm of its input: one launch where the GEMV normalises (x, or
         ``attention``'s partials merged), else two; ``saved``: ``_project``'s. ``then``: the site
         whose norm follows the projection (its output), which finishes the projection's split sums
-        where neither site has LoRA (decoding a batch on GEMMs: ``PassContext.finishes_splits``)."""
+        where neither site has LoRA (decoding a batch on GEMMs: ``PassContext.fuses_batch``)."""
         norm = normalises(name, k)
         if codes is not None:  # the next launch quantises: the norm, or the GEMV that normalises
             program.quantises((index, name), codes, context.scales_and_sums)
         if not norm:
             program.add(_norm(context, x, weight, sites[name], getattr(io, name), codes, k, index, name,
-                              split=pending.pop() if pending else None))
-        if (then is not None and context.finishes_splits and saved is None and not sites[name].rank
+                              split=pending.pop() if pending else None, attention=attention))
+        if (then is not None and context.fuses_batch and saved is None and not sites[name].rank
                 and not sites[then].rank):
             split = bitlinear_split_launch(codes, context.scales_and_sums, proj, out, tokens=context.rows, mode=mode,
                                            workspace=context.workspace)
@@ -311,9 +315,10 @@ def emit_layer(program: Program, context: PassContext, index: int, io: LayerIO) 
          "rope" if fused else "store", context.codes, rope=target if fused else None)
     if not fused:
         program.add(rope_launch(context.qkv, io.queries, target, tokens=context.rows, device=context.workspace.device))
-    # o_proj's GEMV that normalises its input merges attention's partials itself (no combine launch)
+    # o_proj's GEMV that normalises its input, or else a batch's o norm, merges attention's partials itself (no
+    # combine launch)
     partials = (decode_partials(context.batch, context.tokens, c.heads, c.kv_heads, c.head_dim, context.cache_length,
-                                context.workspace) if normalises("o", c.q_size) else None)
+                                context.workspace) if normalises("o", c.q_size) or context.fuses_batch else None)
     program.add(*attention_launches(io.queries, io.keys, io.values, io.attention, context.starts, context.lengths,
                                     batch=context.batch, tokens=context.tokens, heads=c.heads, kv_heads=c.kv_heads,
                                     head_dim=c.head_dim, max_len=context.cache_length, scale=c.head_dim ** -0.5,

@@ -168,7 +168,7 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
         x_stride = x.shape[-1]
         if attention:
             entry = "gemv_combine"
-            constants.update(SPLITS=attention.splits, HEADS=attention.heads, HEAD_DIM=attention.head_dim)
+            constants.update(SPANS=attention.splits, HEADS=attention.heads, HEAD_DIM=attention.head_dim)
             buffers.update({20: attention.o, 21: attention.ml})
         else:
             entry = "gemv_norm"

@@ -13,6 +13,7 @@ import torch
 from ...runtime import Buffer, Device, Launch, get_device, kernel
 from . import dummy
 from .dropout import SiteDropout, dropout_params
+from .attention.decode import DecodePartials
 from .projection import SplitSums
 
 
@@ -24,7 +25,8 @@ def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: in
                    codes: Buffer | None = None, scales_and_sums: Buffer | None = None, lora_a: Buffer | None = None,
                    h: Buffer | None = None, rank: int = 0, rstd: Buffer | None = None, per_row: bool | None = None,
                    dropout: SiteDropout | None = None, row_adapters: tuple[Buffer, Buffer] | None = None,
-                   split: SplitSums | None = None, device: Device | None = None) -> Launch:
+                   split: SplitSums | None = None, attention: DecodePartials | None = None,
+                   device: Device | None = None) -> Launch:
     """One launch normalising ``tokens`` rows of ``x`` (f32 [tokens, ≥ k]) into ``out`` (f32 [tokens,
     stride], stride = k padded to a multiple of 64); with ``codes`` and ``scales_and_sums`` it also quantises
     them (u32 [tokens, stride / 4], f32 [2 · tokens]);
@@ -40,12 +42,22 @@ def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: in
     holds (``SplitSums``; ``norm.wgsl``'s rmsnorm_split): added into ``x`` (``split.out``, the
     residual stream) or, for gate/up pairs, written to it. The projection's token scales are
     ``scales_and_sums``' first, which the launch then overwrites with the new codes'. A workgroup a
-    row, quantised, without LoRA ranks or 1/rms kept (a decoding step's norm)."""
+    row, quantised, without LoRA ranks or 1/rms kept (a decoding step's norm).
+
+    ``attention``: the rows are a decoding step's attention output, read as its key spans' partials
+    merged (``norm.wgsl``'s rmsnorm_partials; ``x`` is not read): the launch replaces
+    decode_combine's. A workgroup a row."""
     device = device or get_device()
     stride = out.shape[-1]
+    if split is not None and attention is not None:
+        raise ValueError("a norm reads a split projection's sums or attention's partials, not both")
     if split is not None:
         return _rmsnorm_split_launch(split, x, weight, out, tokens, k, eps, codes, scales_and_sums, rank, rstd,
                                      device)
+    if attention is not None and (attention.heads * attention.head_dim != k or attention.head_dim % 4
+                                  or per_row):
+        raise ValueError(f"attention partials of {attention.heads} heads of {attention.head_dim} (whole vec4s) feed a "
+                         f"norm of rows of {k} features, a workgroup a row")
     if stride % 64 or stride < k or x.shape[-1] < k:
         raise ValueError(f"out rows must hold k={k} padded to a multiple of 64, x rows at least k: x {x.shape}, "
                          f"out {out.shape}")
@@ -57,7 +69,7 @@ def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: in
         raise ValueError(f"row_adapters name the adapters of {row_adapters[0].shape} tokens and "
                          f"{row_adapters[1].shape} ranks; the launch has {tokens} tokens and {rank} ranks")
     options = dict(DROPOUT=dropout is not None, PER_ROW=row_adapters is not None)
-    rows = device.is_cpu and k <= ROWS_MAX_STEPS if per_row is None else per_row
+    rows = device.is_cpu and k <= ROWS_MAX_STEPS and attention is None if per_row is None else per_row
     if rows and k > ROWS_MAX_STEPS:
         raise ValueError(f"rows of {k} features are too long for the invocation-a-row kernel (at most "
                          f"{ROWS_MAX_STEPS}); use per_row=False")
@@ -67,14 +79,19 @@ def rmsnorm_launch(x: Buffer, weight: Buffer, out: Buffer, *, tokens: int, k: in
         group = max(256, -(-stride // (32 * 32)) * 32)
         if group > int(device.limits["max-compute-invocations-per-workgroup"]):
             raise ValueError(f"rows of {k} features are too long for one workgroup of this adapter")
-        kern = kernel("norm.wgsl", "rmsnorm", device, QUANT=quant, SAVE=rstd is not None, K=k, STRIDE=stride, WG=group,
-                      **options)
+        if attention is not None:
+            options.update(SPANS=attention.splits, HEADS=attention.heads, HEAD_DIM=attention.head_dim)
+        kern = kernel("norm.wgsl", "rmsnorm" if attention is None else "rmsnorm_partials", device, QUANT=quant,
+                      SAVE=rstd is not None, K=k, STRIDE=stride, WG=group, **options)
     buffers = {1: x, 2: weight, 3: out, 4: codes or dummy(device, "codes"),
                5: scales_and_sums or dummy(device, "scales_and_sums"),
                6 if rows else 9: lora_a or dummy(device), 7: h or dummy(device, "h"), 8: rstd or dummy(device, "rstd"),
                10: dropout.state if dropout is not None else dummy(device),
                11: row_adapters[0] if row_adapters is not None else dummy(device),
                12: row_adapters[1] if row_adapters is not None else dummy(device)}
+    if attention is not None:  # the entry reads the partials instead of x
+        del buffers[1]
+        buffers.update({16: attention.o, 17: attention.ml})
     h_stride = h.shape[-1] if h is not None else 0
     chunk = max(1, ROWS_MAX_STEPS // k)  # rmsnorm_rows: LoRA ranks an invocation computes
     grid = (-(-tokens // 64), max(1, -(-rank // chunk)), 1) if rows else (tokens, 1 + -(-rank // 4), 1)
