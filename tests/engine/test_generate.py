@@ -13,6 +13,7 @@ from torch_wgpu_lora import BitNetEngine, generate
 from torch_wgpu_lora.engine import Generated
 from torch_wgpu_lora.engine.generate import FILL_SHARE, fill_length, rows_to_fill
 from torch_wgpu_lora.engine.kernels.bitlinear import GEMV_GROUP
+from torch_wgpu_lora.engine.kernels.projection import gemv_max_tokens
 from torch_wgpu_lora.engine.kernels.sampling import ROW_COUNT
 from torch_wgpu_lora.engine.plan import ForwardPlan, KVCache
 from torch_wgpu_lora.engine.program import read_codes
@@ -113,7 +114,7 @@ def test_decoded_logits_match_transformers_fed_the_engines_codes(flavour, config
 @pytest.mark.parametrize("adapters", ["q-v", "all"])
 @pytest.mark.parametrize("config", ["gqa-tied", "odd-sizes"])
 def test_a_decoded_batch_matches_transformers_fed_the_engines_codes(config, adapters):
-    # six rows, past the GEMV path's four on a CPU adapter: o_proj's norm merges attention's key-span
+    # two rows past the GEMV path's (four on a CPU adapter): o_proj's norm merges attention's key-span
     # partials (no combine launch); where the projections run on the matrix units (the Mesa 26 leg
     # runs this with the gemms setting "matrix_units"), with Q/V adapters o_proj's and gate/up's
     # split sums are finished by the next norm's launch (two a layer), with adapters everywhere by
@@ -122,7 +123,7 @@ def test_a_decoded_batch_matches_transformers_fed_the_engines_codes(config, adap
              else tiny_model("packed", True, seed=8, **CONFIGS[config]))
     engine = BitNetEngine(model)
     g = torch.Generator().manual_seed(3)
-    rows = torch.randint(0, model.config.vocab_size, (6, 7), generator=g).tolist()
+    rows = torch.randint(0, model.config.vocab_size, (gemv_max_tokens(engine.device) + 2, 7), generator=g).tolist()
     logits, codes, kernels = decoded_logits_and_codes(engine, rows, fuse=True)
     layers = model.config.num_hidden_layers
     on_units = kernels.count("bitlinear_mma.wgsl:gemm")
