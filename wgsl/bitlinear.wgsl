@@ -265,43 +265,7 @@ fn stage_codes(t: u32, i: u32, n: u32, c: ptr<function, array<vec4<u32>, CODE_LO
   return s;
 }
 
-// MODE 3: the grid's row g → its weight row; rotation partners d, d + D/2 of a head at g, g + 1.
-fn qkv_row(g: u32) -> u32 {
-  if (MODE != 3u || g >= (HEADS + KV_HEADS) * HEAD_DIM) { return g; }
-  let half = HEAD_DIM / 2u;
-  let pair = g / 2u;
-  return (pair / half) * HEAD_DIM + (g % 2u) * half + pair % half;
-}
-
-// MODE 3: the grid's rows g, g + 1 (g even) of token n, with values a, b.
-fn put_rotated(n: u32, g: u32, a: f32, b: f32) {
-  let seq = n / p.tokens_per_seq;
-  let pos = STARTS[seq] + n % p.tokens_per_seq;
-  let half = HEAD_DIM / 2u;
-  let rotated = (HEADS + KV_HEADS) * HEAD_DIM;
-  if (g < rotated) {
-    let head = g / HEAD_DIM;
-    let d = (g / 2u) % half;
-    let c = COS[pos * half + d];
-    let sn = SIN[pos * half + d];
-    let r1 = a * c + (-b) * sn;
-    let r2 = b * c + a * sn;
-    if (head < HEADS) {
-      let o = n * p.out_stride + p.out_offset + head * HEAD_DIM + d;
-      OUT[o] = r1;
-      OUT[o + half] = r2;
-    } else {
-      let o = ((seq * KV_HEADS + head - HEADS) * p.cache_len + pos) * HEAD_DIM + d;
-      KC[o] = r1;
-      KC[o + half] = r2;
-    }
-  } else {  // values, in order: features i, i + 1 of one head (HEAD_DIM is even)
-    let i = g - rotated;
-    let o = ((seq * KV_HEADS + i / HEAD_DIM) * p.cache_len + pos) * HEAD_DIM + i % HEAD_DIM;
-    VC[o] = a;
-    VC[o + 1u] = b;
-  }
-}
+// @include _rope_epilogue.wgsl
 
 fn lanes_sum(r: u32) -> i32 {  // row r's lanes' dots, in lane order
   var s = 0i;

@@ -6,7 +6,8 @@
 //
 // Split-K (SPLITS > 1, for few tokens, whose tiles alone leave the GPU idle): workgroup z sums its
 // range of K and stores the i32 sums into PART [SPLITS][tokens][rows]; split_epilogue adds the ranges
-// (integers: the same sums in any order) and runs the epilogue.
+// (integers: the same sums in any order) and runs the epilogue; split_epilogue_rope runs decoding's
+// q/k/v epilogue (MODE 3, _rope_epilogue.wgsl) instead, so a batch's q/k/v needs no rope launch.
 // @subgroup-matrix i8 i32
 
 struct Params {
@@ -22,6 +23,8 @@ struct Params {
   a_words: u32,      // = 4 · k_words: u32 words of codes a token
   t_rows: u32,       // = rows
   t_words: u32,      // = k_words
+  cache_len: u32,    // MODE 3: positions per sequence in KC, VC
+  tokens_per_seq: u32,  // MODE 3
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -35,17 +38,26 @@ struct Params {
 @group(0) @binding(8) var<storage, read> LB: array<vec4<f32>>;
 @group(0) @binding(9) var<storage, read_write> AUX: array<f32>;
 @group(0) @binding(10) var<storage, read_write> PART: array<i32>;
+@group(0) @binding(11) var<storage, read> COS: array<f32>;
+@group(0) @binding(12) var<storage, read> SIN: array<f32>;
+@group(0) @binding(13) var<storage, read> STARTS: array<u32>;
+@group(0) @binding(14) var<storage, read_write> KC: array<f32>;
+@group(0) @binding(15) var<storage, read_write> VC: array<f32>;
 
 override MODE: u32 = 0u;
 override DIVIDE: bool = true;
 override SAVE: bool = false;
 override SPLITS: u32 = 1u;
+override HEADS: u32 = 1u;     // MODE 3: query heads, key/value heads, their width
+override KV_HEADS: u32 = 1u;
+override HEAD_DIM: u32 = 2u;
 
 var<private> split: u32;  // the workgroup's range of K (split-K)
 
 // @include _mma_tile.wgsl
 // @include _ternary_mma_tile.wgsl
 // @include _projection_epilogue.wgsl
+// @include _rope_epilogue.wgsl
 
 fn value(n: u32, j: u32, exact: i32) -> f32 {
   let s = XM[n];
@@ -110,5 +122,18 @@ fn split_epilogue(@builtin(global_invocation_id) id: vec3<u32>) {
     if (r + 1u < p.rows) { put_pair(n, id.x, value(n, r, split_sum(n, r)), value(n, r + 1u, split_sum(n, r + 1u))); }
   } else if (id.x < p.rows) {
     put(n, id.x, value(n, id.x, split_sum(n, id.x)));
+  }
+}
+
+// The epilogue of split-K in MODE 3: grid rows g = 2x, g + 1 (qkv_row's order: a rotation's two
+// partners side by side) of token y, rotated into the queries and the caches.
+@compute @workgroup_size(64)
+fn split_epilogue_rope(@builtin(global_invocation_id) id: vec3<u32>) {
+  let n = id.y;
+  let g = 2u * id.x;
+  if (g + 1u < p.rows) {
+    let j = qkv_row(g);
+    let j2 = qkv_row(g + 1u);
+    put_rotated(n, g, value(n, j, split_sum(n, j)), value(n, j2, split_sum(n, j2)));
   }
 }

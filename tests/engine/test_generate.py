@@ -116,9 +116,9 @@ def test_decoded_logits_match_transformers_fed_the_engines_codes(flavour, config
 def test_a_decoded_batch_matches_transformers_fed_the_engines_codes(config, adapters):
     # two rows past the GEMV path's (four on a CPU adapter): o_proj's norm merges attention's key-span
     # partials (no combine launch); where the projections run on the matrix units (the Mesa 26 leg
-    # runs this with the gemms setting "matrix_units"), with Q/V adapters o_proj's and gate/up's
-    # split sums are finished by the next norm's launch (two a layer), with adapters everywhere by
-    # their own epilogue launches
+    # runs this with the gemms setting "matrix_units"), q/k/v's split epilogue rotates (no rope
+    # launch), and with Q/V adapters o_proj's and gate/up's split sums are finished by the next
+    # norm's launch (two a layer), with adapters everywhere by their own epilogue launches
     model = (q_v_model("packed", config, seed=8) if adapters == "q-v"
              else tiny_model("packed", True, seed=8, **CONFIGS[config]))
     engine = BitNetEngine(model)
@@ -130,6 +130,8 @@ def test_a_decoded_batch_matches_transformers_fed_the_engines_codes(config, adap
     assert on_units in (0, 4 * layers), kernels
     finished = kernels.count("norm.wgsl:rmsnorm_split")
     assert finished == (2 * layers if adapters == "q-v" and on_units else 0), kernels
+    assert kernels.count("bitlinear_mma.wgsl:split_epilogue_rope") == (layers if on_units else 0)
+    assert kernels.count("rope.wgsl:rope") == (0 if on_units else layers)
     assert kernels.count("norm.wgsl:rmsnorm_partials") == layers and "attention.wgsl:decode_combine" not in kernels
     assert_fed_logits_match(model, rows, logits, codes)
 

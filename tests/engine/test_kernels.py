@@ -222,10 +222,17 @@ def test_gemv_normalises_and_quantises_its_own_input(tokens, k, rows, mode, redu
     assert_close(got, ref, INT_RTOL, "projection of its own codes")
 
 
-@pytest.mark.parametrize("normalise", [False, True], ids=["codes", "norm"])
-def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
-    # two sequences of two tokens, at positions 3, 4 and 7, 8: q, k rotated by transformers' rule,
-    # k and v into the caches, with Q/V adapters on the fused rows (as a decoding q/k/v projection)
+@pytest.mark.parametrize("path", ["codes", "norm"])
+def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(path):
+    rope_epilogue_case(path)
+
+
+def rope_epilogue_case(path: str) -> None:
+    """Two sequences of two tokens, at positions 3, 4 and 7, 8: q, k rotated by transformers' rule,
+    k and v into the caches, with Q/V adapters on the fused rows (as a decoding q/k/v projection),
+    against float64. ``path``: the GEMV on given codes ("codes"), the GEMV normalising its input
+    ("norm"), the matrix units' GEMM in three ranges of K, rotated by its split epilogue
+    ("matrix-units")."""
     from transformers import BitNetConfig
     from transformers.models.bitnet.modeling_bitnet import BitNetRotaryEmbedding, apply_rotary_pos_emb
 
@@ -247,9 +254,11 @@ def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
                         upload(sin[0, :, : d // 2].contiguous().numpy()), upload(np.array(starts, np.uint32)),
                         k_cache, v_cache, heads, kv_heads, d, T)
     q_rot = poisoned((batch * T, q_size))
-    options = dict(tokens=batch * T, out_stride=q_size, mode="rope", rope=target, gemv=True, h=upload(h.numpy()),
-                   lora_rank=6, lora=upload(table), lora_b=upload(lb), segments=2)
-    if normalise:
+    options = dict(tokens=batch * T, out_stride=q_size, mode="rope", rope=target, h=upload(h.numpy()),
+                   lora_rank=6, lora=upload(table), lora_b=upload(lb), segments=2,
+                   **(dict(gemv=False, mma=True, splits=3, workspace=kernel_workspace()) if path == "matrix-units"
+                      else dict(gemv=True)))
+    if path == "norm":
         x = torch.randn(batch * T, k, generator=g)
         norm = _norm_module(k, g)
         xq, xm = poisoned((batch * T, k // 4), "u32"), poisoned((2 * batch * T,))
@@ -262,8 +271,11 @@ def test_gemv_rope_epilogue_rotates_q_and_fills_the_caches(normalise):
             _assert_codes_round(codes, norm(x), scales)
     else:
         codes, scales, xq, xm = _codes(batch * T, k, g)
-        (launch,) = bitlinear_launch(xq, xm, _projection(values, row_scales, True), q_rot, **options)
-        got_q, got_k, got_v = run([launch], q_rot, k_cache, v_cache)
+        launches = bitlinear_launch(xq, xm, _projection(values, row_scales, True), q_rot, **options)
+        assert [launch.kernel.name for launch in launches] == (
+            ["bitlinear_mma.wgsl:gemm", "bitlinear_mma.wgsl:split_epilogue_rope"] if path == "matrix-units"
+            else ["bitlinear.wgsl:gemv_rope"])
+        got_q, got_k, got_v = run(launches, q_rot, k_cache, v_cache)
     raw = bitlinear_reference(codes, scales, values, row_scales, True)
     raw[:, :q_size] += 1.5 * h[:, :4].double() @ Bq.double().T
     raw[:, q_size + kv_size:] += 0.25 * h[:, 4:].double() @ Bv.double().T
@@ -505,15 +517,17 @@ def test_gemv_fusions_refuse_what_they_cannot_do():
     codes, scales, xq, xm = _codes(2, 64, g)
     proj = _projection(torch.randint(-1, 2, (8, 64), generator=g, dtype=torch.int8), torch.ones(8), True)
     out, x, w = poisoned((2, 8)), poisoned((2, 64)), poisoned((64,))
-    with pytest.raises(ValueError, match="gemv's fusions"):
+    with pytest.raises(ValueError, match="norm is gemv's fusion"):
         bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, gemv=False, norm=(x, w, 1e-5))
     with pytest.raises(ValueError, match="gemm tiles hold 32 or 64 tokens, not 16"):
-        bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, gemv=False, tile_tokens=16)
+        bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, gemv=False, mma=False, tile_tokens=16)
     with pytest.raises(ValueError, match="mode 'rope' and a RopeTarget go together"):
         bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, mode="rope")
     from torch_wgpu_lora.engine.kernels.attention import decode_partials
 
     target = RopeTarget(*(poisoned((4,)) for _ in range(5)), heads=4, kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="mode 'rope' is the epilogue of gemv's and of the matrix units'"):
+        bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, mode="rope", rope=target, gemv=False, mma=False)
     with pytest.raises(ValueError, match="attention partials feed o_proj and mode 'rope' is the q/k/v projection's"):
         bitlinear_launch(xq, xm, proj, out, tokens=2, out_stride=8, mode="rope", rope=target, norm=(x, w, 1e-5),
                          attention=decode_partials(2, 1, 4, 2, 16, 8, kernel_workspace()))

@@ -27,7 +27,7 @@ from torch_wgpu_lora.engine.weights import Projection, float_rows, pack_ternary
 from torch_wgpu_lora.runtime import get_device, upload
 
 from .helpers import assert_close, assert_codes_round, kernel_workspace, padded, poisoned, run
-from .test_kernels import _codes, _projection
+from .test_kernels import _codes, _projection, rope_epilogue_case
 
 pytestmark = pytest.mark.matrix_units
 
@@ -425,3 +425,17 @@ def test_a_norm_finishing_a_split_projection_refuses_what_it_cannot_do():
         bitlinear_split_launch(xq, xm, proj, x, tokens=3, mode="store", workspace=kernel_workspace())
     with pytest.raises(ValueError, match="at least two ranges"):
         bitlinear_split_launch(xq, xm, proj, x, tokens=3, mode="add", workspace=kernel_workspace(), splits=1)
+
+
+def test_a_split_projection_on_the_matrix_units_rotates_q_and_fills_the_caches():
+    # decoding a batch's q/k/v on the matrix units: the split epilogue rotates (no rope launch)
+    rope_epilogue_case("matrix-units")
+    g = torch.Generator().manual_seed(2)
+    codes, scales, xq, xm = _codes(2, 64, g)
+    proj = _projection(torch.randint(-1, 2, (128, 64), generator=g, dtype=torch.int8), torch.ones(128), True)
+    from torch_wgpu_lora.engine.kernels.rope import RopeTarget
+
+    target = RopeTarget(*(poisoned((4,)) for _ in range(5)), heads=4, kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="at least two ranges"):
+        bitlinear_launch(xq, xm, proj, poisoned((2, 64)), tokens=2, out_stride=64, mode="rope", rope=target,
+                         gemv=False, mma=True, splits=1)

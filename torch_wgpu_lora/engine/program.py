@@ -30,8 +30,9 @@ BitNet-2B with Q/V adapters: 7 launches a layer rather than 11.
 Decoding a batch on GEMMs (``PassContext.fuses_batch``: more tokens than the GEMV path takes,
 the projections split along K on the matrix units) leaves o_proj's and gate/up's sums to the next
 norm's launch, which runs their epilogue (the add, the gate/up products) and then normalises
-(``norm.rmsnorm_launch``'s ``split``) where neither site has LoRA; and o_proj's norm merges
-attention's key-span partials as it reads them (``attention``): three launches a layer fewer.
+(``norm.rmsnorm_launch``'s ``split``) where neither site has LoRA; q/k/v's split epilogue rotates
+its rows into the queries and the caches (no rope launch); and o_proj's norm merges attention's
+key-span partials as it reads them (``attention``): four launches a layer fewer.
 
 A ``Program`` is the launches in order, with the points where activations are quantised marked,
 so that ``record(capture=...)`` can copy the int8 codes a pass chose (tests feed them to the
@@ -55,7 +56,7 @@ from ..runtime import Buffer, Launch, Recorder, copy_launch
 from .adapters import EngineAdapters, Site
 from .config import EngineConfig
 from .kernels.attention import DecodePartials, attention_launches, decode_partials
-from .kernels.bitlinear import bitlinear_launch, bitlinear_split_launch, gemv_normalises
+from .kernels.bitlinear import bitlinear_launch, bitlinear_split_launch, gemv_normalises, matrix_units_win
 from .kernels.embedding import embedding_launches
 from .kernels.matmul import head_forward_launches, head_on_matrix_units, matmul_launch
 from .kernels.norm import rmsnorm_launch
@@ -311,9 +312,11 @@ def emit_layer(program: Program, context: PassContext, index: int, io: LayerIO) 
                         context.tokens, context.positions)
     if io.residual_in is not None:  # copied by a kernel: a Recorder.copy would end the compute pass
         program.add(copy_launch(context.residual, io.residual_in))
-    site(context.residual, layer.input_norm, "attn", c.hidden, layer.qkv, io.queries if fused else context.qkv,
-         "rope" if fused else "store", context.codes, rope=target if fused else None)
-    if not fused:
+    # the q/k/v GEMV, or a batch's q/k/v split on the matrix units, rotates in its epilogue (no rope launch)
+    rotates = fused or (context.fuses_batch and matrix_units_win(context.workspace.device, context.rows, layer.qkv))
+    site(context.residual, layer.input_norm, "attn", c.hidden, layer.qkv, io.queries if rotates else context.qkv,
+         "rope" if rotates else "store", context.codes, rope=target if rotates else None)
+    if not rotates:
         program.add(rope_launch(context.qkv, io.queries, target, tokens=context.rows, device=context.workspace.device))
     # o_proj's GEMV that normalises its input, or else a batch's o norm, merges attention's partials itself (no
     # combine launch)

@@ -88,7 +88,8 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
     alone leave a GPU idle; one range above), the sums kept in
     ``workspace``'s scratch (or a buffer of their own).
 
-    Decoding's fusions (``gemv`` only): ``norm`` = (x, weight, eps) normalises x's rows (f32 [tokens, ≥ k])
+    Decoding's fusions (``gemv``; mode ``"rope"`` also on the matrix units, whose split epilogue then
+    rotates, in at least two ranges): ``norm`` = (x, weight, eps) normalises x's rows (f32 [tokens, ≥ k])
     with RMSNorm and quantises them inside the launch, writing ``codes`` and ``scales_and_sums`` rather than
     reading them (``gemv_normalises(k)`` says whether a row fits); with ``attention`` the rows it
     normalises are attention's output, merged from these decode partials as they are read (norm's
@@ -109,8 +110,13 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
     gemv = tokens <= gemv_max_tokens(device) and proj.k <= GEMV_MAX_FEATURES if gemv is None else gemv
     if gemv and proj.k > GEMV_MAX_FEATURES:
         raise ValueError(f"gemv takes rows of up to {GEMV_MAX_FEATURES} features, not {proj.k}")
-    if (norm or rope) and not gemv:
-        raise ValueError("norm and mode 'rope' are gemv's fusions (decoding: a few tokens)")
+    on_units = not gemv and (matrix_units_win(device, tokens, proj) if mma is None else mma)
+    if norm and not gemv:
+        raise ValueError("norm is gemv's fusion (decoding: a few tokens)")
+    if rope and not (gemv or on_units):
+        raise ValueError("mode 'rope' is the epilogue of gemv's and of the matrix units' split GEMM (decoding)")
+    if rope and on_units and splits == 1:
+        raise ValueError("mode 'rope' on the matrix units rotates in the split epilogue: at least two ranges of K")
     if norm and not gemv_normalises(proj.k):
         raise ValueError(f"gemv normalises rows of up to {_NORM_FEATURES} features, not {proj.k}")
     if attention and (not norm or attention.heads * attention.head_dim != proj.k or attention.head_dim % 4):
@@ -118,22 +124,33 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
                          f"normalises rows of {proj.k} features (norm=...)")
     if attention and rope:
         raise ValueError("attention partials feed o_proj and mode 'rope' is the q/k/v projection's: not one launch")
+    if rope and proj.rows != (rope.heads + 2 * rope.kv_heads) * rope.head_dim:
+        raise ValueError(f"mode 'rope' takes the fused q/k/v rows: {proj.rows} rows for {rope.heads} + 2 × "
+                         f"{rope.kv_heads} heads of {rope.head_dim}")
     pad = dummy(device)
     buffers = {4: proj.scale, 5: out, 6: h or pad, 7: lora or pad, 8: lora_b or pad, 9: saved or dummy(device, "saved")}
     entry = "gemv" if gemv else "gemm"
     constants = dict(MODE=MODES[mode], DIVIDE=proj.divide, SAVE=saved is not None)
-    if not gemv and (matrix_units_win(device, tokens, proj) if mma is None else mma):
-        splits = splits or _decode_splits(device, tokens, proj, tile)
+    if on_units:
+        # mode 'rope' rotates in the split epilogue: at least two ranges
+        splits = splits or max(2 if rope else 1, _decode_splits(device, tokens, proj, tile))
         params = (tokens, proj.rows, k_words, out_stride, out_offset, lora_rank, segments,
-                  saved.shape[-1] if saved is not None else 0, tokens, 4 * k_words, proj.rows, k_words)
+                  saved.shape[-1] if saved is not None else 0, tokens, 4 * k_words, proj.rows, k_words,
+                  *((rope.cache_len, rope.tokens_per_seq) if rope else (0, 1)))
         buffers.update({1: codes, 2: scales_and_sums, 3: proj.weight})
+        if rope:
+            constants.update(HEADS=rope.heads, KV_HEADS=rope.kv_heads, HEAD_DIM=rope.head_dim)
         gemm, partials = _mma_gemm(buffers, constants, params, tokens, proj, tile, splits, workspace, device)
         if splits == 1:
             return [gemm]
-        columns = proj.rows // 2 if mode == "gate_up" else proj.rows
+        columns = proj.rows // 2 if mode in ("gate_up", "rope") else proj.rows
         sums = {i: b for i, b in buffers.items() if i not in (1, 3)}  # the entry binds what it reads
-        on_units = variant("projection", "matrix_units")
-        return [gemm, Launch.build(kernel(on_units.file, "split_epilogue", device, **gemm.kernel.constants),
+        if rope:
+            del sums[9]  # its epilogue keeps no gate/up pairs
+            sums.update({11: rope.cos, 12: rope.sin, 13: rope.starts, 14: rope.keys, 15: rope.values})
+        file = variant("projection", "matrix_units").file
+        return [gemm, Launch.build(kernel(file, "split_epilogue_rope" if rope else "split_epilogue", device,
+                                          **gemm.kernel.constants),
                                    (-(-columns // 64), tokens, 1), {**sums, 10: partials}, params)]
     x_stride, cache_len, tokens_per_seq = 0, 0, 1
     if gemv:  # the weights bound as vec4 words (binding 10); K is padded to 64, so rows are whole vec4s
@@ -174,9 +191,6 @@ def bitlinear_launch(codes: Buffer, scales_and_sums: Buffer, proj: Projection, o
             entry = "gemv_norm"
             buffers[11] = x
     if rope:
-        if proj.rows != (rope.heads + 2 * rope.kv_heads) * rope.head_dim:
-            raise ValueError(f"mode 'rope' takes the fused q/k/v rows: {proj.rows} rows for {rope.heads} + 2 × "
-                             f"{rope.kv_heads} heads of {rope.head_dim}")
         constants.update(HEADS=rope.heads, KV_HEADS=rope.kv_heads, HEAD_DIM=rope.head_dim)
         buffers.update({15: rope.cos, 16: rope.sin, 17: rope.starts, 18: rope.keys, 19: rope.values})
         del buffers[9]  # its epilogue keeps no gate/up pairs
@@ -237,7 +251,7 @@ def bitlinear_split_launch(codes: Buffer, scales_and_sums: Buffer, proj: Project
         return None
     splits = splits or max(2, _decode_splits(device, tokens, proj, tile))
     k_words = proj.weight.shape[1]
-    params = (tokens, proj.rows, k_words, out.shape[-1], 0, 0, 0, 0, tokens, 4 * k_words, proj.rows, k_words)
+    params = (tokens, proj.rows, k_words, out.shape[-1], 0, 0, 0, 0, tokens, 4 * k_words, proj.rows, k_words, 0, 1)
     pad = dummy(device)
     buffers = {1: codes, 2: scales_and_sums, 3: proj.weight, 4: proj.scale, 5: out, 6: pad, 7: pad, 8: pad,
                9: dummy(device, "saved")}
