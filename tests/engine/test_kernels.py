@@ -294,19 +294,19 @@ def rope_epilogue_case(path: str) -> None:
         assert not got_v[b, :, :pos].any() and not got_v[b, :, pos + T:].any()
 
 
-@pytest.mark.parametrize("rank", [0, 5])
-@pytest.mark.parametrize("length", [5, 200])
-def test_rmsnorm_normalises_attention_partials_merged_as_it_reads_them(length, rank):
-    # the o norm of a decoded batch fed attention's decode partials over 4 key spans (at length 5
-    # three are empty, weighing 0 though the scratch starts as NaN): the merged rows normalised,
-    # their codes and, with LoRA, h against float64 attention and transformers' module
+DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM = 4, 2, 16
+
+
+def _decoded_attention(keys: list[int], g: torch.Generator):
+    """A decode step's attention for len(keys) sequences, each query at the end of its keys, over 4
+    key spans (with few keys some are empty: their partials must weigh 0, though the scratch starts
+    as NaN): the partials, the one launch writing them (their reader merges them: no combine
+    launch), and the float64 attention output."""
     from torch_wgpu_lora.engine.kernels.attention import attention_launches, attention_reference, decode_partials
 
-    batch, heads, kv_heads, d, max_len = 6, 4, 2, 16, 256
-    g = torch.Generator().manual_seed(length + rank)
+    batch, heads, kv_heads, d, max_len = len(keys), DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM, 256
     q = torch.randn(batch, heads * d, generator=g)
     caches = [torch.randn(batch, kv_heads, max_len, d, generator=g) for _ in range(2)]
-    keys = [max(1, length - i) for i in range(batch)]  # each sequence's query at its own end
     starts, lengths = upload(np.array(keys, np.uint32) - 1), upload(np.array(keys, np.uint32))
     workspace = kernel_workspace()
     partials = decode_partials(batch, 1, heads, kv_heads, d, max_len, workspace, splits=4)
@@ -315,6 +315,21 @@ def test_rmsnorm_normalises_attention_partials_merged_as_it_reads_them(length, r
     attend = attention_launches(upload(q.numpy()), *(upload(c.numpy()) for c in caches), poisoned((batch, heads * d)),
                                 starts, lengths, batch=batch, tokens=1, heads=heads, kv_heads=kv_heads, head_dim=d,
                                 max_len=max_len, scale=d ** -0.5, decode=True, partials=partials, workspace=workspace)
+    assert len(attend) == 1
+    attended, _ = attention_reference(q.double(), caches[0].double(), caches[1].double(),
+                                      [n - 1 for n in keys], keys, heads, kv_heads, d ** -0.5)
+    return partials, attend, attended
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+@pytest.mark.parametrize("length", [5, 200])
+def test_rmsnorm_normalises_attention_partials_merged_as_it_reads_them(length, rank):
+    # the o norm of a decoded batch fed attention's decode partials over 4 key spans (at length 5
+    # three are empty, weighing 0 though the scratch starts as NaN): the merged rows normalised,
+    # their codes and, with LoRA, h against float64 attention and transformers' module
+    batch, heads, d = 6, DECODE_HEADS, DECODE_HEAD_DIM
+    g = torch.Generator().manual_seed(length + rank)
+    partials, attend, attended = _decoded_attention([max(1, length - i) for i in range(batch)], g)
     norm = _norm_module(heads * d, g)
     A = torch.randn(max(rank, 1), heads * d, generator=g)
     xn, codes, meta, h = (poisoned((batch, heads * d)), poisoned((batch, heads * d // 4), "u32"),
@@ -324,8 +339,6 @@ def test_rmsnorm_normalises_attention_partials_merged_as_it_reads_them(length, r
                             rank=rank, attention=partials)
     assert launch.kernel.name == "norm.wgsl:rmsnorm_partials"
     got_xn, got_codes, got_meta, got_h = run(attend + [launch], xn, codes, meta, h)
-    attended, _ = attention_reference(q.double(), caches[0].double(), caches[1].double(),
-                                      [n - 1 for n in keys], keys, heads, kv_heads, d ** -0.5)
     with torch.no_grad():
         y = norm(attended.float())  # transformers' module on the merged output (float32)
     # attention's float32 output differs from float64 torch by ~1e-6 relative (the existing GEMV
@@ -343,22 +356,9 @@ def test_rmsnorm_normalises_attention_partials_merged_as_it_reads_them(length, r
 def test_gemv_normalises_attention_partials_merged_as_it_reads_them(length):
     # o_proj's decode GEMV fed attention's decode partials over 4 key spans: at length 5 three
     # are empty (their partials must weigh 0: the scratch starts as NaN), at 200 none is
-    from torch_wgpu_lora.engine.kernels.attention import attention_launches, attention_reference, decode_partials
-
-    batch, heads, kv_heads, d, max_len, rows = 2, 4, 2, 16, 256, 24
+    batch, heads, d, rows = 2, DECODE_HEADS, DECODE_HEAD_DIM, 24
     g = torch.Generator().manual_seed(length)
-    q = torch.randn(batch, heads * d, generator=g)
-    caches = [torch.randn(batch, kv_heads, max_len, d, generator=g) for _ in range(2)]
-    keys = [length, max(1, length - 3)]  # each sequence's query at its own end
-    starts, lengths = upload(np.array(keys, np.uint32) - 1), upload(np.array(keys, np.uint32))
-    workspace = kernel_workspace()
-    partials = decode_partials(batch, 1, heads, kv_heads, d, max_len, workspace, splits=4)
-    for buf in (partials.o, partials.ml):
-        nan_fill(buf)
-    attend = attention_launches(upload(q.numpy()), *(upload(c.numpy()) for c in caches), poisoned((batch, heads * d)),
-                                starts, lengths, batch=batch, tokens=1, heads=heads, kv_heads=kv_heads, head_dim=d,
-                                max_len=max_len, scale=d ** -0.5, decode=True, partials=partials, workspace=workspace)
-    assert len(attend) == 1  # the partials' reader merges them: no combine launch
+    partials, attend, attended = _decoded_attention([length, max(1, length - 3)], g)
     norm = _norm_module(heads * d, g)
     values = torch.randint(-1, 2, (rows, heads * d), generator=g, dtype=torch.int8)
     row_scales = torch.rand(rows, generator=g) + 0.5
@@ -368,8 +368,6 @@ def test_gemv_normalises_attention_partials_merged_as_it_reads_them(length):
                                   gemv=True, norm=(poisoned((batch, heads * d)), upload(norm.weight.detach().numpy()),
                                                 1e-5), attention=partials)
     got, got_codes, got_meta = run(attend + [project], out, codes, meta)
-    attended, _ = attention_reference(q.double(), caches[0].double(), caches[1].double(),
-                                      [n - 1 for n in keys], keys, heads, kv_heads, d ** -0.5)
     with torch.no_grad():
         y = norm(attended.float())  # transformers' module on the merged output (float32)
     ours = torch.from_numpy(got_codes.numpy().view(np.int8).reshape(batch, -1).astype(np.int64))
