@@ -281,7 +281,7 @@ def emit_layer(program: Program, context: PassContext, index: int, io: LayerIO) 
     def normalises(name: str, k: int) -> bool:
         return fused and not sites[name].rank and gemv_normalises(k)
 
-    pending: list[SplitSums] = []  # a split projection's sums, which the next norm's launch finishes
+    pending: SplitSums | None = None  # a split projection's sums, which the next norm's launch finishes
 
     def site(x: Buffer, weight: Buffer, name: str, k: int, proj: Projection, out: Buffer, mode: str,
              codes: Buffer | None, rope: RopeTarget | None = None, attention: DecodePartials | None = None,
@@ -290,19 +290,21 @@ def emit_layer(program: Program, context: PassContext, index: int, io: LayerIO) 
         ``attention``'s partials merged), else two; ``saved``: ``_project``'s. ``then``: the site
         whose norm follows the projection (its output), which finishes the projection's split sums
         where neither site has LoRA (decoding a batch on GEMMs: ``PassContext.fuses_batch``)."""
+        nonlocal pending
         norm = normalises(name, k)
         if codes is not None:  # the next launch quantises: the norm, or the GEMV that normalises
             program.quantises((index, name), codes, context.scales_and_sums)
         if not norm:
             program.add(_norm(context, x, weight, sites[name], getattr(io, name), codes, k, index, name,
-                              split=pending.pop() if pending else None, attention=attention))
+                              split=pending, attention=attention))
+        pending = None
         if (then is not None and context.fuses_batch and saved is None and not sites[name].rank
                 and not sites[then].rank):
             split = bitlinear_split_launch(codes, context.scales_and_sums, proj, out, tokens=context.rows, mode=mode,
                                            workspace=context.workspace)
             if split is not None:
                 program.add(split[0])
-                pending.append(split[1])
+                pending = split[1]
                 return
         program.add(*_project(context, proj, getattr(io, name), codes, out, mode, sites[name], saved=saved,
                              norm=(x, weight, c.rms_eps) if norm else None, rope=rope,
