@@ -204,6 +204,9 @@ def test_engine_benchmark_trains_on_real_steps(tmp_path):
     assert set(batched) == {"1x16", "3x16"} and all(b["train_tok_per_s"] > 0 and b["prefill_tok_per_s"] > 0
                                                     for b in batched.values())
     assert batched["3x16"]["train_tok_per_s"] == pytest.approx(48 / batched["3x16"]["train_step_s"])
+    profiled = batched["3x16"]["train_kernels_us"]  # the batched step's per-dispatch profile
+    assert profiled["bitlinear_t.wgsl:gemm_tiled"] > 0 and "cross_entropy.wgsl:rows" in profiled
+    assert batched["3x16"]["train_gpu_ms_profiled"] == pytest.approx(sum(profiled.values()) / 1e3)
     drop_in = result["drop_in"]  # the backends' steps and the base alone, taking turns
     assert len(drop_in["wgpu"]["steps_s"]) == len(drop_in["torch"]["steps_s"]) == len(drop_in["base"]["steps_s"]) == 2
     assert all(drop_in[variant]["page_faults"] >= 0 for variant in ("wgpu", "torch", "base"))  # Linux: resource

@@ -348,21 +348,13 @@ def measure_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...],
             log(f"HF + PEFT training seq {key}: {seq / hf_wall:.0f} tok/s ({hf_wall * 1e3:.1f} ms/step)")
         return wall, done
 
-    def profile(plan: Any) -> tuple[dict[str, float], Recorder]:
-        """A pass of ``plan`` timed per dispatch: GPU µs per kernel family, and the recorder."""
-        rec = Recorder(engine.device, per_dispatch=True)
-        rec.clear(plan.grads)
-        plan.record(rec, 0)
-        rec.submit()
-        return _families(rec.kernel_times), rec
-
     plain_peak = 0
     for seq in seqs:
         ids = torch.randint(0, engine.engine_config.vocab, (1, seq), generator=g)
         micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
         wall, done = timed(str(seq), seq, micro)
         plan = engine.train_plan(1, seq, 1)
-        kernels, rec = profile(plan)
+        kernels, rec = training_profile(engine, plan)
         gpu_us = sum(kernels.values())
         lora_us = sum(us for name, us in kernels.items() if name.startswith("lora_grad"))
         out[str(seq)] = {"step_s": wall, "tok_per_s": seq / wall, "loss": done["loss"],
@@ -377,7 +369,7 @@ def measure_training(model: torch.nn.Module, engine: Any, seqs: tuple[int, ...],
             key = f"{seq}_dropout"
             with _lora_dropout(model, DROPOUT):
                 wall, _ = timed(key, seq, micro, DROPOUT)
-            kernels, _ = profile(engine.train_plan(1, seq, 1, dropout=True))  # its masks as the last step's
+            kernels, _ = training_profile(engine, engine.train_plan(1, seq, 1, dropout=True))  # its masks as the last step's
             out[key] = {"step_s": wall, "tok_per_s": seq / wall, "kernels_us": kernels}
             engine.release_plans()  # the dropout plan's buffers go before the next length's plan is made
             gc.collect()
@@ -563,11 +555,21 @@ def batched_shapes(text: str) -> list[tuple[int, int]]:
         raise ValueError(f"shapes are SEQUENCESxTOKENS, comma-separated, e.g. {BATCHED}; got {text!r}") from None
 
 
+def training_profile(engine: Any, plan: Any) -> tuple[dict[str, float], Recorder]:
+    """A pass of the training ``plan`` timed per dispatch: GPU µs per kernel family, and the recorder."""
+    rec = Recorder(engine.device, per_dispatch=True)
+    rec.clear(plan.grads)
+    plan.record(rec, 0)
+    rec.submit()
+    return _families(rec.kernel_times), rec
+
+
 def measure_batched(engine: Any, config: Any, shapes: list[tuple[int, int]], steps: int, log: Log,
                     hf: bool) -> dict[str, Any]:
     """Training steps and prefill passes of ``shapes`` (sequences, tokens; every token labelled): the
     engine's, and with ``hf`` HF + PEFT's (sdpa, bf16) eager and with its decoder layers compiled, in
-    one process. Keys ``"<batch>x<tokens>"``; tok/s counts every sequence's tokens."""
+    one process. Keys ``"<batch>x<tokens>"``; tok/s counts every sequence's tokens; the engine's
+    training step's per-dispatch profile as in ``measure_training``."""
     g = torch.Generator().manual_seed(3)
     optimizer = WgpuAdamW(lora_parameters(engine.model), lr=1e-4)
     out: dict[str, Any] = {"engine": {}}
@@ -576,6 +578,7 @@ def measure_batched(engine: Any, config: Any, shapes: list[tuple[int, int]], ste
         ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
         micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
         train = _median_wall(lambda: engine.train_step(micro, optimizer, 1.0), 2, steps)
+        kernels, _ = training_profile(engine, engine.train_plan(batch, seq, 1))
         plan = engine.plan(batch, seq, logits="none")
         lengths = [seq] * batch
 
@@ -585,8 +588,9 @@ def measure_batched(engine: Any, config: Any, shapes: list[tuple[int, int]], ste
 
         prefill = _median_wall(prefill_pass, 2, steps)
         out["engine"][key] = {"train_step_s": train, "train_tok_per_s": tokens / train,
+                              "train_gpu_ms_profiled": sum(kernels.values()) / 1e3, "train_kernels_us": kernels,
                               "prefill_s": prefill, "prefill_tok_per_s": tokens / prefill}
-        log(f"engine {key}: {out['engine'][key]}")
+        log(f"engine {key}: " + ", ".join(f"{k} {v:.4g}" for k, v in out["engine"][key].items() if k != "train_kernels_us"))
         engine.release_plans()
         gc.collect()
     if hf and torch.cuda.is_available():
