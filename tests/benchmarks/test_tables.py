@@ -255,6 +255,30 @@ def test_kernel_rates_and_the_training_bound_come_from_the_longest_step(tmp_path
         assert phrase in bound, phrase
 
 
+def test_the_batched_profile_shows_each_kernels_share_and_gathers_the_small_ones(tmp_path):
+    # 8 × 512: 100 ms in all; the norm's 0.9 ms is under 1% there but 2% of 1 × 512's 50 ms, so it
+    # keeps its row; the copy (0.4 ms, 0.5 ms) is under 1% of both and joins the last row
+    result = {"adapter": "Test GPU (1.0)", "batched": {"engine": {
+        "1x512": {"train_tok_per_s": 1.0, "train_kernels_us": {"bitlinear_mma.wgsl:gemm": 48600.0,
+                                                                "norm.wgsl:rmsnorm": 1000.0, "copy.wgsl:copy": 400.0}},
+        "8x512": {"train_tok_per_s": 1.0, "train_kernels_us": {"bitlinear_mma.wgsl:gemm": 60000.0,
+                                                                "matmul_mma.wgsl:gemm_tiled": 38600.0,
+                                                                "norm.wgsl:rmsnorm": 900.0, "copy.wgsl:copy": 500.0}},
+        "2x16": {"train_tok_per_s": 1.0}}}}  # a shape measured without a profile: no column
+    rows = rows_of(page_of(tmp_path, "batched-profile", result))
+    assert rows["training step, GPU ms (share)"] == ["1 × 512 tokens", "8 × 512 tokens"]
+    forward = next(k for k in rows if "`bitlinear_mma.wgsl:gemm`" in k)
+    assert rows[forward] == ["48.6 (97.2%)", "60.0 (60.0%)"]
+    assert rows[next(k for k in rows if "`matmul_mma.wgsl:gemm_tiled`" in k)] == ["0.0 (0.00%)", "38.6 (38.6%)"]
+    assert rows[next(k for k in rows if "`norm.wgsl:rmsnorm`" in k)] == ["1.0 (2.00%)", "0.9 (0.90%)"]
+    assert not any("copy" in k for k in rows)
+    assert rows["every other kernel (under 1.00% of the step)"] == ["0.4 (0.80%)", "0.5 (0.50%)"]
+    assert rows["**the step**"] == ["50.0", "100.0"]
+    assert list(rows).index(forward) < list(rows).index(next(k for k in rows if "matmul_mma" in k))
+    with pytest.raises(PageError, match="train_kernels_us"):
+        page_of(tmp_path, "batched-profile", {"adapter": "Test GPU", "batched": {"engine": {"2x16": {}}}})
+
+
 def test_the_training_bound_says_when_the_target_needs_more_than_the_ceiling(tmp_path):
     slow = engine_result()
     slow["engine_training"]["512"]["kernels_us"]["norm.wgsl:rmsnorm"] = 37500.0  # the rest: 40 ms

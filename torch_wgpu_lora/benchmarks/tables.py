@@ -60,6 +60,14 @@ KERNELS = {  # what each entry point of the per-dispatch profile computes
     "attention_apply.wgsl:gemm_tiled": "attention: O = P·V forward; dQ backward",
     "attention_kv_grad.wgsl:gemm_tiled": "attention: dV and dK backward",
     "bitlinear_mma.wgsl:gemm": "ternary projections, forward, on the matrix units (int8 subgroup matrices)",
+    "bitlinear_t_mma.wgsl:gemm_tiled": "input gradients through the ternary weights, on the matrix units (int8 digits)",
+    "bitlinear_t_mma.wgsl:digits": "input gradients: the int8 digits of the output gradients",
+    "matmul_mma.wgsl:gemm_tiled": "LM head, forward and input gradient, on the matrix units (f16 pairs)",
+    "matmul_mma.wgsl:split": "LM head: float32 rows split into f16 pairs",
+    "norm.wgsl:rmsnorm": "RMSNorm, forward, and the int8 codes of its output",
+    "norm_backward.wgsl:rmsnorm_backward4": "RMSNorm backward",
+    "ffn_backward.wgsl:relu2_backward": "relu(gate)² · up backward",
+    "lora_grad.wgsl:db": "the adapters' B gradients",
     "attention.wgsl:prefill": "attention, flash forward",
     "attention_backward.wgsl:dq": "attention, flash backward: dQ",
     "attention_backward.wgsl:dkdv": "attention, flash backward: dK and dV",
@@ -392,6 +400,34 @@ def render_batched(run: Run) -> str:
     return _table(head, rows)
 
 
+PROFILE_ROW_SHARE = 0.01  # kernels under this share of a batched step's profile share its last row
+
+
+def render_batched_profile(run: Run) -> str:
+    """The engine's training step at each shape of ``benchmarks.engine --batched``, by kernel: the
+    per-dispatch profile's GPU ms and share of the step, kernels of less than PROFILE_ROW_SHARE of
+    every shape's step in one row."""
+    shapes = {key: ours["train_kernels_us"] for key, ours in run.data["batched"]["engine"].items()
+              if "train_kernels_us" in ours}
+    if not shapes:
+        raise PageError("the run's batched steps have no per-dispatch profile (train_kernels_us)")
+    totals = {key: sum(kernels.values()) for key, kernels in shapes.items()}
+    names = sorted({name for kernels in shapes.values() for name in kernels},
+                   key=lambda name: -max(k.get(name, 0.0) / totals[key] for key, k in shapes.items()))
+    shown = [name for name in names if any(k.get(name, 0.0) >= PROFILE_ROW_SHARE * totals[key]
+                                            for key, k in shapes.items())]
+
+    def cell(key: str, us: float) -> str:
+        return f"{us / 1e3:,.1f} ({share(us / totals[key])})"
+
+    rows = [[f"{KERNELS.get(name, name)} (`{name}`)"] + [cell(key, k.get(name, 0.0)) for key, k in shapes.items()]
+            for name in shown]
+    rows.append([f"every other kernel (under {share(PROFILE_ROW_SHARE)} of the step)"]
+                + [cell(key, sum(us for name, us in k.items() if name not in shown)) for key, k in shapes.items()])
+    rows.append(["**the step**"] + [f"{totals[key] / 1e3:,.1f}" for key in shapes])
+    return _table(["training step, GPU ms (share)", *(f"{k.replace('x', ' × ')} tokens" for k in shapes)], rows)
+
+
 def render_gemm_rates(run: Run) -> str:
     """An earlier sweep's JSON (``results/h200/subgroup_matrix.json``, from kernels of its own): each GEMM kind's best variant at each shape beside torch's
     own kernel on the same shape in the same run (``torch._int_mm`` for int8, bf16
@@ -512,6 +548,7 @@ RENDERERS: dict[str, Callable[[Run], str]] = {
     "engine": render_engine, "engine-summary": render_engine_summary, "kernel-rates": render_kernel_rates,
     "training-bound": render_training_bound, "decode-chain": render_decode_chain,
     "decode-bound": render_decode_bound, "drop-in": render_drop_in, "batched": render_batched,
+    "batched-profile": render_batched_profile,
     "gemm-rates": render_gemm_rates, "decode-batches": render_decode_batches,
     "matrix-units": render_matrix_units, "backend-kernels": render_backend_kernels,
     "prompts-file": render_prompts_file,
