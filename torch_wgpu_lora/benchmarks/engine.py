@@ -578,6 +578,7 @@ def measure_batched(engine: Any, config: Any, shapes: list[tuple[int, int]], ste
         ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
         micro = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}]
         train = _median_wall(lambda: engine.train_step(micro, optimizer, 1.0), 2, steps)
+        # the plan the steps ran (cached), holding the last step's inputs: its labelled rows size the LM head's grid
         kernels, _ = training_profile(engine, engine.train_plan(batch, seq, 1))
         plan = engine.plan(batch, seq, logits="none")
         lengths = [seq] * batch
