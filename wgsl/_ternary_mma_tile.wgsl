@@ -114,8 +114,3 @@ fn staged_result(sg: u32, e: u32) -> i32 {
   return Staged[sg * SM_M * RESULT_STRIDE + e / RESULT_ROW * RESULT_STRIDE + e % RESULT_ROW];
 }
 
-// Overwrites it (an epilogue keeping what it computed from it until it stores).
-fn restage_result(sg: u32, e: u32, v: i32) {
-  Staged[sg * SM_M * RESULT_STRIDE + e / RESULT_ROW * RESULT_STRIDE + e % RESULT_ROW] = v;
-}
-

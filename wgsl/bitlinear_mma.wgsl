@@ -79,38 +79,18 @@ fn finish(t: u32, lane: u32, sg: u32, n0: u32, j0: u32, i: u32) {
       if (n < p.tokens && r < p.rows) { PART[(split * p.tokens + n) * p.rows + r] = staged_result(sg, e); }
     }
   } else if (MODE == 2u) {  // gate/up: rows 2i, 2i + 1 together
-    // Values first, then the stores, as below
     for (var e = 2u * lane; e < SM_M * RESULT_ROW; e += 2u * SM_SUBGROUP) {
       let n = tn + e / RESULT_ROW;
       let r = tj + e % RESULT_ROW;
       if (n < p.tokens && r + 1u < p.rows) {
-        restage_result(sg, e, bitcast<i32>(value(n, r, staged_result(sg, e))));
-        restage_result(sg, e + 1u, bitcast<i32>(value(n, r + 1u, staged_result(sg, e + 1u))));
-      }
-    }
-    for (var e = 2u * lane; e < SM_M * RESULT_ROW; e += 2u * SM_SUBGROUP) {
-      let n = tn + e / RESULT_ROW;
-      let r = tj + e % RESULT_ROW;
-      if (n < p.tokens && r + 1u < p.rows) {
-        put_pair(n, r / 2u, bitcast<f32>(staged_result(sg, e)), bitcast<f32>(staged_result(sg, e + 1u)));
+        put_pair(n, r / 2u, value(n, r, staged_result(sg, e)), value(n, r + 1u, staged_result(sg, e + 1u)));
       }
     }
   } else {
-    // Every output's value (with MODE 1 its sum) first, back into the staged row in place, then the
-    // stores: a loop that read OUT, the LoRA operands or the scales after its own stores would wait
-    // for each (at 4,096 tokens an add with its sums saved took 1.3-1.75x a plain store's time, the
-    // LoRA segments 2.1x; device run 42). Each lane rewrites only its own elements: no barrier.
     for (var e = lane; e < SM_M * RESULT_ROW; e += SM_SUBGROUP) {
       let n = tn + e / RESULT_ROW;
       let r = tj + e % RESULT_ROW;
-      if (n < p.tokens && r < p.rows) {
-        restage_result(sg, e, bitcast<i32>(with_residual(n, r, value(n, r, staged_result(sg, e)))));
-      }
-    }
-    for (var e = lane; e < SM_M * RESULT_ROW; e += SM_SUBGROUP) {
-      let n = tn + e / RESULT_ROW;
-      let r = tj + e % RESULT_ROW;
-      if (n < p.tokens && r < p.rows) { put_final(n, r, bitcast<f32>(staged_result(sg, e))); }
+      if (n < p.tokens && r < p.rows) { put(n, r, value(n, r, staged_result(sg, e))); }
     }
   }
 }
