@@ -38,14 +38,20 @@ fn lora(n: u32, j: u32) -> f32 {
 // Store (MODE 0) or add (MODE 1) one output; an add with SAVE also keeps the sum in AUX (a
 // training pass's copy of the residual stream for its backward, without a copy launch).
 fn put(n: u32, j: u32, v: f32) {
-  let o = n * p.out_stride + p.out_offset + j;
-  if (MODE == 1u) {
-    let sum = OUT[o] + v;
-    OUT[o] = sum;
-    if (SAVE) { AUX[n * p.aux_stride + j] = sum; }
-  } else {
-    OUT[o] = v;
-  }
+  put_final(n, j, with_residual(n, j, v));
+}
+
+// What output j of token n becomes: v, or with MODE 1 the sum OUT holds plus v. Split from the store
+// (put_final) so that a loop over many outputs can read them all before it writes any: a read of OUT
+// after a write to OUT waits for it.
+fn with_residual(n: u32, j: u32, v: f32) -> f32 {
+  if (MODE == 1u) { return OUT[n * p.out_stride + p.out_offset + j] + v; }
+  return v;
+}
+
+fn put_final(n: u32, j: u32, v: f32) {
+  OUT[n * p.out_stride + p.out_offset + j] = v;
+  if (MODE == 1u && SAVE) { AUX[n * p.aux_stride + j] = v; }
 }
 
 // A gate/up pair (rows 2i, 2i + 1) for token n: relu(gate)² · up.
