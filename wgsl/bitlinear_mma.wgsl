@@ -82,18 +82,20 @@ fn finish(t: u32, lane: u32, sg: u32, n0: u32, j0: u32, i: u32) {
     // An add: four neighbouring outputs of a token an iteration, every residual read before any sum
     // is stored, so that the four reads are in flight together (a read of OUT after a write to OUT
     // waits for it). At 4,096 tokens on the H100 this took o_proj's add with its sums saved from 374
-    // to 293 µs and down_proj's from 644 to 566; for stores (MODE 0, 2) the same form was 2-13%
+    // to 293 µs and down_proj's from 644 to 566; for stores (MODE 0, 2) the same form was 1-13%
     // slower than one output an iteration (device run 46, results/h100/forward_epilogues_quads.json).
     for (var e = 4u * lane; e < SM_M * RESULT_ROW; e += 4u * SM_SUBGROUP) {  // RESULT_ROW: a multiple of 4
       let n = tn + e / RESULT_ROW;
       let r = tj + e % RESULT_ROW;
       if (n < p.tokens && r < p.rows) {
         let last = p.rows - 1u;  // outputs past the rows are read in bounds, and not stored
-        var v = vec4<f32>(value(n, r, staged_result(sg, e)), value(n, min(r + 1u, last), staged_result(sg, e + 1u)),
-                          value(n, min(r + 2u, last), staged_result(sg, e + 2u)),
-                          value(n, min(r + 3u, last), staged_result(sg, e + 3u)));
-        v = vec4<f32>(with_residual(n, r, v.x), with_residual(n, min(r + 1u, last), v.y),
-                      with_residual(n, min(r + 2u, last), v.z), with_residual(n, min(r + 3u, last), v.w));
+        let r1 = min(r + 1u, last);
+        let r2 = min(r + 2u, last);
+        let r3 = min(r + 3u, last);
+        var v = vec4<f32>(value(n, r, staged_result(sg, e)), value(n, r1, staged_result(sg, e + 1u)),
+                          value(n, r2, staged_result(sg, e + 2u)), value(n, r3, staged_result(sg, e + 3u)));
+        v = vec4<f32>(with_residual(n, r, v.x), with_residual(n, r1, v.y), with_residual(n, r2, v.z),
+                      with_residual(n, r3, v.w));
         put_final(n, r, v.x);
         if (r + 1u < p.rows) { put_final(n, r + 1u, v.y); }
         if (r + 2u < p.rows) { put_final(n, r + 2u, v.z); }
